@@ -1,0 +1,48 @@
+"""The ``epd`` command line: one sub-command module per job under ``epd/commands``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# Each module exposes ``register(subparsers)``, adding parsers whose default ``func(args) -> int``
+# runs the command. Modules keep heavy imports (torch, transformers) inside their functions so
+# ``epd --help`` stays fast.
+COMMAND_MODULES = [
+    "epd.commands.services",
+    "epd.commands.topics",
+    "epd.commands.validate",
+    "epd.commands.vllm",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser with every sub-command registered."""
+    parser = argparse.ArgumentParser(
+        prog="epd",
+        description="Kafka-native encode/prefill/decode coordinator for multimodal LLM serving.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``epd`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

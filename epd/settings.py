@@ -1,0 +1,66 @@
+"""Configuration from ``EPD_*`` environment variables (and CLI flags that override them)."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Every knob of the pipeline. Read from the environment with the ``EPD_`` prefix."""
+
+    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore")
+
+    # Kafka
+    kafka_bootstrap: str = Field("127.0.0.1:9092", description="bootstrap servers, comma separated")
+    kafka_idempotence: bool = Field(
+        True, description="idempotent producer; the embedded Tansu broker needs false"
+    )
+    topic_prefix: str = "epd"
+    topic_partitions: int = 4
+    max_message_bytes: int = Field(16 * 1024 * 1024, description="broker and producer message cap")
+    compression: Literal["none", "gzip", "lz4", "zstd"] = "none"
+
+    # Redis (status records; also the default embedding store)
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    status_ttl_s: int = 3600
+
+    # Embedding store and claim checks
+    store_url: str = Field("", description="embedding store URI; empty means EPD_REDIS_URL")
+    embedding_ttl_s: int = 600
+    inline_limit_bytes: int = Field(
+        256 * 1024, description="encoder inputs above this size travel as a TensorRef claim check"
+    )
+
+    # Safety
+    ec_secret: SecretStr | None = Field(None, description="HMAC key for ec_transfer_params")
+    ec_namespace: str = Field("ec", description="embedding keys must live under this prefix")
+    validation_mode: Literal["strict", "vllm"] = "strict"
+    spatial_merge_size: int = 2
+    max_tensor_bytes: int = 256 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
+
+    # Model
+    model: str = Field("tiny", description="'tiny' or a local checkpoint path")
+    device: str = Field("auto", description="auto, cpu or cuda[:N]")
+
+    # Consumers
+    max_in_flight: int = 64
+    max_attempts: int = 3
+    encode_batch_patches: int = Field(16384, description="patch budget of one vision-tower call")
+
+    @property
+    def embedding_store_url(self) -> str:
+        return self.store_url or self.redis_url
+
+    def secret_bytes(self) -> bytes | None:
+        return self.ec_secret.get_secret_value().encode() if self.ec_secret else None
+
+
+@cache
+def get_settings() -> Settings:
+    """Settings read once per process from the environment."""
+    return Settings()

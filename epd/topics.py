@@ -1,0 +1,45 @@
+"""Topic names (prefix configurable) and the consumer group names that read them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Topics:
+    """The six topics of one pipeline, under one prefix."""
+
+    prefix: str = "epd"
+
+    @property
+    def render(self) -> str:
+        return f"{self.prefix}.render"
+
+    @property
+    def encode(self) -> str:
+        return f"{self.prefix}.encode"
+
+    @property
+    def prefill(self) -> str:
+        return f"{self.prefix}.prefill"
+
+    @property
+    def encoded(self) -> str:
+        return f"{self.prefix}.encoded"
+
+    @property
+    def results(self) -> str:
+        return f"{self.prefix}.results"
+
+    @property
+    def dlq(self) -> str:
+        return f"{self.prefix}.dlq"
+
+    def all(self) -> list[str]:
+        return [self.render, self.encode, self.prefill, self.encoded, self.results, self.dlq]
+
+
+GROUP_ENCODE = "epd-encode"
+GROUP_PREFILL = "epd-prefill"
+GROUP_RESULTS = "epd-results"
+GROUP_ROUTER = "epd-router"

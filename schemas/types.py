@@ -1,0 +1,206 @@
+"""In-process event types: plain dataclasses mirroring the Avro records in ``schemas/avro``.
+
+Tensors are ``torch.Tensor`` objects; the codec turns them into ``Tensor`` records (raw
+little-endian bytes) and back without copying on decode.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+STATUSES = (
+    "queued",
+    "encoding",
+    "prefilling",
+    "completed",
+    "failed",
+    "rejected",
+    "expired",
+    "cancelled",
+)
+TERMINAL_STATUSES = frozenset({"completed", "failed", "rejected", "expired", "cancelled"})
+
+
+def now_ms() -> int:
+    """Wall-clock time in milliseconds since the epoch."""
+    return int(time.time() * 1000)
+
+
+@dataclass(slots=True)
+class TensorRef:
+    """Claim check for a tensor parked in a store instead of travelling inline."""
+
+    store: str
+    key: str
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    digest: str
+
+
+TensorLike = torch.Tensor | TensorRef
+ItemData = dict[str, TensorLike]
+"""One item's fields (``pixel_values``, ``image_grid_thw``, ...)."""
+
+
+@dataclass(slots=True)
+class PlaceholderRange:
+    offset: int
+    length: int
+    is_embed: list[bool] | None = None
+
+
+@dataclass(slots=True)
+class Features:
+    """Mirror of vLLM's ``MultiModalFeatures``; every map shares one per-modality item order."""
+
+    mm_hashes: dict[str, list[str]]
+    mm_placeholders: dict[str, list[PlaceholderRange]]
+    kwargs_data: dict[str, list[ItemData | None]] | None = None
+    mm_metadata: dict[str, list[ItemData | None]] | None = None
+
+    def items(self) -> list[tuple[str, int, str]]:
+        """(modality, index, mm_hash) for every item, modality by modality."""
+        return [(m, i, h) for m, hashes in self.mm_hashes.items() for i, h in enumerate(hashes)]
+
+
+@dataclass(slots=True)
+class ECTransfer:
+    """One ``ec_transfer_params`` entry: where an item's encoder output lives."""
+
+    mm_hash: str
+    store: str
+    key: str
+    expires_ms: int
+    signature: str = ""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class ErrorInfo:
+    code: str
+    message: str
+    rule: str | None = None
+    modality: str | None = None
+    item: int | None = None
+    field: str | None = None
+
+
+@dataclass(slots=True)
+class RenderEvent:
+    request_id: str
+    model: str
+    token_ids: list[int]
+    features: Features
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: str | None = None
+    deadline_ms: int | None = None
+    created_ms: int = field(default_factory=now_ms)
+    trace: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EncodeEvent:
+    request_id: str
+    model: str
+    modality: str
+    item_index: int
+    mm_hash: str
+    data: ItemData
+    ec_transfer: ECTransfer
+    deadline_ms: int | None = None
+    created_ms: int = field(default_factory=now_ms)
+    trace: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PrefillEvent:
+    request_id: str
+    model: str
+    token_ids: list[int]
+    features: Features
+    ec_transfer_params: dict[str, ECTransfer] = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: str | None = None
+    deadline_ms: int | None = None
+    created_ms: int = field(default_factory=now_ms)
+    trace: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EncodedEvent:
+    mm_hash: str
+    request_id: str
+    model: str
+    store: str
+    key: str
+    dtype: str
+    shape: list[int]
+    ok: bool = True
+    error: ErrorInfo | None = None
+    cache_hit: bool = False
+    encode_ms: float = 0.0
+    created_ms: int = field(default_factory=now_ms)
+
+
+@dataclass(slots=True)
+class ResultEvent:
+    request_id: str
+    stage: str
+    status: str
+    token_ids: list[int] | None = None
+    text: str | None = None
+    error: ErrorInfo | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    info: dict[str, str] = field(default_factory=dict)
+    worker: str = ""
+    created_ms: int = field(default_factory=now_ms)
+
+
+@dataclass(slots=True)
+class DeadLetter:
+    original_topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    consumer_group: str
+    error: ErrorInfo
+    attempts: int = 1
+    headers: dict[str, bytes] = field(default_factory=dict)
+    failed_ms: int = field(default_factory=now_ms)
+
+
+Event = RenderEvent | EncodeEvent | PrefillEvent | EncodedEvent | ResultEvent | DeadLetter
+EVENT_TYPES: tuple[type, ...] = (
+    RenderEvent,
+    EncodeEvent,
+    PrefillEvent,
+    EncodedEvent,
+    ResultEvent,
+    DeadLetter,
+)
