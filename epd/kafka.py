@@ -1,0 +1,101 @@
+"""aiokafka clients built from settings, topic creation, and framed-event produce helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+from epd.settings import Settings
+from schemas.codec import SCHEMA_HEADER, get_codec
+from schemas.types import Event
+
+log = logging.getLogger(__name__)
+
+
+def make_producer(settings: Settings, **overrides: object) -> AIOKafkaProducer:
+    """A producer with acks=all and the configured message cap; idempotence is a setting."""
+    kwargs: dict[str, object] = {
+        "bootstrap_servers": settings.kafka_bootstrap,
+        "acks": "all",
+        "enable_idempotence": settings.kafka_idempotence,
+        "max_request_size": settings.max_message_bytes,
+        "linger_ms": 0,
+    }
+    if settings.compression != "none":
+        kwargs["compression_type"] = settings.compression
+    kwargs.update(overrides)
+    return AIOKafkaProducer(**kwargs)  # type: ignore[arg-type]
+
+
+def make_consumer(
+    settings: Settings, *topics: str, group_id: str | None, **overrides: object
+) -> AIOKafkaConsumer:
+    """A consumer with manual commits that starts from the earliest offset of a new group."""
+    kwargs: dict[str, object] = {
+        "bootstrap_servers": settings.kafka_bootstrap,
+        "group_id": group_id,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "fetch_max_bytes": max(settings.max_message_bytes * 2, 52428800),
+        "max_partition_fetch_bytes": settings.max_message_bytes,
+    }
+    kwargs.update(overrides)
+    return AIOKafkaConsumer(*topics, **kwargs)  # type: ignore[arg-type]
+
+
+async def ensure_topics(
+    settings: Settings,
+    topics: Iterable[str],
+    *,
+    partitions: int | None = None,
+    timeout_s: float = 30.0,
+) -> list[str]:
+    """Create missing topics with the configured partitions and ``max.message.bytes``.
+
+    Returns the names that were created. Existing topics are left as they are.
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await asyncio.wait_for(admin.start(), timeout_s)
+    created: list[str] = []
+    try:
+        existing = set(await admin.list_topics())
+        new = [
+            NewTopic(
+                name=t,
+                num_partitions=partitions or settings.topic_partitions,
+                replication_factor=1,
+                topic_configs={"max.message.bytes": str(settings.max_message_bytes)},
+            )
+            for t in topics
+            if t not in existing
+        ]
+        if new:
+            try:
+                await admin.create_topics(new, timeout_ms=int(timeout_s * 1000))
+            except TopicAlreadyExistsError:
+                pass  # raced with another process creating the same topic
+            created = [t.name for t in new]
+    finally:
+        await admin.close()
+    return created
+
+
+def event_headers(event: Event) -> list[tuple[str, bytes]]:
+    """Kafka headers for a framed event: the schema name travels beside the fingerprint."""
+    return [(SCHEMA_HEADER, get_codec().schema_name(event).encode())]
+
+
+async def send_event(producer: AIOKafkaProducer, topic: str, key: str | None, event: Event) -> None:
+    """Encode and send one event, waiting for the broker's acknowledgement."""
+    value = get_codec().encode(event)
+    await producer.send_and_wait(
+        topic,
+        value=value,
+        key=key.encode() if key is not None else None,
+        headers=event_headers(event),
+    )
