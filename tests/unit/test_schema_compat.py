@@ -1,0 +1,105 @@
+"""Schema evolution: the current schemas must read data written with every frozen version."""
+
+from __future__ import annotations
+
+import copy
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastavro import parse_schema, schemaless_reader, schemaless_writer
+from fastavro.utils import generate_many
+
+from schemas.codec import (
+    AVRO_DIR,
+    EVENT_SCHEMAS,
+    FROZEN_DIR,
+    MAGIC,
+    fingerprint,
+    get_codec,
+    load_event_schema,
+)
+
+FROZEN_VERSIONS = sorted(p for p in FROZEN_DIR.iterdir() if p.is_dir())
+
+
+def backward_incompatibilities(old: Any, new: Any, samples: int = 25) -> list[str]:
+    """Problems reading data written with ``old`` using ``new`` as the reader schema."""
+    problems = []
+    for i, datum in enumerate(generate_many(old, samples)):
+        buf = io.BytesIO()
+        schemaless_writer(buf, old, datum)
+        buf.seek(0)
+        try:
+            schemaless_reader(buf, old, new)
+        except Exception as exc:
+            problems.append(f"sample {i}: {type(exc).__name__}: {exc}")
+    return problems
+
+
+def test_there_is_a_frozen_version() -> None:
+    assert FROZEN_VERSIONS, "schemas/frozen must hold at least the first released version"
+    for version in FROZEN_VERSIONS:
+        for name in EVENT_SCHEMAS:
+            assert (version / f"{name}.avsc").exists(), f"{version.name} lacks {name}"
+
+
+@pytest.mark.parametrize("version", FROZEN_VERSIONS, ids=lambda p: p.name)
+@pytest.mark.parametrize("name", EVENT_SCHEMAS)
+def test_current_reads_frozen(version: Path, name: str) -> None:
+    old = load_event_schema(name, version)
+    new = load_event_schema(name, AVRO_DIR)
+    assert backward_incompatibilities(old, new) == []
+
+
+@pytest.mark.parametrize("version", FROZEN_VERSIONS, ids=lambda p: p.name)
+def test_codec_decodes_frames_written_with_frozen_schema(version: Path) -> None:
+    old = load_event_schema("epd.ResultEvent", version)
+    buf = io.BytesIO()
+    buf.write(MAGIC + fingerprint(old))
+    schemaless_writer(
+        buf,
+        old,
+        {
+            "request_id": "r-old",
+            "stage": "api",
+            "status": "queued",
+            "token_ids": None,
+            "text": None,
+            "error": None,
+            "timings": {},
+            "info": {},
+            "worker": "",
+            "created_ms": 1,
+        },
+    )
+    ev = get_codec().decode(buf.getvalue())
+    assert ev.request_id == "r-old" and ev.status == "queued"
+
+
+def _result_schema() -> dict[str, Any]:
+    return copy.deepcopy(load_event_schema("epd.ResultEvent", AVRO_DIR))
+
+
+def test_checker_catches_a_new_field_without_default() -> None:
+    old = _result_schema()
+    new = _result_schema()
+    new["fields"].append({"name": "tenant", "type": "string"})
+    assert backward_incompatibilities(parse_schema(old), parse_schema(new))
+
+
+def test_checker_catches_a_type_change() -> None:
+    old = _result_schema()
+    new = _result_schema()
+    for f in new["fields"]:
+        if f["name"] == "created_ms":
+            f["type"] = "string"
+    assert backward_incompatibilities(parse_schema(old), parse_schema(new))
+
+
+def test_checker_accepts_a_new_field_with_default() -> None:
+    old = _result_schema()
+    new = _result_schema()
+    new["fields"].append({"name": "tenant", "type": ["null", "string"], "default": None})
+    assert backward_incompatibilities(parse_schema(old), parse_schema(new)) == []
