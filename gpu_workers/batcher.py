@@ -1,0 +1,104 @@
+"""Micro-batching of encoder work: concurrent requests share one vision-tower call.
+
+Handlers ``submit`` one item and await its result. A single drain task takes whatever is
+queued (up to a patch budget), runs the compute function once in a worker thread, and resolves
+each item's future with its slice. Nothing here knows about Kafka or models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+@dataclass(slots=True)
+class _Pending(Generic[In, Out]):
+    item: In
+    cost: int
+    future: asyncio.Future[Out]
+
+
+class MicroBatcher(Generic[In, Out]):
+    """Collects submitted items into batches bounded by a cost budget."""
+
+    def __init__(
+        self,
+        compute: Callable[[Sequence[In]], list[Out]],
+        *,
+        max_cost: int,
+        linger_s: float = 0.002,
+        executor: ThreadPoolExecutor | None = None,
+    ) -> None:
+        self._compute = compute
+        self._max_cost = max_cost
+        self._linger_s = linger_s
+        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="epd-encode")
+        self._queue: asyncio.Queue[_Pending[In, Out]] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self.batches = 0
+        """Number of compute calls made so far."""
+        self.items = 0
+
+    async def submit(self, item: In, cost: int) -> Out:
+        """Queue one item and wait for its result (exceptions of the batch propagate)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._drain(), name="epd-batcher")
+        fut: asyncio.Future[Out] = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Pending(item, cost, fut))
+        return await fut
+
+    async def _next_batch(self, backlog: deque[_Pending[In, Out]]) -> list[_Pending[In, Out]]:
+        if not backlog:
+            backlog.append(await self._queue.get())
+            if self._linger_s > 0 and self._queue.empty():
+                await asyncio.sleep(self._linger_s)  # let concurrent submitters join this batch
+        while not self._queue.empty():
+            backlog.append(self._queue.get_nowait())
+        # Always take the head (an item over budget runs alone); keep submission order.
+        batch = [backlog.popleft()]
+        cost = batch[0].cost
+        while backlog and cost + backlog[0].cost <= self._max_cost:
+            cost += backlog[0].cost
+            batch.append(backlog.popleft())
+        return batch
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        backlog: deque[_Pending[In, Out]] = deque()
+        while True:
+            batch = await self._next_batch(backlog)
+            live = [p for p in batch if not p.future.cancelled()]
+            if not live:
+                continue
+            try:
+                results = await loop.run_in_executor(
+                    self._executor, self._compute, [p.item for p in live]
+                )
+            except Exception as exc:
+                for p in live:
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+                continue
+            self.batches += 1
+            self.items += len(live)
+            for p, r in zip(live, results, strict=True):
+                if not p.future.done():
+                    p.future.set_result(r)
+
+    async def close(self) -> None:
+        """Stop the drain task; pending submitters get CancelledError."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        while not self._queue.empty():
+            self._queue.get_nowait().future.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)

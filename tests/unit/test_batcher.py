@@ -1,0 +1,81 @@
+"""MicroBatcher: concurrent submits share compute calls, within the cost budget, in order."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+from gpu_workers.batcher import MicroBatcher
+
+
+async def test_concurrent_items_share_one_call() -> None:
+    calls: list[list[int]] = []
+
+    def compute(items: Sequence[int]) -> list[int]:
+        calls.append(list(items))
+        return [i * 10 for i in items]
+
+    b: MicroBatcher[int, int] = MicroBatcher(compute, max_cost=100, linger_s=0.01)
+    out = await asyncio.gather(*(b.submit(i, cost=10) for i in range(5)))
+    await b.close()
+    assert out == [0, 10, 20, 30, 40]
+    assert calls == [[0, 1, 2, 3, 4]]
+    assert b.batches == 1 and b.items == 5
+
+
+async def test_budget_splits_batches_and_keeps_order() -> None:
+    calls: list[list[int]] = []
+
+    def compute(items: Sequence[int]) -> list[int]:
+        calls.append(list(items))
+        return list(items)
+
+    b: MicroBatcher[int, int] = MicroBatcher(compute, max_cost=25, linger_s=0.01)
+    out = await asyncio.gather(*(b.submit(i, cost=10) for i in range(5)))
+    await b.close()
+    assert out == list(range(5))
+    assert [x for c in calls for x in c] == list(range(5))
+    assert all(len(c) <= 2 for c in calls)
+
+
+async def test_oversize_item_runs_alone() -> None:
+    calls: list[list[int]] = []
+
+    def compute(items: Sequence[int]) -> list[int]:
+        calls.append(list(items))
+        return list(items)
+
+    b: MicroBatcher[int, int] = MicroBatcher(compute, max_cost=5, linger_s=0)
+    assert await b.submit(1, cost=50) == 1
+    await b.close()
+    assert calls == [[1]]
+
+
+async def test_compute_error_reaches_every_submitter_and_batcher_survives() -> None:
+    fail = True
+
+    def compute(items: Sequence[int]) -> list[int]:
+        if fail:
+            raise RuntimeError("boom")
+        return list(items)
+
+    b: MicroBatcher[int, int] = MicroBatcher(compute, max_cost=100, linger_s=0.01)
+    results = await asyncio.gather(*(b.submit(i, 1) for i in range(3)), return_exceptions=True)
+    assert all(isinstance(r, RuntimeError) for r in results)
+    fail = False
+    assert await b.submit(9, 1) == 9
+    await b.close()
+
+
+async def test_closed_batcher_refuses_work() -> None:
+    def compute(items: Sequence[int]) -> list[int]:
+        return list(items)
+
+    b: MicroBatcher[int, int] = MicroBatcher(compute, max_cost=1, linger_s=0)
+    await b.submit(1, 1)
+    await b.close()
+    with pytest.raises(RuntimeError):
+        # the executor is shut down: a closed batcher refuses new work loudly
+        await b.submit(2, 1)
