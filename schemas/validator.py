@@ -1,0 +1,594 @@
+"""The safety gate: DESIGN.md "Validation rules", in ``strict`` and ``vllm`` modes.
+
+Every rejection is a :class:`schemas.errors.ValidationError` naming the rule (a stable slug
+below), the modality, the item index and, where one applies, the field.
+
+Rules (slug: what it rejects):
+
+- ``request-shape``: a vLLM JSON body whose structure is not a ``GenerateRequest`` (raised by
+  :mod:`schemas.vllm_wire` while parsing).
+- ``token-ids``: empty ``token_ids``, or an id that is not a non-negative int.
+- ``modality-keys``: ``mm_placeholders``, ``kwargs_data`` (when not null) or ``mm_metadata``
+  (when not null) with modality keys other than those of ``mm_hashes``.
+- ``item-count``: a per-modality list whose length differs from ``mm_hashes[modality]``.
+- ``placeholder-range``: offset < 0, length <= 0, non-int values, an ``is_embed`` mask whose
+  size is not ``length``, or a range that ends past ``token_ids``.
+- ``placeholder-overlap``: two ranges (of any modalities) that overlap once sorted by offset;
+  touching is fine, as in vLLM.
+- ``ec-transfer-required``: an item that has metadata but no full data and no way to get its
+  embeddings. ``vllm`` mode: the request carries no ``ec_transfer_params`` at all (vLLM's
+  "metadata-only multimodal items require ec_transfer_params"; an item with neither is a
+  processor-cache hit there). ``strict`` mode: there is no entry for the item's ``mm_hash``,
+  and an item with neither full data nor metadata needs one too.
+- ``ec-entry``: a malformed entry (not ECTransfer-shaped while signatures are required, or its
+  ``mm_hash`` differs from the item's).
+- ``ec-namespace``: an entry key outside ``{namespace}:``.
+- ``ec-signature``: an entry whose HMAC does not verify (only when a secret is configured).
+- ``ec-expired``: an entry whose ``expires_ms`` has passed (only when ``now_ms`` is set).
+- ``metadata-field``: ``mm_metadata`` holding a field that is not a metadata field (e.g.
+  ``pixel_values``).
+- ``metadata-missing``: an item without a field the model needs (``image_grid_thw`` for
+  Qwen2-VL images).
+- ``grid-consistency``: a bad grid (non-integer, non-positive, not a multiple of the merge
+  size), a placeholder whose embedding count is not ``t*h*w / merge**2``, or encoder inputs
+  whose row count is not ``t*h*w``.
+- ``encode-inputs``: an encode event without its encoder input field.
+- ``tensor``: a disallowed dtype, a bad shape, a size mismatch, a tensor over the size limit,
+  or an undecodable vLLM item.
+- ``tensor-nonfinite``: a floating-point input holding NaN or Inf.
+- ``slots-across-modalities``: (render side) some item has metadata but ``mm_metadata`` lacks a
+  full-length list for some modality of ``mm_hashes``.
+- ``render-data-missing``: a render event item without full ``kwargs_data``.
+
+``strict`` applies all rules; ``vllm`` applies exactly the rules vLLM's
+``/inference/v1/generate`` applies (token ids, modality keys, item counts, placeholder ranges and
+overlap, and the request-level EC requirement for metadata-only items).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from schemas.errors import ValidationError
+from schemas.signing import verify_ec
+from schemas.types import (
+    DTYPES,
+    ECTransfer,
+    EncodeEvent,
+    Features,
+    ItemData,
+    PrefillEvent,
+    RenderEvent,
+    TensorLike,
+    TensorRef,
+)
+from schemas.types import now_ms as wall_now_ms
+
+Mode = Literal["strict", "vllm"]
+
+DEFAULT_METADATA_FIELDS = frozenset(
+    {"image_grid_thw", "video_grid_thw", "second_per_grid_ts", "audio_feature_lengths"}
+)
+GRID_FIELDS: dict[str, str] = {"image": "image_grid_thw", "video": "video_grid_thw"}
+ENCODER_INPUT_FIELDS: dict[str, str] = {"image": "pixel_values", "video": "pixel_values_videos"}
+_EC_FIELDS = ("store", "key", "expires_ms", "signature")
+
+
+def _default_required() -> dict[str, tuple[str, ...]]:
+    return {"image": ("image_grid_thw",), "video": ("video_grid_thw",)}
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """What the validator enforces. ``from_settings`` builds it from ``EPD_*`` settings."""
+
+    mode: Mode = "strict"
+    secret: bytes | None = None
+    namespace: str = "ec"
+    merge_size: int = 2
+    metadata_fields: frozenset[str] = DEFAULT_METADATA_FIELDS
+    required_metadata: Mapping[str, tuple[str, ...]] = field(default_factory=_default_required)
+    max_tensor_bytes: int = 256 * 1024 * 1024
+    allowed_dtypes: frozenset[str] = frozenset(DTYPES)
+    now_ms: Callable[[], int] | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Any, **overrides: Any) -> ValidationConfig:
+        """Config from an ``epd.settings.Settings``; keyword overrides win (CLI flags)."""
+        values: dict[str, Any] = {
+            "mode": settings.validation_mode,
+            "secret": settings.secret_bytes(),
+            "namespace": settings.ec_namespace,
+            "merge_size": settings.spatial_merge_size,
+            "max_tensor_bytes": settings.max_tensor_bytes,
+            "now_ms": wall_now_ms,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+# ---------------------------------------------------------------------------------------------
+# ec_transfer_params lookup
+
+
+def find_ec_entry(params: Mapping[str, Any] | None, mm_hash: str) -> Any | None:
+    """The ``ec_transfer_params`` entry for ``mm_hash``, or None.
+
+    Accepts our ``dict[str, ECTransfer]`` and both shapes vLLM connectors use:
+    ``{mm_hash: {...}}`` and ``{"ec_items": [{"mm_hash": ..., ...}, ...]}``.
+    """
+    if not params:
+        return None
+    items = params.get("ec_items")
+    if isinstance(items, list):
+        for e in items:
+            h = (
+                e.mm_hash
+                if isinstance(e, ECTransfer)
+                else (e.get("mm_hash") if isinstance(e, Mapping) else None)
+            )
+            if h == mm_hash:
+                return e
+    if mm_hash in params:
+        return params[mm_hash]
+    return None
+
+
+def _as_ec_transfer(entry: Any, mm_hash: str) -> ECTransfer | None:
+    """An ECTransfer view of an entry, or None when it lacks the fields."""
+    if isinstance(entry, ECTransfer):
+        return entry
+    if isinstance(entry, Mapping) and all(k in entry for k in _EC_FIELDS):
+        try:
+            return ECTransfer(
+                mm_hash=str(entry.get("mm_hash", mm_hash)),
+                store=str(entry["store"]),
+                key=str(entry["key"]),
+                expires_ms=int(entry["expires_ms"]),
+                signature=str(entry["signature"]),
+            )
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def check_ec_entry(
+    entry: Any, mm_hash: str, config: ValidationConfig, *, modality: str | None, item: int | None
+) -> None:
+    """Strict checks of one entry: shape, ``mm_hash``, namespace, signature, expiry."""
+    ec = _as_ec_transfer(entry, mm_hash)
+    if ec is None:
+        if config.secret is not None:
+            raise ValidationError(
+                "ec-entry",
+                f"entry for {mm_hash!r} must carry {', '.join(_EC_FIELDS)} to be verified",
+                modality=modality,
+                item=item,
+                field="ec_transfer_params",
+            )
+        key = entry.get("key") if isinstance(entry, Mapping) else None
+        if isinstance(key, str) and not key.startswith(f"{config.namespace}:"):
+            raise ValidationError(
+                "ec-namespace",
+                f"key {key!r} is outside namespace {config.namespace!r}",
+                modality=modality,
+                item=item,
+                field="ec_transfer_params",
+            )
+        return
+    if ec.mm_hash != mm_hash:
+        raise ValidationError(
+            "ec-entry",
+            f"entry names mm_hash {ec.mm_hash!r}, item has {mm_hash!r}",
+            modality=modality,
+            item=item,
+            field="ec_transfer_params",
+        )
+    if not ec.key.startswith(f"{config.namespace}:"):
+        raise ValidationError(
+            "ec-namespace",
+            f"key {ec.key!r} is outside namespace {config.namespace!r}",
+            modality=modality,
+            item=item,
+            field="ec_transfer_params",
+        )
+    if config.secret is not None and not verify_ec(config.secret, ec):
+        raise ValidationError(
+            "ec-signature",
+            f"signature of the entry for {mm_hash!r} does not verify",
+            modality=modality,
+            item=item,
+            field="ec_transfer_params",
+        )
+    if config.now_ms is not None and ec.expires_ms <= config.now_ms():
+        raise ValidationError(
+            "ec-expired",
+            f"entry for {mm_hash!r} expired at {ec.expires_ms}",
+            modality=modality,
+            item=item,
+            field="ec_transfer_params",
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Structure
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_token_ids(token_ids: Sequence[int]) -> None:
+    """Rule ``token-ids``: non-empty, every id a non-negative int."""
+    if not isinstance(token_ids, Sequence) or len(token_ids) == 0:
+        raise ValidationError("token-ids", "token_ids must be a non-empty list")
+    for i, t in enumerate(token_ids):
+        if not _is_int(t) or t < 0:
+            raise ValidationError("token-ids", f"token_ids[{i}] = {t!r} is not a non-negative int")
+
+
+def check_structure(token_ids: Sequence[int], features: Features) -> None:
+    """Rules ``modality-keys``, ``item-count``, ``placeholder-range``, ``placeholder-overlap``."""
+    modalities = set(features.mm_hashes)
+    slots: list[tuple[str, Mapping[str, Any] | None]] = [
+        ("mm_placeholders", features.mm_placeholders),
+        ("kwargs_data", features.kwargs_data),
+        ("mm_metadata", features.mm_metadata),
+    ]
+    for name, slot in slots:
+        if slot is None:
+            continue
+        keys = set(slot)
+        if keys != modalities:
+            odd = sorted(keys ^ modalities)
+            raise ValidationError(
+                "modality-keys",
+                f"{name} modalities {sorted(keys)} differ from mm_hashes {sorted(modalities)}",
+                modality=odd[0] if odd else None,
+                field=name,
+            )
+    for modality, hashes in features.mm_hashes.items():
+        for name, slot in slots:
+            if slot is not None and len(slot[modality]) != len(hashes):
+                raise ValidationError(
+                    "item-count",
+                    f"{name} has {len(slot[modality])} items, mm_hashes has {len(hashes)}",
+                    modality=modality,
+                    field=name,
+                )
+    n = len(token_ids)
+    ranges: list[tuple[int, int, str, int]] = []
+    for modality, places in features.mm_placeholders.items():
+        for i, p in enumerate(places):
+            if not _is_int(p.offset) or p.offset < 0:
+                raise ValidationError(
+                    "placeholder-range",
+                    f"offset {p.offset!r} must be an int >= 0",
+                    modality=modality,
+                    item=i,
+                )
+            if not _is_int(p.length) or p.length <= 0:
+                raise ValidationError(
+                    "placeholder-range",
+                    f"length {p.length!r} must be an int > 0",
+                    modality=modality,
+                    item=i,
+                )
+            if p.is_embed is not None and (
+                not isinstance(p.is_embed, list)
+                or len(p.is_embed) != p.length
+                or not all(isinstance(b, bool) for b in p.is_embed)
+            ):
+                raise ValidationError(
+                    "placeholder-range",
+                    f"is_embed must be {p.length} booleans",
+                    modality=modality,
+                    item=i,
+                    field="is_embed",
+                )
+            if p.offset + p.length > n:
+                raise ValidationError(
+                    "placeholder-range",
+                    f"range [{p.offset}, {p.offset + p.length}) ends past token_ids (length {n})",
+                    modality=modality,
+                    item=i,
+                )
+            ranges.append((p.offset, p.offset + p.length, modality, i))
+    ranges.sort()
+    for (_, end, m0, i0), (start, _, m1, i1) in itertools.pairwise(ranges):
+        if start < end:
+            raise ValidationError(
+                "placeholder-overlap",
+                f"range starting at {start} overlaps {m0}[{i0}] which ends at {end}",
+                modality=m1,
+                item=i1,
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors and metadata
+
+
+def _dtype_name(v: TensorLike) -> str:
+    if isinstance(v, TensorRef):
+        return v.dtype
+    return str(v.dtype).removeprefix("torch.")
+
+
+def check_tensor(
+    v: Any, config: ValidationConfig, *, modality: str | None, item: int | None, name: str
+) -> None:
+    """Rules ``tensor`` and ``tensor-nonfinite`` for one value (tensor or claim check)."""
+    where: dict[str, Any] = {"modality": modality, "item": item, "field": name}
+    if isinstance(v, TensorRef):
+        if v.dtype not in DTYPES:
+            raise ValidationError("tensor", f"unknown dtype {v.dtype!r}", **where)
+        if any(not _is_int(d) or d < 0 for d in v.shape):
+            raise ValidationError("tensor", f"invalid shape {v.shape!r}", **where)
+        expected = math.prod(v.shape) * DTYPES[v.dtype].itemsize
+        if v.nbytes != expected:
+            raise ValidationError(
+                "tensor",
+                f"claim check nbytes {v.nbytes} != {expected} for {v.dtype}{v.shape}",
+                **where,
+            )
+        nbytes = v.nbytes
+    elif isinstance(v, torch.Tensor):
+        nbytes = v.numel() * v.element_size()
+    else:
+        raise ValidationError("tensor", f"expected a tensor, got {type(v).__name__}", **where)
+    dtype = _dtype_name(v)
+    if dtype not in config.allowed_dtypes:
+        raise ValidationError("tensor", f"dtype {dtype} is not allowed", **where)
+    if nbytes > config.max_tensor_bytes:
+        raise ValidationError(
+            "tensor", f"{nbytes} bytes exceed the limit of {config.max_tensor_bytes}", **where
+        )
+    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel():
+        if not bool(torch.isfinite(v).all()):
+            raise ValidationError("tensor-nonfinite", "tensor holds NaN or Inf", **where)
+
+
+def grid_patches(
+    grid: Any, config: ValidationConfig, *, modality: str, item: int | None, name: str
+) -> tuple[int, int]:
+    """(patch rows ``sum t*h*w``, embedding count ``/ merge**2``) of a ``*_grid_thw`` tensor."""
+    where: dict[str, Any] = {"modality": modality, "item": item, "field": name}
+    if not isinstance(grid, torch.Tensor):
+        raise ValidationError(
+            "grid-consistency", "the grid must travel inline, not as a claim check", **where
+        )
+    if (
+        grid.is_floating_point()
+        or grid.dtype == torch.bool
+        or grid.numel() == 0
+        or grid.numel() % 3
+    ):
+        raise ValidationError(
+            "grid-consistency",
+            "grid must be a non-empty integer (t, h, w) tensor, "
+            f"got {grid.dtype}{list(grid.shape)}",
+            **where,
+        )
+    rows = grid.reshape(-1, 3).tolist()
+    m = config.merge_size
+    patches = 0
+    for t, h, w in rows:
+        if t <= 0 or h <= 0 or w <= 0:
+            raise ValidationError("grid-consistency", f"grid {[t, h, w]} must be positive", **where)
+        if h % m or w % m:
+            raise ValidationError(
+                "grid-consistency",
+                f"grid {[t, h, w]}: h and w must be multiples of merge size {m}",
+                **where,
+            )
+        patches += t * h * w
+    return patches, patches // (m * m)
+
+
+def _embed_count(p: Any) -> int:
+    return sum(1 for b in p.is_embed if b) if p.is_embed is not None else int(p.length)
+
+
+def check_item_data(
+    modality: str,
+    item: int,
+    full: ItemData | None,
+    meta: ItemData | None,
+    placeholder: Any,
+    config: ValidationConfig,
+) -> None:
+    """Strict per-item rules: tensors, metadata fields, required fields, grid consistency."""
+    for src in (full, meta):
+        for name, v in (src or {}).items():
+            check_tensor(v, config, modality=modality, item=item, name=name)
+    for name in meta or {}:
+        if name not in config.metadata_fields:
+            raise ValidationError(
+                "metadata-field",
+                f"{name!r} is not a metadata field; heavy inputs never travel in mm_metadata",
+                modality=modality,
+                item=item,
+                field=name,
+            )
+    if full is None and meta is None:
+        return
+    merged: dict[str, Any] = {**(full or {}), **(meta or {})}
+    for name in config.required_metadata.get(modality, ()):
+        if name not in merged:
+            raise ValidationError(
+                "metadata-missing", f"item lacks {name!r}", modality=modality, item=item, field=name
+            )
+    grid_name = GRID_FIELDS.get(modality)
+    if grid_name is None or grid_name not in merged:
+        return
+    patches, embeds = grid_patches(
+        merged[grid_name], config, modality=modality, item=item, name=grid_name
+    )
+    if placeholder is not None and _embed_count(placeholder) != embeds:
+        raise ValidationError(
+            "grid-consistency",
+            f"placeholder holds {_embed_count(placeholder)} embedding tokens, grid implies "
+            f"{embeds} (t*h*w={patches} / merge {config.merge_size}^2)",
+            modality=modality,
+            item=item,
+            field=grid_name,
+        )
+    pv_name = ENCODER_INPUT_FIELDS.get(modality)
+    if full is not None and pv_name is not None and pv_name in full:
+        _check_rows(full[pv_name], patches, modality=modality, item=item, name=pv_name)
+
+
+def _check_rows(
+    pv: TensorLike, patches: int, *, modality: str, item: int | None, name: str
+) -> None:
+    shape = list(pv.shape)
+    if not shape or shape[0] != patches:
+        raise ValidationError(
+            "grid-consistency",
+            f"{name} has shape {shape}, grid implies {patches} rows",
+            modality=modality,
+            item=item,
+            field=name,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def _slot(
+    slots: Mapping[str, list[ItemData | None]] | None, modality: str, i: int
+) -> ItemData | None:
+    return None if slots is None else slots[modality][i]
+
+
+def validate_features(
+    token_ids: Sequence[int],
+    features: Features | None,
+    ec_transfer_params: Mapping[str, Any] | None,
+    config: ValidationConfig,
+) -> None:
+    """Check one request's tokens and features; raise ``ValidationError`` on the first break.
+
+    ``ec_transfer_params`` may be a ``dict[str, ECTransfer]`` (PrefillEvent) or a raw vLLM dict
+    in either connector shape.
+    """
+    check_token_ids(token_ids)
+    if features is None:
+        return
+    check_structure(token_ids, features)
+    strict = config.mode == "strict"
+    for modality, hashes in features.mm_hashes.items():
+        for i, mm_hash in enumerate(hashes):
+            full = _slot(features.kwargs_data, modality, i)
+            meta = _slot(features.mm_metadata, modality, i)
+            if not strict:
+                if full is None and meta is not None and not ec_transfer_params:
+                    raise ValidationError(
+                        "ec-transfer-required",
+                        "metadata-only multimodal items require ec_transfer_params",
+                        modality=modality,
+                        item=i,
+                    )
+                continue
+            entry = find_ec_entry(ec_transfer_params, mm_hash)
+            if full is None and entry is None:
+                what = (
+                    "metadata-only item"
+                    if meta is not None
+                    else "item with neither data nor metadata"
+                )
+                raise ValidationError(
+                    "ec-transfer-required",
+                    f"{what} needs an ec_transfer_params entry for mm_hash {mm_hash!r}",
+                    modality=modality,
+                    item=i,
+                )
+            if entry is not None:
+                check_ec_entry(entry, mm_hash, config, modality=modality, item=i)
+            check_item_data(modality, i, full, meta, features.mm_placeholders[modality][i], config)
+
+
+def validate_render_slots(features: Features) -> None:
+    """Rule ``slots-across-modalities``: any metadata means full-length lists for every modality."""
+    md = features.mm_metadata
+    if md is None:
+        return
+    if not any(x is not None for items in md.values() for x in items):
+        return
+    for modality, hashes in features.mm_hashes.items():
+        items = md.get(modality)
+        if items is None or len(items) != len(hashes):
+            raise ValidationError(
+                "slots-across-modalities",
+                f"mm_metadata needs a {len(hashes)}-item list for {modality!r} (None where an item "
+                "has no metadata) because another item has metadata",
+                modality=modality,
+                field="mm_metadata",
+            )
+
+
+def validate_render_event(ev: RenderEvent, config: ValidationConfig | None = None) -> None:
+    """A render event: slots across modalities, structure, and full data for every item."""
+    config = config or ValidationConfig()
+    validate_render_slots(ev.features)
+    check_token_ids(ev.token_ids)
+    check_structure(ev.token_ids, ev.features)
+    f = ev.features
+    for modality, hashes in f.mm_hashes.items():
+        for i in range(len(hashes)):
+            full = _slot(f.kwargs_data, modality, i)
+            if full is None:
+                raise ValidationError(
+                    "render-data-missing",
+                    "render events carry full kwargs_data for every item",
+                    modality=modality,
+                    item=i,
+                )
+            meta = _slot(f.mm_metadata, modality, i)
+            check_item_data(modality, i, full, meta, f.mm_placeholders[modality][i], config)
+
+
+def validate_prefill_event(ev: PrefillEvent, config: ValidationConfig) -> None:
+    """A prefill event: every rule, and every ``ec_transfer_params`` entry checked."""
+    validate_features(ev.token_ids, ev.features, ev.ec_transfer_params, config)
+    if config.mode == "strict":
+        for h, entry in ev.ec_transfer_params.items():
+            check_ec_entry(entry, h, config, modality=None, item=None)
+
+
+def validate_encode_event(ev: EncodeEvent, config: ValidationConfig) -> None:
+    """An encode event: encoder inputs + grid present and consistent, tensors, EC entry."""
+    where: dict[str, Any] = {"modality": ev.modality, "item": ev.item_index}
+    if not _is_int(ev.item_index) or ev.item_index < 0:
+        raise ValidationError(
+            "encode-inputs", f"item_index {ev.item_index!r} must be >= 0", **where
+        )
+    for name, v in ev.data.items():
+        check_tensor(v, config, modality=ev.modality, item=ev.item_index, name=name)
+    pv_name = ENCODER_INPUT_FIELDS.get(ev.modality)
+    grid_name = GRID_FIELDS.get(ev.modality)
+    if pv_name is not None and pv_name not in ev.data:
+        raise ValidationError(
+            "encode-inputs", f"encode event lacks {pv_name!r}", field=pv_name, **where
+        )
+    for name in config.required_metadata.get(ev.modality, ()):
+        if name not in ev.data:
+            raise ValidationError(
+                "metadata-missing", f"encode event lacks {name!r}", field=name, **where
+            )
+    if pv_name is not None and grid_name is not None and grid_name in ev.data:
+        patches, _ = grid_patches(
+            ev.data[grid_name], config, modality=ev.modality, item=ev.item_index, name=grid_name
+        )
+        _check_rows(
+            ev.data[pv_name], patches, modality=ev.modality, item=ev.item_index, name=pv_name
+        )
+    check_ec_entry(ev.ec_transfer, ev.mm_hash, config, modality=ev.modality, item=ev.item_index)
