@@ -1,0 +1,332 @@
+"""Encode and prefill/decode compute: pure torch over a ``ModelBundle``, no I/O.
+
+These functions are synchronous and hold no locks; callers run them in worker threads. They use
+``torch.inference_mode`` so no autograd state is kept.
+
+Parity contract: ``generate_from_embeddings`` over embeddings from ``encode_images`` (encoded in
+any grouping) yields exactly the tokens of ``generate_monolithic`` (``model.generate``) for the
+same prompt and pixels. The two things that must match the monolithic path are the M-RoPE
+positions (``get_rope_index`` with ``mm_token_type_ids``) and the decode-step position
+``prompt_len + step + rope_delta`` on all three axes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from gpu_workers.model import ModelBundle, text_config
+
+# mm_token_type_ids values understood by Qwen2-VL's get_rope_index.
+TOKEN_TYPE = {"text": 0, "image": 1, "video": 2}
+
+
+class ComputeError(ValueError):
+    """Inputs that cannot be computed (shape/grid/placeholder mismatch)."""
+
+
+@dataclass(slots=True)
+class ItemEmbedding:
+    """One multimodal item's encoder output, placed at ``[offset, offset + length)``."""
+
+    modality: str
+    offset: int
+    length: int
+    embeds: torch.Tensor  # (length, hidden)
+    grid_thw: torch.Tensor  # (3,) or (1, 3), int
+
+
+def grid_row(grid_thw: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """A grid as a (3,) int64 CPU tensor; accepts (3,) or (1, 3)."""
+    g = torch.as_tensor(grid_thw, dtype=torch.int64).reshape(-1)
+    if g.numel() != 3 or bool((g <= 0).any()):
+        raise ComputeError(f"grid_thw must be three positive ints (t, h, w), got {g.tolist()}")
+    return g.cpu()
+
+
+def tokens_for_grid(grid_thw: torch.Tensor | Sequence[int], merge_size: int) -> int:
+    """Embedding rows (= placeholder tokens) one item yields: t*h*w / merge²."""
+    t, h, w = grid_row(grid_thw).tolist()
+    if h % merge_size or w % merge_size:
+        raise ComputeError(f"grid h/w {h}x{w} not divisible by merge size {merge_size}")
+    return t * h * w // (merge_size * merge_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# encode
+
+
+def encode_images(
+    bundle: ModelBundle,
+    items: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    to_cpu: bool = True,
+) -> list[torch.Tensor]:
+    """Run the vision tower ONCE over several images of any sizes; one embedding per item.
+
+    ``items``: ``(pixel_values (patches, C*T*P*P), image_grid_thw (3,) or (1, 3))`` per image,
+    straight from the processor. The pixel rows are concatenated, the grids stacked, and the
+    merged output split by ``t*h*w / merge²`` rows per item. The same function encodes video
+    items (same tower, ``pixel_values_videos`` / ``video_grid_thw``).
+
+    Returns tensors of shape ``(tokens, hidden)`` in the model dtype, on CPU when ``to_cpu``
+    (for Redis/shm stores) or left on the model device (for a ``cuda://`` store).
+    """
+    if not items:
+        return []
+    visual = bundle.model.model.visual
+    grids = torch.stack([grid_row(g) for _, g in items])
+    for i, (pv, g) in enumerate(items):
+        patches = int(grid_row(g).prod())
+        if pv.ndim != 2 or pv.shape[0] != patches:
+            raise ComputeError(
+                f"item {i}: pixel_values shape {tuple(pv.shape)} does not match grid "
+                f"{grid_row(g).tolist()} ({patches} patches)"
+            )
+    splits = [tokens_for_grid(g, bundle.merge_size) for g in grids]
+    with torch.inference_mode():
+        pixels = torch.cat([pv for pv, _ in items]).to(device=bundle.device, dtype=visual.dtype)
+        out = visual(pixels, grid_thw=grids.to(bundle.device))
+        merged = out.pooler_output if hasattr(out, "pooler_output") else out
+        if merged.shape[0] != sum(splits):
+            raise ComputeError(
+                f"vision tower returned {merged.shape[0]} rows, expected {sum(splits)}"
+            )
+        parts = torch.split(merged, splits)
+        if to_cpu:
+            return [p.to("cpu").clone() for p in parts]
+        return [p.clone() for p in parts]
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill + decode
+
+
+def _cache_kwarg(module: torch.nn.Module) -> str:
+    """transformers renamed ``past_key_values`` to ``cache``; use whichever this version has.
+
+    Looked up once per prefill/decode call (not per step), so no memo is needed.
+    """
+    params = inspect.signature(type(module).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _check_items(bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]):
+    hidden = text_config(bundle.config).hidden_size
+    pad_ids = {"image": bundle.image_token_id, "video": bundle.video_token_id}
+    n = len(token_ids)
+    ordered = sorted(items, key=lambda it: it.offset)
+    prev_end = -1
+    prev_mod = None
+    for idx, it in enumerate(ordered):
+        if it.modality not in pad_ids:
+            raise ComputeError(f"item {idx}: modality {it.modality!r} is not supported")
+        if it.offset < 0 or it.length <= 0 or it.offset + it.length > n:
+            raise ComputeError(
+                f"item {idx}: placeholder [{it.offset}, {it.offset + it.length}) outside the "
+                f"{n}-token prompt"
+            )
+        if it.offset < prev_end:
+            raise ComputeError(f"item {idx}: placeholder overlaps the previous item")
+        if it.offset == prev_end and it.modality == prev_mod:
+            # get_rope_index groups consecutive same-type tokens into one run and would give both
+            # items the first item's grid; real prompts have vision_end/start in between.
+            raise ComputeError(f"item {idx}: placeholder touches the previous {prev_mod} item")
+        want = tokens_for_grid(it.grid_thw, bundle.merge_size)
+        if it.length != want:
+            raise ComputeError(
+                f"item {idx}: placeholder length {it.length} != {want} implied by grid "
+                f"{grid_row(it.grid_thw).tolist()}"
+            )
+        if tuple(it.embeds.shape) != (it.length, hidden):
+            raise ComputeError(
+                f"item {idx}: embeddings shape {tuple(it.embeds.shape)} != ({it.length}, {hidden})"
+            )
+        run = token_ids[it.offset : it.offset + it.length]
+        if any(t != pad_ids[it.modality] for t in run):
+            raise ComputeError(
+                f"item {idx}: tokens in the placeholder are not all {it.modality} pad tokens"
+            )
+        prev_end, prev_mod = it.offset + it.length, it.modality
+    return ordered
+
+
+def mrope_positions(
+    bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]
+) -> tuple[torch.Tensor, int]:
+    """M-RoPE position ids ``(3, 1, L)`` and the rope delta, from the grids via get_rope_index."""
+    ordered = sorted(items, key=lambda it: it.offset)
+    ids = torch.tensor([list(token_ids)], dtype=torch.long)
+    types = torch.zeros_like(ids, dtype=torch.int32)
+    for it in ordered:
+        types[0, it.offset : it.offset + it.length] = TOKEN_TYPE[it.modality]
+    img = [grid_row(it.grid_thw) for it in ordered if it.modality == "image"]
+    vid = [grid_row(it.grid_thw) for it in ordered if it.modality == "video"]
+    if not img and not vid:
+        pos = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
+        return pos, 0
+    position_ids, deltas = bundle.model.model.get_rope_index(
+        ids,
+        mm_token_type_ids=types,
+        image_grid_thw=torch.stack(img) if img else None,
+        video_grid_thw=torch.stack(vid) if vid else None,
+    )
+    return position_ids, int(deltas.reshape(-1)[0])
+
+
+def splice_embeddings(
+    bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]
+) -> torch.Tensor:
+    """``inputs_embeds (1, L, hidden)``: token embeddings with each item's rows at its range."""
+    lm = bundle.model.model.language_model
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=bundle.device)
+    embeds = lm.embed_tokens(ids).clone()
+    for it in items:
+        embeds[0, it.offset : it.offset + it.length] = it.embeds.to(
+            device=bundle.device, dtype=embeds.dtype
+        )
+    return embeds
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """State after prefill: KV cache, last-position logits, and where decoding resumes."""
+
+    cache: Any
+    logits: torch.Tensor  # (vocab,) float32, for the next token
+    prompt_len: int
+    rope_delta: int
+
+
+def prefill(
+    bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]
+) -> Prefilled:
+    """Splice the embeddings, compute M-RoPE positions and run the prompt through the LM."""
+    if not token_ids:
+        raise ComputeError("token_ids is empty")
+    ordered = _check_items(bundle, token_ids, items)
+    lm = bundle.model.model.language_model
+    with torch.inference_mode():
+        embeds = splice_embeddings(bundle, token_ids, ordered)
+        position_ids, delta = mrope_positions(bundle, token_ids, ordered)
+        kv = DynamicCache(config=text_config(bundle.config))
+        out = lm(
+            inputs_embeds=embeds,
+            position_ids=position_ids.to(bundle.device),
+            use_cache=True,
+            **{_cache_kwarg(lm): kv},
+        )
+        logits = bundle.model.lm_head(out.last_hidden_state[:, -1, :])[0].float()
+    return Prefilled(cache=kv, logits=logits, prompt_len=len(token_ids), rope_delta=delta)
+
+
+def greedy_decode(
+    bundle: ModelBundle,
+    state: Prefilled,
+    max_tokens: int,
+    *,
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+) -> list[int]:
+    """Greedy decode from a prefilled state; the stop/eos token, when hit, is included.
+
+    Step ``s`` (0-based) feeds the token generated at step ``s`` at position
+    ``prompt_len + s + rope_delta`` on all three M-RoPE axes.
+    """
+    if max_tokens <= 0:
+        return []
+    stops = set(int(t) for t in stop_token_ids)
+    if not ignore_eos:
+        stops.add(bundle.eos_token_id)
+    lm = bundle.model.model.language_model
+    kw = _cache_kwarg(lm)
+    out_ids: list[int] = []
+    logits = state.logits
+    with torch.inference_mode():
+        for step in range(max_tokens):
+            tok = int(torch.argmax(logits))
+            out_ids.append(tok)
+            if tok in stops or step == max_tokens - 1:
+                break
+            pos = state.prompt_len + step + state.rope_delta
+            position_ids = torch.full((3, 1, 1), pos, dtype=torch.long, device=bundle.device)
+            emb = lm.embed_tokens(torch.tensor([[tok]], device=bundle.device))
+            out = lm(
+                inputs_embeds=emb, position_ids=position_ids, use_cache=True, **{kw: state.cache}
+            )
+            logits = bundle.model.lm_head(out.last_hidden_state[:, -1, :])[0].float()
+    return out_ids
+
+
+def generate_from_embeddings(
+    bundle: ModelBundle,
+    token_ids: Sequence[int],
+    items: Sequence[ItemEmbedding],
+    max_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+) -> list[int]:
+    """The disaggregated path: precomputed embeddings -> prefill -> greedy decode -> token ids."""
+    state = prefill(bundle, token_ids, items)
+    return greedy_decode(
+        bundle, state, max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# oracle
+
+
+def mm_token_type_ids(bundle: ModelBundle, input_ids: torch.Tensor) -> torch.Tensor:
+    """0 for text, 1 for image pad tokens, 2 for video pad tokens (what the processor returns)."""
+    types = torch.zeros_like(input_ids, dtype=torch.int32)
+    types[input_ids == bundle.image_token_id] = TOKEN_TYPE["image"]
+    types[input_ids == bundle.video_token_id] = TOKEN_TYPE["video"]
+    return types
+
+
+def generate_monolithic(
+    bundle: ModelBundle,
+    token_ids: Sequence[int],
+    pixel_values: torch.Tensor | None,
+    image_grid_thw: torch.Tensor | None,
+    max_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+) -> list[int]:
+    """The oracle: ``model.generate`` on raw pixels in one process, greedy; new tokens only.
+
+    Not for concurrent use on one bundle: ``generate`` caches ``rope_deltas`` on the model.
+
+    ``mm_token_type_ids`` is always passed: transformers 5.x computes M-RoPE from it, and
+    generate without it yields different tokens after a few steps.
+    """
+    if max_tokens <= 0:
+        return []
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=bundle.device)
+    stops = [int(t) for t in stop_token_ids]
+    if not ignore_eos:
+        stops.append(bundle.eos_token_id)
+    kwargs: dict[str, Any] = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "mm_token_type_ids": mm_token_type_ids(bundle, ids),
+        "do_sample": False,
+        "max_new_tokens": max_tokens,
+        # An id outside the vocabulary never matches: "no stop token" without generate falling
+        # back to the model's default eos.
+        "eos_token_id": stops or [text_config(bundle.config).vocab_size + 1],
+        "pad_token_id": bundle.eos_token_id,
+    }
+    if pixel_values is not None:
+        kwargs["pixel_values"] = pixel_values.to(bundle.device)
+        kwargs["image_grid_thw"] = torch.as_tensor(image_grid_thw).reshape(-1, 3).to(bundle.device)
+    with torch.inference_mode():
+        out = bundle.model.generate(**kwargs)
+    new = out[0, ids.shape[1] :].tolist()
+    return [int(t) for t in new]

@@ -1,0 +1,64 @@
+"""A tiny byte-level tokenizer that knows the Qwen2-VL special tokens.
+
+Ids 0-255 are the raw bytes (id == byte value), so any text round-trips and the vocabulary is
+tiny; the Qwen2-VL special tokens follow. It is built with the ``tokenizers`` library and wrapped
+in ``PreTrainedTokenizerFast`` so callers use one interface for the tiny model and real checkpoints.
+"""
+
+from __future__ import annotations
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+# The Qwen2-VL special tokens, in the order the real vocabulary lists them (151643...).
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+BYTE_VOCAB = 256
+TINY_VOCAB_SIZE = BYTE_VOCAB + len(SPECIAL_TOKENS)
+EOS_TOKEN = "<|endoftext|>"
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte-level alphabet: every byte maps to one printable unicode character.
+
+    Printable latin-1 bytes map to themselves; the rest are shifted above U+0100 so that the BPE
+    model never sees whitespace or control characters.
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    mapping: dict[int, str] = {b: chr(b) for b in keep}
+    shift = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + shift)
+            shift += 1
+    return mapping
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """The byte-level tokenizer of the ``tiny`` model (deterministic, no files needed)."""
+    vocab = {ch: b for b, ch in _byte_to_unicode().items()}
+    # BPE with no merges over the byte alphabet is exactly a byte tokenizer.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    for i, t in enumerate(SPECIAL_TOKENS):
+        # The wrapper must agree with the fixed layout the tiny model config relies on.
+        if fast.convert_tokens_to_ids(t) != BYTE_VOCAB + i:
+            raise RuntimeError(f"tiny tokenizer layout broken: {t!r} is not id {BYTE_VOCAB + i}")
+    return fast

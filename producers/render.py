@@ -1,0 +1,377 @@
+"""Render: a prompt (text or token ids) plus images -> one ``RenderEvent``.
+
+Each image is decoded (with size limits checked before any pixel is decompressed), run through
+the Qwen2-VL image processor, and spliced into the prompt as ``<|vision_start|>`` + N x
+``<|image_pad|>`` + ``<|vision_end|>`` with N = t*h*w / merge². The event's ``Features`` carry,
+per item: a content hash, the placeholder range, the full processor output (``kwargs_data``) and
+the light metadata prefill needs (``mm_metadata``: ``image_grid_thw``).
+
+Processing is CPU-bound; async callers use ``render_async``, which runs it in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+import torch
+from PIL import Image
+
+from gpu_workers.model import ModelBundle, RenderInfo
+from schemas.errors import ValidationError
+from schemas.types import (
+    Features,
+    ItemData,
+    PlaceholderRange,
+    RenderEvent,
+    SamplingParams,
+)
+
+IMAGE_MARKER = "<image>"
+# What the Qwen2-VL chat template emits for one image; accepted as an alias of the marker.
+QWEN_IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
+# Fields of an item that prefill needs (metadata); everything else is encoder input.
+METADATA_FIELDS: dict[str, tuple[str, ...]] = {
+    "image": ("image_grid_thw",),
+    "video": ("video_grid_thw",),
+}
+
+VISION_TOKENS = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|vision_pad|>",
+)
+
+ImageInput = Image.Image | bytes | bytearray | memoryview | str | Path
+
+
+class RenderError(ValidationError):
+    """A request the renderer cannot turn into an event; names the rule and the item."""
+
+
+@dataclass(slots=True)
+class _Item:
+    modality: str
+    mm_hash: str
+    offset: int
+    length: int
+    data: ItemData
+    metadata: ItemData | None
+
+
+@contextmanager
+def _pil_errors(index: int) -> Iterator[None]:
+    """Turn PIL's decode failures into ``RenderError``s naming the item."""
+    try:
+        yield
+    except Image.DecompressionBombError as e:
+        msg = f"decompression bomb refused: {e}"
+        raise RenderError("render.image_too_large", msg, modality="image", item=index) from None
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
+        # UnidentifiedImageError is an OSError; some plugins raise SyntaxError/EOFError on garbage.
+        raise RenderError(
+            "render.image_unreadable", f"cannot decode image: {e}", modality="image", item=index
+        ) from None
+
+
+def _placeholder_count(grid: torch.Tensor, merge_size: int) -> int:
+    t, h, w = (int(x) for x in grid.reshape(-1).tolist())
+    return t * h * w // (merge_size * merge_size)
+
+
+def build_features(items: Sequence[_Item]) -> Features:
+    """Features from rendered items, in one per-modality order shared by all four maps.
+
+    Slots across modalities: if any item of any modality has metadata, ``mm_metadata`` has a
+    full-length list for every modality (None where an item has none); if none has, it is null.
+    """
+    mods: list[str] = []
+    for it in items:
+        if it.modality not in mods:
+            mods.append(it.modality)
+    per = {m: [it for it in items if it.modality == m] for m in mods}
+    any_meta = any(it.metadata is not None for it in items)
+    return Features(
+        mm_hashes={m: [it.mm_hash for it in per[m]] for m in mods},
+        mm_placeholders={
+            m: [PlaceholderRange(it.offset, it.length) for it in per[m]] for m in mods
+        },
+        kwargs_data={m: [it.data for it in per[m]] for m in mods} if items else None,
+        mm_metadata={m: [it.metadata for it in per[m]] for m in mods} if any_meta else None,
+    )
+
+
+class Renderer:
+    """Turns prompts and images into ``RenderEvent``s for one model."""
+
+    def __init__(
+        self,
+        info: RenderInfo | ModelBundle,
+        *,
+        max_image_pixels: int | None = None,
+        max_images: int = 64,
+    ) -> None:
+        """``info``: a ``RenderInfo`` (no weights) or a loaded ``ModelBundle``.
+
+        ``max_image_pixels``: width*height cap checked from the image header before decoding;
+        None reads ``EPD_MAX_IMAGE_PIXELS``.
+        """
+        self.info = info.render_info() if isinstance(info, ModelBundle) else info
+        if max_image_pixels is None:
+            from epd.settings import get_settings
+
+            max_image_pixels = get_settings().max_image_pixels
+        self.max_image_pixels = int(max_image_pixels)
+        self.max_images = max_images
+        proc_cfg = self.info.image_processor.to_dict()
+        self._processor_digest = blake3.blake3(
+            json.dumps(proc_cfg, sort_keys=True, default=str).encode()
+        ).digest()
+        tok = self.info.tokenizer
+        self._reserved = {
+            s: i
+            for s in VISION_TOKENS
+            if (i := tok.convert_tokens_to_ids(s)) is not None and i != tok.unk_token_id
+        }
+
+    # ------------------------------------------------------------------ images
+
+    def load_image(self, src: ImageInput, index: int = 0) -> Image.Image:
+        """Decode one image to RGB, refusing oversize images before their pixels are decoded."""
+        if not isinstance(src, Image.Image | bytes | bytearray | memoryview | str | Path):
+            raise RenderError(
+                "render.image_type",
+                f"unsupported image input type {type(src).__name__}",
+                modality="image",
+                item=index,
+            )
+        with _pil_errors(index):
+            if isinstance(src, Image.Image):
+                img = src
+            elif isinstance(src, str | Path):
+                img = Image.open(Path(src))
+            else:
+                # Image.open reads only the header here; pixels are decoded by load() below,
+                # after the size check.
+                img = Image.open(io.BytesIO(bytes(src)))
+        w, h = img.size
+        if w <= 0 or h <= 0 or w * h > self.max_image_pixels:
+            raise RenderError(
+                "render.image_too_large",
+                f"image is {w}x{h} = {w * h} pixels; the limit is {self.max_image_pixels}",
+                modality="image",
+                item=index,
+            )
+        with _pil_errors(index):
+            img.load()
+            return img.convert("RGB") if img.mode != "RGB" else img
+
+    def process_image(self, img: Image.Image, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Processor output for one image: ``pixel_values (patches, dim)``, grid ``(3,)`` int64."""
+        try:
+            out = self.info.image_processor(images=[img], return_tensors="pt")
+        except ValueError as e:  # e.g. aspect ratio above 200
+            raise RenderError(
+                "render.image_unprocessable", str(e), modality="image", item=index
+            ) from None
+        pv = out["pixel_values"].contiguous()
+        grid = out["image_grid_thw"].reshape(3).to(torch.int64).contiguous()
+        return pv, grid
+
+    def mm_hash(
+        self, modality: str, pixel_values: torch.Tensor, grid: torch.Tensor, cache_salt: str | None
+    ) -> str:
+        """blake3 of the processed item, the processor config, the model and the tenant salt."""
+        h = blake3.blake3()
+        h.update(b"epd-mm-v1\0")
+        h.update(modality.encode() + b"\0")
+        h.update(self.info.fingerprint.encode() + b"\0")
+        h.update(self._processor_digest)
+        # Length-prefixed so None, "" and any salt are all distinct.
+        salt = b"" if cache_salt is None else b"S" + cache_salt.encode()
+        h.update(len(salt).to_bytes(8, "little") + salt)
+        for t in (grid, pixel_values):
+            t = t.contiguous()
+            h.update(f"{t.dtype}:{tuple(t.shape)}\0".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    # ------------------------------------------------------------------ tokens
+
+    def _text_ids(self, text: str) -> list[int]:
+        return list(self.info.tokenizer.encode(text, add_special_tokens=False))
+
+    def _prompt_segments(self, prompt: str, n_images: int) -> list[list[int]]:
+        """Token ids of the text between image markers (n_images + 1 segments)."""
+        text = prompt.replace(QWEN_IMAGE_BLOCK, IMAGE_MARKER)
+        for s in self._reserved:
+            if s in text:
+                raise RenderError(
+                    "render.reserved_token",
+                    f"prompt contains the reserved token {s!r}; mark images with {IMAGE_MARKER!r}",
+                    field="prompt",
+                )
+        parts = text.split(IMAGE_MARKER)
+        if len(parts) - 1 != n_images:
+            raise RenderError(
+                "render.marker_count",
+                f"prompt has {len(parts) - 1} {IMAGE_MARKER!r} markers but {n_images} images "
+                "were given",
+                field="prompt",
+            )
+        return [self._text_ids(p) for p in parts]
+
+    def _token_segments(self, token_ids: Sequence[int], n_images: int) -> list[list[int]]:
+        """Split token ids at each single ``<|image_pad|>``, dropping a vision_start/end wrap."""
+        info = self.info
+        ids = [int(t) for t in token_ids]
+        bad = [t for t in ids if t < 0 or t >= info.vocab_size]
+        if bad:
+            raise RenderError(
+                "render.token_ids",
+                f"token ids must be in [0, {info.vocab_size}); got {bad[:5]}",
+                field="token_ids",
+            )
+        if info.video_token_id in ids:
+            raise RenderError(
+                "render.token_ids", "video items are not supported yet", field="token_ids"
+            )
+        marks = [i for i, t in enumerate(ids) if t == info.image_token_id]
+        if len(marks) != n_images:
+            raise RenderError(
+                "render.marker_count",
+                f"token_ids have {len(marks)} image pad tokens but {n_images} images were given "
+                "(mark each image with one <|image_pad|>)",
+                field="token_ids",
+            )
+        segments: list[list[int]] = []
+        start = 0
+        for m in marks:
+            end = m
+            if end - 1 >= start and ids[end - 1] == info.vision_start_id:
+                end -= 1
+            segments.append(ids[start:end])
+            start = m + 1
+            if start < len(ids) and ids[start] == info.vision_end_id:
+                start += 1
+        segments.append(ids[start:])
+        for seg in segments:
+            if info.vision_start_id in seg or info.vision_end_id in seg:
+                raise RenderError(
+                    "render.token_ids",
+                    "vision start/end tokens must wrap an image pad token",
+                    field="token_ids",
+                )
+        return segments
+
+    # ------------------------------------------------------------------ render
+
+    def render(
+        self,
+        request_id: str,
+        *,
+        prompt: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        images: Sequence[ImageInput] = (),
+        cache_salt: str | None = None,
+        sampling: SamplingParams | None = None,
+        deadline_ms: int | None = None,
+        trace: dict[str, str] | None = None,
+    ) -> RenderEvent:
+        """Render one request. Give exactly one of ``prompt`` (``<image>`` marks each image)
+        or ``token_ids`` (one ``<|image_pad|>`` marks each image). Raises ``RenderError``.
+        """
+        if (prompt is None) == (token_ids is None):
+            raise RenderError("render.prompt", "give exactly one of prompt or token_ids")
+        images = list(images)
+        if len(images) > self.max_images:
+            raise RenderError(
+                "render.too_many_images",
+                f"{len(images)} images; the limit is {self.max_images}",
+                modality="image",
+            )
+        if prompt is not None:
+            segments = self._prompt_segments(prompt, len(images))
+        else:
+            segments = self._token_segments(token_ids or [], len(images))
+
+        info = self.info
+        ids: list[int] = list(segments[0])
+        items: list[_Item] = []
+        for i, src in enumerate(images):
+            pv, grid = self.process_image(self.load_image(src, i), i)
+            n = _placeholder_count(grid, info.merge_size)
+            ids.append(info.vision_start_id)
+            offset = len(ids)
+            ids.extend([info.image_token_id] * n)
+            ids.append(info.vision_end_id)
+            ids.extend(segments[i + 1])
+            items.append(
+                _Item(
+                    modality="image",
+                    mm_hash=self.mm_hash("image", pv, grid, cache_salt),
+                    offset=offset,
+                    length=n,
+                    data={"pixel_values": pv, "image_grid_thw": grid},
+                    metadata={k: grid for k in METADATA_FIELDS["image"]},
+                )
+            )
+        if not ids:
+            raise RenderError("render.prompt", "the rendered prompt has no tokens")
+        return RenderEvent(
+            request_id=request_id,
+            model=info.model_name,
+            token_ids=ids,
+            features=build_features(items),
+            sampling=sampling if sampling is not None else SamplingParams(),
+            cache_salt=cache_salt,
+            deadline_ms=deadline_ms,
+            trace=dict(trace or {}),
+        )
+
+    async def render_async(self, request_id: str, **kwargs: Any) -> RenderEvent:
+        """``render`` in a worker thread, so image decoding never blocks the event loop."""
+        return await asyncio.to_thread(self.render, request_id, **kwargs)
+
+
+def monolithic_inputs(
+    event: RenderEvent,
+) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+    """``(token_ids, pixel_values, image_grid_thw)`` for the one-process oracle.
+
+    Image items are concatenated in placeholder (offset) order, which is the order
+    ``model.generate`` assigns image features to pad-token runs. Needs inline tensors.
+    """
+    f = event.features
+    ranges = f.mm_placeholders.get("image", [])
+    if not ranges:
+        return list(event.token_ids), None, None
+    if f.kwargs_data is None or "image" not in f.kwargs_data:
+        raise RenderError("render.monolithic", "the event carries no image kwargs_data")
+    data = f.kwargs_data["image"]
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i].offset)
+    pvs, grids = [], []
+    for i in order:
+        item = data[i]
+        if item is None:
+            raise RenderError("render.monolithic", "item has no data", modality="image", item=i)
+        pv, grid = item.get("pixel_values"), item.get("image_grid_thw")
+        if not isinstance(pv, torch.Tensor) or not isinstance(grid, torch.Tensor):
+            raise RenderError(
+                "render.monolithic",
+                "pixel_values and image_grid_thw must be inline tensors",
+                modality="image",
+                item=i,
+            )
+        pvs.append(pv)
+        grids.append(grid.reshape(1, 3))
+    return list(event.token_ids), torch.cat(pvs), torch.cat(grids)
