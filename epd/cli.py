@@ -15,6 +15,8 @@ COMMAND_MODULES = [
     "epd.commands.topics",
     "epd.commands.validate",
     "epd.commands.vllm",
+    "epd.commands.worker",
+    "epd.commands.demo",
 ]
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
+from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
@@ -99,3 +100,38 @@ async def send_event(producer: AIOKafkaProducer, topic: str, key: str | None, ev
         key=key.encode() if key is not None else None,
         headers=event_headers(event),
     )
+
+
+async def read_topic(settings: Settings, topic: str, *, timeout_s: float = 30.0) -> list[Any]:
+    """Every record of ``topic`` from the beginning up to its current end (no consumer group).
+
+    Returns aiokafka ConsumerRecords; decode their values with the codec. For tools and tests
+    that inspect what was sent (the demo's byte counts, the e2e test's DLQ check).
+    """
+    consumer = make_consumer(settings, group_id=None)
+    await consumer.start()
+    try:
+        partitions = consumer.partitions_for_topic(topic)
+        if partitions is None:
+            await consumer._client.force_metadata_update()
+            partitions = consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        if not tps:
+            return []
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        records: list[Any] = []
+        remaining = {tp for tp in tps if end[tp] > 0}
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while remaining:
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"reading {topic} did not reach the end offsets in {timeout_s}s")
+            batch = await consumer.getmany(timeout_ms=500)
+            for tp, recs in batch.items():
+                records.extend(recs)
+                if recs and recs[-1].offset + 1 >= end[tp]:
+                    remaining.discard(tp)
+        return records
+    finally:
+        await consumer.stop()

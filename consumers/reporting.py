@@ -1,0 +1,51 @@
+"""Turning dead letters into request outcomes, so a rejected event shows up in its status."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from epd.kafka import send_event
+from epd.topics import Topics
+from schemas.types import ErrorInfo, ResultEvent
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaProducer
+
+    from consumers.runtime import ConsumedEvent, DeadLetterHook
+
+# Codes that mean "this input is bad" (rejected) rather than "we failed to process it".
+REJECTION_CODES = frozenset({"validation", "undecodable", "rejected"})
+
+
+def request_id_of(ce: ConsumedEvent, keyed_by_request: bool) -> str | None:
+    """The request a consumed record belongs to, from the decoded event or the record key."""
+    rid = getattr(ce.event, "request_id", None)
+    if isinstance(rid, str) and rid:
+        return rid
+    return ce.key_str if keyed_by_request else None
+
+
+def dead_letter_reporter(
+    producer: AIOKafkaProducer, topics: Topics, stage: str, *, keyed_by_request: bool
+) -> DeadLetterHook:
+    """A ConsumeLoop hook that emits ``rejected``/``failed`` for the dead-lettered request."""
+
+    async def report(ce: ConsumedEvent, info: ErrorInfo) -> None:
+        rid = request_id_of(ce, keyed_by_request)
+        if rid is None:
+            return
+        status = "rejected" if info.code in REJECTION_CODES else "failed"
+        await send_event(
+            producer,
+            topics.results,
+            rid,
+            ResultEvent(
+                request_id=rid,
+                stage=stage,
+                status=status,
+                error=info,
+                info={"dlq": f"{ce.topic}[{ce.partition}]@{ce.offset}"},
+            ),
+        )
+
+    return report

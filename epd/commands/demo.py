@@ -1,0 +1,185 @@
+"""``epd demo``: the whole pipeline on this machine, with a summary of what travelled where."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run encode/prefill/results workers and a handful of image requests end to end",
+    )
+    p.add_argument("--json", action="store_true", help="print only the summary, as JSON")
+    p.add_argument("--model", default=None, help="'tiny' (default) or a local checkpoint path")
+    p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for all requests")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class DemoRequest:
+    name: str
+    prompt: str
+    images: list[Any]
+    result: dict[str, Any] | None = None
+    stats: Any = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def demo_requests() -> list[DemoRequest]:
+    """Several sizes, a non-square image, a repeated image and a two-image prompt."""
+    from producers.sample_images import synthetic_image
+
+    cat = synthetic_image(112, 112, seed=1)
+    return [
+        DemoRequest("small square", "Describe <image> in one line.", [cat]),
+        DemoRequest("wide", "What is in <image>?", [synthetic_image(224, 112, seed=2)]),
+        DemoRequest("tall", "<image> Caption this.", [synthetic_image(84, 196, seed=3)]),
+        DemoRequest("large", "Describe <image>", [synthetic_image(224, 224, seed=4)]),
+        DemoRequest("repeat of small square", "Again: <image>", [cat]),
+        DemoRequest(
+            "two images",
+            "Compare <image> with <image>.",
+            [synthetic_image(140, 84, seed=5), synthetic_image(56, 56, seed=6)],
+        ),
+        DemoRequest(
+            "image at the end", "Look closely at <image>", [synthetic_image(98, 98, seed=7)]
+        ),
+        DemoRequest("third time small square", "<image>", [cat]),
+    ]
+
+
+def _progress(done: int, total: int, enabled: bool) -> None:
+    if not enabled:
+        return
+    width = 30
+    filled = width * done // max(total, 1)
+    sys.stderr.write(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} finished")
+    sys.stderr.flush()
+    if done == total:
+        sys.stderr.write("\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    from epd import services
+
+    quiet = args.json
+    state_dir = services.state_dir()
+    with services.running(state_dir) as state:
+        os.environ.update(state.env)  # the settings below and the workers read them
+        return asyncio.run(_demo(args, quiet, state_dir))
+
+
+async def _demo(args: argparse.Namespace, quiet: bool, state_dir: Path) -> int:
+    from epd.kafka import read_topic
+    from epd.local_pipeline import local_pipeline
+    from epd.settings import Settings
+    from schemas.codec import get_codec
+    from schemas.types import EncodedEvent, SamplingParams
+
+    def say(msg: str) -> None:
+        if not quiet:
+            print(msg, flush=True)
+
+    settings = Settings(**({"model": args.model} if args.model else {}))
+    reqs = demo_requests()
+    log_dir = state_dir / "demo-logs"
+    t0 = time.perf_counter()
+    say(
+        f"epd demo: Kafka {settings.kafka_bootstrap}, Redis {settings.redis_url}, "
+        f"model {settings.model}"
+    )
+    async with local_pipeline(settings, spawn_workers=True, log_dir=log_dir) as run:
+        say(f"  topics {run.settings.topic_prefix}.*, workers logging to {log_dir}/")
+        sampling = SamplingParams(max_tokens=args.max_tokens)
+        # Submit one after another so the repeated image finds its embedding (or its encode in
+        # flight); the workers process them concurrently.
+        for r in reqs:
+            ev, stats = await run.submitter.submit(
+                prompt=r.prompt, images=r.images, sampling=sampling
+            )
+            r.extra["request_id"] = ev.request_id
+            r.extra["prompt_tokens"] = len(ev.token_ids)
+            r.stats = stats
+        say(
+            f"  submitted {len(reqs)} requests; waiting for the workers "
+            "(their first start loads the model)"
+        )
+        done = 0
+        tty = not quiet and sys.stderr.isatty()
+
+        async def wait_one(r: DemoRequest) -> None:
+            nonlocal done
+            try:
+                r.result = await run.submitter.wait(r.extra["request_id"], timeout_s=args.timeout)
+            except TimeoutError as exc:
+                r.error = str(exc)
+            done += 1
+            _progress(done, len(reqs), tty)
+
+        waits = asyncio.gather(*(wait_one(r) for r in reqs))
+        while not waits.done():
+            if run.workers is not None:
+                run.workers.check_alive()
+            await asyncio.wait([waits], timeout=0.5)
+        await waits
+        codec = get_codec()
+        encoded = [
+            codec.decode(rec.value, EncodedEvent)
+            for rec in await read_topic(run.settings, f"{run.settings.topic_prefix}.encoded")
+        ]
+    elapsed = time.perf_counter() - t0
+
+    completed = [r for r in reqs if r.result and r.result["status"] == "completed"]
+    encoder_runs = sum(1 for e in encoded if not e.cache_hit)
+    worker_hits = sum(1 for e in encoded if e.cache_hit)
+    fanout_hits = sum(r.stats.cache_hits for r in reqs)
+    summary = {
+        "requests": len(reqs),
+        "completed": len(completed),
+        "failed": len(reqs) - len(completed),
+        "images": sum(len(r.images) for r in reqs),
+        "encoder_runs": encoder_runs,
+        "encoder_cache_hits": fanout_hits + worker_hits,
+        "bytes_encode_topic": sum(r.stats.encode_bytes for r in reqs),
+        "bytes_prefill_topic": sum(r.stats.prefill_bytes for r in reqs),
+        "bytes_if_prefill_carried_kwargs_data": sum(
+            r.stats.prefill_bytes + r.stats.kwargs_bytes for r in reqs
+        ),
+        "seconds": round(elapsed, 2),
+    }
+    summary["prefill_bytes_saved_ratio"] = round(
+        summary["bytes_if_prefill_carried_kwargs_data"] / max(summary["bytes_prefill_topic"], 1), 1
+    )
+    if quiet:
+        print(json.dumps(summary, indent=2))
+    else:
+        print()
+        for r in reqs:
+            rec = r.result or {}
+            status = rec.get("status", "timeout")
+            line = f"  {r.name:<24} {status:<10}"
+            if status == "completed":
+                line += f" tokens={rec['token_ids']}"
+                total = rec.get("timings", {}).get("total")
+                if total is not None:
+                    line += f"  ({total:.0f} ms)"
+            else:
+                line += f" {rec.get('error') or r.error}"
+            print(line)
+        print()
+        print("Summary")
+        width = max(len(k) for k in summary)
+        for k, v in summary.items():
+            print(f"  {k:<{width}}  {v:,}" if isinstance(v, int) else f"  {k:<{width}}  {v}")
+    return 0 if len(completed) == len(reqs) else 1

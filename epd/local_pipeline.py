@@ -1,0 +1,190 @@
+"""Worker processes on this machine (demo, verify, end-to-end tests): start, watch, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from pydantic import SecretStr
+
+from epd.settings import Settings
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaProducer
+
+    from producers.submit import Submitter
+
+DEFAULT_WORKERS = ("results", "encode", "prefill")
+
+
+class WorkerDied(RuntimeError):
+    """A worker process exited while it should be running."""
+
+
+class WorkerProcesses:
+    """One OS process per worker (``epd worker KIND``), logs in ``log_dir``."""
+
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        log_dir: Path,
+        kinds: Sequence[str] = DEFAULT_WORKERS,
+    ) -> None:
+        self.env = {**os.environ, **env}
+        self.log_dir = log_dir
+        self.kinds = list(kinds)
+        self.procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+
+    def start(self) -> None:
+        """Spawn every worker; they join their consumer groups on their own."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for i, kind in enumerate(self.kinds):
+            log_path = self.log_dir / f"{kind}-{i}.log"
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "epd.cli", "worker", kind],
+                    env=self.env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            self.procs.append((kind, proc, log_path))
+
+    def check_alive(self) -> None:
+        """Raise WorkerDied (with the log's tail) when a worker has exited."""
+        for kind, proc, log_path in self.procs:
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-3000:]
+                raise WorkerDied(f"{kind} worker exited with {proc.returncode}; log tail:\n{tail}")
+
+    def stop(self, timeout_s: float = 20.0) -> dict[str, int | None]:
+        """SIGTERM everyone (graceful drain), then SIGKILL stragglers. Returns exit codes."""
+        for _, proc, _ in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        codes: dict[str, int | None] = {}
+        for i, (kind, proc, _) in enumerate(self.procs):
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            codes[f"{kind}-{i}"] = proc.returncode
+        self.procs.clear()
+        return codes
+
+    def __enter__(self) -> WorkerProcesses:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def worker_env(settings: Settings) -> dict[str, str]:
+    """The EPD_* variables that make a worker process see the same pipeline as ``settings``."""
+    env = {
+        "EPD_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+        "EPD_KAFKA_IDEMPOTENCE": "true" if settings.kafka_idempotence else "false",
+        "EPD_REDIS_URL": settings.redis_url,
+        "EPD_STORE_URL": settings.store_url,
+        "EPD_TOPIC_PREFIX": settings.topic_prefix,
+        "EPD_MODEL": settings.model,
+        "EPD_DEVICE": settings.device,
+        "EPD_INLINE_LIMIT_BYTES": str(settings.inline_limit_bytes),
+        "EPD_EC_NAMESPACE": settings.ec_namespace,
+    }
+    secret = settings.secret_bytes()
+    if secret:
+        env["EPD_EC_SECRET"] = secret.decode()
+    return env
+
+
+@dataclass
+class LocalRun:
+    """A pipeline reachable from this process: settings, a submitter, and maybe workers."""
+
+    settings: Settings
+    submitter: Submitter
+    producer: AIOKafkaProducer
+    workers: WorkerProcesses | None
+
+
+@contextlib.asynccontextmanager
+async def local_pipeline(
+    settings: Settings,
+    *,
+    spawn_workers: bool,
+    log_dir: Path,
+    isolate: bool = True,
+) -> AsyncIterator[LocalRun]:
+    """Connect to the pipeline in ``settings``; with ``spawn_workers`` also run its workers here.
+
+    ``isolate`` gives this run its own topic prefix, embedding namespace and EC secret, so
+    reruns against a long-lived broker and Redis never see each other's events or embeddings.
+    """
+    import redis.asyncio as aioredis
+
+    from consumers.status_store import StatusStore
+    from epd.kafka import ensure_topics, make_producer
+    from epd.topics import Topics
+    from gpu_workers.model import load_render_info
+    from gpu_workers.stores import open_store
+    from producers.fanout import FanOut
+    from producers.render import Renderer
+
+    if isolate:
+        run_id = uuid.uuid4().hex[:8]
+        settings = settings.model_copy(
+            update={
+                "topic_prefix": f"{settings.topic_prefix}-{run_id}",
+                "ec_namespace": f"{settings.ec_namespace}-{run_id}",
+                "ec_secret": SecretStr(secrets.token_hex(16)),
+            }
+        )
+    topics = Topics(settings.topic_prefix)
+    await ensure_topics(settings, topics.all())
+    workers = WorkerProcesses(worker_env(settings), log_dir) if spawn_workers else None
+    if workers is not None:
+        workers.start()
+    producer = make_producer(settings)
+    store = open_store(settings.embedding_store_url)
+    client = aioredis.Redis.from_url(settings.redis_url)
+    try:
+        await producer.start()
+        info = await asyncio.to_thread(load_render_info, settings.model)
+        from producers.submit import Submitter
+
+        submitter = Submitter(
+            settings,
+            Renderer(info, max_image_pixels=settings.max_image_pixels),
+            FanOut(settings, store, info.fingerprint, producer=producer, topics=topics),
+            producer,
+            StatusStore(client, prefix=settings.topic_prefix, ttl_s=settings.status_ttl_s),
+        )
+        yield LocalRun(settings, submitter, producer, workers)
+    finally:
+        if workers is not None:
+            workers.stop()
+        await producer.stop()
+        await store.close()
+        await client.aclose()

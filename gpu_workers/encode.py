@@ -1,0 +1,208 @@
+"""Encode worker: EncodeEvents -> vision tower (micro-batched) -> embedding store -> EncodedEvent.
+
+A store hit, or the same mm_hash already being encoded by this worker, never runs the encoder
+a second time. Encode events are keyed by mm_hash, so repeats of one image land on one
+partition, hence on one worker, where this single-flight check sees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import blake3
+import torch
+
+from epd.kafka import send_event
+from epd.settings import Settings
+from epd.topics import Topics
+from gpu_workers.batcher import MicroBatcher
+from gpu_workers.compute import encode_images
+from schemas.errors import ValidationError
+from schemas.tensors import dtype_name, tensor_from_bytes
+from schemas.types import EncodedEvent, EncodeEvent, ErrorInfo, ResultEvent, TensorRef, now_ms
+from schemas.validator import ValidationConfig, validate_encode_event
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaProducer
+
+    from gpu_workers.model import ModelBundle
+    from gpu_workers.stores.base import EmbeddingStore
+
+log = logging.getLogger(__name__)
+
+Job = tuple[torch.Tensor, torch.Tensor]
+
+
+class EncodeWorker:
+    """Handles EncodeEvents; plug :meth:`handle` into a ConsumeLoop."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        bundle: ModelBundle,
+        store: EmbeddingStore,
+        producer: AIOKafkaProducer,
+        *,
+        topics: Topics | None = None,
+        worker_id: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.bundle = bundle
+        self.store = store
+        self.producer = producer
+        self.topics = topics or Topics(settings.topic_prefix)
+        self.worker_id = worker_id or f"encode@{socket.gethostname()}"
+        self.vconfig = ValidationConfig.from_settings(settings)
+        self.batcher: MicroBatcher[Job, torch.Tensor] = MicroBatcher(
+            self._compute, max_cost=settings.encode_batch_patches
+        )
+        self._inflight: dict[str, asyncio.Future[None]] = {}
+        self.cache_hits = 0
+        self.items_encoded = 0
+
+    @property
+    def encoder_calls(self) -> int:
+        """Vision-tower calls made so far (one per micro-batch)."""
+        return self.batcher.batches
+
+    def _compute(self, jobs: Sequence[Job]) -> list[torch.Tensor]:
+        return encode_images(self.bundle, jobs)
+
+    async def close(self) -> None:
+        await self.batcher.close()
+
+    async def _tensor(
+        self, value: torch.Tensor | TensorRef, name: str, ev: EncodeEvent
+    ) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            return value
+        if value.store != self.store.url:
+            raise ValidationError(
+                "claim-check",
+                f"TensorRef points at store {value.store!r}, this worker reads {self.store.url!r}",
+                modality=ev.modality,
+                item=ev.item_index,
+                field=name,
+            )
+        if not value.key.startswith(f"{self.settings.ec_namespace}:"):
+            raise ValidationError(
+                "ec-namespace",
+                f"claim-check key {value.key!r} is outside namespace "
+                f"{self.settings.ec_namespace!r}",
+                modality=ev.modality,
+                item=ev.item_index,
+                field=name,
+            )
+        raw = await self.store.get_bytes(value.key)
+        if blake3.blake3(raw).hexdigest() != value.digest:
+            raise ValidationError(
+                "claim-check",
+                f"digest mismatch for {value.key!r}",
+                modality=ev.modality,
+                item=ev.item_index,
+                field=name,
+            )
+        return tensor_from_bytes(value.dtype, value.shape, raw)
+
+    async def _result(self, ev: EncodeEvent, status: str, **kw: object) -> None:
+        await send_event(
+            self.producer,
+            self.topics.results,
+            ev.request_id,
+            ResultEvent(
+                request_id=ev.request_id, stage="encode", status=status, worker=self.worker_id, **kw
+            ),  # type: ignore[arg-type]
+        )
+
+    async def _encoded(
+        self, ev: EncodeEvent, emb_dtype: str, shape: list[int], *, hit: bool, ms: float
+    ) -> None:
+        await send_event(
+            self.producer,
+            self.topics.encoded,
+            ev.mm_hash,
+            EncodedEvent(
+                mm_hash=ev.mm_hash,
+                request_id=ev.request_id,
+                model=ev.model,
+                store=self.store.url,
+                key=ev.ec_transfer.key,
+                dtype=emb_dtype,
+                shape=shape,
+                cache_hit=hit,
+                encode_ms=ms,
+            ),
+        )
+
+    def _check_key(self, ev: EncodeEvent) -> None:
+        expected = f"{self.settings.ec_namespace}:{self.bundle.fingerprint}:"
+        if not ev.ec_transfer.key.startswith(expected):
+            # Two models must never share embeddings: refuse keys made for another model.
+            raise ValidationError(
+                "model-fingerprint",
+                f"ec_transfer key {ev.ec_transfer.key!r} is not for this model "
+                f"(expected prefix {expected!r})",
+                modality=ev.modality,
+                item=ev.item_index,
+            )
+
+    async def handle(self, ev: EncodeEvent) -> None:
+        """Encode one item (or find it already encoded) and announce it."""
+        validate_encode_event(ev, self.vconfig)
+        self._check_key(ev)
+        if ev.deadline_ms is not None and now_ms() > ev.deadline_ms:
+            await self._result(
+                ev,
+                "expired",
+                error=ErrorInfo(
+                    "expired",
+                    "deadline passed before encoding",
+                    modality=ev.modality,
+                    item=ev.item_index,
+                ),
+            )
+            return
+        key = ev.ec_transfer.key
+        pending = self._inflight.get(ev.mm_hash)
+        if pending is not None:
+            # The same item is being encoded right now (by another event of this worker).
+            await asyncio.shield(pending)
+            self.cache_hits += 1
+            await self._encoded(ev, dtype_name(self.bundle.dtype), [], hit=True, ms=0.0)
+            return
+        # Register before the first await, so concurrent events of this item wait on us.
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._inflight[ev.mm_hash] = done
+        try:
+            hit = await self.store.exists(key)
+            if not hit:
+                t0 = time.perf_counter()
+                pixels = await self._tensor(ev.data["pixel_values"], "pixel_values", ev)
+                grid = await self._tensor(ev.data["image_grid_thw"], "image_grid_thw", ev)
+                emb = await self.batcher.submit((pixels, grid), cost=int(pixels.shape[0]))
+                await self.store.put(key, emb, self.settings.embedding_ttl_s)
+                ms = (time.perf_counter() - t0) * 1000
+                self.items_encoded += 1
+            done.set_result(None)
+        except BaseException as exc:
+            done.set_exception(exc)
+            done.exception()  # mark retrieved; waiters re-raise their own copy
+            raise
+        finally:
+            self._inflight.pop(ev.mm_hash, None)
+        if hit:
+            self.cache_hits += 1
+            await self._encoded(ev, dtype_name(self.bundle.dtype), [], hit=True, ms=0.0)
+            return
+        await self._encoded(ev, dtype_name(emb.dtype), list(emb.shape), hit=False, ms=ms)
+        await self._result(
+            ev,
+            "encoding",
+            timings={f"encode.{ev.modality}{ev.item_index}": ms},
+            info={f"encoded.{ev.mm_hash[:12]}": "1"},
+        )

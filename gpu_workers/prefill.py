@@ -1,0 +1,167 @@
+"""Prefill worker: PrefillEvents -> wait for embeddings -> splice -> prefill + greedy decode.
+
+Validation is strict (a metadata-only item without a valid ``ec_transfer_params`` entry is
+rejected before anything runs). Waiting for embeddings is an async store wait, so one slow
+request never blocks others; model compute runs on a single worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from epd.kafka import send_event
+from epd.settings import Settings
+from epd.topics import Topics
+from gpu_workers.compute import ItemEmbedding, generate_from_embeddings
+from gpu_workers.stores.base import StoreTimeout
+from schemas.errors import ValidationError
+from schemas.types import ErrorInfo, PrefillEvent, ResultEvent, now_ms
+from schemas.validator import ValidationConfig, validate_prefill_event
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaProducer
+
+    from gpu_workers.model import ModelBundle
+    from gpu_workers.stores.base import EmbeddingStore
+
+log = logging.getLogger(__name__)
+
+GRID_FIELD = {"image": "image_grid_thw", "video": "video_grid_thw"}
+
+
+class PrefillWorker:
+    """Handles PrefillEvents; plug :meth:`handle` into a ConsumeLoop."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        bundle: ModelBundle,
+        store: EmbeddingStore,
+        producer: AIOKafkaProducer,
+        *,
+        topics: Topics | None = None,
+        worker_id: str | None = None,
+        embedding_wait_s: float = 60.0,
+    ) -> None:
+        self.settings = settings
+        self.bundle = bundle
+        self.store = store
+        self.producer = producer
+        self.topics = topics or Topics(settings.topic_prefix)
+        self.worker_id = worker_id or f"prefill@{socket.gethostname()}"
+        self.vconfig = ValidationConfig.from_settings(settings)
+        self.embedding_wait_s = embedding_wait_s
+        # One compute thread: the model is shared, and CPU/GPU work does not speed up by
+        # interleaving requests inside one process.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="epd-prefill")
+        self.completed = 0
+
+    async def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _result(self, ev: PrefillEvent, status: str, **kw: object) -> None:
+        await send_event(
+            self.producer,
+            self.topics.results,
+            ev.request_id,
+            ResultEvent(
+                request_id=ev.request_id,
+                stage="prefill",
+                status=status,
+                worker=self.worker_id,
+                **kw,  # type: ignore[arg-type]
+            ),
+        )
+
+    def _items(self, ev: PrefillEvent, embeds: dict[str, object]) -> list[ItemEmbedding]:
+        items = []
+        meta = ev.features.mm_metadata or {}
+        for modality, index, mm_hash in ev.features.items():
+            ph = ev.features.mm_placeholders[modality][index]
+            grid_field = GRID_FIELD.get(modality)
+            item_meta = meta.get(modality, [None] * (index + 1))[index] or {}
+            grid = item_meta.get(grid_field) if grid_field else None
+            if grid is None:
+                raise ValidationError(
+                    "metadata-missing",
+                    f"{grid_field or 'grid'} is needed for M-RoPE positions",
+                    modality=modality,
+                    item=index,
+                )
+            items.append(
+                ItemEmbedding(
+                    modality=modality,
+                    offset=ph.offset,
+                    length=ph.length,
+                    embeds=embeds[mm_hash],  # type: ignore[arg-type]
+                    grid_thw=grid,  # type: ignore[arg-type]
+                )
+            )
+        items.sort(key=lambda it: it.offset)
+        return items
+
+    async def handle(self, ev: PrefillEvent) -> None:
+        """Run one request to completion (or to a clear failure)."""
+        started = now_ms()
+        validate_prefill_event(ev, self.vconfig)
+        if ev.deadline_ms is not None and started > ev.deadline_ms:
+            await self._result(
+                ev, "expired", error=ErrorInfo("expired", "deadline passed before prefill")
+            )
+            return
+        await self._result(ev, "prefilling")
+        hashes = dict.fromkeys(h for _, _, h in ev.features.items())
+        keys = {h: ev.ec_transfer_params[h].key for h in hashes}
+        timeout = self.embedding_wait_s
+        if ev.deadline_ms is not None:
+            timeout = max(0.0, min(timeout, (ev.deadline_ms - now_ms()) / 1000))
+        t_wait = time.perf_counter()
+        try:
+            await self.store.wait(list(keys.values()), timeout)
+        except StoreTimeout as exc:
+            missing = [h for h, k in keys.items() if k in set(exc.missing)]
+            await self._result(
+                ev,
+                "failed" if ev.deadline_ms is None or now_ms() < ev.deadline_ms else "expired",
+                error=ErrorInfo(
+                    "embeddings-missing",
+                    f"embeddings for {len(missing)} item(s) not in the store after {timeout:.1f}s: "
+                    + ", ".join(h[:16] for h in missing),
+                ),
+            )
+            return
+        tensors = await self.store.get_many(list(keys.values()))
+        wait_ms = (time.perf_counter() - t_wait) * 1000
+        items = self._items(ev, dict(zip(keys, tensors, strict=True)))
+        t_compute = time.perf_counter()
+        tokens = await asyncio.get_running_loop().run_in_executor(
+            self._executor,
+            lambda: generate_from_embeddings(
+                self.bundle,
+                ev.token_ids,
+                items,
+                ev.sampling.max_tokens,
+                stop_token_ids=ev.sampling.stop_token_ids,
+                ignore_eos=ev.sampling.ignore_eos,
+            ),
+        )
+        compute_ms = (time.perf_counter() - t_compute) * 1000
+        text = self.bundle.tokenizer.decode(tokens, skip_special_tokens=True)
+        self.completed += 1
+        await self._result(
+            ev,
+            "completed",
+            token_ids=tokens,
+            text=text,
+            timings={
+                "queue": float(started - ev.created_ms),
+                "embedding_wait": wait_ms,
+                "prefill_decode": compute_ms,
+                "total": float(now_ms() - ev.created_ms),
+            },
+        )

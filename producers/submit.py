@@ -1,0 +1,85 @@
+"""Submitting requests into the pipeline and waiting for their outcome (client side).
+
+Render (in a worker thread) -> ``queued`` status -> fan-out publish. ``wait`` polls the status
+record: the submit-and-poll contract the HTTP API exposes too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from consumers.status_store import StatusStore
+from epd.settings import Settings
+from producers.fanout import FanOut, FanoutStats
+from producers.render import ImageInput, Renderer
+from schemas.types import TERMINAL_STATUSES, RenderEvent, ResultEvent, SamplingParams
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaProducer
+
+
+class Submitter:
+    """Renders and publishes requests; reads their status records."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        renderer: Renderer,
+        fanout: FanOut,
+        producer: AIOKafkaProducer,
+        status: StatusStore,
+    ) -> None:
+        self.settings = settings
+        self.renderer = renderer
+        self.fanout = fanout
+        self.producer = producer
+        self.status = status
+
+    async def submit_rendered(self, ev: RenderEvent) -> FanoutStats:
+        """Publish an already rendered request."""
+        await self.status.apply(ResultEvent(request_id=ev.request_id, stage="api", status="queued"))
+        return await self.fanout.publish(ev)
+
+    async def submit(
+        self,
+        *,
+        prompt: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        images: Sequence[ImageInput] = (),
+        sampling: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        deadline_ms: int | None = None,
+        request_id: str | None = None,
+    ) -> tuple[RenderEvent, FanoutStats]:
+        """Render and publish one request; returns the rendered event and fan-out stats."""
+        rid = request_id or uuid.uuid4().hex
+        ev = await self.renderer.render_async(
+            rid,
+            prompt=prompt,
+            token_ids=token_ids,
+            images=images,
+            sampling=sampling,
+            cache_salt=cache_salt,
+            deadline_ms=deadline_ms,
+        )
+        return ev, await self.submit_rendered(ev)
+
+    async def wait(
+        self, request_id: str, timeout_s: float = 120.0, poll_s: float = 0.02
+    ) -> dict[str, Any]:
+        """Poll the status record until it is terminal; TimeoutError after ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        delay = poll_s
+        while True:
+            rec = await self.status.get(request_id)
+            if rec is not None and rec["status"] in TERMINAL_STATUSES:
+                return rec
+            if loop.time() >= deadline:
+                state = rec["status"] if rec else "unknown"
+                raise TimeoutError(f"request {request_id} still {state} after {timeout_s}s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.25)
