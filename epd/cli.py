@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "epd.commands.vllm",
     "epd.commands.worker",
     "epd.commands.demo",
+    "epd.commands.verify",
 ]
 
 

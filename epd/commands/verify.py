@@ -1,0 +1,180 @@
+"""``epd verify``: the pipeline's tokens must equal one-process ``model.generate`` tokens.
+
+Runs a set of image requests through the disaggregated pipeline (encode worker -> store ->
+prefill worker) and through ``model.generate(input_ids, pixel_values, image_grid_thw,
+mm_token_type_ids)`` in this process, greedy, and compares token ids. Exit 0 only when all match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from epd.local_pipeline import LocalRun
+    from gpu_workers.model import ModelBundle
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("verify", help="check pipeline tokens against the monolithic model")
+    p.add_argument("--model", default=None, help="'tiny' or a local checkpoint (default EPD_MODEL)")
+    p.add_argument(
+        "--external",
+        action="store_true",
+        help="use the workers already running at EPD_KAFKA_BOOTSTRAP instead of starting some",
+    )
+    p.add_argument("--images", nargs="*", type=Path, default=[], help="your own image files")
+    p.add_argument("--max-tokens", type=int, default=12)
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Case:
+    """One request of the verification set."""
+
+    name: str
+    prompt: str
+    images: list[Any]
+
+
+@dataclass
+class CaseResult:
+    name: str
+    status: str
+    pipeline: list[int] | None
+    monolithic: list[int] | None
+    error: str | None = None
+    match: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def builtin_cases() -> list[Case]:
+    """Single, two sizes, repeated, non-square, image first and image last."""
+    from producers.sample_images import synthetic_image
+
+    a = synthetic_image(112, 112, seed=11)
+    return [
+        Case("single image", "Describe <image> please.", [a]),
+        Case(
+            "two images, different sizes",
+            "Compare <image> and <image> now.",
+            [synthetic_image(168, 84, seed=12), synthetic_image(56, 56, seed=13)],
+        ),
+        Case("repeated image", "Again <image> please.", [a]),
+        Case("non-square image", "What is in <image>?", [synthetic_image(70, 182, seed=14)]),
+        Case("image at the start", "<image> is what?", [synthetic_image(98, 98, seed=15)]),
+        Case("image at the end", "Look at <image>", [synthetic_image(126, 84, seed=16)]),
+    ]
+
+
+def file_cases(paths: list[Path]) -> list[Case]:
+    """One case per file, plus one prompt with the first two together."""
+    cases = [Case(p.name, "Describe <image>.", [p.read_bytes()]) for p in paths]
+    if len(paths) >= 2:
+        cases.append(
+            Case(
+                "first two together",
+                "Compare <image> with <image>.",
+                [c.images[0] for c in cases[:2]],
+            )
+        )
+    return cases
+
+
+async def verify_cases(
+    run: LocalRun,
+    bundle: ModelBundle,
+    cases: list[Case],
+    *,
+    max_tokens: int,
+    timeout_s: float,
+) -> list[CaseResult]:
+    """Submit every case (sequentially, so repeats hit the cache) and compare with the oracle."""
+    from gpu_workers.compute import generate_monolithic
+    from producers.render import monolithic_inputs
+    from schemas.types import SamplingParams
+
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    events = []
+    for case in cases:
+        ev, _ = await run.submitter.submit(
+            prompt=case.prompt, images=case.images, sampling=sampling
+        )
+        events.append(ev)
+
+    async def oracle(ev: Any) -> list[int]:
+        ids, pv, grid = monolithic_inputs(ev)
+        return await asyncio.to_thread(
+            generate_monolithic, bundle, ids, pv, grid, max_tokens, ignore_eos=True
+        )
+
+    results = []
+    for case, ev in zip(cases, events, strict=True):
+        mono = await oracle(ev)  # one at a time: generate() keeps per-call state on the model
+        try:
+            rec = await run.submitter.wait(ev.request_id, timeout_s=timeout_s)
+        except TimeoutError as exc:
+            results.append(CaseResult(case.name, "timeout", None, mono, str(exc)))
+            continue
+        got = rec.get("token_ids")
+        results.append(
+            CaseResult(
+                case.name,
+                rec["status"],
+                got,
+                mono,
+                error=json.dumps(rec["error"]) if rec.get("error") else None,
+                match=rec["status"] == "completed" and got == mono,
+            )
+        )
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    from epd import services
+
+    if args.external:
+        return asyncio.run(_verify(args, services.state_dir()))
+    with services.running(services.state_dir()) as state:
+        os.environ.update(state.env)
+        return asyncio.run(_verify(args, services.state_dir()))
+
+
+async def _verify(args: argparse.Namespace, state_dir: Path) -> int:
+    from epd.local_pipeline import local_pipeline
+    from epd.settings import Settings
+    from gpu_workers.model import load_model
+
+    settings = Settings(**({"model": args.model} if args.model else {}))
+    cases = file_cases(args.images) if args.images else builtin_cases()
+    bundle_task = asyncio.create_task(
+        asyncio.to_thread(load_model, settings.model, device=settings.device)
+    )
+    async with local_pipeline(
+        settings,
+        spawn_workers=not args.external,
+        log_dir=state_dir / "verify-logs",
+        isolate=not args.external,
+    ) as run:
+        bundle = await bundle_task
+        results = await verify_cases(
+            run, bundle, cases, max_tokens=args.max_tokens, timeout_s=args.timeout
+        )
+    ok = all(r.match for r in results)
+    if args.json:
+        print(json.dumps({"ok": ok, "cases": [r.__dict__ for r in results]}, indent=2))
+    else:
+        for r in results:
+            mark = "MATCH" if r.match else "DIFF "
+            print(f"{mark} {r.name:<30} {r.status:<10} pipeline={r.pipeline}")
+            if not r.match:
+                print(f"      {'':<30} {'':<10} generate={r.monolithic} {r.error or ''}")
+        print(f"{sum(r.match for r in results)}/{len(results)} cases match the monolithic model")
+    return 0 if ok else 1
