@@ -1,0 +1,160 @@
+"""End to end over a real Tansu broker and a real Redis, workers in separate processes.
+
+One pipeline (results, encode and prefill workers as ``epd worker`` processes) serves the whole
+module; each test uses requests of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from epd.commands.verify import builtin_cases, verify_cases
+from epd.kafka import read_topic, send_event
+from epd.local_pipeline import LocalRun, local_pipeline
+from epd.settings import Settings
+from producers.sample_images import synthetic_image
+from schemas.codec import get_codec
+from schemas.types import DeadLetter, EncodedEvent, PrefillEvent, SamplingParams, TensorRef
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+async def pipeline(
+    settings: Settings, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[LocalRun]:
+    log_dir: Path = tmp_path_factory.mktemp("worker-logs")
+    async with local_pipeline(settings, spawn_workers=True, log_dir=log_dir) as run:
+        yield run
+
+
+async def _wait_all(run: LocalRun, request_ids: list[str]) -> dict[str, dict]:
+    async def one(rid: str) -> tuple[str, dict]:
+        wait = asyncio.create_task(run.submitter.wait(rid, timeout_s=240))
+        while not wait.done():
+            assert run.workers is not None
+            run.workers.check_alive()  # a crashed worker fails the test with its log
+            await asyncio.wait([wait], timeout=1.0)
+        return rid, await wait
+
+    return dict(await asyncio.gather(*(one(r) for r in request_ids)))
+
+
+async def test_parity_with_monolithic_generate(pipeline: LocalRun) -> None:
+    from gpu_workers.model import load_model
+
+    bundle = await asyncio.to_thread(load_model, "tiny", device="cpu")
+    results = await verify_cases(pipeline, bundle, builtin_cases(), max_tokens=10, timeout_s=240)
+    for r in results:
+        assert r.status == "completed", (r.name, r.error)
+        assert r.pipeline == r.monolithic, r.name
+    assert len(results) == 6
+
+
+async def test_twenty_requests_complete_and_repeats_encode_once(pipeline: LocalRun) -> None:
+    salt = uuid.uuid4().hex  # this test's images hash apart from every other test's
+    images = [synthetic_image(56 + 14 * (i % 5), 56 + 28 * (i % 3), seed=100 + i) for i in range(6)]
+    sampling = SamplingParams(max_tokens=4)
+    # 20 requests over 6 distinct images: many repeats, some of them concurrent, and a few
+    # two-image prompts (one of which repeats an image inside one request).
+    plans: list[tuple[str, list]] = []
+    for i in range(20):
+        if i % 5 == 4:
+            plans.append(("Compare <image> and <image>.", [images[i % 6], images[(i + 1) % 6]]))
+        elif i == 7:
+            plans.append(("Same twice: <image> <image>", [images[2], images[2]]))
+        else:
+            plans.append(("Describe <image>.", [images[i % 6]]))
+
+    async def submit(prompt: str, imgs: list) -> tuple[str, list[str]]:
+        ev, _ = await pipeline.submitter.submit(
+            prompt=prompt, images=imgs, sampling=sampling, cache_salt=salt
+        )
+        return ev.request_id, ev.features.mm_hashes["image"]
+
+    # two waves: the second repeats images whose embeddings are (or are being) made
+    first = await asyncio.gather(*(submit(p, im) for p, im in plans[:10]))
+    second = await asyncio.gather(*(submit(p, im) for p, im in plans[10:]))
+    submitted = first + second
+    outcomes = await _wait_all(pipeline, [rid for rid, _ in submitted])
+    assert [o["status"] for o in outcomes.values()] == ["completed"] * 20, outcomes
+    assert all(o["token_ids"] for o in outcomes.values())
+
+    used = {h for _, hashes in submitted for h in hashes}
+    assert len(used) == 6
+    encoded = [
+        get_codec().decode(r.value, EncodedEvent)
+        for r in await read_topic(pipeline.settings, f"{pipeline.settings.topic_prefix}.encoded")
+    ]
+    runs = Counter(e.mm_hash for e in encoded if not e.cache_hit and e.mm_hash in used)
+    # every distinct image went through the vision tower exactly once
+    assert runs == Counter({h: 1 for h in used})
+
+
+async def test_prefill_topic_never_carries_pixel_values(pipeline: LocalRun) -> None:
+    ev, _ = await pipeline.submitter.submit(
+        prompt="Two: <image> <image>",
+        images=[synthetic_image(224, 224, seed=7), synthetic_image(84, 56, seed=8)],
+        sampling=SamplingParams(max_tokens=2),
+    )
+    await _wait_all(pipeline, [ev.request_id])
+    records = await read_topic(pipeline.settings, f"{pipeline.settings.topic_prefix}.prefill")
+    assert records
+    for rec in records:
+        assert b"pixel_values" not in rec.value
+        pf = get_codec().decode(rec.value, PrefillEvent)
+        assert pf.features.kwargs_data is None
+        for items in (pf.features.mm_metadata or {}).values():
+            for item in items:
+                assert item is not None and set(item) == {"image_grid_thw"}
+                assert not any(isinstance(v, TensorRef) for v in item.values())
+        assert len(rec.value) < 4096
+
+
+async def test_unsafe_metadata_only_event_is_rejected_and_others_finish(
+    pipeline: LocalRun,
+) -> None:
+    run = pipeline
+    good = []
+    for seed in (21, 22, 23):
+        ev, _ = await run.submitter.submit(
+            prompt="Describe <image>.",
+            images=[synthetic_image(70, 70, seed=seed)],
+            sampling=SamplingParams(max_tokens=3),
+        )
+        good.append(ev.request_id)
+    # An unsafe event straight onto the prefill topic: metadata only, no ec_transfer_params.
+    rendered = await run.submitter.renderer.render_async(
+        "unsafe-" + uuid.uuid4().hex[:8],
+        prompt="Leak <image>",
+        images=[synthetic_image(56, 56, seed=24)],
+    )
+    plan = await run.submitter.fanout.plan(rendered)
+    unsafe = dataclasses.replace(plan.prefill, ec_transfer_params={})
+    await send_event(
+        run.producer, f"{run.settings.topic_prefix}.prefill", unsafe.request_id, unsafe
+    )
+
+    outcomes = await _wait_all(run, [*good, unsafe.request_id])
+    assert [outcomes[r]["status"] for r in good] == ["completed"] * 3
+    rejected = outcomes[unsafe.request_id]
+    assert rejected["status"] == "rejected"
+    assert rejected["error"]["rule"] == "ec-transfer-required"
+    assert rejected["error"]["modality"] == "image" and rejected["error"]["item"] == 0
+
+    letters = [
+        get_codec().decode(r.value, DeadLetter)
+        for r in await read_topic(run.settings, f"{run.settings.topic_prefix}.dlq")
+    ]
+    mine = [d for d in letters if d.key == unsafe.request_id.encode()]
+    assert len(mine) == 1
+    assert mine[0].original_topic == f"{run.settings.topic_prefix}.prefill"
+    assert mine[0].error.rule == "ec-transfer-required"
+    assert get_codec().decode(mine[0].value, PrefillEvent).request_id == unsafe.request_id
