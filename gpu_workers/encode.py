@@ -115,8 +115,12 @@ class EncodeWorker:
             self.topics.results,
             ev.request_id,
             ResultEvent(
-                request_id=ev.request_id, stage="encode", status=status, worker=self.worker_id, **kw
-            ),  # type: ignore[arg-type]
+                request_id=ev.request_id,
+                stage="encode",
+                status=status,
+                worker=self.worker_id,
+                **kw,  # type: ignore[arg-type]
+            ),
         )
 
     async def _encoded(
@@ -153,9 +157,10 @@ class EncodeWorker:
 
     async def handle(self, ev: EncodeEvent) -> None:
         """Encode one item (or find it already encoded) and announce it."""
-        validate_encode_event(ev, self.vconfig)
-        self._check_key(ev)
-        if ev.deadline_ms is not None and now_ms() > ev.deadline_ms:
+        # The deadline comes first: the fan-out caps ec_transfer expiry at the deadline, so a late
+        # event would otherwise fail validation as ec-expired (rejected) instead of expiring.
+        # Nothing is read or computed on this path.
+        if ev.deadline_ms is not None and now_ms() >= ev.deadline_ms:
             await self._result(
                 ev,
                 "expired",
@@ -167,6 +172,8 @@ class EncodeWorker:
                 ),
             )
             return
+        validate_encode_event(ev, self.vconfig)
+        self._check_key(ev)
         key = ev.ec_transfer.key
         pending = self._inflight.get(ev.mm_hash)
         if pending is not None:

@@ -108,12 +108,15 @@ class PrefillWorker:
     async def handle(self, ev: PrefillEvent) -> None:
         """Run one request to completion (or to a clear failure)."""
         started = now_ms()
-        validate_prefill_event(ev, self.vconfig)
-        if ev.deadline_ms is not None and started > ev.deadline_ms:
+        # The deadline comes first: the fan-out caps ec_transfer expiry at the deadline, so a late
+        # event would otherwise fail validation as ec-expired (rejected) instead of expiring.
+        # Nothing is read or run on this path.
+        if ev.deadline_ms is not None and started >= ev.deadline_ms:
             await self._result(
                 ev, "expired", error=ErrorInfo("expired", "deadline passed before prefill")
             )
             return
+        validate_prefill_event(ev, self.vconfig)
         await self._result(ev, "prefilling")
         hashes = dict.fromkeys(h for _, _, h in ev.features.items())
         keys = {h: ev.ec_transfer_params[h].key for h in hashes}
@@ -124,7 +127,13 @@ class PrefillWorker:
         try:
             await self.store.wait(list(keys.values()), timeout)
         except StoreTimeout as exc:
-            missing = [h for h, k in keys.items() if k in set(exc.missing)]
+            missing_keys = set(exc.missing)
+            missing = [h for h, k in keys.items() if k in missing_keys]
+            # Name the first missing item (modality and index), as every other rejection does.
+            modality, index = next(
+                ((m, i) for m, i, h in ev.features.items() if keys[h] in missing_keys),
+                (None, None),
+            )
             await self._result(
                 ev,
                 "failed" if ev.deadline_ms is None or now_ms() < ev.deadline_ms else "expired",
@@ -132,6 +141,8 @@ class PrefillWorker:
                     "embeddings-missing",
                     f"embeddings for {len(missing)} item(s) not in the store after {timeout:.1f}s: "
                     + ", ".join(h[:16] for h in missing),
+                    modality=modality,
+                    item=index,
                 ),
             )
             return

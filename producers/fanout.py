@@ -33,7 +33,7 @@ from schemas.types import (
     TensorRef,
     now_ms,
 )
-from schemas.validator import validate_render_event
+from schemas.validator import DEFAULT_METADATA_FIELDS, validate_render_event
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
@@ -121,7 +121,9 @@ class FanOut:
                 out[name] = value  # already claim-checked upstream
                 continue
             nbytes = value.numel() * value.element_size()
-            if nbytes <= self.settings.inline_limit_bytes:
+            # Metadata (the grid) always travels inline: it is a few bytes, and the validator
+            # and encoder need it without a store round trip (a claim-checked grid is rejected).
+            if name in DEFAULT_METADATA_FIELDS or nbytes <= self.settings.inline_limit_bytes:
                 out[name] = value
                 continue
             raw = tensor_bytes(value)

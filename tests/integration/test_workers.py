@@ -1,0 +1,427 @@
+"""Encode and prefill workers in-process, on the tiny model, a real broker and a real store.
+
+Each test builds its workers with a real producer and store and calls ``handle(event)``
+directly (no consume loop), then reads back what the workers produced from its own topics.
+Redis: DB 12, one embedding namespace per test, its keys deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+from aiokafka import AIOKafkaProducer
+from pydantic import SecretStr
+
+from epd.kafka import make_producer, read_topic
+from epd.settings import Settings
+from epd.topics import Topics
+from gpu_workers.compute import encode_images, generate_monolithic
+from gpu_workers.encode import EncodeWorker
+from gpu_workers.model import ModelBundle, load_model
+from gpu_workers.prefill import PrefillWorker
+from gpu_workers.stores.base import EmbeddingStore
+from gpu_workers.stores.local import LocalStore
+from gpu_workers.stores.redis import RedisStore
+from producers.fanout import FanOut, FanoutPlan
+from producers.render import Renderer, monolithic_inputs
+from producers.sample_images import synthetic_image
+from schemas.codec import decode, encode
+from schemas.errors import ValidationError
+from schemas.signing import make_ec_transfer
+from schemas.types import (
+    EncodedEvent,
+    RenderEvent,
+    ResultEvent,
+    SamplingParams,
+    TensorRef,
+    now_ms,
+)
+from tests.conftest import redis_url_with_db
+
+pytestmark = pytest.mark.integration
+
+REDIS_DB = 12
+SECRET = "workers-test-secret"
+MAX_TOKENS = 8
+# Guards against a hang only (a lost wake-up must fail the test, not stall the run).
+HANG_GUARD_S = 120.0
+# 84x56 -> grid (1, 4, 6), 112x112 -> grid (1, 8, 8): two images of different sizes.
+SIZES = ((84, 56), (112, 112))
+
+
+@pytest.fixture(scope="module")
+def bundle() -> ModelBundle:
+    return load_model("tiny", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def renderer(bundle: ModelBundle) -> Renderer:
+    return Renderer(bundle, max_image_pixels=4096 * 4096)
+
+
+@pytest.fixture(scope="module")
+async def producer(settings: Settings) -> AsyncIterator[AIOKafkaProducer]:
+    p = make_producer(settings)
+    await p.start()
+    try:
+        yield p
+    finally:
+        await p.stop()
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"ec-test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def cfg(topic_settings: Settings, namespace: str) -> Settings:
+    """Fresh topics, DB 12, this test's namespace and secret, claim checks for every image."""
+    return topic_settings.model_copy(
+        update={
+            "redis_url": redis_url_with_db(topic_settings.redis_url, REDIS_DB),
+            "store_url": "",
+            "ec_namespace": namespace,
+            "ec_secret": SecretStr(SECRET),
+            "inline_limit_bytes": 64 * 1024,
+            "validation_mode": "strict",
+        }
+    )
+
+
+@pytest.fixture
+async def store(cfg: Settings, namespace: str) -> AsyncIterator[RedisStore]:
+    s = RedisStore(cfg.redis_url)
+    try:
+        yield s
+    finally:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(cfg.redis_url)
+        keys = [k async for k in client.scan_iter(match=f"{namespace}:*", count=500)]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+        await s.close()
+
+
+@pytest.fixture
+async def encoder(
+    cfg: Settings, bundle: ModelBundle, store: RedisStore, producer: AIOKafkaProducer
+) -> AsyncIterator[EncodeWorker]:
+    w = EncodeWorker(cfg, bundle, store, producer, worker_id="encode-test")
+    try:
+        yield w
+    finally:
+        await w.close()
+
+
+def render(
+    renderer: Renderer,
+    seeds: tuple[int, ...],
+    *,
+    deadline_ms: int | None = None,
+) -> RenderEvent:
+    images = [synthetic_image(*SIZES[i % len(SIZES)], seed=s) for i, s in enumerate(seeds)]
+    prompt = "describe " + " then ".join("<image>" for _ in seeds) + " please"
+    return renderer.render(
+        f"req-{uuid.uuid4().hex[:10]}",
+        prompt=prompt,
+        images=images,
+        sampling=SamplingParams(max_tokens=MAX_TOKENS),
+        deadline_ms=deadline_ms,
+    )
+
+
+async def plan(
+    cfg: Settings, store: EmbeddingStore, bundle: ModelBundle, ev: RenderEvent
+) -> FanoutPlan:
+    return await FanOut(cfg, store, bundle.fingerprint).plan(ev)
+
+
+def wire(event: Any) -> Any:
+    """The event as a consumer sees it: through the Avro codec and back."""
+    return decode(encode(event))
+
+
+async def produced(cfg: Settings, topic: str) -> list[Any]:
+    return [decode(r.value) for r in await read_topic(cfg, topic, timeout_s=HANG_GUARD_S)]
+
+
+def item_data(ev: RenderEvent, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    item = (ev.features.kwargs_data or {})["image"][index]
+    assert item is not None
+    pv, grid = item["pixel_values"], item["image_grid_thw"]
+    assert isinstance(pv, torch.Tensor) and isinstance(grid, torch.Tensor)
+    return pv, grid
+
+
+# ------------------------------------------------------------------ encode
+
+
+async def test_single_flight_then_store_hit(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    encoder: EncodeWorker,
+) -> None:
+    # Three requests with the same image: planned before anything is encoded, so each gets an
+    # encode event for the same mm_hash (claim-checked: 84x56 is above the 64 KiB limit).
+    renders = [render(renderer, (11,)) for _ in range(3)]
+    plans = [await plan(cfg, store, bundle, ev) for ev in renders]
+    events = [wire(p.encode[0]) for p in plans]
+    assert len({e.mm_hash for e in events}) == 1
+    assert isinstance(events[0].data["pixel_values"], TensorRef)
+
+    await asyncio.wait_for(asyncio.gather(*(encoder.handle(e) for e in events)), HANG_GUARD_S)
+    assert encoder.items_encoded == 1
+    assert encoder.cache_hits == 2
+    assert encoder.encoder_calls == 1
+
+    key = events[0].ec_transfer.key
+    stored = await store.get(key)
+    expected = encode_images(bundle, [item_data(renders[0], 0)])[0]
+    assert stored.dtype == expected.dtype and torch.equal(stored, expected)
+
+    encoded = await produced(cfg, Topics(cfg.topic_prefix).encoded)
+    assert all(isinstance(e, EncodedEvent) for e in encoded)
+    assert sorted(e.cache_hit for e in encoded) == [False, True, True]
+    assert {e.key for e in encoded} == {key}
+    assert {e.request_id for e in encoded} == {ev.request_id for ev in renders}
+    fresh = next(e for e in encoded if not e.cache_hit)
+    assert fresh.shape == list(expected.shape) and fresh.store == store.url
+
+    # Later, another request for the same image: a store hit, the encoder does not run.
+    later = wire(dataclasses.replace(plans[0].encode[0], request_id="req-later"))
+    await encoder.handle(later)
+    assert (encoder.items_encoded, encoder.cache_hits, encoder.encoder_calls) == (1, 3, 1)
+    results = await produced(cfg, Topics(cfg.topic_prefix).results)
+    assert [(r.stage, r.status) for r in results] == [("encode", "encoding")]
+
+
+async def test_concurrent_images_share_a_vision_call(
+    cfg: Settings, bundle: ModelBundle, renderer: Renderer, producer: AIOKafkaProducer
+) -> None:
+    # local:// keeps the interleaving deterministic: its exists() does not yield, so all three
+    # handlers queue their items before the batcher's first call (Redis round trips would make
+    # the batch composition depend on timing).
+    store = LocalStore(f"local://workers-{uuid.uuid4().hex[:12]}")
+    worker = EncodeWorker(cfg, bundle, store, producer)
+    try:
+        ev = render(renderer, (21, 22, 23))
+        p = await plan(cfg, store, bundle, ev)
+        assert len({e.mm_hash for e in p.encode}) == 3
+        await asyncio.wait_for(
+            asyncio.gather(*(worker.handle(wire(e)) for e in p.encode)), HANG_GUARD_S
+        )
+    finally:
+        await worker.close()
+    assert worker.items_encoded == 3
+    assert worker.encoder_calls < 3
+    for e in p.encode:
+        alone = encode_images(bundle, [item_data(ev, e.item_index)])[0]
+        torch.testing.assert_close(await store.get(e.ec_transfer.key), alone)
+
+
+async def test_claim_check_with_a_wrong_digest_is_rejected(
+    cfg: Settings, bundle: ModelBundle, renderer: Renderer, store: RedisStore, encoder: EncodeWorker
+) -> None:
+    p = await plan(cfg, store, bundle, render(renderer, (31,)))
+    enc = p.encode[0]
+    ref = enc.data["pixel_values"]
+    assert isinstance(ref, TensorRef)
+
+    bad = dataclasses.replace(
+        enc, data={**enc.data, "pixel_values": dataclasses.replace(ref, digest="0" * 64)}
+    )
+    with pytest.raises(ValidationError) as err:
+        await encoder.handle(wire(bad))
+    assert (err.value.rule, err.value.field) == ("claim-check", "pixel_values")
+
+    # Same reference, but the stored bytes were overwritten: the digest catches that too.
+    raw = bytearray(await store.get_bytes(ref.key))
+    raw[0] ^= 0xFF
+    await store.put_bytes(ref.key, bytes(raw), ttl_s=60)
+    with pytest.raises(ValidationError) as err:
+        await encoder.handle(wire(enc))
+    assert err.value.rule == "claim-check"
+
+    assert encoder.items_encoded == 0 and encoder.encoder_calls == 0
+    assert not await store.exists(enc.ec_transfer.key)
+
+
+async def test_key_for_another_model_is_rejected(
+    cfg: Settings, bundle: ModelBundle, renderer: Renderer, store: RedisStore, encoder: EncodeWorker
+) -> None:
+    p = await plan(cfg, store, bundle, render(renderer, (41,)))
+    enc = p.encode[0]
+    other = f"{cfg.ec_namespace}:{'f' * 64}:{enc.mm_hash}"
+    # Correctly signed, in the namespace: only the model fingerprint is wrong.
+    ec = make_ec_transfer(
+        mm_hash=enc.mm_hash,
+        store=store.url,
+        key=other,
+        expires_ms=enc.ec_transfer.expires_ms,
+        secret=SECRET.encode(),
+    )
+    with pytest.raises(ValidationError) as err:
+        await encoder.handle(wire(dataclasses.replace(enc, ec_transfer=ec)))
+    assert err.value.rule == "model-fingerprint"
+    assert (err.value.modality, err.value.item) == ("image", 0)
+    assert encoder.items_encoded == 0
+    assert not await store.exists(other)
+
+
+async def test_claim_check_in_another_store_is_rejected(
+    cfg: Settings, bundle: ModelBundle, renderer: Renderer, store: RedisStore, encoder: EncodeWorker
+) -> None:
+    p = await plan(cfg, store, bundle, render(renderer, (51,)))
+    enc = p.encode[0]
+    ref = enc.data["pixel_values"]
+    assert isinstance(ref, TensorRef)
+    elsewhere = dataclasses.replace(ref, store=redis_url_with_db(cfg.redis_url, REDIS_DB + 1))
+    bad = dataclasses.replace(enc, data={**enc.data, "pixel_values": elsewhere})
+    with pytest.raises(ValidationError) as err:
+        await encoder.handle(wire(bad))
+    assert (err.value.rule, err.value.field) == ("claim-check", "pixel_values")
+    assert encoder.items_encoded == 0
+
+
+async def test_encode_past_deadline_is_reported_expired(
+    cfg: Settings, bundle: ModelBundle, renderer: Renderer, store: RedisStore, encoder: EncodeWorker
+) -> None:
+    p = await plan(cfg, store, bundle, render(renderer, (61,), deadline_ms=now_ms() - 1_000))
+    await encoder.handle(wire(p.encode[0]))
+    assert encoder.items_encoded == 0 and encoder.encoder_calls == 0
+    results = await produced(cfg, Topics(cfg.topic_prefix).results)
+    assert [(r.stage, r.status) for r in results] == [("encode", "expired")]
+    assert (results[0].error.modality, results[0].error.item) == ("image", 0)
+
+
+# ------------------------------------------------------------------ prefill
+
+
+def prefill_results(results: list[Any], request_id: str) -> list[ResultEvent]:
+    return [r for r in results if r.stage == "prefill" and r.request_id == request_id]
+
+
+async def test_prefill_matches_the_monolithic_model(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    encoder: EncodeWorker,
+    producer: AIOKafkaProducer,
+) -> None:
+    ev = render(renderer, (71, 72))
+    grids = [item_data(ev, i)[1].tolist() for i in range(2)]
+    assert grids[0] != grids[1]  # two images of different sizes
+    p = await plan(cfg, store, bundle, ev)
+    assert len(p.encode) == 2
+
+    prefill = PrefillWorker(cfg, bundle, store, producer, worker_id="prefill-test")
+    try:
+        # Prefill starts first and waits on the store; the encoder's puts wake it.
+        waiting = asyncio.create_task(prefill.handle(wire(p.prefill)))
+        await asyncio.gather(*(encoder.handle(wire(e)) for e in p.encode))
+        await asyncio.wait_for(waiting, HANG_GUARD_S)
+    finally:
+        await prefill.close()
+    assert prefill.completed == 1
+
+    results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
+    assert [r.status for r in results] == ["prefilling", "completed"]
+    done = results[-1]
+    token_ids, pixels, grid = monolithic_inputs(ev)
+    expected = generate_monolithic(bundle, token_ids, pixels, grid, MAX_TOKENS)
+    assert expected
+    assert done.token_ids == expected
+    assert done.text == bundle.tokenizer.decode(expected, skip_special_tokens=True)
+    assert done.error is None
+
+
+async def test_prefill_reports_missing_embeddings(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    encoder: EncodeWorker,
+    producer: AIOKafkaProducer,
+) -> None:
+    ev = render(renderer, (81, 82))
+    p = await plan(cfg, store, bundle, ev)
+    await encoder.handle(wire(p.encode[0]))  # item 1 is never encoded
+    missing = ev.features.mm_hashes["image"][1]
+
+    prefill = PrefillWorker(cfg, bundle, store, producer, embedding_wait_s=0.5)
+    try:
+        await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
+    finally:
+        await prefill.close()
+    assert prefill.completed == 0
+
+    results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
+    assert [r.status for r in results] == ["prefilling", "failed"]
+    err = results[-1].error
+    assert err is not None and err.code == "embeddings-missing"
+    assert missing[:16] in err.message
+    assert ev.features.mm_hashes["image"][0][:16] not in err.message
+    assert (err.modality, err.item) == ("image", 1)
+
+
+async def test_prefill_past_deadline_expires_without_running(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    producer: AIOKafkaProducer,
+) -> None:
+    ev = render(renderer, (91,), deadline_ms=now_ms() - 1_000)
+    p = await plan(cfg, store, bundle, ev)
+    # A long embedding wait: were the worker to wait instead of expiring, the guard would fire.
+    prefill = PrefillWorker(cfg, bundle, store, producer, embedding_wait_s=HANG_GUARD_S * 2)
+    try:
+        await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
+    finally:
+        await prefill.close()
+    assert prefill.completed == 0
+    results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
+    assert [r.status for r in results] == ["expired"]
+    assert results[0].error is not None and results[0].error.code == "expired"
+
+
+async def test_prefill_refuses_metadata_only_item_without_entry(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    producer: AIOKafkaProducer,
+) -> None:
+    ev = render(renderer, (101, 102))
+    p = await plan(cfg, store, bundle, ev)
+    dropped = ev.features.mm_hashes["image"][1]
+    params = {h: e for h, e in p.prefill.ec_transfer_params.items() if h != dropped}
+    bad = wire(dataclasses.replace(p.prefill, ec_transfer_params=params))
+    assert bad.features.kwargs_data is None and bad.features.mm_metadata is not None
+
+    prefill = PrefillWorker(cfg, bundle, store, producer, embedding_wait_s=HANG_GUARD_S * 2)
+    try:
+        with pytest.raises(ValidationError) as err:
+            await asyncio.wait_for(prefill.handle(bad), HANG_GUARD_S)
+    finally:
+        await prefill.close()
+    assert (err.value.rule, err.value.modality, err.value.item) == (
+        "ec-transfer-required",
+        "image",
+        1,
+    )
+    assert prefill.completed == 0
+    # Rejected before anything ran: not even a "prefilling" update went out.
+    assert await produced(cfg, Topics(cfg.topic_prefix).results) == []
