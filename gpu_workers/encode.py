@@ -22,6 +22,7 @@ from epd.settings import Settings
 from epd.topics import Topics
 from gpu_workers.batcher import MicroBatcher
 from gpu_workers.compute import encode_images
+from gpu_workers.stores.base import StoreKeyMissing
 from schemas.errors import ValidationError
 from schemas.tensors import dtype_name, tensor_from_bytes
 from schemas.types import EncodedEvent, EncodeEvent, ErrorInfo, ResultEvent, TensorRef, now_ms
@@ -98,7 +99,18 @@ class EncodeWorker:
                 item=ev.item_index,
                 field=name,
             )
-        raw = await self.store.get_bytes(value.key)
+        try:
+            raw = await self.store.get_bytes(value.key)
+        except StoreKeyMissing:
+            # The fan-out stores the input before it sends the event: missing means expired.
+            # Retrying cannot bring it back, so this is permanent (DLQ), not transient.
+            raise ValidationError(
+                "claim-check",
+                f"claim-checked input {value.key!r} is not in the store (expired?)",
+                modality=ev.modality,
+                item=ev.item_index,
+                field=name,
+            ) from None
         if blake3.blake3(raw).hexdigest() != value.digest:
             raise ValidationError(
                 "claim-check",

@@ -257,6 +257,21 @@ async def test_claim_check_with_a_wrong_digest_is_rejected(
     assert not await store.exists(enc.ec_transfer.key)
 
 
+async def test_expired_claim_check_is_permanent_not_retried(
+    cfg: Settings, bundle: ModelBundle, renderer: Renderer, store: RedisStore, encoder: EncodeWorker
+) -> None:
+    p = await plan(cfg, store, bundle, render(renderer, (36,)))
+    enc = p.encode[0]
+    ref = enc.data["pixel_values"]
+    assert isinstance(ref, TensorRef)
+    await store.delete(ref.key)  # as if its TTL ran out before the encoder got to it
+    with pytest.raises(ValidationError) as err:
+        await encoder.handle(wire(enc))
+    assert (err.value.rule, err.value.field) == ("claim-check", "pixel_values")
+    assert "not in the store" in str(err.value)
+    assert encoder.items_encoded == 0
+
+
 async def test_key_for_another_model_is_rejected(
     cfg: Settings, bundle: ModelBundle, renderer: Renderer, store: RedisStore, encoder: EncodeWorker
 ) -> None:
