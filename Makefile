@@ -1,0 +1,94 @@
+# epd-pipeline: everyday commands. `make help` lists them.
+#
+#   make install   .venv with PyTorch (TORCH_SPEC) and the project, editable, with test tools
+#   make test      the full suite against a local Tansu broker and Redis (started and stopped)
+#   make demo      the end-to-end demo on local services
+#   make bench     the side-by-side benchmarks
+#   make up/down   the production-like docker compose stack (Apache Kafka, Redis, services)
+#
+# Variables: PYTHON (>= 3.11, default python3), VENV (.venv), TORCH_SPEC (torch==2.13.0, the CPU
+# wheel on the dev machines; e.g. TORCH_SPEC='torch==2.14.1' for a CUDA build), PYTEST_ARGS.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?= -q -ra --durations=10
+DEMO_ARGS ?=
+BENCH_ARGS ?=
+STATE_DIR ?= .epd
+
+VPY := $(VENV)/bin/python
+EPD := $(VENV)/bin/epd
+STAMP := $(VENV)/.epd-installed
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+
+.PHONY: help install test test-unit demo bench up down services services-down dockerd dockerd-stop \
+	lint fmt clean
+
+help:
+	@sed -n 's/^#   make /  make /p' $(MAKEFILE_LIST)
+
+install: $(STAMP)
+
+# Re-runs only when pyproject.toml changes (or the stamp is deleted).
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || \
+		{ echo "make: $(PYTHON) is missing or older than 3.11; run e.g. make PYTHON=python3.11" >&2; exit 1; }
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --upgrade pip
+	@# PyTorch first: a plain dependency resolve would fetch a multi-GB CUDA build.
+	$(VPY) -m pip install '$(TORCH_SPEC)'
+	$(VPY) -m pip install -e '.[test]'
+	@touch $@
+
+# A Docker daemon for the testcontainers suite is started when possible (root + dockerd) and left
+# running for the next run (`make dockerd-stop` ends it); without one those tests skip, except
+# under CI=true, where they fail. Pytest's exit code 5 (no tests collected) is an error.
+test: install
+	@docker/ensure-dockerd.sh --pidfile $(STATE_DIR)/dockerd.pid --log $(STATE_DIR)/dockerd.log || \
+		echo "make: no Docker daemon; the docker-marked tests will skip" >&2
+	@rc=0; $(EPD) services run -- $(VPY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests" >&2; fi; exit $$rc
+
+test-unit: install
+	$(VPY) -m pytest $(PYTEST_ARGS) tests/unit
+
+demo: install
+	$(EPD) services run -- $(EPD) demo $(DEMO_ARGS)
+
+bench: install
+	$(EPD) services run -- $(VPY) -m bench $(BENCH_ARGS)
+
+# Local services only (Tansu + Redis), left running: eval "$$(.venv/bin/epd env)" to use them.
+services: install
+	$(EPD) up
+
+services-down:
+	@test -x $(EPD) && $(EPD) down || true
+
+dockerd:
+	docker/ensure-dockerd.sh --install --pidfile $(STATE_DIR)/dockerd.pid --log $(STATE_DIR)/dockerd.log
+
+dockerd-stop:
+	@if [ -f $(STATE_DIR)/dockerd.pid ]; then kill "$$(cat $(STATE_DIR)/dockerd.pid)" 2>/dev/null || true; \
+		rm -f $(STATE_DIR)/dockerd.pid; echo "make: dockerd stopped"; fi
+
+up:
+	$(COMPOSE) up -d --build
+
+down:
+	$(COMPOSE) down
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+fmt: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean: services-down
+	rm -rf $(STATE_DIR) $(STAMP) .pytest_cache .ruff_cache .mypy_cache build
