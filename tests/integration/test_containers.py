@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from epd import services
+from epd.cli import build_parser
 from epd.kafka import ensure_topics, make_consumer, make_producer, send_event
 from epd.settings import Settings
 from schemas.codec import SCHEMA_HEADER, get_codec
@@ -166,13 +167,12 @@ async def test_events_and_values_through_containers(
 
 
 def test_compose_file_is_a_valid_stack() -> None:
-    """docker-compose.yml: Kafka in KRaft mode, Redis and the five pipeline services, all on the
-    host network, GPU workers with an nvidia reservation, configuration through EPD_*."""
+    """docker-compose.yml: Kafka in KRaft mode, Redis and the pipeline services, all on the
+    host network, GPU workers with an nvidia reservation, configuration through EPD_*, and
+    every service command a real ``epd`` sub-command."""
     spec = yaml.safe_load(COMPOSE_FILE.read_text())
     svcs = spec["services"]
-    assert {"kafka", "redis", "api", "router", "encode-worker", "prefill-worker", "results"} <= set(
-        svcs
-    )
+    assert {"kafka", "redis", "router", "encode-worker", "prefill-worker", "results"} <= set(svcs)
     assert svcs["kafka"]["image"].startswith("apache/kafka")
     assert "controller" in svcs["kafka"]["environment"]["KAFKA_PROCESS_ROLES"]
     for name, svc in svcs.items():
@@ -181,10 +181,14 @@ def test_compose_file_is_a_valid_stack() -> None:
     for name in ("encode-worker", "prefill-worker"):
         devices = svcs[name]["deploy"]["resources"]["reservations"]["devices"]
         assert any(d.get("driver") == "nvidia" and "gpu" in d["capabilities"] for d in devices)
-    for name in ("api", "router", "encode-worker", "prefill-worker", "results"):
+    parser = build_parser()
+    for name in ("topics", "router", "encode-worker", "prefill-worker", "results"):
         env = svcs[name]["environment"]
         assert env["EPD_KAFKA_BOOTSTRAP"] and env["EPD_REDIS_URL"], name
         assert svcs[name]["build"]["dockerfile"] == "docker/Dockerfile"
+        # the image's entrypoint is `epd`: the command must parse as one of its sub-commands
+        args = parser.parse_args(svcs[name]["command"])
+        assert callable(args.func), name
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
