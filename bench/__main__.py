@@ -1,0 +1,119 @@
+"""``python -m bench [NAME ...] [--quick] [--out DIR] [--check]``: run benchmarks, print JSON.
+
+stdout gets one JSON document: ``machine`` facts, the run ``options``, one key per benchmark
+(its numbers, its ``budget`` from DESIGN.md and ``meets_budget``) and a ``summary``. Progress
+goes to stderr. The same document is written to ``DIR/results.json`` with a headroom chart
+``DIR/headroom.svg`` (default DIR: ``bench/out``, which git ignores).
+
+Exit status: 0 when every selected benchmark ran (budgets missed or not; ``--check`` makes a
+missed budget exit 1 too), 1 when one raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.common import machine_facts, sig
+
+BENCHMARKS: dict[str, str] = {
+    "prefill_bytes": "bench.prefill_bytes",
+    "codec": "bench.codec",
+    "stores": "bench.stores",
+    "encoder_cache": "bench.encoder_cache",
+}
+"""Benchmark name -> module exposing ``run(*, quick, out, ...) -> dict``, in run order."""
+NEEDS_REDIS = frozenset({"stores", "encoder_cache"})
+DEFAULT_OUT = Path(__file__).parent / "out"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Side-by-side benchmarks of epd-pipeline against its DESIGN.md budgets.",
+    )
+    p.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}",
+    )
+    p.add_argument("--quick", action="store_true", help="few repeats: a smoke run, not a result")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for results and charts")
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="Redis to benchmark against (default: EPD_REDIS_URL; DB 11 is used)",
+    )
+    p.add_argument("--check", action="store_true", help="exit 1 when a budget is missed")
+    args = p.parse_args(argv)
+    unknown = [n for n in args.names if n not in BENCHMARKS]
+    if unknown:
+        p.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+    return args
+
+
+def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Run one benchmark; an exception becomes an ``error`` entry rather than ending the run."""
+    module = importlib.import_module(BENCHMARKS[name])
+    kwargs: dict[str, Any] = {"quick": args.quick, "out": args.out}
+    if name in NEEDS_REDIS and args.redis_url:
+        kwargs["redis_url"] = args.redis_url
+    t0 = time.perf_counter()
+    try:
+        result = dict(module.run(**kwargs))
+    except Exception as exc:  # report and go on: one broken service must not hide the rest
+        traceback.print_exc(file=sys.stderr)
+        result = {"error": f"{type(exc).__name__}: {exc}", "meets_budget": None}
+    result["wall_s"] = sig(time.perf_counter() - t0)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    names = args.names or list(BENCHMARKS)
+    report: dict[str, Any] = {
+        "machine": machine_facts(),
+        "options": {"quick": args.quick, "benchmarks": names},
+    }
+    t0 = time.perf_counter()
+    for name in names:
+        print(f"bench: {name} ...", file=sys.stderr, flush=True)
+        report[name] = run_one(name, args)
+        print(
+            f"bench: {name}: meets_budget={report[name].get('meets_budget')} "
+            f"({report[name]['wall_s']} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    verdicts = {n: report[n].get("meets_budget") for n in names}
+    errors = [n for n in names if "error" in report[n]]
+    report["summary"] = {
+        "meets_budget": verdicts,
+        "all_meet_budget": all(v is True for v in verdicts.values()),
+        "errors": errors,
+        "wall_s": sig(time.perf_counter() - t0),
+    }
+    text = json.dumps(report, indent=2, allow_nan=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(text + "\n")
+    from bench.plot import headroom_svg
+
+    (args.out / "headroom.svg").write_text(headroom_svg(report))
+    print(text)
+    if errors:
+        return 1
+    if args.check and not report["summary"]["all_meet_budget"]:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

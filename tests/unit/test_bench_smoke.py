@@ -1,0 +1,168 @@
+"""Smoke test of ``python -m bench --quick``: every benchmark runs and reports well-formed JSON.
+
+Budgets are NOT asserted (the machine is shared; timing belongs in ``make bench``). What is
+checked: each benchmark produced its block without an error, each block quotes its budget and a
+boolean verdict, every number it measured is positive, and the results land under ``--out``.
+Redis comes from the ``settings`` fixture (a real server); the benchmarks use DB 11 under a
+unique key prefix and delete their keys.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.__main__ import BENCHMARKS, parse_args
+from bench.common import Stats, headroom, quantile
+from bench.plot import headroom_rows, headroom_svg
+from epd.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+# Numbers that may legitimately be zero (counts of things that did not happen).
+ZERO_OK = frozenset({"ours_encode_events"})
+
+
+@pytest.fixture(scope="module")
+def quick_run(
+    settings: Settings, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Any], Path]:
+    """One ``python -m bench --quick`` run in a subprocess, as ``make bench`` would start it."""
+    out = tmp_path_factory.mktemp("bench-out")
+    env = {**os.environ, "EPD_REDIS_URL": settings.redis_url}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout), out
+
+
+def _numbers(obj: Any, path: str = "") -> Iterator[tuple[str, float]]:
+    """Every numeric leaf (bools excluded) with its dotted path."""
+    if isinstance(obj, bool):
+        return
+    if isinstance(obj, int | float):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _numbers(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _numbers(v, f"{path}[{i}]")
+
+
+def test_every_benchmark_reports_its_budget(quick_run: tuple[dict[str, Any], Path]) -> None:
+    report, _ = quick_run
+    assert report["options"] == {"quick": True, "benchmarks": list(BENCHMARKS)}
+    for name in BENCHMARKS:
+        block = report[name]
+        assert "error" not in block, f"{name}: {block.get('error')}"
+        assert isinstance(block["meets_budget"], bool), name
+        assert isinstance(block["budget"]["design"], str) and block["budget"]["design"], name
+        assert len(block["budget"]) >= 2, f"{name}: the budget has no numeric threshold"
+        assert block["headroom"], f"{name}: no headroom reported"
+    summary = report["summary"]
+    assert summary["errors"] == []
+    assert set(summary["meets_budget"]) == set(BENCHMARKS)
+    assert summary["all_meet_budget"] == all(summary["meets_budget"].values())
+
+
+def test_measured_numbers_are_positive(quick_run: tuple[dict[str, Any], Path]) -> None:
+    report, _ = quick_run
+    for name in BENCHMARKS:
+        numbers = list(_numbers(report[name]))
+        assert len(numbers) > 5, f"{name} measured almost nothing"
+        for path, value in numbers:
+            assert math.isfinite(value), f"{name}.{path} = {value}"
+            if path.rsplit(".", 1)[-1] in ZERO_OK:
+                assert value >= 0, f"{name}.{path} = {value}"
+            else:
+                assert value > 0, f"{name}.{path} = {value}"
+
+
+def test_benchmark_specific_shape(quick_run: tuple[dict[str, Any], Path]) -> None:
+    report, _ = quick_run
+    pb = report["prefill_bytes"]
+    assert pb["image"]["grid_thw"] == [1, 74, 74]
+    # The metadata-only event is far smaller than either full-kwargs baseline.
+    ours = pb["qwen2vl_ids"]["ours_prefill_event_bytes"]
+    assert ours < pb["qwen2vl_ids"]["fp32"]["avro_full_kwargs_bytes"] // 100
+    codec = report["codec"]
+    for dtype in ("fp32", "bf16"):
+        assert codec[dtype]["avro"]["roundtrip"]["n"] >= 1
+        assert codec[dtype]["vllm_body_bytes"] > codec[dtype]["avro_frame_bytes"]
+    stores = report["stores"]
+    assert "1MiB" in stores["redis"] and "4MiB" in stores["shm"]
+    if stores["redis_benchmark_available"]:
+        assert stores["redis"]["1MiB"]["redis_benchmark"]["get_mb_s"] > 0
+    cache = report["encoder_cache"]
+    assert cache["redis"]["plan"]["p50_ms"] > 0
+
+
+def test_machine_facts_and_outputs(quick_run: tuple[dict[str, Any], Path]) -> None:
+    report, out = quick_run
+    machine = report["machine"]
+    assert machine["cpu_count"] >= 1
+    assert machine["python"].startswith("3.")
+    assert machine["torch"]
+    assert json.loads((out / "results.json").read_text()) == report
+    svg = ET.fromstring((out / "headroom.svg").read_text())
+    assert svg.tag.endswith("svg")
+
+
+def test_no_keys_left_in_redis(quick_run: tuple[dict[str, Any], Path], settings: Settings) -> None:
+    import redis
+
+    report, _ = quick_run
+    from bench.stores import BENCHMARK_KEY, REDIS_DB
+    from tests.conftest import redis_url_with_db
+
+    client = redis.Redis.from_url(redis_url_with_db(settings.redis_url, REDIS_DB))
+    try:
+        for name in ("stores", "encoder_cache"):
+            prefix = report[name]["redis_key_prefix"]
+            assert prefix.startswith("bench-")
+            leftovers = list(client.scan_iter(match=f"{prefix}*", count=1000))
+            assert leftovers == [], f"{name} left {leftovers}"
+        assert not client.exists(BENCHMARK_KEY)
+    finally:
+        client.close()
+
+
+# --- pure helpers ---------------------------------------------------------------------------
+
+
+def test_unknown_benchmark_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["codec", "nosuch"])
+    assert exc.value.code == 2
+    assert "nosuch" in capsys.readouterr().err
+
+
+def test_quantiles_and_headroom() -> None:
+    s = Stats([4.0, 1.0, 3.0, 2.0, 5.0])
+    assert s.p50 == 3.0
+    assert quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.9) == pytest.approx(4.6)
+    assert headroom(20.0, 5.0, higher_is_better=True) == 4.0
+    assert headroom(4.0, 2.0, higher_is_better=False) == 0.5
+
+
+def test_svg_has_one_bar_per_headroom() -> None:
+    report = {"a": {"headroom": {"x": 2.0, "y": 0.5}}, "b": {"headroom": {"z": 10.0}}}
+    assert headroom_rows(report) == [("a.x", 2.0), ("a.y", 0.5), ("b.z", 10.0)]
+    svg = ET.fromstring(headroom_svg(report))
+    rects = [e for e in svg.iter() if e.tag.endswith("rect")]
+    assert len(rects) == 3
