@@ -26,7 +26,7 @@ from gpu_workers.stores.base import StoreKeyMissing
 from schemas.errors import ValidationError
 from schemas.tensors import dtype_name, tensor_from_bytes
 from schemas.types import EncodedEvent, EncodeEvent, ErrorInfo, ResultEvent, TensorRef, now_ms
-from schemas.validator import ValidationConfig, validate_encode_event
+from schemas.validator import ValidationConfig, check_tensor, validate_encode_event
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
@@ -119,7 +119,10 @@ class EncodeWorker:
                 item=ev.item_index,
                 field=name,
             )
-        return tensor_from_bytes(value.dtype, value.shape, raw)
+        tensor = tensor_from_bytes(value.dtype, value.shape, raw)
+        # The event only carried the reference: check the values now that we hold them.
+        check_tensor(tensor, self.vconfig, modality=ev.modality, item=ev.item_index, name=name)
+        return tensor
 
     async def _result(self, ev: EncodeEvent, status: str, **kw: object) -> None:
         await send_event(

@@ -33,7 +33,7 @@ from schemas.types import (
     TensorRef,
     now_ms,
 )
-from schemas.validator import DEFAULT_METADATA_FIELDS, validate_render_event
+from schemas.validator import DEFAULT_METADATA_FIELDS, ValidationConfig, validate_render_event
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
@@ -99,6 +99,9 @@ class FanOut:
         self.producer = producer
         self.topics = topics or Topics(settings.topic_prefix)
         self._secret = settings.secret_bytes()
+        # Structure only: scanning megabytes of pixels for NaN/Inf here would dominate the
+        # cache-hit path; the encode worker checks values when it reads them.
+        self._vconfig = ValidationConfig.from_settings(settings, check_values=False)
 
     def ec_transfer(self, mm_hash: str, deadline_ms: int | None) -> ECTransfer:
         """A signed entry for one item; it expires with the embedding's TTL or the deadline."""
@@ -141,7 +144,7 @@ class FanOut:
 
     async def plan(self, ev: RenderEvent) -> FanoutPlan:
         """Validate a RenderEvent and build its encode and prefill events (claim checks stored)."""
-        validate_render_event(ev)
+        validate_render_event(ev, self._vconfig)
         f = ev.features
         params = {h: self.ec_transfer(h, ev.deadline_ms) for _, _, h in _unique_items(f)}
         encode: list[EncodeEvent] = []

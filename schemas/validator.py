@@ -97,6 +97,9 @@ class ValidationConfig:
     max_tensor_bytes: int = 256 * 1024 * 1024
     allowed_dtypes: frozenset[str] = frozenset(DTYPES)
     now_ms: Callable[[], int] | None = None
+    check_values: bool = True
+    """Scan floating-point tensors for NaN/Inf. The fan-out turns it off: it never touches the
+    pixels, and the encode worker scans them where it reads them anyway."""
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> ValidationConfig:
@@ -350,7 +353,7 @@ def check_tensor(
         raise ValidationError(
             "tensor", f"{nbytes} bytes exceed the limit of {config.max_tensor_bytes}", **where
         )
-    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel():
+    if config.check_values and isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel():
         if not bool(torch.isfinite(v).all()):
             raise ValidationError("tensor-nonfinite", "tensor holds NaN or Inf", **where)
 

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import blake3
 import pytest
 import torch
 from aiokafka import AIOKafkaProducer
@@ -440,3 +441,29 @@ async def test_prefill_refuses_metadata_only_item_without_entry(
     assert prefill.completed == 0
     # Rejected before anything ran: not even a "prefilling" update went out.
     assert await produced(cfg, Topics(cfg.topic_prefix).results) == []
+
+
+async def test_claim_checked_pixels_are_scanned_for_nan_by_the_encoder(
+    cfg: Settings, bundle: ModelBundle, renderer: Renderer, store: RedisStore, encoder: EncodeWorker
+) -> None:
+    # The fan-out checks structure only; the encode worker must catch NaN in claim-checked
+    # pixels once it reads them.
+    p = await plan(cfg, store, bundle, render(renderer, (71,)))
+    enc = p.encode[0]
+    ref = enc.data["pixel_values"]
+    assert isinstance(ref, TensorRef)
+    pixels = torch.frombuffer(bytearray(await store.get_bytes(ref.key)), dtype=torch.float32)
+    pixels[5] = float("nan")
+    raw = pixels.numpy().tobytes()
+    await store.put_bytes(ref.key, raw, ttl_s=60)
+    poisoned = dataclasses.replace(
+        enc,
+        data={
+            **enc.data,
+            "pixel_values": dataclasses.replace(ref, digest=blake3.blake3(raw).hexdigest()),
+        },
+    )
+    with pytest.raises(ValidationError) as err:
+        await encoder.handle(wire(poisoned))
+    assert (err.value.rule, err.value.field) == ("tensor-nonfinite", "pixel_values")
+    assert encoder.items_encoded == 0
