@@ -1,0 +1,60 @@
+"""Embedding stores chosen by URI: ``redis://``, ``shm://``, ``local://``.
+
+``open_store(url)`` returns a fresh handle the caller owns (``await store.close()`` when done, or
+``async with open_store(url) as store``).
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from gpu_workers.stores.base import (
+    EmbeddingStore,
+    StoreCorrupt,
+    StoreError,
+    StoreKeyMissing,
+    StoreTimeout,
+    StoreUnavailable,
+)
+
+SUPPORTED_SCHEMES = ("redis", "rediss", "shm", "local")
+
+
+def open_store(url: str) -> EmbeddingStore:
+    """A new store handle for ``url``.
+
+    Raises ValueError for an unknown scheme and NotImplementedError for ``cuda://`` (planned).
+    """
+    scheme = urlsplit(url).scheme
+    if scheme in ("redis", "rediss"):
+        from gpu_workers.stores.redis import RedisStore
+
+        return RedisStore(url)
+    if scheme == "shm":
+        from gpu_workers.stores.shm import ShmStore
+
+        return ShmStore(url)
+    if scheme == "local":
+        from gpu_workers.stores.local import LocalStore
+
+        return LocalStore(url)
+    if scheme == "cuda":
+        raise NotImplementedError(
+            "cuda:// embedding stores are not implemented yet; use redis://, shm:// or local://"
+        )
+    raise ValueError(
+        f"unknown embedding store scheme {scheme!r} in {url!r}; supported: "
+        + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
+    )
+
+
+__all__ = [
+    "SUPPORTED_SCHEMES",
+    "EmbeddingStore",
+    "StoreCorrupt",
+    "StoreError",
+    "StoreKeyMissing",
+    "StoreTimeout",
+    "StoreUnavailable",
+    "open_store",
+]

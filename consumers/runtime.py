@@ -1,0 +1,614 @@
+"""The consume loop every worker runs: at-least-once, ordered commits, retries, DLQ, backpressure.
+
+A worker supplies an async handler for one decoded event; :class:`ConsumeLoop` does the rest:
+
+* **At-least-once.** Auto-commit is off. An offset is committed only after its handler returned
+  (or its dead letter was acknowledged by the broker), and commits follow offset order per
+  partition even when handlers finish out of order (:class:`~consumers.commits.CommitTracker`).
+  Handlers must therefore be idempotent: a crash re-delivers whatever was not committed.
+* **Concurrency and backpressure.** Each record runs as its own task; at most ``max_in_flight``
+  run at once. At the limit the loop pauses every assigned partition (it keeps polling, so the
+  group membership stays alive) and resumes when a slot frees. Records a poll returns beyond the
+  free slots are given back with ``seek``, never dropped.
+* **Retries.** A transient failure (see :func:`~consumers.retry.default_is_transient`) is retried
+  with jittered exponential backoff up to ``max_attempts`` times in total.
+* **Dead letters.** Undecodable bytes, a permanent error (``Poison``, ``ValidationError``,
+  ``CodecError``) or a transient one that exhausted its attempts is published to the DLQ topic as
+  a ``DeadLetter`` carrying the original topic/partition/offset/key/value/headers plus the error,
+  with ``epd-error-*`` Kafka headers; then its offset counts as done and the loop moves on.
+  ``on_dead_letter`` lets the worker also report it (e.g. a ``rejected`` ResultEvent).
+* **Rebalance.** When partitions are revoked, their in-flight handlers get ``revoke_timeout_s``
+  to finish; the rest are cancelled, and what is done is committed before the partitions go.
+* **Shutdown.** :meth:`ConsumeLoop.stop` (or SIGTERM/SIGINT under
+  :meth:`ConsumeLoop.run_until_signal`) stops fetching, abandons pending retries, lets running
+  handlers finish within ``shutdown_timeout_s``, cancels the rest, commits, and closes. A cancelled
+  or abandoned handler's offset is never committed, so its record is delivered again later.
+
+Never pickles: events are decoded with the Avro codec (or the ``decode`` callable given).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from consumers.commits import CommitTracker
+from consumers.retry import Poison, Transient, backoff_delay, default_is_transient, error_info
+from epd.kafka import event_headers, make_consumer, make_producer
+from epd.settings import Settings
+from schemas import codec
+from schemas.types import DeadLetter, ErrorInfo
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ConsumeLoop",
+    "ConsumedEvent",
+    "ConsumerConfig",
+    "DeadLetterHook",
+    "Handler",
+    "Poison",
+    "Transient",
+]
+
+ERROR_HEADER_PREFIX = "epd-error-"
+
+
+@dataclass(slots=True)
+class ConsumedEvent:
+    """One record as a handler sees it. ``event`` is None only for undecodable records (DLQ)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    headers: dict[str, bytes]
+    value: bytes
+    event: Any
+    timestamp_ms: int = -1
+    attempt: int = 1
+    """1 on the first try, 2 on the first retry, ..."""
+
+    @property
+    def key_str(self) -> str | None:
+        """The key decoded as UTF-8 (request ids and mm hashes are text)."""
+        return self.key.decode("utf-8", "replace") if self.key is not None else None
+
+
+Handler = Callable[[ConsumedEvent], Awaitable[None]]
+DeadLetterHook = Callable[[ConsumedEvent, ErrorInfo], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class ConsumerConfig:
+    """What one consume loop reads and how hard it tries."""
+
+    topics: list[str]
+    group_id: str
+    dlq_topic: str
+    max_in_flight: int = 64
+    max_attempts: int = 3
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 5.0
+    commit_interval_s: float = 0.5
+    commit_timeout_s: float = 10.0
+    """Bound on one commit (and on closing the clients): a dead coordinator must not hang us."""
+    shutdown_timeout_s: float = 30.0
+    revoke_timeout_s: float = 10.0
+    poll_timeout_ms: int = 200
+    consumer_overrides: dict[str, Any] = field(default_factory=dict)
+    """Extra ``AIOKafkaConsumer`` arguments (session timeouts, client id, ...)."""
+
+    def __post_init__(self) -> None:
+        if not self.topics:
+            raise ValueError("ConsumerConfig.topics must name at least one topic")
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+
+
+class _Metrics:
+    """Prometheus series for consume loops, labelled by consumer group."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        labels = ["group"]
+        self.processed = Counter(
+            "epd_consumer_processed", "Records handled successfully", labels, registry=registry
+        )
+        self.retried = Counter(
+            "epd_consumer_retried",
+            "Handler retries after transient failures",
+            labels,
+            registry=registry,
+        )
+        self.dead_lettered = Counter(
+            "epd_consumer_dead_lettered", "Records sent to the DLQ", labels, registry=registry
+        )
+        self.in_flight = Gauge(
+            "epd_consumer_in_flight", "Handlers running now", labels, registry=registry
+        )
+        self.paused = Counter(
+            "epd_consumer_backpressure_pauses",
+            "Times the loop paused fetching at max_in_flight",
+            labels,
+            registry=registry,
+        )
+        self.handler_seconds = Histogram(
+            "epd_consumer_handler_seconds",
+            "Handler wall time per attempt",
+            labels,
+            registry=registry,
+        )
+
+
+# One metric set per registry, so several loops (encode + prefill in one process) share series
+# without colliding; a loop without a registry gets private, unregistered metrics.
+_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, _Metrics] = weakref.WeakKeyDictionary()
+
+
+def _metrics_for(registry: CollectorRegistry | None) -> _Metrics:
+    if registry is None:
+        return _Metrics(None)
+    m = _METRICS.get(registry)
+    if m is None:
+        m = _METRICS[registry] = _Metrics(registry)
+    return m
+
+
+class _Abandoned(Exception):
+    """A retry was dropped because the loop is stopping: leave the offset uncommitted."""
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, owner: ConsumeLoop) -> None:
+        self._owner = owner
+
+    async def on_partitions_revoked(self, revoked: Sequence[TopicPartition]) -> None:
+        await self._owner._on_revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
+        log.info("%s: assigned %s", self._owner.config.group_id, sorted(assigned))
+
+
+class ConsumeLoop:
+    """Runs ``handler`` over the records of ``config.topics``; see the module docstring.
+
+    Usage::
+
+        async with ConsumeLoop(settings, config, handler) as loop:
+            await loop.run_until_signal()   # or run_forever(), ended by stop()
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        config: ConsumerConfig,
+        handler: Handler,
+        *,
+        decode: Callable[[bytes], Any] = codec.decode,
+        producer: AIOKafkaProducer | None = None,
+        is_transient: Callable[[BaseException], bool] = default_is_transient,
+        on_dead_letter: DeadLetterHook | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.settings = settings
+        self.config = config
+        self._handler = handler
+        self._decode = decode
+        self._producer = producer
+        self._own_producer = producer is None
+        self._is_transient = is_transient
+        self._on_dead_letter = on_dead_letter
+        self._metrics = _metrics_for(registry)
+        self._consumer: AIOKafkaConsumer | None = None
+        self._tracker: CommitTracker[TopicPartition] = CommitTracker()
+        self._tasks: dict[asyncio.Task[None], TopicPartition] = {}
+        self._stop_event = asyncio.Event()
+        self._capacity = asyncio.Event()
+        self._paused_by_us: set[TopicPartition] = set()
+        self._last_commit = 0.0
+        self._started = False
+        self._running = False
+        self._closed = False
+        self._finished = asyncio.Event()
+        # plain counters, for tests and status pages
+        self.processed = 0
+        self.retried = 0
+        self.dead_lettered = 0
+        self.max_seen_in_flight = 0
+        self.pauses = 0
+        self.failure: BaseException | None = None
+        """Set when a record task crashed outside the handler; run_forever then raises it."""
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Handlers running (or waiting to retry) right now."""
+        return len(self._tasks)
+
+    def assignment(self) -> set[TopicPartition]:
+        """Partitions this member holds now (empty before start)."""
+        return set(self._consumer.assignment()) if self._consumer is not None else set()
+
+    @property
+    def consumer(self) -> AIOKafkaConsumer:
+        if self._consumer is None:
+            raise RuntimeError("ConsumeLoop.start() has not run")
+        return self._consumer
+
+    async def start(self) -> None:
+        """Connect the producer (for the DLQ) and join the consumer group."""
+        if self._started:
+            return
+        if self._producer is None:
+            self._producer = make_producer(self.settings)
+        if self._own_producer:
+            await self._producer.start()
+        consumer = make_consumer(
+            self.settings, group_id=self.config.group_id, **self.config.consumer_overrides
+        )
+        consumer.subscribe(self.config.topics, listener=_Rebalance(self))
+        try:
+            await consumer.start()
+        except BaseException:
+            if self._own_producer:
+                await self._producer.stop()
+            raise
+        self._consumer = consumer
+        self._started = True
+
+    async def __aenter__(self) -> ConsumeLoop:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def request_stop(self) -> None:
+        """Ask the loop to stop (safe from signal handlers); :meth:`stop` also waits for it."""
+        self._stop_event.set()
+
+    async def stop(self) -> None:
+        """Stop fetching, drain in-flight work (within ``shutdown_timeout_s``), commit, close."""
+        self._stop_event.set()
+        if self._running:
+            await self._finished.wait()
+        else:
+            await self._shutdown()
+
+    async def run_forever(self) -> None:
+        """Fetch and dispatch until :meth:`stop`; shuts down cleanly on the way out."""
+        await self.start()
+        self._running = True
+        stop_wait = asyncio.create_task(self._stop_event.wait())
+        try:
+            while not self._stop_event.is_set():
+                await self._poll_once(stop_wait)
+                await self._maybe_commit()
+        finally:
+            stop_wait.cancel()
+            try:
+                await self._shutdown()
+            finally:
+                self._running = False
+                self._finished.set()
+        if self.failure is not None:
+            raise RuntimeError(f"{self.config.group_id}: consume loop failed") from self.failure
+
+    async def run_until_signal(
+        self, signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT)
+    ) -> None:
+        """:meth:`run_forever` with SIGTERM/SIGINT mapped to a graceful stop."""
+        loop = asyncio.get_running_loop()
+        for sig in signals:
+            loop.add_signal_handler(sig, self.request_stop)
+        try:
+            await self.run_forever()
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
+    # --- fetching ----------------------------------------------------------------------------
+
+    async def _poll_once(self, stop_wait: asyncio.Task[bool]) -> None:
+        consumer = self.consumer
+        free = self.config.max_in_flight - len(self._tasks)
+        assigned = consumer.assignment()
+        waits: list[asyncio.Future[Any]] = [stop_wait]
+        if free <= 0:
+            # Full: pause everything assigned (new assignments too) but keep polling, so the
+            # member stays in the group; wake as soon as a slot frees.
+            to_pause = assigned - consumer.paused()
+            if to_pause:
+                if not self._paused_by_us:  # a new pause episode, not a top-up after a rebalance
+                    self.pauses += 1
+                    self._metrics.paused.labels(self.config.group_id).inc()
+                consumer.pause(*to_pause)
+                self._paused_by_us |= to_pause
+            self._capacity.clear()
+            waits.append(asyncio.ensure_future(self._capacity.wait()))
+        elif self._paused_by_us:
+            still = self._paused_by_us & assigned
+            if still:
+                consumer.resume(*still)
+            self._paused_by_us.clear()
+        fetch = asyncio.ensure_future(
+            consumer.getmany(timeout_ms=self.config.poll_timeout_ms, max_records=max(1, free))
+        )
+        try:
+            await asyncio.wait([fetch, *waits], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits[1:]:
+                w.cancel()
+            if not fetch.done():
+                fetch.cancel()
+                await asyncio.wait([fetch])
+        if fetch.cancelled():
+            return
+        exc = fetch.exception()
+        if exc is not None:
+            if isinstance(exc, KafkaError):
+                log.warning("%s: fetch failed: %r", self.config.group_id, exc)
+                await asyncio.sleep(self.config.backoff_initial_s)
+                return
+            raise exc
+        self._dispatch(fetch.result())
+
+    def _dispatch(self, batch: dict[TopicPartition, list[Any]]) -> None:
+        consumer = self.consumer
+        assigned = consumer.assignment()
+        for tp, records in batch.items():
+            if tp not in assigned:
+                continue  # revoked while the poll was returning
+            for i, rec in enumerate(records):
+                if len(self._tasks) >= self.config.max_in_flight:
+                    # Give the rest back: the next poll after a slot frees returns them again.
+                    consumer.seek(tp, records[i].offset)
+                    break
+                epoch = self._tracker.add(tp, rec.offset)
+                task = asyncio.create_task(self._process(tp, rec, epoch))
+                self._tasks[task] = tp
+                task.add_done_callback(self._task_finished)
+        n = len(self._tasks)
+        self.max_seen_in_flight = max(self.max_seen_in_flight, n)
+        self._metrics.in_flight.labels(self.config.group_id).set(n)
+
+    def _task_finished(self, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(task, None)
+        self._capacity.set()
+        self._metrics.in_flight.labels(self.config.group_id).set(len(self._tasks))
+        if not task.cancelled() and task.exception() is not None:
+            # Not a handler failure (those are retried or dead-lettered) but a bug in the path
+            # around it. Its offset can never be committed, which would stall the partition:
+            # fail fast, so the process restarts and the record is delivered again.
+            log.error(
+                "%s: record task crashed; stopping the loop",
+                self.config.group_id,
+                exc_info=task.exception(),
+            )
+            if self.failure is None:
+                self.failure = task.exception()
+            self._stop_event.set()
+
+    # --- one record --------------------------------------------------------------------------
+
+    async def _process(self, tp: TopicPartition, rec: Any, epoch: int) -> None:
+        ce = ConsumedEvent(
+            topic=rec.topic,
+            partition=rec.partition,
+            offset=rec.offset,
+            key=rec.key,
+            headers={k: bytes(v) if v is not None else b"" for k, v in (rec.headers or ())},
+            value=rec.value if rec.value is not None else b"",
+            event=None,
+            timestamp_ms=rec.timestamp,
+        )
+        try:
+            try:
+                ce.event = self._decode(ce.value)
+            except Exception as exc:
+                await self._dead_letter(ce, error_info(exc, code="undecodable"), attempts=0)
+            else:
+                await self._run_handler(ce)
+        except _Abandoned:
+            return
+        self._tracker.done(tp, rec.offset, epoch)
+
+    async def _run_handler(self, ce: ConsumedEvent) -> None:
+        group = self.config.group_id
+        for attempt in range(1, self.config.max_attempts + 1):
+            ce.attempt = attempt
+            started = time.perf_counter()
+            try:
+                await self._handler(ce)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._metrics.handler_seconds.labels(group).observe(time.perf_counter() - started)
+                if not self._is_transient(exc):
+                    await self._dead_letter(ce, error_info(exc), attempts=attempt)
+                    return
+                if attempt >= self.config.max_attempts:
+                    info = error_info(exc, code="retries_exhausted")
+                    await self._dead_letter(ce, info, attempts=attempt)
+                    return
+                self.retried += 1
+                self._metrics.retried.labels(group).inc()
+                delay = backoff_delay(
+                    attempt, self.config.backoff_initial_s, self.config.backoff_max_s
+                )
+                log.info(
+                    "%s: %s[%d]@%d attempt %d failed (%r); retrying in %.2fs",
+                    group,
+                    ce.topic,
+                    ce.partition,
+                    ce.offset,
+                    attempt,
+                    exc,
+                    delay,
+                )
+                await self._sleep_unless_stopping(delay)
+            else:
+                self._metrics.handler_seconds.labels(group).observe(time.perf_counter() - started)
+                self.processed += 1
+                self._metrics.processed.labels(group).inc()
+                return
+
+    async def _sleep_unless_stopping(self, delay: float) -> None:
+        """Back off; raise :class:`_Abandoned` if a stop is requested meanwhile."""
+        if self._stop_event.is_set():
+            raise _Abandoned
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop_event.wait(), delay)
+        if self._stop_event.is_set():
+            raise _Abandoned
+
+    async def _dead_letter(self, ce: ConsumedEvent, info: ErrorInfo, *, attempts: int) -> None:
+        """Publish the DLQ record (retrying until the broker takes it), then run the hook."""
+        group = self.config.group_id
+        err_headers = {
+            f"{ERROR_HEADER_PREFIX}code": info.code.encode(),
+            f"{ERROR_HEADER_PREFIX}message": info.message.encode()[:1024],
+            f"{ERROR_HEADER_PREFIX}original-topic": ce.topic.encode(),
+            f"{ERROR_HEADER_PREFIX}original-partition": str(ce.partition).encode(),
+            f"{ERROR_HEADER_PREFIX}original-offset": str(ce.offset).encode(),
+            f"{ERROR_HEADER_PREFIX}attempts": str(attempts).encode(),
+            f"{ERROR_HEADER_PREFIX}group": group.encode(),
+        }
+        for name in ("rule", "modality", "item", "field"):
+            val = getattr(info, name)
+            if val is not None:
+                err_headers[f"{ERROR_HEADER_PREFIX}{name}"] = str(val).encode()
+        letter = DeadLetter(
+            original_topic=ce.topic,
+            partition=ce.partition,
+            offset=ce.offset,
+            key=ce.key,
+            value=ce.value,
+            consumer_group=group,
+            error=info,
+            attempts=attempts,
+            headers={**ce.headers, **err_headers},
+        )
+        value = codec.encode(letter)
+        headers = event_headers(letter) + list(err_headers.items())
+        log.warning(
+            "%s: dead-lettering %s[%d]@%d after %d attempt(s): %s %s",
+            group,
+            ce.topic,
+            ce.partition,
+            ce.offset,
+            attempts,
+            info.code,
+            info.message,
+        )
+        assert self._producer is not None
+        failures = 0
+        while True:
+            try:
+                await self._producer.send_and_wait(
+                    self.config.dlq_topic, value=value, key=ce.key, headers=headers
+                )
+                break
+            except MessageSizeTooLargeError:
+                if not letter.value:
+                    raise
+                # The original value plus the envelope is over the cap: keep the coordinates and
+                # the error, drop the payload (it is still in the source topic at that offset).
+                err_headers[f"{ERROR_HEADER_PREFIX}value-dropped"] = str(len(ce.value)).encode()
+                letter.value = b""
+                letter.headers = {**ce.headers, **err_headers}
+                value = codec.encode(letter)
+                headers = event_headers(letter) + list(err_headers.items())
+            except KafkaError as exc:
+                # Without the DLQ record the offset must not be committed: keep trying.
+                failures += 1
+                delay = backoff_delay(
+                    failures, self.config.backoff_initial_s, self.config.backoff_max_s
+                )
+                log.warning("%s: DLQ publish failed (%r); retry in %.2fs", group, exc, delay)
+                await self._sleep_unless_stopping(delay)
+        self.dead_lettered += 1
+        self._metrics.dead_lettered.labels(group).inc()
+        if self._on_dead_letter is not None:
+            try:
+                await self._on_dead_letter(ce, info)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s: on_dead_letter hook failed", group)
+
+    # --- commits, rebalance, shutdown -----------------------------------------------------------
+
+    async def _maybe_commit(self) -> None:
+        now = time.monotonic()
+        if now - self._last_commit >= self.config.commit_interval_s:
+            self._last_commit = now
+            await self.commit()
+
+    async def commit(self, tps: set[TopicPartition] | None = None) -> dict[TopicPartition, int]:
+        """Commit what is done (in order) for ``tps`` or every partition; returns what went."""
+        if self._consumer is None:
+            return {}
+        offsets = self._tracker.to_commit(tps)
+        if not offsets:
+            return {}
+        try:
+            await asyncio.wait_for(self._consumer.commit(offsets), self.config.commit_timeout_s)
+        except (KafkaError, TimeoutError) as exc:
+            log.warning("%s: commit failed (%r); will retry", self.config.group_id, exc)
+            return {}
+        self._tracker.mark_committed(offsets)
+        return offsets
+
+    async def _drain(self, tasks: list[asyncio.Task[None]], timeout_s: float) -> None:
+        """Let ``tasks`` finish within ``timeout_s``; cancel and reap the rest."""
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for t in pending:
+            t.cancel()
+        if pending:
+            log.warning(
+                "%s: cancelled %d handler(s) still running; their records will be re-delivered",
+                self.config.group_id,
+                len(pending),
+            )
+            await asyncio.wait(pending)
+
+    async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        tasks = [t for t, tp in self._tasks.items() if tp in revoked]
+        await self._drain(tasks, self.config.revoke_timeout_s)
+        await self.commit(revoked)
+        for tp in revoked:
+            self._tracker.forget(tp)
+        self._paused_by_us -= revoked
+
+    async def _shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._drain(list(self._tasks), self.config.shutdown_timeout_s)
+            await self.commit()
+        finally:
+            if self._consumer is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._consumer.stop(), self.config.commit_timeout_s)
+            if self._own_producer and self._producer is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._producer.stop(), self.config.commit_timeout_s)
+            self._metrics.in_flight.labels(self.config.group_id).set(0)

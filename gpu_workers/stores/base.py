@@ -1,0 +1,244 @@
+"""The embedding-store interface, its typed errors, and the value layout shared by byte stores.
+
+A store parks tensors (encoder outputs, claim-checked encoder inputs) under string keys. Every
+backend speaks the same async interface, so workers pick one by URI and never branch on it.
+
+Value layout (``redis://`` and ``shm://``): one self-describing blob, a small header followed by
+the tensor's raw little-endian C-order bytes, so a reader needs nothing but the key::
+
+    magic "EPDT" | version u8 | dtype-name length u8 | ndim u16 | expires_ms i64 |
+    dtype name (ascii) | shape (ndim x i64) | zero padding to a multiple of 64 | data
+
+The data starts on a 64-byte boundary of the blob so a view over it (``torch.frombuffer`` over an
+``mmap``) is aligned for every dtype. ``expires_ms`` is wall-clock epoch milliseconds, 0 for none;
+Redis expires keys itself, shm reads treat an expired blob as missing.
+"""
+
+from __future__ import annotations
+
+import abc
+import mmap
+import struct
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from schemas.errors import CodecError
+from schemas.tensors import dtype_name, nbytes_of, torch_dtype
+
+
+class StoreError(Exception):
+    """Base class of every embedding-store error."""
+
+
+class StoreKeyMissing(StoreError, KeyError):
+    """A key (or several) is absent or expired. ``keys`` lists the missing ones."""
+
+    def __init__(self, keys: str | Sequence[str]) -> None:
+        self.keys: list[str] = [keys] if isinstance(keys, str) else list(keys)
+        self.key = self.keys[0] if self.keys else ""
+        super().__init__(f"missing from the store: {', '.join(self.keys)}")
+
+    def __str__(self) -> str:  # KeyError would otherwise repr() the message
+        return str(self.args[0])
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """``wait`` ran out of time. ``missing`` names the keys that never became ready."""
+
+    def __init__(self, missing: Sequence[str], timeout_s: float) -> None:
+        self.missing = list(missing)
+        self.timeout_s = timeout_s
+        super().__init__(
+            f"timed out after {timeout_s:g}s waiting for {len(self.missing)} key(s): "
+            f"{', '.join(self.missing)}"
+        )
+
+
+class StoreUnavailable(StoreError, ConnectionError):
+    """The backend cannot be reached right now (transient: the consume loop retries it)."""
+
+
+class StoreCorrupt(StoreError, ValueError):
+    """A stored value does not follow the blob layout (foreign writer, truncated file)."""
+
+
+class EmbeddingStore(abc.ABC):
+    """Async key -> tensor store with TTLs and a readiness wait that never busy-polls."""
+
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """The URI this store was opened with (goes into ``ECTransfer.store`` / ``TensorRef``)."""
+
+    @abc.abstractmethod
+    async def put(self, key: str, tensor: torch.Tensor, ttl_s: float | None = None) -> None:
+        """Store ``tensor`` under ``key`` (replacing any value) and wake waiters on it."""
+
+    @abc.abstractmethod
+    async def get(self, key: str) -> torch.Tensor:
+        """The tensor under ``key``; raises :class:`StoreKeyMissing` when absent or expired."""
+
+    async def get_many(self, keys: Sequence[str]) -> list[torch.Tensor]:
+        """Tensors for ``keys`` in order; :class:`StoreKeyMissing` names every missing key."""
+        out: list[torch.Tensor] = []
+        missing: list[str] = []
+        for k in keys:
+            try:
+                out.append(await self.get(k))
+            except StoreKeyMissing:
+                missing.append(k)
+        if missing:
+            raise StoreKeyMissing(missing)
+        return out
+
+    @abc.abstractmethod
+    async def exists(self, key: str) -> bool:
+        """True when ``key`` holds a live (unexpired) value."""
+
+    @abc.abstractmethod
+    async def wait(self, keys: Sequence[str], timeout_s: float) -> None:
+        """Return once every key exists; raise :class:`StoreTimeout` naming the missing ones.
+
+        Implementations register for wake-ups *before* checking what is already there, so a put
+        that lands between the check and the sleep is never lost, and they sleep on a real
+        notification (pub/sub, inotify, futures) rather than polling.
+        """
+
+    @abc.abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove ``key``; absent keys are fine."""
+
+    async def put_bytes(
+        self, key: str, data: bytes | memoryview, ttl_s: float | None = None
+    ) -> None:
+        """Store raw bytes (a claim-checked payload); read back with :meth:`get_bytes`."""
+        buf = memoryview(data).cast("B")
+        if len(buf):
+            t = torch.frombuffer(buf, dtype=torch.uint8)
+        else:
+            t = torch.empty(0, dtype=torch.uint8)
+        await self.put(key, t, ttl_s)
+
+    async def get_bytes(self, key: str) -> bytes:
+        """The raw bytes under ``key`` (for a tensor value: its little-endian data bytes)."""
+        t = await self.get(key)
+        if t.numel() == 0:
+            return b""
+        return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, most stores need it
+        """Release connections, watches and background tasks. Idempotent."""
+
+    async def __aenter__(self) -> EmbeddingStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+# --- blob layout shared by the byte-oriented stores ------------------------------------------
+
+Blob = bytes | bytearray | memoryview | mmap.mmap
+"""Anything a stored value can be read from without copying."""
+
+MAGIC = b"EPDT"
+VERSION = 1
+_FIXED = struct.Struct("<4sBBHq")
+ALIGN = 64
+
+
+@dataclass(frozen=True, slots=True)
+class BlobHeader:
+    """Decoded header of a stored blob; ``data_offset`` is where the tensor bytes start."""
+
+    dtype: str
+    shape: list[int]
+    expires_ms: int
+    data_offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes_of(self.dtype, self.shape)
+
+    def expired(self, now_ms: int | None = None) -> bool:
+        if self.expires_ms <= 0:
+            return False
+        return (now_ms if now_ms is not None else int(time.time() * 1000)) >= self.expires_ms
+
+
+def expiry_ms(ttl_s: float | None) -> int:
+    """Absolute epoch-ms expiry for a TTL (0 = never). A TTL must be positive."""
+    if ttl_s is None:
+        return 0
+    if ttl_s <= 0:
+        raise ValueError(f"ttl_s must be positive or None, got {ttl_s}")
+    return int(time.time() * 1000) + max(1, int(ttl_s * 1000))
+
+
+def encode_header(tensor: torch.Tensor, expires_ms: int = 0) -> bytes:
+    """The header (padded to :data:`ALIGN`) describing ``tensor``."""
+    name = dtype_name(tensor.dtype).encode("ascii")
+    shape = list(tensor.shape)
+    head = _FIXED.pack(MAGIC, VERSION, len(name), len(shape), expires_ms)
+    head += name + struct.pack(f"<{len(shape)}q", *shape)
+    return head + b"\0" * (-len(head) % ALIGN)
+
+
+def tensor_view(tensor: torch.Tensor) -> memoryview:
+    """The tensor's raw bytes as a memoryview, copying only if it is not contiguous on the CPU."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def decode_header(blob: Blob, key: str = "?") -> BlobHeader:
+    """Parse and check a blob header; raises :class:`StoreCorrupt` naming the key."""
+    if len(blob) < _FIXED.size:
+        raise StoreCorrupt(f"store value for {key!r} is truncated ({len(blob)} bytes)")
+    magic, version, name_len, ndim, expires = _FIXED.unpack_from(blob, 0)
+    if magic != MAGIC:
+        raise StoreCorrupt(f"store value for {key!r} has bad magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise StoreCorrupt(f"store value for {key!r} has unsupported version {version}")
+    pos = _FIXED.size
+    end = pos + name_len + 8 * ndim
+    if len(blob) < end:
+        raise StoreCorrupt(f"store value for {key!r} has a truncated header")
+    name = bytes(blob[pos : pos + name_len]).decode("ascii", "replace")
+    shape = list(struct.unpack_from(f"<{ndim}q", blob, pos + name_len))
+    data_offset = end + (-end % ALIGN)
+    header = BlobHeader(name, shape, expires, data_offset)
+    try:
+        need = header.nbytes
+    except CodecError as exc:
+        raise StoreCorrupt(f"store value for {key!r}: {exc}") from None
+    if any(d < 0 for d in shape) or len(blob) != data_offset + need:
+        raise StoreCorrupt(
+            f"store value for {key!r}: dtype {name} shape {shape} needs {need} data bytes, "
+            f"blob holds {len(blob) - data_offset}"
+        )
+    return header
+
+
+def tensor_from_blob(blob: Blob, header: BlobHeader) -> torch.Tensor:
+    """A tensor viewing the blob's data without copying (the blob stays alive through it)."""
+    dt = torch_dtype(header.dtype)
+    numel = 1
+    for d in header.shape:
+        numel *= d
+    if numel == 0:
+        return torch.empty(header.shape, dtype=dt)
+    flat = torch.frombuffer(blob, dtype=dt, offset=header.data_offset, count=numel)
+    return flat.view(header.shape)
+
+
+def missing_of(keys: Iterable[str], present: Iterable[bool]) -> list[str]:
+    """Keys whose flag in ``present`` is false (helper for ``wait`` implementations)."""
+    return [k for k, ok in zip(keys, present, strict=True) if not ok]

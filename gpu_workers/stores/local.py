@@ -1,0 +1,161 @@
+"""``local://[name]``: an in-process store (tests, the single-process demo, same-process workers).
+
+Stores with the same name in one process share one space (a process-level registry), so an
+encode worker and a prefill worker running in one process hand embeddings over by reference:
+``put`` keeps the tensor itself (detached, not copied) and ``get`` returns it. Callers must treat
+stored tensors as read-only.
+
+Waiters park on futures registered per key; ``put`` resolves them. Futures are completed on their
+own event loop (``call_soon_threadsafe`` when another loop puts), so one space can serve several
+loops, e.g. pytest's per-test loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import torch
+
+from gpu_workers.stores.base import EmbeddingStore, StoreKeyMissing, StoreTimeout, expiry_ms
+
+
+@dataclass(slots=True)
+class _Space:
+    """One named namespace: values, expiries and the futures waiting on keys."""
+
+    values: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    waiters: dict[str, set[asyncio.Future[None]]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    next_sweep: float = 0.0
+
+
+_SPACES: dict[str, _Space] = {}
+_SPACES_LOCK = threading.Lock()
+_SWEEP_INTERVAL_S = 1.0
+
+
+def _space(name: str) -> _Space:
+    with _SPACES_LOCK:
+        return _SPACES.setdefault(name, _Space())
+
+
+def _live(entry: tuple[torch.Tensor, int] | None, now_ms: int) -> bool:
+    return entry is not None and (entry[1] == 0 or entry[1] > now_ms)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class LocalStore(EmbeddingStore):
+    """In-process store; see the module docstring."""
+
+    def __init__(self, url: str = "local://") -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "local":
+            raise ValueError(f"not a local:// URL: {url!r}")
+        self._name = (parts.netloc + parts.path).strip("/") or "default"
+        self._url = f"local://{self._name}"
+        self._space = _space(self._name)
+        self.wake_checks = 0
+        """How many times ``wait`` re-examined its keys (tests use it to prove it does not spin)."""
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    async def put(self, key: str, tensor: torch.Tensor, ttl_s: float | None = None) -> None:
+        exp = expiry_ms(ttl_s)
+        sp = self._space
+        with sp.lock:
+            sp.values[key] = (tensor.detach(), exp)
+            futs = sp.waiters.pop(key, set())
+            self._maybe_sweep(sp)
+        for fut in futs:
+            loop = fut.get_loop()
+            if loop is asyncio.get_running_loop():
+                _wake(fut)
+            elif not loop.is_closed():
+                loop.call_soon_threadsafe(_wake, fut)
+
+    def _maybe_sweep(self, sp: _Space) -> None:
+        """Drop expired entries at most once a second (caller holds the lock)."""
+        now = time.monotonic()
+        if now < sp.next_sweep:
+            return
+        sp.next_sweep = now + _SWEEP_INTERVAL_S
+        now_ms = int(time.time() * 1000)
+        for k in [k for k, e in sp.values.items() if not _live(e, now_ms)]:
+            del sp.values[k]
+
+    def _lookup(self, key: str) -> torch.Tensor | None:
+        sp = self._space
+        now_ms = int(time.time() * 1000)
+        with sp.lock:
+            entry = sp.values.get(key)
+            if entry is None:
+                return None
+            if not _live(entry, now_ms):
+                del sp.values[key]
+                return None
+            return entry[0]
+
+    async def get(self, key: str) -> torch.Tensor:
+        t = self._lookup(key)
+        if t is None:
+            raise StoreKeyMissing(key)
+        return t
+
+    async def exists(self, key: str) -> bool:
+        return self._lookup(key) is not None
+
+    async def delete(self, key: str) -> None:
+        with self._space.lock:
+            self._space.values.pop(key, None)
+
+    async def wait(self, keys: Sequence[str], timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pending = list(dict.fromkeys(keys))
+        while True:
+            # Register first, then look: a put racing with the look resolves the future.
+            futs: dict[str, asyncio.Future[None]] = {}
+            with self._space.lock:
+                for k in pending:
+                    fut = loop.create_future()
+                    self._space.waiters.setdefault(k, set()).add(fut)
+                    futs[k] = fut
+            self.wake_checks += 1
+            pending = [k for k in pending if self._lookup(k) is None]
+            try:
+                if not pending:
+                    return
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise StoreTimeout(pending, timeout_s)
+                await asyncio.wait(
+                    [futs[k] for k in pending],
+                    timeout=remaining,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                self._unregister(futs)
+
+    def _unregister(self, futs: dict[str, asyncio.Future[None]]) -> None:
+        with self._space.lock:
+            for k, fut in futs.items():
+                fut.cancel()
+                waiting = self._space.waiters.get(k)
+                if waiting is not None:
+                    waiting.discard(fut)
+                    if not waiting:
+                        del self._space.waiters[k]
+
+    async def close(self) -> None:
+        """Nothing to release: the space outlives the handle (other handles may share it)."""

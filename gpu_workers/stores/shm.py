@@ -1,0 +1,334 @@
+"""``shm://[name]``: a same-node store in ``/dev/shm/<name>/``, cross-process, zero-copy reads.
+
+One file per key holding the blob described in :mod:`gpu_workers.stores.base`. A put writes a
+temporary file and ``os.replace``-s it onto the key's name, so readers see either the old value or
+the new one, never a torn write; a reader ``mmap``-s the file and returns a tensor viewing the
+mapping (no copy). A replaced or deleted file stays mapped until its last tensor is gone.
+
+TTL: the expiry sits in the header (an expired value reads as missing) and doubles as the file's
+mtime (a far-future sentinel for "never"), so the sweep that runs on put, at most every
+``sweep_interval_s``, finds expired files with ``stat`` alone.
+
+Readiness: Linux inotify on the directory (``IN_MOVED_TO``, which the rename produces), reached
+through ``ctypes`` so no extra dependency is needed. One inotify descriptor per store handle sits in
+the event loop (``add_reader``) and routes file names to waiting futures; ``wait`` registers its
+futures after the watch exists and before it looks at the files, so no put can slip between. A
+queue overflow wakes every waiter to re-check. tmpfs supports inotify; other platforms get a clear
+:class:`StoreError` from ``wait``.
+
+Query parameters: ``dir`` (base directory, default ``/dev/shm``), ``sweep_interval_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import hashlib
+import mmap
+import os
+import re
+import struct
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from urllib.parse import parse_qsl, quote, urlsplit
+
+import torch
+
+from gpu_workers.stores.base import (
+    BlobHeader,
+    EmbeddingStore,
+    StoreError,
+    StoreKeyMissing,
+    StoreTimeout,
+    decode_header,
+    encode_header,
+    expiry_ms,
+    tensor_from_blob,
+    tensor_view,
+)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_TMP_PREFIX = ".tmp-"
+_NEVER_NS = 2**62  # mtime of entries without a TTL (year ~2116): the sweep never touches them
+_THREAD_WRITE_BYTES = 1 << 20  # larger writes go to a worker thread, off the event loop
+_MAX_FILENAME = 200
+
+# inotify(7) constants
+_IN_MOVED_TO = 0x00000080
+_IN_Q_OVERFLOW = 0x00004000
+_IN_IGNORED = 0x00008000
+_IN_NONBLOCK = os.O_NONBLOCK
+_IN_CLOEXEC = 0o2000000
+_EVENT = struct.Struct("iIII")
+
+
+def key_filename(key: str) -> str:
+    """The file name for a key: percent-encoded, or ``%H`` + sha256 when that is too long.
+
+    A leading dot is escaped too, so no key can collide with the ``.tmp-`` files.
+    """
+    name = quote(key, safe="")
+    if name.startswith("."):
+        name = "%2E" + name[1:]
+    if not name or len(name) > _MAX_FILENAME:
+        # "%H" is never produced by quote(), so hashed names cannot collide with encoded ones.
+        name = "%H" + hashlib.sha256(key.encode()).hexdigest()
+    return name
+
+
+class _Inotify:
+    """A non-blocking inotify descriptor watching one directory, wired into an event loop."""
+
+    def __init__(
+        self,
+        directory: Path,
+        on_names: Callable[[list[str]], None],
+        on_overflow: Callable[[], None],
+    ) -> None:
+        libc_name = ctypes.util.find_library("c")
+        try:
+            libc = ctypes.CDLL(libc_name, use_errno=True)
+            init1, add_watch = libc.inotify_init1, libc.inotify_add_watch
+        except (OSError, AttributeError) as exc:
+            raise StoreError(f"shm store wait needs Linux inotify: {exc}") from exc
+        add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+        fd = init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise StoreError(f"inotify_init1 failed: {os.strerror(err)}")
+        wd = add_watch(fd, os.fsencode(directory), _IN_MOVED_TO)
+        if wd < 0:
+            err = ctypes.get_errno()
+            os.close(fd)
+            raise StoreError(f"inotify_add_watch({directory}) failed: {os.strerror(err)}")
+        self.fd = fd
+        self._on_names = on_names
+        self._on_overflow = on_overflow
+        self.loop = asyncio.get_running_loop()
+        self.loop.add_reader(fd, self._readable)
+
+    def _readable(self) -> None:
+        names: list[str] = []
+        overflow = False
+        while True:
+            try:
+                buf = os.read(self.fd, 65536)
+            except BlockingIOError:
+                break
+            if not buf:
+                break
+            pos = 0
+            while pos + _EVENT.size <= len(buf):
+                _wd, mask, _cookie, length = _EVENT.unpack_from(buf, pos)
+                raw = buf[pos + _EVENT.size : pos + _EVENT.size + length]
+                pos += _EVENT.size + length
+                if mask & (_IN_Q_OVERFLOW | _IN_IGNORED):
+                    overflow = True
+                elif length:
+                    names.append(os.fsdecode(raw.rstrip(b"\0")))
+        if overflow:
+            self._on_overflow()
+        if names:
+            self._on_names(names)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.loop.remove_reader(self.fd)
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+class ShmStore(EmbeddingStore):
+    """Store in a shared-memory directory; see the module docstring."""
+
+    def __init__(self, url: str = "shm://") -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "shm":
+            raise ValueError(f"not a shm:// URL: {url!r}")
+        name = (parts.netloc + parts.path).strip("/") or "epd"
+        if not _NAME_RE.match(name):
+            raise ValueError(
+                f"shm store name {name!r} must match {_NAME_RE.pattern} (one directory name)"
+            )
+        params = dict(parse_qsl(parts.query))
+        self._url = url
+        self.directory = Path(params.get("dir", "/dev/shm")) / name
+        self.sweep_interval_s = float(params.get("sweep_interval_s", "5"))
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._next_sweep = 0.0
+        self._sweeping: asyncio.Task[int] | None = None
+        self._inotify: _Inotify | None = None
+        self._waiters: dict[str, set[asyncio.Future[None]]] = {}
+        self.wake_checks = 0
+        """How many times ``wait`` re-examined its keys (tests use it to prove it does not spin)."""
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def _path(self, key: str) -> Path:
+        return self.directory / key_filename(key)
+
+    # --- write ------------------------------------------------------------------------------
+
+    def _write(self, key: str, header: bytes, data: memoryview, exp_ms: int) -> None:
+        tmp = self.directory / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                if len(data):
+                    f.write(data)
+            mtime_ns = exp_ms * 1_000_000 if exp_ms else _NEVER_NS
+            os.utime(tmp, ns=(mtime_ns, mtime_ns))
+            os.replace(tmp, self._path(key))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    async def put(self, key: str, tensor: torch.Tensor, ttl_s: float | None = None) -> None:
+        exp = expiry_ms(ttl_s)
+        header = encode_header(tensor, exp)
+        data = tensor_view(tensor)
+        if len(data) > _THREAD_WRITE_BYTES:
+            await asyncio.to_thread(self._write, key, header, data, exp)
+        else:
+            self._write(key, header, data, exp)
+        self._maybe_sweep()
+
+    def _maybe_sweep(self) -> None:
+        now = time.monotonic()
+        if now < self._next_sweep or (self._sweeping and not self._sweeping.done()):
+            return
+        self._next_sweep = now + self.sweep_interval_s
+        self._sweeping = asyncio.create_task(asyncio.to_thread(self.sweep))
+
+    def sweep(self) -> int:
+        """Delete expired files (and stale temp files); returns how many went. Blocking."""
+        now_ns = time.time_ns()
+        removed = 0
+        with os.scandir(self.directory) as it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if entry.name.startswith(_TMP_PREFIX):
+                    stale = st.st_ctime_ns < now_ns - 3_600 * 10**9  # a writer died mid-put
+                else:
+                    stale = st.st_mtime_ns < now_ns
+                if stale and self._unlink_if_same(entry.path, st.st_ino):
+                    removed += 1
+        return removed
+
+    @staticmethod
+    def _unlink_if_same(path: str, ino: int) -> bool:
+        # A put may have replaced the file since it was listed: only unlink the expired inode.
+        try:
+            if os.stat(path, follow_symlinks=False).st_ino != ino:
+                return False
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    # --- read -------------------------------------------------------------------------------
+
+    def _map(self, key: str) -> tuple[mmap.mmap, BlobHeader]:
+        try:
+            with open(self._path(key), "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except FileNotFoundError:
+            raise StoreKeyMissing(key) from None
+        header = decode_header(mm, key)
+        if header.expired():
+            raise StoreKeyMissing(key)
+        return mm, header
+
+    async def get(self, key: str) -> torch.Tensor:
+        mm, header = self._map(key)
+        return tensor_from_blob(mm, header)
+
+    async def get_bytes(self, key: str) -> bytes:
+        mm, header = self._map(key)
+        return mm[header.data_offset :]
+
+    def _live(self, key: str) -> bool:
+        try:
+            with open(self._path(key), "rb") as f:
+                head = f.read(24)
+        except FileNotFoundError:
+            return False
+        if len(head) < 16:
+            return False
+        (exp,) = struct.unpack_from("<q", head, 8)  # expires_ms follows magic/version/lens
+        return exp <= 0 or exp > int(time.time() * 1000)
+
+    async def exists(self, key: str) -> bool:
+        return self._live(key)
+
+    async def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(key))
+
+    # --- readiness ----------------------------------------------------------------------------
+
+    def _wake_names(self, names: list[str]) -> None:
+        for name in names:
+            for fut in self._waiters.get(name, ()):
+                if not fut.done():
+                    fut.set_result(None)
+
+    def _wake_all(self) -> None:
+        for futs in self._waiters.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_result(None)
+
+    async def wait(self, keys: Sequence[str], timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pending = list(dict.fromkeys(keys))
+        if not pending:
+            return
+        if self._inotify is None or self._inotify.loop is not loop:
+            if self._inotify is not None:
+                self._inotify.close()
+            self._inotify = _Inotify(self.directory, self._wake_names, self._wake_all)
+        while True:
+            futs = {key_filename(k): loop.create_future() for k in pending}
+            for name, fut in futs.items():
+                self._waiters.setdefault(name, set()).add(fut)
+            try:
+                self.wake_checks += 1
+                pending = [k for k in pending if not self._live(k)]
+                if not pending:
+                    return
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise StoreTimeout(pending, timeout_s)
+                await asyncio.wait(
+                    [futs[key_filename(k)] for k in pending],
+                    timeout=remaining,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                for name, fut in futs.items():
+                    fut.cancel()
+                    waiting = self._waiters.get(name)
+                    if waiting is not None:
+                        waiting.discard(fut)
+                        if not waiting:
+                            del self._waiters[name]
+
+    async def close(self) -> None:
+        if self._inotify is not None:
+            self._inotify.close()
+            self._inotify = None
+        if self._sweeping is not None:
+            with contextlib.suppress(Exception):
+                await self._sweeping
