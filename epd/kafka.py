@@ -44,6 +44,8 @@ def make_consumer(
         "auto_offset_reset": "earliest",
         "fetch_max_bytes": max(settings.max_message_bytes * 2, 52428800),
         "max_partition_fetch_bytes": settings.max_message_bytes,
+        "session_timeout_ms": settings.kafka_session_timeout_ms,
+        "heartbeat_interval_ms": settings.kafka_heartbeat_interval_ms,
     }
     kwargs.update(overrides)
     return AIOKafkaConsumer(*topics, **kwargs)  # type: ignore[arg-type]

@@ -112,6 +112,8 @@ def worker_env(settings: Settings) -> dict[str, str]:
         "EPD_DEVICE": settings.device,
         "EPD_INLINE_LIMIT_BYTES": str(settings.inline_limit_bytes),
         "EPD_EC_NAMESPACE": settings.ec_namespace,
+        "EPD_KAFKA_SESSION_TIMEOUT_MS": str(settings.kafka_session_timeout_ms),
+        "EPD_KAFKA_HEARTBEAT_INTERVAL_MS": str(settings.kafka_heartbeat_interval_ms),
     }
     secret = settings.secret_bytes()
     if secret:

@@ -443,6 +443,10 @@ def _env_for(kafka: ServiceRecord, redis_url: str, tansu: bool) -> dict[str, str
     env = {"EPD_KAFKA_BOOTSTRAP": kafka.address, "EPD_REDIS_URL": redis_url}
     if tansu:
         env["EPD_KAFKA_IDEMPOTENCE"] = TANSU_IDEMPOTENCE
+        # Tansu holds a group join for about half the session timeout: keep it short locally
+        # (6 s is the lowest Kafka's group.min.session.timeout.ms allows by default).
+        env["EPD_KAFKA_SESSION_TIMEOUT_MS"] = "6000"
+        env["EPD_KAFKA_HEARTBEAT_INTERVAL_MS"] = "1000"
     return env
 
 

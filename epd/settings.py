@@ -19,6 +19,10 @@ class Settings(BaseSettings):
     kafka_idempotence: bool = Field(
         True, description="idempotent producer; the embedded Tansu broker needs false"
     )
+    kafka_session_timeout_ms: int = Field(
+        10000, description="consumer group session timeout; Tansu holds a join for half of it"
+    )
+    kafka_heartbeat_interval_ms: int = 3000
     topic_prefix: str = "epd"
     topic_partitions: int = 4
     max_message_bytes: int = Field(16 * 1024 * 1024, description="broker and producer message cap")

