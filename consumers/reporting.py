@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from epd.kafka import send_event
+from epd.kafka import ResultReporter
 from epd.topics import Topics
-from schemas.types import ErrorInfo, ResultEvent
+from schemas.types import ErrorInfo
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
@@ -34,18 +34,11 @@ def dead_letter_reporter(
         rid = request_id_of(ce, keyed_by_request)
         if rid is None:
             return
-        status = "rejected" if info.code in REJECTION_CODES else "failed"
-        await send_event(
-            producer,
-            topics.results,
+        await ResultReporter(producer, topics.results, stage)(
             rid,
-            ResultEvent(
-                request_id=rid,
-                stage=stage,
-                status=status,
-                error=info,
-                info={"dlq": f"{ce.topic}[{ce.partition}]@{ce.offset}"},
-            ),
+            "rejected" if info.code in REJECTION_CODES else "failed",
+            error=info,
+            info={"dlq": f"{ce.topic}[{ce.partition}]@{ce.offset}"},
         )
 
     return report

@@ -13,7 +13,7 @@ from aiokafka.errors import TopicAlreadyExistsError
 
 from epd.settings import Settings
 from schemas.codec import SCHEMA_HEADER, get_codec
-from schemas.types import Event
+from schemas.types import ErrorInfo, Event, ResultEvent
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +137,44 @@ async def read_topic(settings: Settings, topic: str, *, timeout_s: float = 30.0)
         return records
     finally:
         await consumer.stop()
+
+
+class ResultReporter:
+    """Sends one stage's ResultEvents (status updates and outcomes) to the results topic."""
+
+    def __init__(
+        self, producer: AIOKafkaProducer, results_topic: str, stage: str, worker: str = ""
+    ):
+        self.producer = producer
+        self.topic = results_topic
+        self.stage = stage
+        self.worker = worker
+
+    async def __call__(
+        self,
+        request_id: str,
+        status: str,
+        *,
+        token_ids: list[int] | None = None,
+        text: str | None = None,
+        error: ErrorInfo | None = None,
+        timings: dict[str, float] | None = None,
+        info: dict[str, str] | None = None,
+    ) -> None:
+        """Publish one update for ``request_id`` (keyed by it, so a request stays ordered)."""
+        await send_event(
+            self.producer,
+            self.topic,
+            request_id,
+            ResultEvent(
+                request_id=request_id,
+                stage=self.stage,
+                status=status,
+                token_ids=token_ids,
+                text=text,
+                error=error,
+                timings=timings or {},
+                info=info or {},
+                worker=self.worker,
+            ),
+        )

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import blake3
 import torch
 
-from epd.kafka import send_event
+from epd.kafka import ResultReporter, send_event
 from epd.settings import Settings
 from epd.topics import Topics
 from gpu_workers.batcher import MicroBatcher
@@ -25,7 +25,7 @@ from gpu_workers.compute import encode_images
 from gpu_workers.stores.base import StoreKeyMissing
 from schemas.errors import ValidationError
 from schemas.tensors import dtype_name, tensor_from_bytes
-from schemas.types import EncodedEvent, EncodeEvent, ErrorInfo, ResultEvent, TensorRef, now_ms
+from schemas.types import EncodedEvent, EncodeEvent, ErrorInfo, TensorRef, now_ms
 from schemas.validator import ValidationConfig, check_tensor, validate_encode_event
 
 if TYPE_CHECKING:
@@ -59,6 +59,7 @@ class EncodeWorker:
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"encode@{socket.gethostname()}"
         self.vconfig = ValidationConfig.from_settings(settings)
+        self.report = ResultReporter(producer, self.topics.results, "encode", self.worker_id)
         self.batcher: MicroBatcher[Job, torch.Tensor] = MicroBatcher(
             self._compute, max_cost=settings.encode_batch_patches
         )
@@ -124,20 +125,6 @@ class EncodeWorker:
         check_tensor(tensor, self.vconfig, modality=ev.modality, item=ev.item_index, name=name)
         return tensor
 
-    async def _result(self, ev: EncodeEvent, status: str, **kw: object) -> None:
-        await send_event(
-            self.producer,
-            self.topics.results,
-            ev.request_id,
-            ResultEvent(
-                request_id=ev.request_id,
-                stage="encode",
-                status=status,
-                worker=self.worker_id,
-                **kw,  # type: ignore[arg-type]
-            ),
-        )
-
     async def _encoded(
         self, ev: EncodeEvent, emb_dtype: str, shape: list[int], *, hit: bool, ms: float
     ) -> None:
@@ -176,8 +163,8 @@ class EncodeWorker:
         # event would otherwise fail validation as ec-expired (rejected) instead of expiring.
         # Nothing is read or computed on this path.
         if ev.deadline_ms is not None and now_ms() >= ev.deadline_ms:
-            await self._result(
-                ev,
+            await self.report(
+                ev.request_id,
                 "expired",
                 error=ErrorInfo(
                     "expired",
@@ -222,8 +209,8 @@ class EncodeWorker:
             await self._encoded(ev, dtype_name(self.bundle.dtype), [], hit=True, ms=0.0)
             return
         await self._encoded(ev, dtype_name(emb.dtype), list(emb.shape), hit=False, ms=ms)
-        await self._result(
-            ev,
+        await self.report(
+            ev.request_id,
             "encoding",
             timings={f"encode.{ev.modality}{ev.item_index}": ms},
             info={f"encoded.{ev.mm_hash[:12]}": "1"},

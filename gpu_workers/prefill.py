@@ -14,13 +14,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from epd.kafka import send_event
+from epd.kafka import ResultReporter
 from epd.settings import Settings
 from epd.topics import Topics
 from gpu_workers.compute import ItemEmbedding, generate_from_embeddings
 from gpu_workers.stores.base import StoreTimeout
 from schemas.errors import ValidationError
-from schemas.types import ErrorInfo, PrefillEvent, ResultEvent, now_ms
+from schemas.types import ErrorInfo, PrefillEvent, now_ms
 from schemas.validator import ValidationConfig, validate_prefill_event
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ class PrefillWorker:
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"prefill@{socket.gethostname()}"
         self.vconfig = ValidationConfig.from_settings(settings)
+        self.report = ResultReporter(producer, self.topics.results, "prefill", self.worker_id)
         self.embedding_wait_s = embedding_wait_s
         # One compute thread: the model is shared, and CPU/GPU work does not speed up by
         # interleaving requests inside one process.
@@ -63,20 +64,6 @@ class PrefillWorker:
 
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-    async def _result(self, ev: PrefillEvent, status: str, **kw: object) -> None:
-        await send_event(
-            self.producer,
-            self.topics.results,
-            ev.request_id,
-            ResultEvent(
-                request_id=ev.request_id,
-                stage="prefill",
-                status=status,
-                worker=self.worker_id,
-                **kw,  # type: ignore[arg-type]
-            ),
-        )
 
     def _items(self, ev: PrefillEvent, embeds: dict[str, object]) -> list[ItemEmbedding]:
         items = []
@@ -112,12 +99,14 @@ class PrefillWorker:
         # event would otherwise fail validation as ec-expired (rejected) instead of expiring.
         # Nothing is read or run on this path.
         if ev.deadline_ms is not None and started >= ev.deadline_ms:
-            await self._result(
-                ev, "expired", error=ErrorInfo("expired", "deadline passed before prefill")
+            await self.report(
+                ev.request_id,
+                "expired",
+                error=ErrorInfo("expired", "deadline passed before prefill"),
             )
             return
         validate_prefill_event(ev, self.vconfig)
-        await self._result(ev, "prefilling")
+        await self.report(ev.request_id, "prefilling")
         hashes = dict.fromkeys(h for _, _, h in ev.features.items())
         keys = {h: ev.ec_transfer_params[h].key for h in hashes}
         timeout = self.embedding_wait_s
@@ -134,8 +123,8 @@ class PrefillWorker:
                 ((m, i) for m, i, h in ev.features.items() if keys[h] in missing_keys),
                 (None, None),
             )
-            await self._result(
-                ev,
+            await self.report(
+                ev.request_id,
                 "failed" if ev.deadline_ms is None or now_ms() < ev.deadline_ms else "expired",
                 error=ErrorInfo(
                     "embeddings-missing",
@@ -162,10 +151,10 @@ class PrefillWorker:
             ),
         )
         compute_ms = (time.perf_counter() - t_compute) * 1000
-        text = self.bundle.tokenizer.decode(tokens, skip_special_tokens=True)
+        text = str(self.bundle.tokenizer.decode(tokens, skip_special_tokens=True))
         self.completed += 1
-        await self._result(
-            ev,
+        await self.report(
+            ev.request_id,
             "completed",
             token_ids=tokens,
             text=text,

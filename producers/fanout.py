@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import blake3
 import torch
 
-from epd.kafka import event_headers, send_event
+from epd.kafka import ResultReporter, event_headers
 from epd.settings import Settings
 from epd.topics import Topics
 from schemas.codec import get_codec
@@ -29,7 +29,6 @@ from schemas.types import (
     ItemData,
     PrefillEvent,
     RenderEvent,
-    ResultEvent,
     TensorRef,
     now_ms,
 )
@@ -225,22 +224,16 @@ class FanOut:
             prefill_bytes=len(prefill_value),
             kwargs_bytes=kwargs_bytes(ev.features),
         )
-        await send_event(
-            self.producer,
-            self.topics.results,
+        await ResultReporter(self.producer, self.topics.results, "fanout")(
             ev.request_id,
-            ResultEvent(
-                request_id=ev.request_id,
-                stage="fanout",
-                status="encoding" if plan.encode else "prefilling",
-                timings={"fanout": float(now_ms() - t0)},
-                info={
-                    "encode_events": str(stats.encode_events),
-                    "cache_hits": str(stats.cache_hits),
-                    "encode_bytes": str(stats.encode_bytes),
-                    "prefill_bytes": str(stats.prefill_bytes),
-                },
-            ),
+            "encoding" if plan.encode else "prefilling",
+            timings={"fanout": float(now_ms() - t0)},
+            info={
+                "encode_events": str(stats.encode_events),
+                "cache_hits": str(stats.cache_hits),
+                "encode_bytes": str(stats.encode_bytes),
+                "prefill_bytes": str(stats.prefill_bytes),
+            },
         )
         return stats
 
