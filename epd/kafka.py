@@ -18,8 +18,14 @@ from schemas.types import ErrorInfo, Event, ResultEvent
 log = logging.getLogger(__name__)
 
 
-def make_producer(settings: Settings, **overrides: object) -> AIOKafkaProducer:
-    """A producer with acks=all and the configured message cap; idempotence is a setting."""
+def make_producer(
+    settings: Settings, *, compression: str | None = None, **overrides: object
+) -> AIOKafkaProducer:
+    """A producer with acks=all and the configured message cap; idempotence is a setting.
+
+    ``compression`` overrides ``settings.compression`` (e.g. ``settings.prefill_compression``
+    for the fan-out's prefill producer).
+    """
     kwargs: dict[str, object] = {
         "bootstrap_servers": settings.kafka_bootstrap,
         "acks": "all",
@@ -27,8 +33,9 @@ def make_producer(settings: Settings, **overrides: object) -> AIOKafkaProducer:
         "max_request_size": settings.max_message_bytes,
         "linger_ms": 0,
     }
-    if settings.compression != "none":
-        kwargs["compression_type"] = settings.compression
+    codec = compression or settings.compression
+    if codec != "none":
+        kwargs["compression_type"] = codec
     kwargs.update(overrides)
     return AIOKafkaProducer(**kwargs)  # type: ignore[arg-type]
 

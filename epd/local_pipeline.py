@@ -112,6 +112,7 @@ def worker_env(settings: Settings) -> dict[str, str]:
         "EPD_DEVICE": settings.device,
         "EPD_INLINE_LIMIT_BYTES": str(settings.inline_limit_bytes),
         "EPD_EC_NAMESPACE": settings.ec_namespace,
+        "EPD_PREFILL_COMPRESSION": settings.prefill_compression,
         "EPD_KAFKA_SESSION_TIMEOUT_MS": str(settings.kafka_session_timeout_ms),
         "EPD_KAFKA_HEARTBEAT_INTERVAL_MS": str(settings.kafka_heartbeat_interval_ms),
     }
@@ -169,17 +170,26 @@ async def local_pipeline(
     if workers is not None:
         workers.start()
     producer = make_producer(settings)
+    prefill_producer = make_producer(settings, compression=settings.prefill_compression)
     store = open_store(settings.embedding_store_url)
     client = aioredis.Redis.from_url(settings.redis_url)
     try:
         await producer.start()
+        await prefill_producer.start()
         info = await asyncio.to_thread(load_render_info, settings.model)
         from producers.submit import Submitter
 
         submitter = Submitter(
             settings,
             Renderer(info, max_image_pixels=settings.max_image_pixels),
-            FanOut(settings, store, info.fingerprint, producer=producer, topics=topics),
+            FanOut(
+                settings,
+                store,
+                info.fingerprint,
+                producer=producer,
+                prefill_producer=prefill_producer,
+                topics=topics,
+            ),
             producer,
             StatusStore(client, prefix=settings.topic_prefix, ttl_s=settings.status_ttl_s),
         )
@@ -188,5 +198,6 @@ async def local_pipeline(
         if workers is not None:
             workers.stop()
         await producer.stop()
+        await prefill_producer.stop()
         await store.close()
         await client.aclose()

@@ -26,7 +26,14 @@ class Settings(BaseSettings):
     topic_prefix: str = "epd"
     topic_partitions: int = 4
     max_message_bytes: int = Field(16 * 1024 * 1024, description="broker and producer message cap")
-    compression: Literal["none", "gzip", "lz4", "zstd"] = "none"
+    compression: Literal["none", "gzip", "lz4", "zstd"] = Field(
+        "none", description="producer compression for encoder inputs (pixels barely compress)"
+    )
+    prefill_compression: Literal["none", "gzip", "lz4", "zstd"] = Field(
+        "gzip",
+        description="compression of prefill events: their bytes are mostly runs of placeholder "
+        "token ids, which gzip shrinks about tenfold",
+    )
 
     # Redis (status records; also the default embedding store)
     redis_url: str = "redis://127.0.0.1:6379/0"

@@ -90,12 +90,17 @@ class FanOut:
         model_fingerprint: str,
         *,
         producer: AIOKafkaProducer | None = None,
+        prefill_producer: AIOKafkaProducer | None = None,
         topics: Topics | None = None,
     ) -> None:
+        """``prefill_producer`` (default: ``producer``) sends the prefill events; give it
+        ``settings.prefill_compression`` so the small, repetitive events travel compressed
+        while the encoder inputs stay uncompressed."""
         self.settings = settings
         self.store = store
         self.model_fingerprint = model_fingerprint
         self.producer = producer
+        self.prefill_producer = prefill_producer or producer
         self.topics = topics or Topics(settings.topic_prefix)
         self._secret = settings.secret_bytes()
         # Structure only: scanning megabytes of pixels for NaN/Inf here would dominate the
@@ -190,7 +195,7 @@ class FanOut:
 
     async def publish(self, ev: RenderEvent) -> FanoutStats:
         """Plan, then send encode events, the prefill event and a stage update."""
-        if self.producer is None:
+        if self.producer is None or self.prefill_producer is None:
             raise RuntimeError("FanOut.publish needs a producer")
         t0 = now_ms()
         plan = await self.plan(ev)
@@ -211,7 +216,7 @@ class FanOut:
         # Encode events first, so an encoder can start while the prefill event is in flight.
         await asyncio.gather(*deliveries)
         prefill_value = codec.encode(plan.prefill)
-        await self.producer.send_and_wait(
+        await self.prefill_producer.send_and_wait(
             self.topics.prefill,
             value=prefill_value,
             key=ev.request_id.encode(),

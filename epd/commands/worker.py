@@ -137,8 +137,18 @@ async def run_worker(
             from producers.fanout import FanOut
 
             info = await asyncio.to_thread(load_render_info, settings.model)
+            prefill_producer = make_producer(settings, compression=settings.prefill_compression)
+            await prefill_producer.start()
+            closers.append(prefill_producer.stop)
             router = RenderRouter(
-                FanOut(settings, store, info.fingerprint, producer=producer, topics=topics)
+                FanOut(
+                    settings,
+                    store,
+                    info.fingerprint,
+                    producer=producer,
+                    prefill_producer=prefill_producer,
+                    topics=topics,
+                )
             )
             handler, topic, group, stage, by_request = (
                 router.handle,
