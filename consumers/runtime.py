@@ -180,6 +180,8 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
         log.info("%s: assigned %s", self._owner.config.group_id, sorted(assigned))
+        if assigned:
+            self._owner.assigned.set()
 
 
 class ConsumeLoop:
@@ -223,6 +225,8 @@ class ConsumeLoop:
         self._running = False
         self._closed = False
         self._finished = asyncio.Event()
+        self.assigned = asyncio.Event()
+        """Set once this member first holds partitions (readiness for supervisors and tests)."""
         # plain counters, for tests and status pages
         self.processed = 0
         self.retried = 0

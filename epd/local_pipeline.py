@@ -46,15 +46,19 @@ class WorkerProcesses:
         self.log_dir = log_dir
         self.kinds = list(kinds)
         self.procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+        self.ready_files: list[Path] = []
 
     def start(self) -> None:
         """Spawn every worker; they join their consumer groups on their own."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for i, kind in enumerate(self.kinds):
             log_path = self.log_dir / f"{kind}-{i}.log"
+            ready = self.log_dir / f"{kind}-{i}.ready"
+            ready.unlink(missing_ok=True)
+            self.ready_files.append(ready)
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "epd.cli", "worker", kind],
+                    [sys.executable, "-m", "epd.cli", "worker", kind, "--ready-file", str(ready)],
                     env=self.env,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
@@ -69,6 +73,19 @@ class WorkerProcesses:
             if proc.poll() is not None:
                 tail = log_path.read_text(errors="replace")[-3000:]
                 raise WorkerDied(f"{kind} worker exited with {proc.returncode}; log tail:\n{tail}")
+
+    async def wait_ready(self, timeout_s: float = 180.0) -> None:
+        """Until every worker has loaded its model and holds partitions (WorkerDied/TimeoutError).
+
+        Checked a few times a second: this runs once, at start-up, not on a request path.
+        """
+        deadline = time.monotonic() + timeout_s
+        while not all(f.exists() for f in self.ready_files):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                waiting = [f.stem for f in self.ready_files if not f.exists()]
+                raise TimeoutError(f"workers not ready after {timeout_s}s: {waiting}")
+            await asyncio.sleep(0.2)
 
     def stop(self, timeout_s: float = 20.0) -> dict[str, int | None]:
         """SIGTERM everyone (graceful drain), then SIGKILL stragglers. Returns exit codes."""
@@ -85,6 +102,7 @@ class WorkerProcesses:
                 proc.wait()
             codes[f"{kind}-{i}"] = proc.returncode
         self.procs.clear()
+        self.ready_files.clear()
         return codes
 
     def __enter__(self) -> WorkerProcesses:
@@ -193,6 +211,8 @@ async def local_pipeline(
             producer,
             StatusStore(client, prefix=settings.topic_prefix, ttl_s=settings.status_ttl_s),
         )
+        if workers is not None:
+            await workers.wait_ready()
         yield LocalRun(settings, submitter, producer, workers)
     finally:
         if workers is not None:

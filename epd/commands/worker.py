@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("epd.worker")
@@ -28,6 +29,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port"
     )
     p.add_argument("--log-level", default=os.environ.get("EPD_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--ready-file",
+        type=Path,
+        default=os.environ.get("EPD_READY_FILE") or None,
+        help="touch this file once the worker holds partitions (for supervisors and the demo)",
+    )
     p.set_defaults(func=run)
 
 
@@ -51,8 +58,21 @@ def run(args: argparse.Namespace) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port, addr="127.0.0.1")
-    asyncio.run(run_worker(args.kind, settings))
+    ready = None
+    if args.ready_file is not None:
+        ready_file: Path = args.ready_file
+        ready_file.unlink(missing_ok=True)
+
+        async def ready() -> None:
+            await asyncio.to_thread(ready_file.write_text, f"{os.getpid()}\n")
+
+    asyncio.run(run_worker(args.kind, settings, ready=ready))
     return 0
+
+
+async def _when_assigned(loop: Any, ready: Callable[[], Awaitable[None]]) -> None:
+    await loop.assigned.wait()  # partitions arrive with the first poll after the group join
+    await ready()
 
 
 async def run_worker(
@@ -178,9 +198,14 @@ async def run_worker(
         )
         log.info("%s: consuming %s as group %s", worker_id, topic, group)
         await loop.start()
+        announce = None
         if ready is not None:
-            await ready()
-        await loop.run_until_signal()
+            announce = asyncio.create_task(_when_assigned(loop, ready))
+        try:
+            await loop.run_until_signal()
+        finally:
+            if announce is not None:
+                announce.cancel()
     finally:
         for close in reversed(closers):
             try:

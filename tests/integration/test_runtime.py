@@ -245,7 +245,9 @@ async def test_transient_failure_retries_then_succeeds(settings: Settings) -> No
             raise StoreUnavailable("redis is restarting")
 
     loop = ConsumeLoop(settings, _config(src, dlq, max_attempts=3), handler)
+    assert not loop.assigned.is_set()
     task = _run(loop)
+    await asyncio.wait_for(loop.assigned.wait(), 30)  # readiness: partitions held
     await _until(lambda: loop.processed == 1, "the third attempt to succeed")
     await loop.stop()
     await task
