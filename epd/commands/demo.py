@@ -99,8 +99,12 @@ async def _demo(args: argparse.Namespace, quiet: bool, state_dir: Path) -> int:
         f"epd demo: Kafka {settings.kafka_bootstrap}, Redis {settings.redis_url}, "
         f"model {settings.model}"
     )
+    say(f"  starting results, encode and prefill workers (logs in {log_dir}/)")
     async with local_pipeline(settings, spawn_workers=True, log_dir=log_dir) as run:
-        say(f"  topics {run.settings.topic_prefix}.*, workers logging to {log_dir}/")
+        say(
+            f"  workers ready after {time.perf_counter() - t0:.1f}s; "
+            f"topics {run.settings.topic_prefix}.*"
+        )
         sampling = SamplingParams(max_tokens=args.max_tokens)
         # Submit one after another so the repeated image finds its embedding (or its encode in
         # flight); the workers process them concurrently.
@@ -111,10 +115,7 @@ async def _demo(args: argparse.Namespace, quiet: bool, state_dir: Path) -> int:
             r.extra["request_id"] = ev.request_id
             r.extra["prompt_tokens"] = len(ev.token_ids)
             r.stats = stats
-        say(
-            f"  submitted {len(reqs)} requests; waiting for the workers "
-            "(their first start loads the model)"
-        )
+        say(f"  submitted {len(reqs)} requests")
         done = 0
         tty = not quiet and sys.stderr.isatty()
 
