@@ -133,7 +133,8 @@ class FanOut:
             if name in DEFAULT_METADATA_FIELDS or nbytes <= self.settings.inline_limit_bytes:
                 out[name] = value
                 continue
-            raw = tensor_bytes(value)
+            # Copying and hashing megabytes takes milliseconds: keep it off the event loop.
+            raw, digest = await asyncio.to_thread(_bytes_and_digest, value)
             key = claim_key(self.settings.ec_namespace, mm_hash, name)
             await self.store.put_bytes(key, raw, self.settings.embedding_ttl_s)
             out[name] = TensorRef(
@@ -142,7 +143,7 @@ class FanOut:
                 dtype=dtype_name(value.dtype),
                 shape=list(value.shape),
                 nbytes=len(raw),
-                digest=blake3.blake3(raw).hexdigest(),
+                digest=digest,
             )
         return out
 
@@ -241,6 +242,11 @@ class FanOut:
             },
         )
         return stats
+
+
+def _bytes_and_digest(t: torch.Tensor) -> tuple[bytes, str]:
+    raw = tensor_bytes(t)
+    return raw, blake3.blake3(raw).hexdigest()
 
 
 def kwargs_bytes(features: Features) -> int:
