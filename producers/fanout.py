@@ -159,10 +159,8 @@ class FanOut:
             if await self.store.exists(ec.key):
                 cached.append(mm_hash)
                 continue
-            data = (f.kwargs_data or {}).get(modality, [None] * (index + 1))[index]
-            if data is None:
-                # Nothing to encode from (an upstream cache hit); prefill must find it stored.
-                continue
+            data = (f.kwargs_data or {})[modality][index]
+            assert data is not None  # validate_render_event: render items carry full data
             encode.append(
                 EncodeEvent(
                     request_id=ev.request_id,
@@ -184,7 +182,7 @@ class FanOut:
                 mm_hashes=f.mm_hashes,
                 mm_placeholders=f.mm_placeholders,
                 kwargs_data=None,
-                mm_metadata=f.mm_metadata,
+                mm_metadata=prefill_metadata(f),
             ),
             ec_transfer_params=params,
             sampling=ev.sampling,
@@ -242,6 +240,26 @@ class FanOut:
             },
         )
         return stats
+
+
+def prefill_metadata(f: Features) -> dict[str, list[ItemData | None]] | None:
+    """Each item's metadata for prefill: its ``mm_metadata`` slot, or else the metadata fields
+    of its full data (a renderer may leave ``mm_metadata`` out; prefill still needs the grid).
+
+    Follows the slots-across-modalities rule: a full-length list for every modality once any
+    item has metadata, and None only when no item has any.
+    """
+    out: dict[str, list[ItemData | None]] = {}
+    for modality, hashes in f.mm_hashes.items():
+        slots: list[ItemData | None] = []
+        for i in range(len(hashes)):
+            meta = (f.mm_metadata or {}).get(modality, [None] * len(hashes))[i]
+            if meta is None:
+                full = (f.kwargs_data or {}).get(modality, [None] * len(hashes))[i] or {}
+                meta = {k: v for k, v in full.items() if k in DEFAULT_METADATA_FIELDS} or None
+            slots.append(meta)
+        out[modality] = slots
+    return out if any(m is not None for slots in out.values() for m in slots) else None
 
 
 def _bytes_and_digest(t: torch.Tensor) -> tuple[bytes, str]:

@@ -23,6 +23,8 @@ Rules (slug: what it rejects):
 - ``ec-entry``: a malformed entry (not ECTransfer-shaped while signatures are required, or its
   ``mm_hash`` differs from the item's).
 - ``ec-namespace``: an entry key outside ``{namespace}:``.
+- ``ec-key``: an entry key that is not ``{namespace}:{model_fingerprint}:{mm_hash}`` for its
+  item (the fingerprint is pinned when the config names one).
 - ``ec-signature``: an entry whose HMAC does not verify (only when a secret is configured).
 - ``ec-expired``: an entry whose ``expires_ms`` has passed (only when ``now_ms`` is set).
 - ``metadata-field``: ``mm_metadata`` holding a field that is not a metadata field (e.g.
@@ -97,6 +99,8 @@ class ValidationConfig:
     max_tensor_bytes: int = 256 * 1024 * 1024
     allowed_dtypes: frozenset[str] = frozenset(DTYPES)
     now_ms: Callable[[], int] | None = None
+    model_fingerprint: str | None = None
+    """When set, entry keys must be exactly ``{namespace}:{model_fingerprint}:{mm_hash}``."""
     check_values: bool = True
     """Scan floating-point tensors for NaN/Inf. The fan-out turns it off: it never touches the
     pixels, and the encode worker scans them where it reads them anyway."""
@@ -161,6 +165,30 @@ def _as_ec_transfer(entry: Any, mm_hash: str) -> ECTransfer | None:
     return None
 
 
+def check_ec_key(
+    key: str, mm_hash: str, config: ValidationConfig, *, modality: str | None, item: int | None
+) -> None:
+    """Rules ``ec-namespace`` and ``ec-key``: the key is this item's embedding key.
+
+    ``{namespace}:{model_fingerprint}:{mm_hash}`` exactly, so an entry cannot point a worker at
+    another item's (or tenant's, or model's) embeddings, nor at claim-checked encoder inputs.
+    """
+    where: dict[str, Any] = {"modality": modality, "item": item, "field": "ec_transfer_params"}
+    if not key.startswith(f"{config.namespace}:"):
+        raise ValidationError(
+            "ec-namespace", f"key {key!r} is outside namespace {config.namespace!r}", **where
+        )
+    fingerprint = key[len(config.namespace) + 1 :].removesuffix(f":{mm_hash}")
+    if (
+        not key.endswith(f":{mm_hash}")
+        or not fingerprint
+        or ":" in fingerprint
+        or (config.model_fingerprint is not None and fingerprint != config.model_fingerprint)
+    ):
+        expected = f"{config.namespace}:{config.model_fingerprint or '<model>'}:{mm_hash}"
+        raise ValidationError("ec-key", f"key {key!r} is not {expected!r}", **where)
+
+
 def check_ec_entry(
     entry: Any, mm_hash: str, config: ValidationConfig, *, modality: str | None, item: int | None
 ) -> None:
@@ -176,14 +204,8 @@ def check_ec_entry(
                 field="ec_transfer_params",
             )
         key = entry.get("key") if isinstance(entry, Mapping) else None
-        if isinstance(key, str) and not key.startswith(f"{config.namespace}:"):
-            raise ValidationError(
-                "ec-namespace",
-                f"key {key!r} is outside namespace {config.namespace!r}",
-                modality=modality,
-                item=item,
-                field="ec_transfer_params",
-            )
+        if isinstance(key, str):
+            check_ec_key(key, mm_hash, config, modality=modality, item=item)
         return
     if ec.mm_hash != mm_hash:
         raise ValidationError(
@@ -193,14 +215,7 @@ def check_ec_entry(
             item=item,
             field="ec_transfer_params",
         )
-    if not ec.key.startswith(f"{config.namespace}:"):
-        raise ValidationError(
-            "ec-namespace",
-            f"key {ec.key!r} is outside namespace {config.namespace!r}",
-            modality=modality,
-            item=item,
-            field="ec_transfer_params",
-        )
+    check_ec_key(ec.key, mm_hash, config, modality=modality, item=item)
     if config.secret is not None and not verify_ec(config.secret, ec):
         raise ValidationError(
             "ec-signature",
@@ -560,11 +575,38 @@ def validate_render_event(ev: RenderEvent, config: ValidationConfig | None = Non
 
 
 def validate_prefill_event(ev: PrefillEvent, config: ValidationConfig) -> None:
-    """A prefill event: every rule, and every ``ec_transfer_params`` entry checked."""
+    """A prefill event: every rule, and every ``ec_transfer_params`` entry checked.
+
+    Strict mode adds what a prefill worker relies on: it never encodes, so every item needs an
+    entry (full ``kwargs_data`` does not excuse it), and it computes M-RoPE positions from
+    ``mm_metadata``, so every item's required metadata must be there.
+    """
     validate_features(ev.token_ids, ev.features, ev.ec_transfer_params, config)
-    if config.mode == "strict":
-        for h, entry in ev.ec_transfer_params.items():
-            check_ec_entry(entry, h, config, modality=None, item=None)
+    if config.mode != "strict":
+        return
+    meta = ev.features.mm_metadata or {}
+    for modality, hashes in ev.features.mm_hashes.items():
+        for i, mm_hash in enumerate(hashes):
+            if find_ec_entry(ev.ec_transfer_params, mm_hash) is None:
+                raise ValidationError(
+                    "ec-transfer-required",
+                    f"prefill needs an ec_transfer_params entry for mm_hash {mm_hash!r}; "
+                    "it never runs the encoder",
+                    modality=modality,
+                    item=i,
+                )
+            item_meta = meta.get(modality, [None] * len(hashes))[i] or {}
+            for name in config.required_metadata.get(modality, ()):
+                if name not in item_meta:
+                    raise ValidationError(
+                        "metadata-missing",
+                        f"prefill computes positions from mm_metadata, which lacks {name!r}",
+                        modality=modality,
+                        item=i,
+                        field=name,
+                    )
+    for h, entry in ev.ec_transfer_params.items():
+        check_ec_entry(entry, h, config, modality=None, item=None)
 
 
 def validate_encode_event(ev: EncodeEvent, config: ValidationConfig) -> None:

@@ -145,9 +145,13 @@ def test_split_then_validate_prefill_both_modes(
     assert run("validate", "--secret", "other", pre) == 1
     assert "rule=ec-signature" in capsys.readouterr().err
     tampered = out["prefill"]
-    tampered["ec_transfer_params"]["img-a"]["key"] = "ec:tiny:img-b"
+    tampered["ec_transfer_params"]["img-a"]["key"] = "ec:other-model:img-a"
     assert run("validate", write(tmp_path, "t.json", tampered)) == 1
     assert "rule=ec-signature" in capsys.readouterr().err
+    # Pointing an item at another item's embeddings is refused before the signature matters.
+    tampered["ec_transfer_params"]["img-a"]["key"] = "ec:tiny:img-b"
+    assert run("validate", write(tmp_path, "t2.json", tampered)) == 1
+    assert "rule=ec-key modality=image item=0" in capsys.readouterr().err
 
 
 def test_split_with_given_ec_params(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

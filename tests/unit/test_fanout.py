@@ -220,14 +220,16 @@ async def test_tampering_breaks_the_signature(
     for bad in forged:
         assert not verify_ec(secret, bad), bad
 
-    # The prefill gate refuses the forged key (naming the item), not just verify_ec.
-    params = dict(plan.prefill.ec_transfer_params)
-    params[h0] = forged[0]
-    bad_event = dataclasses.replace(plan.prefill, ec_transfer_params=params)
-    with pytest.raises(ValidationError) as err:
-        validate_prefill_event(bad_event, ValidationConfig.from_settings(settings))
-    assert err.value.rule == "ec-signature"
-    assert (err.value.modality, err.value.item) == ("image", 0)
+    # The prefill gate refuses forged entries (naming the item), not just verify_ec: a key
+    # re-pointed at another item fails the key layout, one for another model the signature.
+    for bad, rule in ((forged[0], "ec-key"), (forged[1], "ec-signature")):
+        params = dict(plan.prefill.ec_transfer_params)
+        params[h0] = bad
+        bad_event = dataclasses.replace(plan.prefill, ec_transfer_params=params)
+        with pytest.raises(ValidationError) as err:
+            validate_prefill_event(bad_event, ValidationConfig.from_settings(settings))
+        assert err.value.rule == rule
+        assert (err.value.modality, err.value.item) == ("image", 0)
 
 
 async def test_no_secret_means_empty_signatures(
@@ -353,3 +355,25 @@ async def test_expiry_is_ttl_or_deadline_whichever_is_first(
     for ec in plan.prefill.ec_transfer_params.values():
         assert before + ttl_s * 1000 <= ec.expires_ms <= after + ttl_s * 1000 < late
         assert verify_ec(SECRET.encode(), ec)  # the signature covers the expiry it carries
+
+
+async def test_metadata_is_recovered_from_kwargs_when_the_render_left_it_out(
+    renderer: Renderer, info: RenderInfo, local_store: LocalStore, namespace: str
+) -> None:
+    # A renderer that sends mm_metadata null (allowed when it marks no item as metadata) must
+    # not produce a prefill event without the grid: the fan-out takes it from kwargs_data.
+    settings = make_settings(namespace)
+    ev = renderer.render(
+        "no-meta",
+        prompt="<image> and <image>",
+        images=[synthetic_image(56, 56, 1), synthetic_image(84, 56, 2)],
+    )
+    grids = [item["image_grid_thw"] for item in ev.features.kwargs_data["image"]]
+    ev = dataclasses.replace(ev, features=dataclasses.replace(ev.features, mm_metadata=None))
+    plan = await FanOut(settings, local_store, info.fingerprint).plan(ev)
+    meta = plan.prefill.features.mm_metadata
+    assert meta is not None and set(meta) == {"image"}
+    for item, grid in zip(meta["image"], grids, strict=True):
+        assert item is not None and set(item) == {"image_grid_thw"}
+        assert torch.equal(item["image_grid_thw"], grid)
+    validate_prefill_event(plan.prefill, ValidationConfig.from_settings(settings))

@@ -418,8 +418,33 @@ def test_signed_entries_accepted_and_forgery_rejected() -> None:
     reject("ec-signature", TOKENS, f, forged, cfg, modality="image", item=0)
     # A re-pointed key with the old signature does not verify either.
     tampered = ec_for(f, SECRET)
-    tampered["image-h0"].key = "ec:fp:someone-else"
+    tampered["image-h0"].key = "ec:another-model:image-h0"
     reject("ec-signature", TOKENS, f, tampered, cfg)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "ec:fp:someone-else",  # another item's (or tenant's) embeddings
+        "ec:claim:image-h0:pixel_values",  # claim-checked encoder inputs
+        "ec::image-h0",  # no model fingerprint
+        "ec:fp:x:image-h0",  # extra segment
+    ],
+)
+def test_entry_key_must_be_this_items_embedding_key(key: str) -> None:
+    f = feats({"image": [(2, 4, None, image_meta())]})
+    for secret in (None, SECRET):
+        entries = ec_for(f, secret)
+        entries["image-h0"].key = key
+        reject("ec-key", TOKENS, f, entries, ValidationConfig(secret=secret), item=0)
+
+
+def test_pinned_model_fingerprint() -> None:
+    f = feats({"image": [(2, 4, None, image_meta())]})
+    entries = ec_for(f, None)
+    model = entries["image-h0"].key.split(":")[1]
+    validate_features(TOKENS, f, entries, ValidationConfig(model_fingerprint=model))
+    reject("ec-key", TOKENS, f, entries, ValidationConfig(model_fingerprint="other"), item=0)
 
 
 def test_signed_entries_as_raw_dicts() -> None:
@@ -496,7 +521,7 @@ def test_prefill_event() -> None:
     validate_prefill_event(ev, cfg)
     # An extra, forged entry that no item uses is still rejected.
     ev.ec_transfer_params["stray"] = make_ec_transfer(
-        mm_hash="stray", store="s", key="ec:x", expires_ms=10**13, secret=b"no"
+        mm_hash="stray", store="s", key="ec:fp:stray", expires_ms=10**13, secret=b"no"
     )
     with pytest.raises(ValidationError) as ei:
         validate_prefill_event(ev, cfg)
@@ -505,6 +530,32 @@ def test_prefill_event() -> None:
     with pytest.raises(ValidationError) as ei:
         validate_prefill_event(ev, cfg)
     assert (ei.value.rule, ei.value.modality, ei.value.item) == ("ec-transfer-required", "image", 0)
+
+
+def test_prefill_event_needs_an_entry_even_for_items_with_full_data() -> None:
+    # A prefill worker never encodes: kwargs_data in a PrefillEvent cannot stand in for an entry.
+    f = feats({"image": [(2, 4, image_full(), image_meta())]})
+    validate_features(TOKENS, f, None, STRICT)  # fine as a generic request
+    with pytest.raises(ValidationError) as ei:
+        validate_prefill_event(PrefillEvent("r", "m", TOKENS, f), STRICT)
+    assert (ei.value.rule, ei.value.modality, ei.value.item) == ("ec-transfer-required", "image", 0)
+
+
+def test_prefill_event_needs_the_grid_in_mm_metadata() -> None:
+    # Positions come from mm_metadata: an item with neither slot, or metadata without the grid,
+    # is rejected before the worker waits for anything.
+    for f in (
+        feats({"image": [(2, 4, None, None)]}, meta_none=True),
+        feats({"image": [(2, 4, image_full(), None)]}),
+    ):
+        ev = PrefillEvent("r", "m", TOKENS, f, ec_transfer_params=ec_for(f))
+        with pytest.raises(ValidationError) as ei:
+            validate_prefill_event(ev, STRICT)
+        assert (ei.value.rule, ei.value.item, ei.value.field) == (
+            "metadata-missing",
+            0,
+            "image_grid_thw",
+        )
 
 
 def _encode_event(data: ItemData, secret: bytes | None = SECRET, **kw: Any) -> EncodeEvent:
