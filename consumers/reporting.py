@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from consumers.runtime import ConsumedEvent, DeadLetterHook
 
 # Codes that mean "this input is bad" (rejected) rather than "we failed to process it".
-REJECTION_CODES = frozenset({"validation", "undecodable", "rejected"})
+REJECTION_CODES = frozenset({"validation", "undecodable", "rejected", "compute"})
 
 
 def request_id_of(ce: ConsumedEvent, keyed_by_request: bool) -> str | None:

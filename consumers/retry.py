@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from schemas.errors import CodecError, ValidationError
+from schemas.errors import CodecError, ComputeError, ValidationError
 from schemas.types import ErrorInfo
 
 MAX_MESSAGE_CHARS = 2000
@@ -38,14 +38,15 @@ class Transient(Exception):
     """A failure worth retrying with backoff (the default for unknown exceptions, too)."""
 
 
-PERMANENT: tuple[type[BaseException], ...] = (Poison, CodecError, ValidationError)
+PERMANENT: tuple[type[BaseException], ...] = (Poison, CodecError, ValidationError, ComputeError)
 """Exception types never retried: retrying cannot change a bad payload."""
 
 
 def default_is_transient(exc: BaseException) -> bool:
     """Whether to retry ``exc``.
 
-    Permanent: :class:`Poison`, ``CodecError``, ``ValidationError``. Everything else is retried
+    Permanent: :class:`Poison`, ``CodecError``, ``ValidationError``, ``ComputeError`` (inputs the
+    model cannot take: the same inputs fail the same way). Everything else is retried
     up to ``max_attempts`` (store or broker outages: StoreUnavailable, KafkaError,
     ConnectionError, TimeoutError; and unknown errors, which then land in the DLQ).
     """
@@ -88,4 +89,6 @@ def error_info(exc: BaseException, *, code: str | None = None) -> ErrorInfo:
         )
     if isinstance(exc, CodecError):
         return ErrorInfo(code=code or "undecodable", message=_clip(str(exc)))
+    if isinstance(exc, ComputeError):
+        return ErrorInfo(code=code or "compute", message=_clip(str(exc)))
     return ErrorInfo(code=code or "handler_error", message=_clip(f"{type(exc).__name__}: {exc}"))

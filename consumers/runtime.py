@@ -436,40 +436,46 @@ class ConsumeLoop:
         for attempt in range(1, self.config.max_attempts + 1):
             ce.attempt = attempt
             started = time.perf_counter()
+            failure: Exception
             try:
                 await self._handler(ce)
             except asyncio.CancelledError:
-                raise
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # we are being cancelled (shutdown, revoke): the offset stays open
+                # The handler re-raised someone else's cancellation (an awaited future that was
+                # cancelled). Treat it as a failure; swallowing it would stall the partition's
+                # commits forever.
+                failure = RuntimeError("handler raised CancelledError without being cancelled")
             except Exception as exc:
-                self._metrics.handler_seconds.labels(group).observe(time.perf_counter() - started)
-                if not self._is_transient(exc):
-                    await self._dead_letter(ce, error_info(exc), attempts=attempt)
-                    return
-                if attempt >= self.config.max_attempts:
-                    info = error_info(exc, code="retries_exhausted")
-                    await self._dead_letter(ce, info, attempts=attempt)
-                    return
-                self.retried += 1
-                self._metrics.retried.labels(group).inc()
-                delay = backoff_delay(
-                    attempt, self.config.backoff_initial_s, self.config.backoff_max_s
-                )
-                log.info(
-                    "%s: %s[%d]@%d attempt %d failed (%r); retrying in %.2fs",
-                    group,
-                    ce.topic,
-                    ce.partition,
-                    ce.offset,
-                    attempt,
-                    exc,
-                    delay,
-                )
-                await self._sleep_unless_stopping(delay)
+                failure = exc
             else:
                 self._metrics.handler_seconds.labels(group).observe(time.perf_counter() - started)
                 self.processed += 1
                 self._metrics.processed.labels(group).inc()
                 return
+            self._metrics.handler_seconds.labels(group).observe(time.perf_counter() - started)
+            if not self._is_transient(failure):
+                await self._dead_letter(ce, error_info(failure), attempts=attempt)
+                return
+            if attempt >= self.config.max_attempts:
+                info = error_info(failure, code="retries_exhausted")
+                await self._dead_letter(ce, info, attempts=attempt)
+                return
+            self.retried += 1
+            self._metrics.retried.labels(group).inc()
+            delay = backoff_delay(attempt, self.config.backoff_initial_s, self.config.backoff_max_s)
+            log.info(
+                "%s: %s[%d]@%d attempt %d failed (%r); retrying in %.2fs",
+                group,
+                ce.topic,
+                ce.partition,
+                ce.offset,
+                attempt,
+                failure,
+                delay,
+            )
+            await self._sleep_unless_stopping(delay)
 
     async def _sleep_unless_stopping(self, delay: float) -> None:
         """Back off; raise :class:`_Abandoned` if a stop is requested meanwhile."""

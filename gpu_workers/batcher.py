@@ -73,25 +73,47 @@ class MicroBatcher(Generic[In, Out]):
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
         backlog: deque[_Pending[In, Out]] = deque()
-        while True:
-            batch = await self._next_batch(backlog)
-            live = [p for p in batch if not p.future.cancelled()]
-            if not live:
-                continue
-            try:
-                results = await loop.run_in_executor(
-                    self._executor, self._compute, [p.item for p in live]
-                )
-            except Exception as exc:
-                for p in live:
+        live: list[_Pending[In, Out]] = []
+        try:
+            while True:
+                batch = await self._next_batch(backlog)
+                live = [p for p in batch if not p.future.cancelled()]
+                if not live:
+                    continue
+                try:
+                    results = await loop.run_in_executor(
+                        self._executor, self._compute, [p.item for p in live]
+                    )
+                except Exception as exc:
+                    if len(live) == 1:
+                        _fail(live[0], exc)
+                    else:
+                        # One bad item must not fail its batch mates: run each on its own.
+                        for p in live:
+                            await self._run_alone(loop, p)
+                    live = []
+                    continue
+                self.batches += 1
+                self.items += len(live)
+                for p, r in zip(live, results, strict=True):
                     if not p.future.done():
-                        p.future.set_exception(exc)
-                continue
-            self.batches += 1
-            self.items += len(live)
-            for p, r in zip(live, results, strict=True):
-                if not p.future.done():
-                    p.future.set_result(r)
+                        p.future.set_result(r)
+                live = []
+        finally:
+            # Closing (or a bug) must not leave submitters waiting forever.
+            for p in [*live, *backlog]:
+                p.future.cancel()
+
+    async def _run_alone(self, loop: asyncio.AbstractEventLoop, p: _Pending[In, Out]) -> None:
+        try:
+            (result,) = await loop.run_in_executor(self._executor, self._compute, [p.item])
+        except Exception as exc:
+            _fail(p, exc)
+            return
+        self.batches += 1
+        self.items += 1
+        if not p.future.done():
+            p.future.set_result(result)
 
     async def close(self) -> None:
         """Stop the drain task; pending submitters get CancelledError."""
@@ -102,3 +124,8 @@ class MicroBatcher(Generic[In, Out]):
         while not self._queue.empty():
             self._queue.get_nowait().future.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _fail(p: _Pending[In, Out], exc: Exception) -> None:
+    if not p.future.done():
+        p.future.set_exception(exc)

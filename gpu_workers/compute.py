@@ -21,13 +21,10 @@ import torch
 from transformers import DynamicCache
 
 from gpu_workers.model import ModelBundle, text_config
+from schemas.errors import ComputeError
 
 # mm_token_type_ids values understood by Qwen2-VL's get_rope_index.
 TOKEN_TYPE = {"text": 0, "image": 1, "video": 2}
-
-
-class ComputeError(ValueError):
-    """Inputs that cannot be computed (shape/grid/placeholder mismatch)."""
 
 
 @dataclass(slots=True)

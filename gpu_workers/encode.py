@@ -22,11 +22,18 @@ from epd.settings import Settings
 from epd.topics import Topics
 from gpu_workers.batcher import MicroBatcher
 from gpu_workers.compute import encode_images
+from gpu_workers.model import vision_config
 from gpu_workers.stores.base import StoreKeyMissing
 from schemas.errors import ValidationError
 from schemas.tensors import dtype_name, tensor_from_bytes
 from schemas.types import EncodedEvent, EncodeEvent, ErrorInfo, TensorRef, now_ms
-from schemas.validator import ValidationConfig, check_tensor, validate_encode_event
+from schemas.validator import (
+    ENCODER_INPUT_FIELDS,
+    GRID_FIELDS,
+    ValidationConfig,
+    check_tensor,
+    validate_encode_event,
+)
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
@@ -58,7 +65,11 @@ class EncodeWorker:
         self.producer = producer
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"encode@{socket.gethostname()}"
-        self.vconfig = ValidationConfig.from_settings(settings)
+        # Strict whatever EPD_VALIDATION_MODE says, and keys pinned to this model: two models
+        # must never share embeddings.
+        self.vconfig = ValidationConfig.from_settings(
+            settings, mode="strict", model_fingerprint=bundle.fingerprint
+        )
         self.report = ResultReporter(producer, self.topics.results, "encode", self.worker_id)
         self.batcher: MicroBatcher[Job, torch.Tensor] = MicroBatcher(
             self._compute, max_cost=settings.encode_batch_patches
@@ -149,16 +160,31 @@ class EncodeWorker:
             ),
         )
 
-    def _check_key(self, ev: EncodeEvent) -> None:
-        expected = f"{self.settings.ec_namespace}:{self.bundle.fingerprint}:"
-        if not ev.ec_transfer.key.startswith(expected):
-            # Two models must never share embeddings: refuse keys made for another model.
+    def _fields(self, ev: EncodeEvent) -> tuple[str, str]:
+        pv_name = ENCODER_INPUT_FIELDS.get(ev.modality)
+        grid_name = GRID_FIELDS.get(ev.modality)
+        if pv_name is None or grid_name is None:
             raise ValidationError(
-                "model-fingerprint",
-                f"ec_transfer key {ev.ec_transfer.key!r} is not for this model "
-                f"(expected prefix {expected!r})",
+                "encode-inputs",
+                f"modality {ev.modality!r} has no vision encoder here; supported: "
+                f"{sorted(ENCODER_INPUT_FIELDS)}",
                 modality=ev.modality,
                 item=ev.item_index,
+            )
+        return pv_name, grid_name
+
+    def _check_patch_width(self, pixels: torch.Tensor, name: str, ev: EncodeEvent) -> None:
+        # Rows were checked against the grid; the width is the model's. A wrong width would
+        # fail torch.cat for every item of the micro-batch, not just this one.
+        vc = vision_config(self.bundle.config)
+        width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
+        if pixels.ndim != 2 or pixels.shape[1] != width:
+            raise ValidationError(
+                "encode-inputs",
+                f"{name} has shape {list(pixels.shape)}; this model takes (patches, {width})",
+                modality=ev.modality,
+                item=ev.item_index,
+                field=name,
             )
 
     async def handle(self, ev: EncodeEvent) -> None:
@@ -179,15 +205,22 @@ class EncodeWorker:
             )
             return
         validate_encode_event(ev, self.vconfig)
-        self._check_key(ev)
         key = ev.ec_transfer.key
         pending = self._inflight.get(ev.mm_hash)
-        if pending is not None:
+        while pending is not None:
             # The same item is being encoded right now (by another event of this worker).
-            await asyncio.shield(pending)
+            try:
+                await asyncio.shield(pending)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                pending = self._inflight.get(ev.mm_hash)  # its owner was cancelled: take over
+                continue
             self.cache_hits += 1
             await self._encoded(ev, dtype_name(self.bundle.dtype), [], hit=True, ms=0.0)
             return
+        pv_name, grid_name = self._fields(ev)
         # Register before the first await, so concurrent events of this item wait on us.
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._inflight[ev.mm_hash] = done
@@ -195,13 +228,17 @@ class EncodeWorker:
             hit = await self.store.exists(key)
             if not hit:
                 t0 = time.perf_counter()
-                pixels = await self._tensor(ev.data["pixel_values"], "pixel_values", ev)
-                grid = await self._tensor(ev.data["image_grid_thw"], "image_grid_thw", ev)
+                pixels = await self._tensor(ev.data[pv_name], pv_name, ev)
+                grid = await self._tensor(ev.data[grid_name], grid_name, ev)
+                self._check_patch_width(pixels, pv_name, ev)
                 emb = await self.batcher.submit((pixels, grid), cost=int(pixels.shape[0]))
                 await self.store.put(key, emb, self.settings.embedding_ttl_s)
                 ms = (time.perf_counter() - t0) * 1000
                 self.items_encoded += 1
             done.set_result(None)
+        except asyncio.CancelledError:
+            done.cancel()  # waiters take over instead of failing
+            raise
         except BaseException as exc:
             done.set_exception(exc)
             done.exception()  # mark retrieved; waiters re-raise their own copy

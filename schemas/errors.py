@@ -7,6 +7,11 @@ class CodecError(ValueError):
     """Bytes that cannot be decoded into an event, or an event that cannot be encoded."""
 
 
+class ComputeError(ValueError):
+    """Inputs the model cannot take (shape, grid or placeholder mismatch). Permanent: the same
+    inputs fail the same way on every try."""
+
+
 class ValidationError(ValueError):
     """An event or request that breaks a validation rule.
 

@@ -255,6 +255,30 @@ async def test_transient_failure_retries_then_succeeds(settings: Settings) -> No
     assert (loop.retried, loop.dead_lettered) == (2, 0)
 
 
+async def test_stray_cancelled_error_is_a_failure_not_a_stall(settings: Settings) -> None:
+    # A handler that awaits a future someone else cancelled sees CancelledError while its own
+    # task is not being cancelled. That must be retried like any failure and the offset
+    # committed afterwards, not silently left open (which would stall the partition).
+    src, dlq = await _topics(settings)
+    await _produce(settings, src, ["awaits-a-cancelled-future"])
+    attempts: list[int] = []
+
+    async def handler(ce: ConsumedEvent) -> None:
+        attempts.append(ce.attempt)
+        if ce.attempt == 1:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            fut.cancel()
+            await fut
+
+    loop = ConsumeLoop(settings, _config(src, dlq, max_attempts=3), handler)
+    task = _run(loop)
+    await _until(lambda: loop.processed == 1, "the retry to succeed")
+    await loop.stop()
+    await task
+    assert attempts == [1, 2]
+    assert (loop.retried, loop.dead_lettered) == (1, 0)
+
+
 async def test_permanent_and_exhausted_failures_go_to_dlq(settings: Settings) -> None:
     src, dlq = await _topics(settings)
     await _produce(settings, src, ["always-down", "poison", "invalid", "fine"])

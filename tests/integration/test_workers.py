@@ -289,10 +289,29 @@ async def test_key_for_another_model_is_rejected(
     )
     with pytest.raises(ValidationError) as err:
         await encoder.handle(wire(dataclasses.replace(enc, ec_transfer=ec)))
-    assert err.value.rule == "model-fingerprint"
+    assert err.value.rule == "ec-key"
     assert (err.value.modality, err.value.item) == ("image", 0)
     assert encoder.items_encoded == 0
     assert not await store.exists(other)
+
+
+async def test_wrong_patch_width_and_unknown_modality_are_rejected(
+    cfg: Settings, bundle: ModelBundle, renderer: Renderer, store: RedisStore, encoder: EncodeWorker
+) -> None:
+    p = await plan(cfg, store, bundle, render(renderer, (33,)))
+    enc = p.encode[0]
+    grid = enc.data["image_grid_thw"]
+    assert isinstance(grid, torch.Tensor)
+    rows = int(grid.prod())
+    wide = dataclasses.replace(enc, data={**enc.data, "pixel_values": torch.zeros(rows, 1177)})
+    with pytest.raises(ValidationError) as err:
+        await encoder.handle(wire(wide))
+    assert (err.value.rule, err.value.field) == ("encode-inputs", "pixel_values")
+    audio = dataclasses.replace(enc, modality="audio")
+    with pytest.raises(ValidationError) as err:
+        await encoder.handle(wire(audio))
+    assert (err.value.rule, err.value.modality) == ("encode-inputs", "audio")
+    assert encoder.items_encoded == 0
 
 
 async def test_claim_check_in_another_store_is_rejected(

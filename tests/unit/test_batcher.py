@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 
 import pytest
@@ -79,3 +80,38 @@ async def test_closed_batcher_refuses_work() -> None:
     with pytest.raises(RuntimeError):
         # the executor is shut down: a closed batcher refuses new work loudly
         await b.submit(2, 1)
+
+
+async def test_one_bad_item_does_not_fail_its_batch_mates() -> None:
+    calls: list[list[int]] = []
+
+    def compute(items: Sequence[int]) -> list[int]:
+        calls.append(list(items))
+        if -1 in items:
+            raise ValueError("bad item")
+        return [i * 2 for i in items]
+
+    b: MicroBatcher[int, int] = MicroBatcher(compute, max_cost=100, linger_s=0.01)
+    results = await asyncio.gather(*(b.submit(i, 1) for i in (1, -1, 3)), return_exceptions=True)
+    await b.close()
+    assert results[0] == 2 and results[2] == 6
+    assert isinstance(results[1], ValueError)
+    assert calls[0] == [1, -1, 3]  # batched first, then each alone
+    assert sorted(map(tuple, calls[1:])) == [(-1,), (1,), (3,)]
+
+
+async def test_close_releases_every_submitter() -> None:
+    release = threading.Event()
+
+    def compute(items: Sequence[int]) -> list[int]:
+        release.wait(5)  # the first batch is still running when close() comes
+        return list(items)
+
+    b: MicroBatcher[int, int] = MicroBatcher(compute, max_cost=1, linger_s=0)
+    waiters = [asyncio.create_task(b.submit(i, 1)) for i in range(3)]
+    await asyncio.sleep(0.1)  # item 0 is in the executor, 1 and 2 are queued
+    await b.close()
+    release.set()
+    _, pending = await asyncio.wait(waiters, timeout=2)
+    assert not pending, "a submitter was left waiting after close()"
+    assert all(w.cancelled() for w in waiters)
