@@ -88,6 +88,11 @@ async def run_worker(
     from gpu_workers.stores import open_store
 
     topics = Topics(settings.topic_prefix)
+    if settings.ec_secret is None and kind in ("encode", "prefill", "router"):
+        log.warning(
+            "EPD_EC_SECRET is not set: ec_transfer_params are not signed, so any producer on "
+            "the topics can name embedding keys of this model. Set it in production."
+        )
     await ensure_topics(settings, topics.all())
     producer = make_producer(settings)
     await producer.start()
