@@ -2,7 +2,16 @@
 
 Each value is one blob (header + raw little-endian bytes, see :mod:`gpu_workers.stores.base`),
 written with ``SET key blob PX ttl`` and ``PUBLISH <channel> key`` in one MULTI/EXEC, so a reader
-that hears the notification always finds the value.
+that hears the notification always finds the value, and a put that fails part-way does neither.
+
+I/O: on plain ``redis://`` URLs the data path (put, get, get_many, exists, delete and wait's
+EXISTS) goes through :mod:`gpu_workers.stores.redis_wire`, which receives a value straight into
+its final buffer and sends a tensor's bytes from the tensor's own memory (the header and data are
+never joined), so a put or get costs about what ``redis-benchmark`` does. ``rediss://`` (TLS) and
+URLs carrying other redis-py connection options use redis-py for everything. Either way the
+errors are the same: connection trouble is :class:`StoreUnavailable`, server error replies are
+redis-py's exceptions. A tensor being put must not change until ``put`` returns (its memory is
+sent as is).
 
 Readiness: one pub/sub connection per store handle subscribes to a namespace channel and routes
 each published key to the futures waiting on it. ``wait`` makes sure that subscription is
@@ -13,7 +22,8 @@ drops, messages published meanwhile would be lost, so every pending ``wait`` fai
 :class:`StoreUnavailable` (transient; the consume loop retries) and the next ``wait`` resubscribes.
 
 URL query parameters understood here (others go to redis-py): ``key_prefix`` (prepended to every
-key, e.g. a tenant or test namespace) and ``channel`` (the readiness channel name).
+key, e.g. a tenant or test namespace) and ``channel`` (the readiness channel name);
+``socket_timeout`` and ``socket_connect_timeout`` (seconds) apply to both I/O paths.
 """
 
 from __future__ import annotations
@@ -22,8 +32,8 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from typing import Any, Protocol, cast
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
@@ -31,7 +41,9 @@ import torch
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from gpu_workers.stores import redis_wire as wire
 from gpu_workers.stores.base import (
+    Blob,
     EmbeddingStore,
     StoreError,
     StoreKeyMissing,
@@ -47,13 +59,134 @@ from gpu_workers.stores.base import (
 log = logging.getLogger(__name__)
 
 _OWN_PARAMS = ("key_prefix", "channel")
+_WIRE_PARAMS = frozenset({"socket_timeout", "socket_connect_timeout"})
+"""redis-py options the wire path honours too; a URL with any other option stays on redis-py."""
 _UNAVAILABLE = (rexc.ConnectionError, rexc.TimeoutError, OSError)
+
+
+class _DataIO(Protocol):
+    """The data-path commands, over redis-py or the wire client."""
+
+    async def set_publish(
+        self, key: bytes, header: bytes, data: memoryview, px: int | None, channel: bytes
+    ) -> None: ...
+
+    async def get(self, key: bytes) -> Blob | None: ...
+
+    async def mget(self, keys: Sequence[bytes]) -> Sequence[Blob | None]: ...
+
+    async def exists_each(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    async def delete(self, key: bytes) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class _RedisPyIO:
+    """Data path over redis-py (TLS, or options only redis-py understands)."""
+
+    def __init__(self, conn_url: str, connect_timeout_s: float) -> None:
+        self._pool = aioredis.ConnectionPool.from_url(
+            conn_url, decode_responses=False, socket_connect_timeout=connect_timeout_s
+        )
+        self._client = aioredis.Redis(connection_pool=self._pool)
+
+    async def set_publish(
+        self, key: bytes, header: bytes, data: memoryview, px: int | None, channel: bytes
+    ) -> None:
+        blob = b"".join((header, data))  # redis-py sends one argument from one buffer
+        async with self._client.pipeline(transaction=True) as pipe:
+            if px is None:
+                pipe.set(key, blob)
+            else:
+                pipe.set(key, blob, px=px)
+            pipe.publish(channel, key)
+            await pipe.execute()
+
+    async def get(self, key: bytes) -> Blob | None:
+        value = await self._client.get(key)
+        assert not isinstance(value, str)  # decode_responses=False
+        return value
+
+    async def mget(self, keys: Sequence[bytes]) -> Sequence[Blob | None]:
+        # decode_responses=False: values are bytes or None
+        return cast("list[bytes | None]", await self._client.mget(list(keys)))
+
+    async def exists_each(self, keys: Sequence[bytes]) -> list[bool]:
+        async with self._client.pipeline(transaction=False) as pipe:
+            for k in keys:
+                pipe.exists(k)
+            return [bool(n) for n in await pipe.execute()]
+
+    async def delete(self, key: bytes) -> None:
+        await self._client.delete(key)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+        await self._pool.disconnect()
+
+
+class _WireIO:
+    """Data path over :mod:`gpu_workers.stores.redis_wire` (plain TCP)."""
+
+    def __init__(self, pool: wire.WirePool) -> None:
+        self.pool = pool
+
+    async def set_publish(
+        self, key: bytes, header: bytes, data: memoryview, px: int | None, channel: bytes
+    ) -> None:
+        await wire.set_and_publish(self.pool, key, (header, data), px, channel)
+
+    async def get(self, key: bytes) -> Blob | None:
+        return await wire.get(self.pool, key)
+
+    async def mget(self, keys: Sequence[bytes]) -> Sequence[Blob | None]:
+        return await wire.mget(self.pool, keys)
+
+    async def exists_each(self, keys: Sequence[bytes]) -> list[bool]:
+        return await wire.exists_each(self.pool, keys)
+
+    async def delete(self, key: bytes) -> None:
+        await wire.delete(self.pool, key)
+
+    async def close(self) -> None:
+        self.pool.close()
+
+
+def _seconds(query: dict[str, str], name: str) -> float | None:
+    raw = query.get(name)
+    return float(raw) if raw not in (None, "", "None") else None
+
+
+def _wire_pool(url: str, connect_timeout_s: float) -> wire.WirePool | None:
+    """A wire pool for ``url`` when the wire path can serve it exactly, else None."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    if parts.scheme != "redis" or not set(query) <= _WIRE_PARAMS:
+        return None
+    db_text = (parts.path or "/0").strip("/") or "0"
+    if not db_text.isdigit():
+        return None  # let redis-py report it
+    connect = _seconds(query, "socket_connect_timeout")
+    return wire.WirePool(
+        parts.hostname or "localhost",
+        parts.port or 6379,
+        int(db_text),
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password is not None else None,
+        connect_timeout_s=connect if connect is not None else connect_timeout_s,
+        timeout_s=_seconds(query, "socket_timeout"),
+    )
 
 
 class RedisStore(EmbeddingStore):
     """Embedding store on a Redis server; see the module docstring."""
 
-    def __init__(self, url: str, *, socket_connect_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, url: str, *, socket_connect_timeout_s: float = 5.0, wire_io: bool = True
+    ) -> None:
+        """Open a handle on ``url`` (no I/O yet). ``wire_io=False`` forces redis-py for the data
+        path even where the wire client could serve it (tests compare the two)."""
         parts = urlsplit(url)
         if parts.scheme not in ("redis", "rediss"):
             raise ValueError(f"not a redis:// URL: {url!r}")
@@ -64,10 +197,10 @@ class RedisStore(EmbeddingStore):
         conn_url = urlunsplit(parts._replace(query=urlencode(query)))
         db = (parts.path or "/0").strip("/") or "0"
         self._channel = own.get("channel", f"epd:store:ready:{db}").encode()
-        self._pool = aioredis.ConnectionPool.from_url(
-            conn_url, decode_responses=False, socket_connect_timeout=socket_connect_timeout_s
+        pool = _wire_pool(conn_url, socket_connect_timeout_s) if wire_io else None
+        self._io: _DataIO = (
+            _WireIO(pool) if pool is not None else _RedisPyIO(conn_url, socket_connect_timeout_s)
         )
-        self._client = aioredis.Redis(connection_pool=self._pool)
         # The pub/sub connection must not reconnect silently (that would drop notifications).
         self._sub_client = aioredis.Redis.from_url(
             conn_url,
@@ -88,6 +221,11 @@ class RedisStore(EmbeddingStore):
     def url(self) -> str:
         return self._url
 
+    @property
+    def wire_pool(self) -> wire.WirePool | None:
+        """The wire client's pool when the data path uses it (None on redis-py)."""
+        return self._io.pool if isinstance(self._io, _WireIO) else None
+
     def _k(self, key: str) -> bytes:
         return (self._key_prefix + key).encode()
 
@@ -95,27 +233,21 @@ class RedisStore(EmbeddingStore):
 
     async def put(self, key: str, tensor: torch.Tensor, ttl_s: float | None = None) -> None:
         expiry_ms(ttl_s)  # validates the TTL; Redis does the expiring itself
-        blob = b"".join((encode_header(tensor), tensor_view(tensor)))
-        k = self._k(key)
+        px = None if ttl_s is None else max(1, int(ttl_s * 1000))
         try:
-            async with self._client.pipeline(transaction=True) as pipe:
-                if ttl_s is None:
-                    pipe.set(k, blob)
-                else:
-                    pipe.set(k, blob, px=max(1, int(ttl_s * 1000)))
-                pipe.publish(self._channel, k)
-                await pipe.execute()
+            await self._io.set_publish(
+                self._k(key), encode_header(tensor), tensor_view(tensor), px, self._channel
+            )
         except _UNAVAILABLE as exc:
             raise StoreUnavailable(f"redis store {self._url}: put {key!r} failed: {exc}") from exc
 
-    async def _get_blob(self, key: str) -> bytes:
+    async def _get_blob(self, key: str) -> Blob:
         try:
-            blob = await self._client.get(self._k(key))
+            blob = await self._io.get(self._k(key))
         except _UNAVAILABLE as exc:
             raise StoreUnavailable(f"redis store {self._url}: get {key!r} failed: {exc}") from exc
         if blob is None:
             raise StoreKeyMissing(key)
-        assert isinstance(blob, bytes)  # decode_responses=False
         return blob
 
     async def get(self, key: str) -> torch.Tensor:
@@ -124,13 +256,13 @@ class RedisStore(EmbeddingStore):
 
     async def get_bytes(self, key: str) -> bytes:
         blob = await self._get_blob(key)
-        return blob[decode_header(blob, key).data_offset :]
+        return bytes(memoryview(blob)[decode_header(blob, key).data_offset :])
 
     async def get_many(self, keys: Sequence[str]) -> list[torch.Tensor]:
         if not keys:
             return []
         try:
-            blobs = await self._client.mget([self._k(k) for k in keys])
+            blobs = await self._io.mget([self._k(k) for k in keys])
         except _UNAVAILABLE as exc:
             raise StoreUnavailable(f"redis store {self._url}: mget failed: {exc}") from exc
         missing = [k for k, b in zip(keys, blobs, strict=True) if b is None]
@@ -143,13 +275,14 @@ class RedisStore(EmbeddingStore):
 
     async def exists(self, key: str) -> bool:
         try:
-            return bool(await self._client.exists(self._k(key)))
+            (present,) = await self._io.exists_each([self._k(key)])
         except _UNAVAILABLE as exc:
             raise StoreUnavailable(f"redis store {self._url}: exists failed: {exc}") from exc
+        return present
 
     async def delete(self, key: str) -> None:
         try:
-            await self._client.delete(self._k(key))
+            await self._io.delete(self._k(key))
         except _UNAVAILABLE as exc:
             raise StoreUnavailable(f"redis store {self._url}: delete failed: {exc}") from exc
 
@@ -213,10 +346,7 @@ class RedisStore(EmbeddingStore):
             try:
                 self.wake_checks += 1
                 try:
-                    async with self._client.pipeline(transaction=False) as pipe:
-                        for k in pending:
-                            pipe.exists(self._k(k))
-                        present = await pipe.execute()
+                    present = await self._io.exists_each([self._k(k) for k in pending])
                 except _UNAVAILABLE as exc:
                     raise StoreUnavailable(f"redis store {self._url}: wait failed: {exc}") from exc
                 pending = [k for k, ok in zip(pending, present, strict=True) if not ok]
@@ -255,5 +385,4 @@ class RedisStore(EmbeddingStore):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._listener
         await self._sub_client.aclose()
-        await self._client.aclose()
-        await self._pool.disconnect()
+        await self._io.close()

@@ -5,6 +5,16 @@ temporary file and ``os.replace``-s it onto the key's name, so readers see eithe
 the new one, never a torn write; a reader ``mmap``-s the file and returns a tensor viewing the
 mapping (no copy). A replaced or deleted file stays mapped until its last tensor is gone.
 
+Mapping cache: a fresh mapping costs a page fault per few pages on first read (and an unmap
+later), which caps a read at about memcpy/2. So each handle keeps its recent mappings and reuses
+one while the key's file is the very same file: same device, inode, size, mtime and ctime. Writers
+never modify a file in place (a put renames a new inode over the name), so an unchanged identity
+means unchanged bytes; a replaced, deleted or expired file is mapped afresh or reported missing.
+The cost: a cached mapping keeps its file's memory (and one file descriptor) alive after the file is
+replaced or deleted, until the entry is evicted — least recently used beyond ``map_cache_bytes``
+(default 256 MiB, 0 turns the cache off) or 64 entries, or unused for ``map_cache_idle_s``
+(default 5 s; checked on the next get), ``delete`` through this handle, or ``close``.
+
 TTL: the expiry sits in the header (an expired value reads as missing) and doubles as the file's
 mtime (a far-future sentinel for "never"), so the sweep that runs on put, at most every
 ``sweep_interval_s``, finds expired files with ``stat`` alone.
@@ -16,7 +26,8 @@ futures after the watch exists and before it looks at the files, so no put can s
 queue overflow wakes every waiter to re-check. tmpfs supports inotify; other platforms get a clear
 :class:`StoreError` from ``wait``.
 
-Query parameters: ``dir`` (base directory, default ``/dev/shm``), ``sweep_interval_s``.
+Query parameters: ``dir`` (base directory, default ``/dev/shm``), ``sweep_interval_s``,
+``map_cache_bytes``, ``map_cache_idle_s``.
 """
 
 from __future__ import annotations
@@ -32,7 +43,9 @@ import re
 import struct
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl, quote, urlsplit
 
@@ -56,6 +69,7 @@ _TMP_PREFIX = ".tmp-"
 _NEVER_NS = 2**62  # mtime of entries without a TTL (year ~2116): the sweep never touches them
 _THREAD_WRITE_BYTES = 1 << 20  # larger writes go to a worker thread, off the event loop
 _MAX_FILENAME = 200
+_MAP_CACHE_ENTRIES = 64  # each cached mapping holds a file descriptor (mmap keeps a dup)
 
 # inotify(7) constants
 _IN_MOVED_TO = 0x00000080
@@ -78,6 +92,23 @@ def key_filename(key: str) -> str:
         # "%H" is never produced by quote(), so hashed names cannot collide with encoded ones.
         name = "%H" + hashlib.sha256(key.encode()).hexdigest()
     return name
+
+
+FileIdentity = tuple[int, int, int, int, int]
+
+
+def _identity(st: os.stat_result) -> FileIdentity:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass(slots=True)
+class _Mapped:
+    """A cached mapping of one key's file, valid while the file keeps ``identity``."""
+
+    identity: FileIdentity
+    mm: mmap.mmap
+    header: BlobHeader
+    used: float
 
 
 class _Inotify:
@@ -158,6 +189,10 @@ class ShmStore(EmbeddingStore):
         self._url = url
         self.directory = Path(params.get("dir", "/dev/shm")) / name
         self.sweep_interval_s = float(params.get("sweep_interval_s", "5"))
+        self.map_cache_bytes = int(params.get("map_cache_bytes", str(256 << 20)))
+        self.map_cache_idle_s = float(params.get("map_cache_idle_s", "5"))
+        self._maps: OrderedDict[str, _Mapped] = OrderedDict()
+        self._mapped_bytes = 0
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._next_sweep = 0.0
         self._sweeping: asyncio.Task[int] | None = None
@@ -239,15 +274,64 @@ class ShmStore(EmbeddingStore):
     # --- read -------------------------------------------------------------------------------
 
     def _map(self, key: str) -> tuple[mmap.mmap, BlobHeader]:
+        name = key_filename(key)
+        path = self.directory / name
+        now = time.monotonic()
+        self._evict_idle(now)
         try:
-            with open(self._path(key), "rb") as f:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            identity = _identity(os.stat(path))
         except FileNotFoundError:
+            self._forget(name)
             raise StoreKeyMissing(key) from None
-        header = decode_header(mm, key)
+        hit = self._maps.get(name)
+        if hit is not None and hit.identity == identity:
+            hit.used = now
+            self._maps.move_to_end(name)
+            mm, header = hit.mm, hit.header
+        else:
+            self._forget(name)
+            try:
+                with open(path, "rb") as f:
+                    identity = _identity(os.fstat(f.fileno()))
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except FileNotFoundError:
+                raise StoreKeyMissing(key) from None
+            header = decode_header(mm, key)
+            self._remember(name, _Mapped(identity, mm, header, now))
         if header.expired():
+            self._forget(name)
             raise StoreKeyMissing(key)
         return mm, header
+
+    # --- mapping cache (see the module docstring) ----------------------------------------------
+
+    @property
+    def cached_mappings(self) -> int:
+        """How many mappings the cache holds now."""
+        return len(self._maps)
+
+    def _remember(self, name: str, entry: _Mapped) -> None:
+        size = len(entry.mm)
+        if size > self.map_cache_bytes:
+            return
+        self._maps[name] = entry
+        self._mapped_bytes += size
+        while self._mapped_bytes > self.map_cache_bytes or len(self._maps) > _MAP_CACHE_ENTRIES:
+            _, old = self._maps.popitem(last=False)
+            self._mapped_bytes -= len(old.mm)
+
+    def _forget(self, name: str) -> None:
+        # Never mm.close(): tensors handed out may still view it; the last reference unmaps.
+        entry = self._maps.pop(name, None)
+        if entry is not None:
+            self._mapped_bytes -= len(entry.mm)
+
+    def _evict_idle(self, now: float) -> None:
+        while self._maps:
+            name, oldest = next(iter(self._maps.items()))
+            if now - oldest.used <= self.map_cache_idle_s:
+                break
+            self._forget(name)
 
     async def get(self, key: str) -> torch.Tensor:
         mm, header = self._map(key)
@@ -272,6 +356,7 @@ class ShmStore(EmbeddingStore):
         return self._live(key)
 
     async def delete(self, key: str) -> None:
+        self._forget(key_filename(key))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path(key))
 
@@ -326,6 +411,8 @@ class ShmStore(EmbeddingStore):
                             del self._waiters[name]
 
     async def close(self) -> None:
+        self._maps.clear()
+        self._mapped_bytes = 0
         if self._inotify is not None:
             self._inotify.close()
             self._inotify = None

@@ -1,4 +1,5 @@
-"""Embedding stores: one behavioural suite run against redis://, shm:// and local://.
+"""Embedding stores: one behavioural suite run against redis:// (over both of its I/O paths:
+the wire client and redis-py), shm:// and local://.
 
 Redis tests use the real server on 127.0.0.1:6379, DB 14, under a unique key prefix per test.
 """
@@ -6,6 +7,7 @@ Redis tests use the real server on 127.0.0.1:6379, DB 14, under a unique key pre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions as rexc
 import torch
 
 from gpu_workers.stores import (
@@ -27,11 +30,12 @@ from gpu_workers.stores import (
     StoreUnavailable,
     open_store,
 )
-from gpu_workers.stores.shm import key_filename
+from gpu_workers.stores.redis import RedisStore
+from gpu_workers.stores.shm import ShmStore, key_filename
 
 REDIS_BASE = "redis://127.0.0.1:6379/14"
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
-KINDS = ["redis", "shm", "local"]
+KINDS = ["redis", "redis-py", "shm", "local"]
 
 
 async def _redis_up() -> bool:
@@ -45,7 +49,7 @@ async def _redis_up() -> bool:
 
 
 def _url(kind: str, tag: str) -> str:
-    if kind == "redis":
+    if kind in ("redis", "redis-py"):
         return f"{REDIS_BASE}?key_prefix=test-{tag}:"
     if kind == "shm":
         return f"shm://epd-test-{tag}"
@@ -55,17 +59,21 @@ def _url(kind: str, tag: str) -> str:
 @pytest.fixture(params=KINDS)
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[EmbeddingStore]:
     kind = request.param
-    if kind == "redis" and not await _redis_up():
+    if kind.startswith("redis") and not await _redis_up():
         pytest.fail("Redis is not reachable on 127.0.0.1:6379 (start redis-server)")
     tag = uuid.uuid4().hex[:12]
-    s = open_store(_url(kind, tag))
+    url = _url(kind, tag)
+    s = RedisStore(url, wire_io=False) if kind == "redis-py" else open_store(url)
+    if kind.startswith("redis"):
+        assert isinstance(s, RedisStore)
+        assert (s.wire_pool is not None) == (kind == "redis")
     try:
         yield s
     finally:
         await s.close()
         if kind == "shm":
             shutil.rmtree(f"/dev/shm/epd-test-{tag}", ignore_errors=True)
-        if kind == "redis":
+        if kind.startswith("redis"):
             client = aioredis.Redis.from_url(REDIS_BASE)
             keys = [k async for k in client.scan_iter(match=f"test-{tag}:*")]
             if keys:
@@ -310,4 +318,204 @@ async def test_shm_corrupt_file_and_sweep() -> None:
         assert await s.exists("keep")
     finally:
         await s.close()
+        shutil.rmtree(f"/dev/shm/epd-test-{tag}", ignore_errors=True)
+
+
+# --- redis: the wire client's connection handling ---------------------------------------------
+
+
+@pytest.fixture
+async def redis_pair() -> AsyncIterator[tuple[RedisStore, aioredis.Redis, str]]:
+    """A wire-path store, a plain redis-py client on the same DB, and the store's key prefix."""
+    if not await _redis_up():
+        pytest.fail("Redis is not reachable on 127.0.0.1:6379 (start redis-server)")
+    tag = uuid.uuid4().hex[:12]
+    store = RedisStore(_url("redis", tag))
+    client = aioredis.Redis.from_url(REDIS_BASE)
+    try:
+        yield store, client, f"test-{tag}:"
+    finally:
+        await store.close()
+        keys = [k async for k in client.scan_iter(match=f"test-{tag}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+def _big(numel: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-(2**15), 2**15, (numel,), dtype=torch.int16, generator=gen)
+
+
+async def test_redis_wire_big_values_and_concurrency(
+    redis_pair: tuple[RedisStore, aioredis.Redis, str],
+) -> None:
+    store, client, prefix = redis_pair
+    # odd sizes around a few MiB cross every receive-chunk boundary
+    values = {f"big-{i}": _big((1 << 20) + 2 * i + 1, i) for i in range(6)}
+    await asyncio.gather(*(store.put(k, v, ttl_s=60) for k, v in values.items()))
+    got = await asyncio.gather(*(store.get(k) for k in values))
+    for (k, v), g in zip(values.items(), got, strict=True):
+        assert torch.equal(g, v), k
+    many = await store.get_many(list(values))
+    assert all(torch.equal(a, b) for a, b in zip(many, values.values(), strict=True))
+    # what the wire client wrote is an ordinary Redis value redis-py reads back the same way
+    other = RedisStore(f"{REDIS_BASE}?key_prefix={prefix}", wire_io=False)
+    try:
+        assert torch.equal(await other.get("big-3"), values["big-3"])
+    finally:
+        await other.close()
+    ttl_ms = await client.pttl(f"{prefix}big-0")
+    assert 0 < ttl_ms <= 60_000
+
+
+async def test_redis_wire_reuses_connection_and_recovers_from_a_killed_one(
+    redis_pair: tuple[RedisStore, aioredis.Redis, str],
+) -> None:
+    store, client, _ = redis_pair
+    pool = store.wire_pool
+    assert pool is not None
+    await store.put("k", torch.arange(5))
+    assert torch.equal(await store.get("k"), torch.arange(5))
+    assert pool.opened == 1
+
+    async def client_id(conn: object) -> int:
+        await conn.send(b"*2\r\n$6\r\nCLIENT\r\n$2\r\nID\r\n")  # type: ignore[attr-defined]
+        (cid,) = await conn.replies(1)  # type: ignore[attr-defined]
+        return int(cid)
+
+    cid = await pool.run(client_id)
+    assert await client.execute_command("CLIENT", "KILL", "ID", cid) == 1
+    # the idle connection is dead: the next command notices and retries on a fresh one
+    assert torch.equal(await store.get("k"), torch.arange(5))
+    assert pool.opened == 2
+
+
+async def test_redis_error_reply_is_redis_pys_error_on_both_paths(
+    redis_pair: tuple[RedisStore, aioredis.Redis, str],
+) -> None:
+    store, client, prefix = redis_pair
+    await client.rpush(f"{prefix}a-list", b"x")
+    await store.put("fine", torch.ones(3))
+    py = RedisStore(f"{REDIS_BASE}?key_prefix={prefix}", wire_io=False)
+    try:
+        for s in (store, py):
+            with pytest.raises(rexc.ResponseError, match="WRONGTYPE"):
+                await s.get("a-list")
+            # the connection stayed in step: the next reply belongs to the next command
+            assert torch.equal(await s.get("fine"), torch.ones(3))
+    finally:
+        await py.close()
+    assert store.wire_pool is not None and store.wire_pool.opened == 1
+
+
+async def test_redis_wire_cancelled_get_does_not_poison_the_pool(
+    redis_pair: tuple[RedisStore, aioredis.Redis, str],
+) -> None:
+    store, _, _ = redis_pair
+    big, small = _big(3 << 20, 7), torch.arange(4)
+    await store.put("big", big)
+    await store.put("small", small)
+    for yields in range(4):  # cancel at different points of the transfer
+        task = asyncio.create_task(store.get("big"))
+        for _ in range(yields):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert torch.equal(await store.get("small"), small)
+        assert torch.equal(await store.get("big"), big)
+
+
+@pytest.mark.parametrize("wire_io", [True, False])
+async def test_redis_bad_password_is_unavailable(wire_io: bool) -> None:
+    if not await _redis_up():
+        pytest.fail("Redis is not reachable on 127.0.0.1:6379 (start redis-server)")
+    s = RedisStore("redis://no-such-user-epd:pw@127.0.0.1:6379/14", wire_io=wire_io)
+    try:
+        with pytest.raises(StoreUnavailable):
+            await s.get("k")
+    finally:
+        await s.close()
+
+
+# --- shm: the mapping cache -------------------------------------------------------------------
+
+
+@pytest.fixture
+async def shm_pair() -> AsyncIterator[tuple[ShmStore, ShmStore]]:
+    """Two handles on one shm directory (a writer and a reader, as in two processes)."""
+    tag = uuid.uuid4().hex[:12]
+    a, b = ShmStore(f"shm://epd-test-{tag}"), ShmStore(f"shm://epd-test-{tag}")
+    try:
+        yield a, b
+    finally:
+        await a.close()
+        await b.close()
+        shutil.rmtree(f"/dev/shm/epd-test-{tag}", ignore_errors=True)
+
+
+async def test_shm_reuses_mapping_of_an_unchanged_file(shm_pair: tuple[ShmStore, ShmStore]) -> None:
+    writer, reader = shm_pair
+    await writer.put("k", torch.arange(64, dtype=torch.float32))
+    first, second = await reader.get("k"), await reader.get("k")
+    assert first.data_ptr() == second.data_ptr()
+    assert reader.cached_mappings == 1
+
+
+async def test_shm_cached_mapping_never_serves_a_replaced_value(
+    shm_pair: tuple[ShmStore, ShmStore],
+) -> None:
+    writer, reader = shm_pair
+    old = torch.zeros(256, dtype=torch.bfloat16)
+    await writer.put("k", old)
+    held = await reader.get("k")
+    for i in range(1, 4):  # same dtype, shape and size every time: only the file identity differs
+        new = torch.full((256,), float(i), dtype=torch.bfloat16)
+        await writer.put("k", new)
+        assert torch.equal(await reader.get("k"), new)
+    assert torch.equal(held, old)  # a tensor handed out earlier still sees its own bytes
+    await writer.delete("k")
+    with pytest.raises(StoreKeyMissing):
+        await reader.get("k")
+    assert reader.cached_mappings == 0
+
+
+async def test_shm_cached_mapping_expires(shm_pair: tuple[ShmStore, ShmStore]) -> None:
+    writer, reader = shm_pair
+    await writer.put("short", torch.ones(4), ttl_s=0.05)
+    assert torch.equal(await reader.get("short"), torch.ones(4))
+    assert reader.cached_mappings == 1
+    for _ in range(400):
+        if not await reader.exists("short"):
+            break
+        await asyncio.sleep(0.025)
+    with pytest.raises(StoreKeyMissing):
+        await reader.get("short")
+    assert reader.cached_mappings == 0
+
+
+async def test_shm_mapping_cache_limits() -> None:
+    tag = uuid.uuid4().hex[:12]
+    blob = 64 + 4096  # header + data of one value below
+    bounded = ShmStore(f"shm://epd-test-{tag}?map_cache_bytes={3 * blob}")
+    off = ShmStore(f"shm://epd-test-{tag}?map_cache_bytes=0")
+    idle = ShmStore(f"shm://epd-test-{tag}?map_cache_idle_s=0")
+    try:
+        for i in range(5):
+            await bounded.put(f"k{i}", torch.full((1024,), float(i)))
+        for i in range(5):
+            for s in (bounded, off, idle):
+                assert torch.equal(await s.get(f"k{i}"), torch.full((1024,), float(i)))
+        assert bounded.cached_mappings == 3  # least recently used went first
+        assert torch.equal(await bounded.get("k4"), torch.full((1024,), 4.0))
+        assert off.cached_mappings == 0
+        await asyncio.sleep(0.01)
+        await idle.get("k0")
+        assert idle.cached_mappings == 1  # the idle ones went on this get
+        await bounded.delete("k4")
+        assert bounded.cached_mappings == 2
+    finally:
+        for s in (bounded, off, idle):
+            await s.close()
         shutil.rmtree(f"/dev/shm/epd-test-{tag}", ignore_errors=True)
