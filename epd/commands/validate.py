@@ -18,9 +18,13 @@ def read_json(path: str) -> Any:
 
 def format_rejection(e: Any) -> str:
     """One stderr line naming the rule, modality, item and field of a ValidationError."""
-    return (
-        f"rejected: rule={e.rule} modality={e.modality} item={e.item} field={e.field}: {e.detail}"
-    )
+    parts = [f"rule={e.rule}"]
+    parts += [
+        f"{name}={v}"
+        for name in ("modality", "item", "field")
+        if (v := getattr(e, name)) is not None
+    ]
+    return f"rejected: {' '.join(parts)}: {e.detail}"
 
 
 def run(args: argparse.Namespace) -> int:
