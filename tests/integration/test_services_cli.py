@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
 from epd.services import free_port, kafka_answers, pid_alive, redis_answers
+from epd.settings import Settings
+from epd.topics import Topics
 
 EPD = [sys.executable, "-m", "epd.cli"]
 
@@ -114,3 +117,35 @@ def test_missing_broker_binary_is_a_clear_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize("pid", [None, 0, 2**22 + 12345])
 def test_pid_alive_rejects_missing_processes(pid: int | None) -> None:
     assert not pid_alive(pid)
+
+
+async def test_topics_create_is_idempotent_and_sets_partitions(settings: Settings) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    prefix = f"cli-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "EPD_TOPIC_PREFIX": prefix}
+    first = _run(["topics", "create", "--partitions", "3"], env)
+    assert first.returncode == 0, first.stderr
+    lines = dict(line.split("\t") for line in first.stdout.splitlines())
+    assert lines == {t: "created" for t in Topics(prefix).all()}
+    again = _run(["topics", "create", "--partitions", "3"], env)
+    assert again.returncode == 0 and set(again.stdout.split()) >= {"exists"}
+    assert "created" not in again.stdout
+    listed = _run(["topics", "list"], env)
+    assert set(Topics(prefix).all()) <= set(listed.stdout.split())
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    try:
+        meta = await admin.describe_topics([Topics(prefix).encode])
+        assert len(meta[0]["partitions"]) == 3
+        await admin.delete_topics(Topics(prefix).all())
+    finally:
+        await admin.close()
+
+
+def test_topics_create_reports_an_unreachable_broker(tmp_path: Path) -> None:
+    env = _env(tmp_path, EPD_KAFKA_BOOTSTRAP=f"127.0.0.1:{free_port()}")
+    proc = _run(["topics", "create", "--timeout", "3"], env)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr and "127.0.0.1" in proc.stderr
