@@ -225,7 +225,8 @@ class EncodeWorker:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._inflight[ev.mm_hash] = done
         try:
-            hit = await self.store.exists(key)
+            # A hit extends the TTL: the EncodedEvent tells prefill the embedding is there.
+            hit = await self.store.touch(key, self.settings.embedding_ttl_s)
             if not hit:
                 t0 = time.perf_counter()
                 pixels = await self._tensor(ev.data[pv_name], pv_name, ev)

@@ -156,7 +156,8 @@ class FanOut:
         cached: list[str] = []
         for modality, index, mm_hash in _unique_items(f):
             ec = params[mm_hash]
-            if await self.store.exists(ec.key):
+            # A hit must outlive the entry's promise (now + embedding_ttl_s): touch, not exists.
+            if await self.store.touch(ec.key, self.settings.embedding_ttl_s):
                 cached.append(mm_hash)
                 continue
             data = (f.kwargs_data or {})[modality][index]

@@ -11,7 +11,8 @@ the tensor's raw little-endian C-order bytes, so a reader needs nothing but the 
 
 The data starts on a 64-byte boundary of the blob so a view over it (``torch.frombuffer`` over an
 ``mmap``) is aligned for every dtype. ``expires_ms`` is wall-clock epoch milliseconds, 0 for none;
-Redis expires keys itself, shm reads treat an expired blob as missing.
+Redis expires keys itself (its blobs carry 0); shm keeps the expiry in the file's mtime, which its
+reads go by, and mirrors it here (``touch`` rewrites just this field, at :data:`EXPIRES_OFFSET`).
 """
 
 from __future__ import annotations
@@ -99,6 +100,16 @@ class EmbeddingStore(abc.ABC):
         """True when ``key`` holds a live (unexpired) value."""
 
     @abc.abstractmethod
+    async def touch(self, key: str, ttl_s: float | None) -> bool:
+        """Extend the key's lifetime to ``ttl_s`` from now (None: no expiry); False when the key
+        is absent or expired (it is not created).
+
+        A cache hit must be a successful ``touch``, not ``exists``: whoever hands out a key on
+        the strength of a hit promises the value lives ``ttl_s`` longer, and ``exists`` would let
+        a value with a second left count as cached and vanish before its reader comes.
+        """
+
+    @abc.abstractmethod
     async def wait(self, keys: Sequence[str], timeout_s: float) -> None:
         """Return once every key exists; raise :class:`StoreTimeout` naming the missing ones.
 
@@ -148,6 +159,11 @@ MAGIC = b"EPDT"
 VERSION = 1
 _FIXED = struct.Struct("<4sBBHq")
 ALIGN = 64
+EXPIRES = struct.Struct("<q")
+EXPIRES_OFFSET = _FIXED.size - EXPIRES.size
+"""Where ``expires_ms`` sits in a blob (a store may rewrite just that field to extend a TTL)."""
+HEADER_MIN = _FIXED.size
+"""The smallest well-formed header, in bytes."""
 
 
 @dataclass(frozen=True, slots=True)

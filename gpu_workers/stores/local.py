@@ -115,6 +115,18 @@ class LocalStore(EmbeddingStore):
     async def exists(self, key: str) -> bool:
         return self._lookup(key) is not None
 
+    async def touch(self, key: str, ttl_s: float | None) -> bool:
+        exp = expiry_ms(ttl_s)
+        sp = self._space
+        with sp.lock:
+            entry = sp.values.get(key)
+            if not _live(entry, int(time.time() * 1000)):
+                sp.values.pop(key, None)
+                return False
+            assert entry is not None
+            sp.values[key] = (entry[0], exp)
+            return True
+
     async def delete(self, key: str) -> None:
         with self._space.lock:
             self._space.values.pop(key, None)

@@ -20,6 +20,9 @@ therefore either seen by the check or heard on the channel, never lost. Pub/sub 
 Redis DB numbers, so the default channel names the DB. The pub/sub connection does not retry: if it
 drops, messages published meanwhile would be lost, so every pending ``wait`` fails with
 :class:`StoreUnavailable` (transient; the consume loop retries) and the next ``wait`` resubscribes.
+That includes a ``wait`` whose futures were registered just after the listener stopped (it failed
+the waiters it knew of, not these): ``wait`` checks, right after registering and with no await
+in between, that the listener it relies on is still live.
 
 URL query parameters understood here (others go to redis-py): ``key_prefix`` (prepended to every
 key, e.g. a tenant or test namespace) and ``channel`` (the readiness channel name);
@@ -32,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
@@ -64,6 +68,23 @@ _WIRE_PARAMS = frozenset({"socket_timeout", "socket_connect_timeout"})
 _UNAVAILABLE = (rexc.ConnectionError, rexc.TimeoutError, OSError)
 
 
+@dataclass(eq=False, slots=True)
+class _Listener:
+    """One pub/sub subscription's lifetime; a new one replaces it once it stops."""
+
+    confirmed: asyncio.Future[None]
+    """Resolved when Redis confirms the SUBSCRIBE (failed if the listener stops first)."""
+    task: asyncio.Task[None] | None = None
+    pubsub: Any = None
+    stopped: bool = False
+    """Set the moment the listener can no longer deliver, before it fails any waiter."""
+
+    @property
+    def live(self) -> bool:
+        """Whether notifications published from now on will reach the waiters."""
+        return not self.stopped and self.task is not None and not self.task.done()
+
+
 class _DataIO(Protocol):
     """The data-path commands, over redis-py or the wire client."""
 
@@ -76,6 +97,8 @@ class _DataIO(Protocol):
     async def mget(self, keys: Sequence[bytes]) -> Sequence[Blob | None]: ...
 
     async def exists_each(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    async def touch(self, key: bytes, px: int | None) -> bool: ...
 
     async def delete(self, key: bytes) -> None: ...
 
@@ -118,6 +141,15 @@ class _RedisPyIO:
                 pipe.exists(k)
             return [bool(n) for n in await pipe.execute()]
 
+    async def touch(self, key: bytes, px: int | None) -> bool:
+        if px is not None:
+            return bool(await self._client.pexpire(key, px))
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.persist(key)
+            pipe.exists(key)
+            _, present = await pipe.execute()
+        return bool(present)
+
     async def delete(self, key: bytes) -> None:
         await self._client.delete(key)
 
@@ -146,11 +178,20 @@ class _WireIO:
     async def exists_each(self, keys: Sequence[bytes]) -> list[bool]:
         return await wire.exists_each(self.pool, keys)
 
+    async def touch(self, key: bytes, px: int | None) -> bool:
+        return await wire.touch(self.pool, key, px)
+
     async def delete(self, key: bytes) -> None:
         await wire.delete(self.pool, key)
 
     async def close(self) -> None:
         self.pool.close()
+
+
+def _px(ttl_s: float | None) -> int | None:
+    """A TTL as Redis PX milliseconds (None: no expiry); raises ValueError for ttl_s <= 0."""
+    expiry_ms(ttl_s)  # validates the TTL; Redis does the expiring itself
+    return None if ttl_s is None else max(1, int(ttl_s * 1000))
 
 
 def _seconds(query: dict[str, str], name: str) -> float | None:
@@ -208,9 +249,7 @@ class RedisStore(EmbeddingStore):
             socket_connect_timeout=socket_connect_timeout_s,
             retry=Retry(NoBackoff(), 0),
         )
-        self._pubsub: Any = None
-        self._listener: asyncio.Task[None] | None = None
-        self._subscribed: asyncio.Future[None] | None = None
+        self._listener: _Listener | None = None
         self._sub_lock = asyncio.Lock()
         self._waiters: dict[bytes, set[asyncio.Future[None]]] = {}
         self._closed = False
@@ -232,8 +271,7 @@ class RedisStore(EmbeddingStore):
     # --- basic operations -------------------------------------------------------------------
 
     async def put(self, key: str, tensor: torch.Tensor, ttl_s: float | None = None) -> None:
-        expiry_ms(ttl_s)  # validates the TTL; Redis does the expiring itself
-        px = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        px = _px(ttl_s)
         try:
             await self._io.set_publish(
                 self._k(key), encode_header(tensor), tensor_view(tensor), px, self._channel
@@ -280,6 +318,15 @@ class RedisStore(EmbeddingStore):
             raise StoreUnavailable(f"redis store {self._url}: exists failed: {exc}") from exc
         return present
 
+    async def touch(self, key: str, ttl_s: float | None) -> bool:
+        # Redis alone keeps the expiry (the blob header's expires_ms stays 0 here, and get never
+        # looks at it), so moving the key's TTL is the whole job.
+        px = _px(ttl_s)
+        try:
+            return await self._io.touch(self._k(key), px)
+        except _UNAVAILABLE as exc:
+            raise StoreUnavailable(f"redis store {self._url}: touch {key!r} failed: {exc}") from exc
+
     async def delete(self, key: str) -> None:
         try:
             await self._io.delete(self._k(key))
@@ -288,46 +335,58 @@ class RedisStore(EmbeddingStore):
 
     # --- readiness ----------------------------------------------------------------------------
 
-    async def _ensure_subscribed(self) -> None:
-        """Start the listener (once) and return when Redis has confirmed the subscription."""
+    async def _ensure_subscribed(self) -> _Listener:
+        """Start a listener unless a live one exists; return it once Redis has confirmed the
+        subscription (raises :class:`StoreUnavailable` if it stops before that)."""
         if self._closed:
             raise StoreError(f"redis store {self._url} is closed")
         async with self._sub_lock:
-            if self._listener is None or self._listener.done():
-                self._subscribed = asyncio.get_running_loop().create_future()
-                self._listener = asyncio.create_task(self._listen(self._subscribed))
-            subscribed = self._subscribed
-        assert subscribed is not None
-        await asyncio.shield(subscribed)
+            listener = self._listener
+            if listener is None or not listener.live:
+                listener = _Listener(asyncio.get_running_loop().create_future())
+                listener.task = asyncio.create_task(self._listen(listener))
+                self._listener = listener
+        await asyncio.shield(listener.confirmed)
+        return listener
 
-    async def _listen(self, subscribed: asyncio.Future[None]) -> None:
+    async def _listen(self, listener: _Listener) -> None:
         pubsub = self._sub_client.pubsub()
-        self._pubsub = pubsub
+        listener.pubsub = pubsub
+        err: StoreError = StoreError(f"redis store {self._url} is closed")
         try:
             await pubsub.subscribe(self._channel)
             async for msg in pubsub.listen():
                 kind = msg.get("type")
                 if kind == b"subscribe" or kind == "subscribe":
-                    if not subscribed.done():
-                        subscribed.set_result(None)
+                    if not listener.confirmed.done():
+                        listener.confirmed.set_result(None)
                 elif kind in (b"message", "message"):
                     for fut in self._waiters.get(msg["data"], ()):
                         if not fut.done():
                             fut.set_result(None)
+            # listen() ends once nothing is subscribed: just as deaf as a lost connection.
+            err = StoreUnavailable(f"redis store {self._url}: readiness subscription ended")
+            log.warning("%s", err)
         except asyncio.CancelledError:
-            raise
+            raise  # close(): err says so
         except Exception as exc:
             err = StoreUnavailable(f"redis store {self._url}: readiness channel lost: {exc}")
             log.warning("%s", err)
-            if not subscribed.done():
-                subscribed.set_exception(err)
-            for futs in self._waiters.values():
-                for fut in futs:
-                    if not fut.done():
-                        fut.set_exception(err)
         finally:
+            self._stopped(listener, err)
             with contextlib.suppress(Exception):
                 await pubsub.aclose()
+
+    def _stopped(self, listener: _Listener, err: StoreError) -> None:
+        """Mark ``listener`` stopped and fail everything waiting on it, in one synchronous step
+        (``wait`` relies on there being no await between the two)."""
+        listener.stopped = True
+        if not listener.confirmed.done():
+            listener.confirmed.set_exception(err)
+        for futs in self._waiters.values():
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(err)
 
     async def wait(self, keys: Sequence[str], timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -336,7 +395,7 @@ class RedisStore(EmbeddingStore):
         if not pending:
             return
         try:
-            await asyncio.wait_for(self._ensure_subscribed(), max(timeout_s, 0.001))
+            listener = await asyncio.wait_for(self._ensure_subscribed(), max(timeout_s, 0.001))
         except TimeoutError:
             raise StoreTimeout(pending, timeout_s) from None
         while True:
@@ -344,6 +403,11 @@ class RedisStore(EmbeddingStore):
             for k, fut in futs.items():
                 self._waiters.setdefault(self._k(k), set()).add(fut)
             try:
+                # A listener that stopped before these futures were registered (since it
+                # confirmed, or since the last round) failed only the waiters it knew of: nothing
+                # would wake these. One still live now fails them itself when it stops.
+                if not listener.live:
+                    raise StoreUnavailable(f"redis store {self._url}: readiness channel lost")
                 self.wake_checks += 1
                 try:
                     present = await self._io.exists_each([self._k(k) for k in pending])
@@ -380,9 +444,10 @@ class RedisStore(EmbeddingStore):
         if self._closed:
             return
         self._closed = True
-        if self._listener is not None:
-            self._listener.cancel()
+        task = self._listener.task if self._listener is not None else None
+        if task is not None:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._listener
+                await task
         await self._sub_client.aclose()
         await self._io.close()

@@ -357,6 +357,23 @@ async def exists_each(pool: WirePool, keys: Sequence[bytes]) -> list[bool]:
     return await pool.run(op)
 
 
+async def touch(pool: WirePool, key: bytes, px: int | None) -> bool:
+    """``PEXPIRE key px`` (``PERSIST key; EXISTS key`` for no expiry): whether the key exists.
+
+    Neither command creates the key, so touching an absent or expired key leaves it absent."""
+    if px is None:
+        msg, n = _pack(b"PERSIST", key) + _pack(b"EXISTS", key), 2
+    else:
+        msg, n = _pack(b"PEXPIRE", key, str(px).encode()), 1
+
+    async def op(conn: WireConnection) -> bool:
+        await conn.send(msg)
+        *_, present = await conn.replies(n)
+        return bool(present)
+
+    return await pool.run(op)
+
+
 async def delete(pool: WirePool, key: bytes) -> None:
     """``DEL key``."""
 

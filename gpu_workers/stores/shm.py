@@ -15,9 +15,22 @@ replaced or deleted, until the entry is evicted — least recently used beyond `
 (default 256 MiB, 0 turns the cache off) or 64 entries, or unused for ``map_cache_idle_s``
 (default 5 s; checked on the next get), ``delete`` through this handle, or ``close``.
 
-TTL: the expiry sits in the header (an expired value reads as missing) and doubles as the file's
-mtime (a far-future sentinel for "never"), so the sweep that runs on put, at most every
-``sweep_interval_s``, finds expired files with ``stat`` alone.
+TTL: the expiry is the file's mtime (a far-future sentinel for "never"); the header's
+``expires_ms`` mirrors it for other readers of the layout. Reads, ``exists`` and the sweep (which
+runs on put, at most every ``sweep_interval_s``) all judge expiry by the mtime, which ``stat``
+returns whole: an expired value reads as missing.
+
+``touch`` (a cache hit extending the TTL) works in place on the same inode: it sets the mtime
+with ``futimens`` and rewrites the 8-byte header field with ``pwrite``; the tensor bytes are never
+written. Why in place rather than a rewrite + rename like ``put``: a rewrite copies the whole value
+on every cache hit, and would race a concurrent ``put`` or ``delete`` (renaming the old bytes back
+over a newer value, or resurrecting a deleted key). In place is safe for readers: tensors handed
+out view only the data bytes, which do not change; a cached mapping is keyed on the file's
+identity, which includes mtime and ctime, so every handle re-reads the header after a touch; and
+since expiry is judged by the mtime (set atomically), a reader that catches the header field
+mid-``pwrite`` is never misled by it. The sweep and ``touch`` take an exclusive ``flock`` on the
+file while they decide, so the sweep cannot unlink a file that a touch has just extended (both
+re-check the mtime under the lock).
 
 Readiness: Linux inotify on the directory (``IN_MOVED_TO``, which the rename produces), reached
 through ``ctypes`` so no extra dependency is needed. One inotify descriptor per store handle sits in
@@ -36,6 +49,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import hashlib
 import mmap
 import os
@@ -52,8 +66,14 @@ from urllib.parse import parse_qsl, quote, urlsplit
 import torch
 
 from gpu_workers.stores.base import (
+    EXPIRES,
+    EXPIRES_OFFSET,
+    HEADER_MIN,
+    MAGIC,
+    VERSION,
     BlobHeader,
     EmbeddingStore,
+    StoreCorrupt,
     StoreError,
     StoreKeyMissing,
     StoreTimeout,
@@ -95,6 +115,18 @@ def key_filename(key: str) -> str:
 
 
 FileIdentity = tuple[int, int, int, int, int]
+
+
+def _mtime_ns(exp_ms: int) -> int:
+    """The mtime that encodes an expiry (epoch ms, 0 = never)."""
+    return exp_ms * 1_000_000 if exp_ms else _NEVER_NS
+
+
+def _expired(mtime_ns: int, now_ns: int | None = None) -> bool:
+    """Whether a file with this mtime holds an expired value."""
+    if mtime_ns >= _NEVER_NS:
+        return False
+    return (now_ns if now_ns is not None else time.time_ns()) >= mtime_ns
 
 
 def _identity(st: os.stat_result) -> FileIdentity:
@@ -217,7 +249,7 @@ class ShmStore(EmbeddingStore):
                 f.write(header)
                 if len(data):
                     f.write(data)
-            mtime_ns = exp_ms * 1_000_000 if exp_ms else _NEVER_NS
+            mtime_ns = _mtime_ns(exp_ms)
             os.utime(tmp, ns=(mtime_ns, mtime_ns))
             os.replace(tmp, self._path(key))
         except BaseException:
@@ -253,12 +285,33 @@ class ShmStore(EmbeddingStore):
                 except FileNotFoundError:
                     continue
                 if entry.name.startswith(_TMP_PREFIX):
-                    stale = st.st_ctime_ns < now_ns - 3_600 * 10**9  # a writer died mid-put
-                else:
-                    stale = st.st_mtime_ns < now_ns
-                if stale and self._unlink_if_same(entry.path, st.st_ino):
+                    # a writer died mid-put
+                    if st.st_ctime_ns < now_ns - 3_600 * 10**9 and self._unlink_if_same(
+                        entry.path, st.st_ino
+                    ):
+                        removed += 1
+                elif _expired(st.st_mtime_ns, now_ns) and self._unlink_if_expired(
+                    entry.path, st.st_ino
+                ):
                     removed += 1
         return removed
+
+    @staticmethod
+    def _unlink_if_expired(path: str, ino: int) -> bool:
+        # Under the file's lock (see touch), re-check that it is still the expired inode listed:
+        # a touch may have extended it, or a put replaced it, since the directory was read.
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            st = os.fstat(fd)
+            if st.st_ino != ino or not _expired(st.st_mtime_ns):
+                return False
+            return ShmStore._unlink_if_same(path, ino)
+        finally:
+            os.close(fd)  # releases the lock
 
     @staticmethod
     def _unlink_if_same(path: str, ino: int) -> bool:
@@ -298,7 +351,7 @@ class ShmStore(EmbeddingStore):
                 raise StoreKeyMissing(key) from None
             header = decode_header(mm, key)
             self._remember(name, _Mapped(identity, mm, header, now))
-        if header.expired():
+        if _expired(identity[3]):  # the mtime is the expiry (see the module docstring)
             self._forget(name)
             raise StoreKeyMissing(key)
         return mm, header
@@ -343,17 +396,48 @@ class ShmStore(EmbeddingStore):
 
     def _live(self, key: str) -> bool:
         try:
-            with open(self._path(key), "rb") as f:
-                head = f.read(24)
+            st = os.stat(self._path(key))
         except FileNotFoundError:
             return False
-        if len(head) < 16:
-            return False
-        (exp,) = struct.unpack_from("<q", head, 8)  # expires_ms follows magic/version/lens
-        return exp <= 0 or exp > int(time.time() * 1000)
+        return st.st_size >= HEADER_MIN and not _expired(st.st_mtime_ns)
 
     async def exists(self, key: str) -> bool:
         return self._live(key)
+
+    def _touch_file(self, key: str, exp_ms: int) -> bool:
+        """Extend the file under ``key`` in place (see the module docstring). Blocking, but a
+        few syscalls on tmpfs; the lock is only ever held for as long by the sweep."""
+        path = self._path(key)
+        mtime_ns = _mtime_ns(exp_ms)
+        for _ in range(3):  # a put may rename a new file over the name meanwhile: touch that one
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # the sweep decides under the same lock
+                st = os.fstat(fd)
+                if _expired(st.st_mtime_ns):
+                    return False
+                head = os.pread(fd, HEADER_MIN, 0)
+                if len(head) < HEADER_MIN or head[:4] != MAGIC or head[4] != VERSION:
+                    raise StoreCorrupt(f"store value for {key!r} is not an EPDT blob ({path})")
+                os.pwrite(fd, EXPIRES.pack(exp_ms), EXPIRES_OFFSET)
+                os.utime(fd, ns=(mtime_ns, mtime_ns))
+            finally:
+                os.close(fd)  # releases the lock
+            try:
+                if os.stat(path).st_ino == st.st_ino:
+                    return True
+            except FileNotFoundError:
+                return False  # deleted (or swept) after we opened it
+        return False
+
+    async def touch(self, key: str, ttl_s: float | None) -> bool:
+        exp = expiry_ms(ttl_s)
+        ok = self._touch_file(key, exp)
+        self._forget(key_filename(key))  # its identity changed; drop our entry early
+        return ok
 
     async def delete(self, key: str) -> None:
         self._forget(key_filename(key))

@@ -207,6 +207,27 @@ async def test_single_flight_then_store_hit(
     assert [(r.stage, r.status) for r in results] == [("encode", "encoding")]
 
 
+async def test_a_store_hit_extends_the_embeddings_lifetime(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    encoder: EncodeWorker,
+) -> None:
+    # The EncodedEvent of a hit tells prefill the embedding is there: it must then stay for
+    # embedding_ttl_s, not for whatever was left of an old TTL (here 1 s).
+    p = await plan(cfg, store, bundle, render(renderer, (13,)))
+    ev = wire(p.encode[0])
+    key = ev.ec_transfer.key
+    value = torch.ones(4, 64)  # the worker never reads a hit's value
+    await store.put(key, value, ttl_s=1)
+    await asyncio.wait_for(encoder.handle(ev), HANG_GUARD_S)
+    assert (encoder.items_encoded, encoder.cache_hits, encoder.encoder_calls) == (0, 1, 0)
+    await asyncio.sleep(1.2)  # past the original TTL (a functional wait, nothing is timed)
+    assert await store.exists(key)
+    assert torch.equal(await store.get(key), value)
+
+
 async def test_concurrent_images_share_a_vision_call(
     cfg: Settings, bundle: ModelBundle, renderer: Renderer, producer: AIOKafkaProducer
 ) -> None:

@@ -6,6 +6,7 @@ embedding namespace per test, its keys deleted afterwards); nothing is sent to a
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator
@@ -308,6 +309,25 @@ async def test_stored_item_is_not_sent_to_encode(
     # Prefill still gets a signed entry for the cached item: it reads it from the store.
     assert sorted(plan.prefill.ec_transfer_params) == sorted([h0, h1])
     validate_prefill_event(plan.prefill, ValidationConfig.from_settings(settings))
+
+
+async def test_a_hit_extends_the_embeddings_lifetime(
+    renderer: Renderer, info: RenderInfo, store: EmbeddingStore, namespace: str
+) -> None:
+    # An embedding with a second left counts as cached, so prefill is promised it for
+    # embedding_ttl_s: the hit must extend it, or it vanishes and nothing re-encodes it.
+    settings = make_settings(namespace, secret=SECRET, embedding_ttl_s=600)
+    ev = render(renderer, seeds=(3,), sizes=((84, 56),))
+    (h0,) = ev.features.mm_hashes["image"]
+    fanout = FanOut(settings, store, info.fingerprint)
+    key = fanout.ec_transfer(h0, None).key
+    await store.put(key, torch.zeros(6, 64), ttl_s=1)
+
+    plan = await fanout.plan(ev)
+    assert plan.cached == [h0] and plan.encode == []
+    await asyncio.sleep(1.2)  # past the original TTL (a functional wait, nothing is timed)
+    assert await store.exists(key)
+    assert torch.equal(await store.get(key), torch.zeros(6, 64))
 
 
 async def test_repeated_image_yields_one_encode_event(

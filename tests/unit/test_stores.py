@@ -16,6 +16,7 @@ import textwrap
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -519,3 +520,150 @@ async def test_shm_mapping_cache_limits() -> None:
         for s in (bounded, off, idle):
             await s.close()
         shutil.rmtree(f"/dev/shm/epd-test-{tag}", ignore_errors=True)
+
+
+# --- touch: a cache hit extends the lifetime ----------------------------------------------------
+
+
+async def _until_gone(store: EmbeddingStore, key: str) -> None:
+    """Poll until ``key`` expires (observing expiry, not timing it)."""
+    for _ in range(400):
+        if not await store.exists(key):
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"{key} never expired")
+
+
+async def test_touch_extends_a_short_ttl(store: EmbeddingStore) -> None:
+    t = TENSORS["bf16"]
+    await store.put("short", t, ttl_s=0.3)
+    await store.put("canary", torch.ones(1), ttl_s=0.3)  # same TTL, not touched
+    assert await store.touch("short", 60) is True
+    await _until_gone(store, "canary")  # the original TTL has certainly passed now
+    assert await store.exists("short")
+    got = await store.get("short")
+    assert got.dtype == t.dtype and torch.equal(got, t)
+    assert torch.equal((await store.get_many(["short"]))[0], t)
+
+
+async def test_touch_to_no_expiry_and_back(store: EmbeddingStore) -> None:
+    await store.put("k", torch.arange(6), ttl_s=0.3)
+    assert await store.touch("k", None) is True
+    await store.put("canary", torch.ones(1), ttl_s=0.3)
+    await _until_gone(store, "canary")
+    assert torch.equal(await store.get("k"), torch.arange(6))
+    assert await store.touch("k", 0.05) is True  # a touch may shorten it, too
+    await _until_gone(store, "k")
+    with pytest.raises(ValueError, match="ttl_s"):
+        await store.touch("k", 0)
+
+
+async def test_touch_of_a_missing_or_expired_key_is_false_and_creates_nothing(
+    store: EmbeddingStore,
+) -> None:
+    assert await store.touch("never-put", 60) is False
+    assert not await store.exists("never-put")
+    with pytest.raises(StoreKeyMissing):
+        await store.get("never-put")
+    await store.put("short", torch.ones(2), ttl_s=0.05)
+    await _until_gone(store, "short")
+    assert await store.touch("short", 60) is False
+    assert await store.touch("short", None) is False
+    assert not await store.exists("short")
+    with pytest.raises(StoreKeyMissing):
+        await store.get("short")
+    await store.put("gone", torch.ones(2))
+    await store.delete("gone")
+    assert await store.touch("gone", 60) is False
+    assert not await store.exists("gone")
+
+
+async def test_shm_touch_keeps_held_views_and_refreshes_other_handles(
+    shm_pair: tuple[ShmStore, ShmStore],
+) -> None:
+    writer, reader = shm_pair
+    value = torch.arange(256, dtype=torch.float32)
+    await writer.put("k", value, ttl_s=0.3)
+    held = await reader.get("k")  # a zero-copy view, and a cached mapping in the reader
+    assert reader.cached_mappings == 1
+    assert await writer.touch("k", 60) is True
+    await writer.put("canary", torch.ones(1), ttl_s=0.3)
+    await _until_gone(reader, "canary")
+    # the reader's cached mapping (keyed on the old mtime) must not make it read the old expiry
+    assert torch.equal(await reader.get("k"), value)
+    assert torch.equal(held, value)  # the data bytes were never rewritten
+    removed = await asyncio.to_thread(writer.sweep)
+    assert removed == 1  # the canary only: the touched file survives the sweep
+    assert torch.equal(await reader.get("k"), value)
+
+
+async def test_shm_touch_of_a_foreign_file_is_corrupt() -> None:
+    tag = uuid.uuid4().hex[:12]
+    s = ShmStore(f"shm://epd-test-{tag}")
+    try:
+        path = Path(f"/dev/shm/epd-test-{tag}/junk")
+        await asyncio.to_thread(path.write_bytes, b"nope" * 10)
+        future_ns = 2**61
+        await asyncio.to_thread(os.utime, path, ns=(future_ns, future_ns))
+        with pytest.raises(StoreCorrupt, match="junk"):
+            await s.touch("junk", 60)
+        assert await asyncio.to_thread(path.read_bytes) == b"nope" * 10
+    finally:
+        await s.close()
+        shutil.rmtree(f"/dev/shm/epd-test-{tag}", ignore_errors=True)
+
+
+# --- redis: the readiness listener dying ------------------------------------------------------
+
+
+def _listener_addr(store: RedisStore) -> str:
+    """``ip:port`` of the store's pub/sub connection, as CLIENT LIST/KILL name it (so the test
+    kills only its own connection on a server other runs may share)."""
+    listener = store._listener
+    assert listener is not None and listener.pubsub is not None
+    conn = listener.pubsub.connection
+    assert conn is not None
+    host, port = conn._writer.get_extra_info("sockname")[:2]
+    return f"{host}:{port}"
+
+
+async def test_redis_listener_killed_while_waiting_fails_the_wait_promptly(
+    redis_pair: tuple[RedisStore, aioredis.Redis, str],
+) -> None:
+    store, client, _ = redis_pair
+    await store._ensure_subscribed()
+    waiter = asyncio.create_task(store.wait(["never"], timeout_s=10))
+    await asyncio.sleep(0.05)  # let the waiter register (if it has not, the kill is caught anyway)
+    assert not waiter.done()
+    assert await client.execute_command("CLIENT", "KILL", "ADDR", _listener_addr(store))
+    with pytest.raises(StoreUnavailable, match="readiness"):
+        await waiter  # not StoreTimeout after 10 s
+    # the next wait subscribes afresh and is woken by a put
+    again = asyncio.create_task(store.wait(["later"], timeout_s=60))
+    await asyncio.sleep(0.05)
+    await store.put("later", torch.ones(1))
+    await asyncio.wait_for(again, 30)
+
+
+async def test_redis_listener_dying_before_the_waiters_register_fails_the_wait(
+    redis_pair: tuple[RedisStore, aioredis.Redis, str],
+) -> None:
+    """The subscription is confirmed, then the listener dies (and fails the waiters it knows)
+    before this wait has registered its futures: nobody would ever wake them."""
+    _, client, prefix = redis_pair
+
+    class DiesAfterConfirming(RedisStore):
+        async def _ensure_subscribed(self) -> Any:
+            listener = await super()._ensure_subscribed()
+            await client.execute_command("CLIENT", "KILL", "ADDR", _listener_addr(self))
+            assert listener.task is not None
+            await listener.task  # it has noticed, failed the waiters it knew of, and ended
+            assert listener.stopped
+            return listener
+
+    s = DiesAfterConfirming(f"{REDIS_BASE}?key_prefix={prefix}")
+    try:
+        with pytest.raises(StoreUnavailable):
+            await s.wait(["never"], timeout_s=10)  # not StoreTimeout after 10 s
+    finally:
+        await s.close()
