@@ -157,6 +157,7 @@ async def local_pipeline(
     spawn_workers: bool,
     log_dir: Path,
     isolate: bool = True,
+    kinds: Sequence[str] = DEFAULT_WORKERS,
 ) -> AsyncIterator[LocalRun]:
     """Connect to the pipeline in ``settings``; with ``spawn_workers`` also run its workers here.
 
@@ -184,7 +185,7 @@ async def local_pipeline(
         )
     topics = Topics(settings.topic_prefix)
     await ensure_topics(settings, topics.all())
-    workers = WorkerProcesses(worker_env(settings), log_dir) if spawn_workers else None
+    workers = WorkerProcesses(worker_env(settings), log_dir, kinds) if spawn_workers else None
     if workers is not None:
         workers.start()
     producer = make_producer(settings)

@@ -31,7 +31,12 @@ async def pipeline(
     settings: Settings, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[LocalRun]:
     log_dir: Path = tmp_path_factory.mktemp("worker-logs")
-    async with local_pipeline(settings, spawn_workers=True, log_dir=log_dir) as run:
+    async with local_pipeline(
+        settings,
+        spawn_workers=True,
+        log_dir=log_dir,
+        kinds=("results", "encode", "prefill", "router"),
+    ) as run:
         yield run
 
 
@@ -158,3 +163,20 @@ async def test_unsafe_metadata_only_event_is_rejected_and_others_finish(
     assert mine[0].original_topic == f"{run.settings.topic_prefix}.prefill"
     assert mine[0].error.rule == "ec-transfer-required"
     assert get_codec().decode(mine[0].value, PrefillEvent).request_id == unsafe.request_id
+
+
+async def test_render_topic_through_the_router_worker(pipeline: LocalRun) -> None:
+    # An external renderer's path: a RenderEvent on the render topic, fanned out by the router
+    # process (not by the in-process Submitter).
+    run = pipeline
+    ev = await run.submitter.renderer.render_async(
+        "routed-" + uuid.uuid4().hex[:8],
+        prompt="Routed <image>",
+        images=[synthetic_image(84, 84, seed=31)],
+        sampling=SamplingParams(max_tokens=3),
+    )
+    await send_event(run.producer, f"{run.settings.topic_prefix}.render", ev.request_id, ev)
+    outcome = (await _wait_all(run, [ev.request_id]))[ev.request_id]
+    assert outcome["status"] == "completed", outcome
+    assert len(outcome["token_ids"]) == 3
+    assert "fanout:encoding" in outcome["stages"]  # the router's stage update reached the status
