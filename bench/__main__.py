@@ -28,9 +28,10 @@ BENCHMARKS: dict[str, str] = {
     "codec": "bench.codec",
     "stores": "bench.stores",
     "encoder_cache": "bench.encoder_cache",
+    "pipeline": "bench.pipeline",
 }
 """Benchmark name -> module exposing ``run(*, quick, out, ...) -> dict``, in run order."""
-NEEDS_REDIS = frozenset({"stores", "encoder_cache"})
+NEEDS_REDIS = frozenset({"stores", "encoder_cache", "pipeline"})
 DEFAULT_OUT = Path(__file__).parent / "out"
 
 

@@ -142,6 +142,34 @@ def test_no_keys_left_in_redis(quick_run: tuple[dict[str, Any], Path], settings:
         client.close()
 
 
+def test_pipeline_block(quick_run: tuple[dict[str, Any], Path], settings: Settings) -> None:
+    import redis
+
+    from bench.pipeline import QUICK, REDIS_DB
+    from tests.conftest import redis_url_with_db
+
+    block = quick_run[0]["pipeline"]
+    miss, hit = block["overhead"]["miss"], block["overhead"]["hit"]
+    assert miss["end_to_end_ms"]["n"] == QUICK.misses and hit["end_to_end_ms"]["n"] == QUICK.hits
+    # The encoder ran for every miss and for no hit; compute is subtracted from end to end.
+    assert miss["vision_tower_ms"]["n"] == QUICK.misses and "vision_tower_ms" not in hit
+    assert miss["model_compute_ms"]["mean_ms"] < miss["end_to_end_ms"]["mean_ms"]
+    assert block["overhead_p50_ms"] == miss["overhead_ms"]["p50_ms"]
+    tp = block["throughput"]
+    assert tp["event_bytes"]["ours"] * 100 < tp["event_bytes"]["full_kwargs"]
+    assert set(tp["requests_per_s"]) == {
+        "ours",
+        "full_kwargs_same_compression",
+        "full_kwargs_uncompressed",
+    }
+    assert block["kafka_hop"]["worker_consumer_settings"]["n"] == QUICK.hops
+    client = redis.Redis.from_url(redis_url_with_db(settings.redis_url, REDIS_DB))
+    try:
+        assert list(client.scan_iter(match=f"{block['redis_key_prefix']}*", count=1000)) == []
+    finally:
+        client.close()
+
+
 # --- pure helpers ---------------------------------------------------------------------------
 
 
