@@ -53,6 +53,7 @@ def make_consumer(
         "max_partition_fetch_bytes": settings.max_message_bytes,
         "session_timeout_ms": settings.kafka_session_timeout_ms,
         "heartbeat_interval_ms": settings.kafka_heartbeat_interval_ms,
+        "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms,
     }
     kwargs.update(overrides)
     return AIOKafkaConsumer(*topics, **kwargs)  # type: ignore[arg-type]

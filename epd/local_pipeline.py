@@ -133,6 +133,7 @@ def worker_env(settings: Settings) -> dict[str, str]:
         "EPD_PREFILL_COMPRESSION": settings.prefill_compression,
         "EPD_KAFKA_SESSION_TIMEOUT_MS": str(settings.kafka_session_timeout_ms),
         "EPD_KAFKA_HEARTBEAT_INTERVAL_MS": str(settings.kafka_heartbeat_interval_ms),
+        "EPD_KAFKA_FETCH_MAX_WAIT_MS": str(settings.kafka_fetch_max_wait_ms),
     }
     secret = settings.secret_bytes()
     if secret:

@@ -23,6 +23,11 @@ class Settings(BaseSettings):
         10000, description="consumer group session timeout; Tansu holds a join for half of it"
     )
     kafka_heartbeat_interval_ms: int = 3000
+    kafka_fetch_max_wait_ms: int = Field(
+        500,
+        description="longest a fetch waits for data; Kafka answers as soon as data arrives, "
+        "Tansu only when the wait ends, so keep it short there",
+    )
     topic_prefix: str = "epd"
     topic_partitions: int = 4
     max_message_bytes: int = Field(16 * 1024 * 1024, description="broker and producer message cap")
