@@ -27,10 +27,10 @@ Redis (DB 11, every key under one ``bench-...`` prefix, deleted afterwards):
    the rate is per-event cost, not the tail of an idle long-poll.
 
 ``kafka_hop`` explains most of the overhead: one small record's produce -> fetch latency with
-the consumer settings the workers use (aiokafka's default ``fetch_max_wait_ms``, 500) and with a
-5 ms fetch wait. The embedded Tansu broker appears to answer an idle fetch at the end of its
-wait rather than when data arrives, so each hop (fan-out -> prefill, prefill -> results) can
-cost up to that wait; Apache Kafka answers as soon as ``fetch_min_bytes`` are there.
+the consumer settings the workers use (``EPD_KAFKA_FETCH_MAX_WAIT_MS``) and with a 5 ms fetch
+wait. The embedded Tansu broker answers an idle fetch at the end of its wait rather than when
+data arrives, so each hop (fan-out -> prefill, prefill -> results) can cost up to that wait;
+Apache Kafka answers as soon as ``fetch_min_bytes`` are there.
 """
 
 from __future__ import annotations
