@@ -65,11 +65,7 @@ class EncodeWorker:
         self.producer = producer
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"encode@{socket.gethostname()}"
-        # Strict whatever EPD_VALIDATION_MODE says, and keys pinned to this model: two models
-        # must never share embeddings.
-        self.vconfig = ValidationConfig.from_settings(
-            settings, mode="strict", model_fingerprint=bundle.fingerprint
-        )
+        self.vconfig = ValidationConfig.for_worker(settings, bundle.fingerprint)
         self.report = ResultReporter(producer, self.topics.results, "encode", self.worker_id)
         self.batcher: MicroBatcher[Job, torch.Tensor] = MicroBatcher(
             self._compute, max_cost=settings.encode_batch_patches

@@ -54,11 +54,7 @@ class PrefillWorker:
         self.producer = producer
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"prefill@{socket.gethostname()}"
-        # Always strict: this worker can only serve items whose embeddings it may fetch, and
-        # keys are pinned to this model (EPD_VALIDATION_MODE=vllm is for the vLLM-facing gate).
-        self.vconfig = ValidationConfig.from_settings(
-            settings, mode="strict", model_fingerprint=bundle.fingerprint
-        )
+        self.vconfig = ValidationConfig.for_worker(settings, bundle.fingerprint)
         self.report = ResultReporter(producer, self.topics.results, "prefill", self.worker_id)
         self.embedding_wait_s = embedding_wait_s
         # One compute thread: the model is shared, and CPU/GPU work does not speed up by

@@ -119,6 +119,13 @@ class ValidationConfig:
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
+    @classmethod
+    def for_worker(cls, settings: Any, model_fingerprint: str) -> ValidationConfig:
+        """The gate of an encode or prefill worker: strict whatever ``EPD_VALIDATION_MODE``
+        says (``vllm`` is for the vLLM-facing gate), with entry keys pinned to the worker's own
+        model, so two models never share embeddings."""
+        return cls.from_settings(settings, mode="strict", model_fingerprint=model_fingerprint)
+
 
 # ---------------------------------------------------------------------------------------------
 # ec_transfer_params lookup

@@ -659,3 +659,10 @@ def test_config_from_settings() -> None:
     assert cfg.now_ms is not None
     cfg = ValidationConfig.from_settings(s, mode="strict", merge_size=None)
     assert (cfg.mode, cfg.merge_size) == ("strict", 1)
+
+
+def test_worker_gate_is_strict_and_pinned_whatever_the_setting() -> None:
+    from epd.settings import Settings
+
+    cfg = ValidationConfig.for_worker(Settings(validation_mode="vllm"), "fp1")
+    assert (cfg.mode, cfg.model_fingerprint) == ("strict", "fp1")
