@@ -160,8 +160,8 @@ def render_info() -> Any:
     """
     from transformers import Qwen2VLImageProcessorPil
 
-    from gpu_workers.model import RenderInfo
-    from gpu_workers.tokenizer import EOS_TOKEN, TINY_VOCAB_SIZE, build_tiny_tokenizer
+    from runtime.model import RenderInfo
+    from runtime.tokenizer import EOS_TOKEN, TINY_VOCAB_SIZE, build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
 

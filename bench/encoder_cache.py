@@ -36,10 +36,10 @@ EMBED_SHAPE = (1369, 1536)
 
 
 async def _bench_store(url: str, event: Any, repeat: int) -> dict[str, Any]:
-    from epd.settings import Settings
-    from gpu_workers.stores import open_store
     from producers import fanout
     from producers.fanout import FanOut
+    from runtime.settings import Settings
+    from runtime.stores import open_store
     from schemas.codec import get_codec
     from schemas.signing import embedding_key
 
@@ -88,7 +88,7 @@ def run(
     from schemas.validator import validate_render_event
 
     if redis_url is None:
-        from epd.settings import Settings
+        from runtime.settings import Settings
 
         redis_url = Settings().redis_url
     repeat = 5 if quick else 50

@@ -196,8 +196,8 @@ def _summarise(rows: list[dict[str, float]]) -> dict[str, Any]:
 
 async def _overhead(run: Any, sizes: Sizes) -> tuple[dict[str, Any], list[Any]]:
     """Warm up, then the miss and hit sets; also returns RenderEvents for the throughput part."""
-    from gpu_workers.model import load_model
     from producers.sample_images import synthetic_image
+    from runtime.model import load_model
 
     bundle = await asyncio.to_thread(load_model, run.settings.model, device="cpu")
     salt = uuid.uuid4().hex  # images of this run hash apart from any earlier run's
@@ -238,7 +238,7 @@ async def _transport(settings: Any, topic: str, events: list[Any], compression: 
     """Events/s of encode -> produce -> fetch -> decode over one partition (all ``events``)."""
     from aiokafka import TopicPartition
 
-    from epd.kafka import ensure_topics, event_headers, make_consumer, make_producer
+    from runtime.kafka import ensure_topics, event_headers, make_consumer, make_producer
     from schemas.codec import get_codec
     from schemas.types import PrefillEvent
 
@@ -292,7 +292,7 @@ async def _kafka_hop(settings: Any, topic: str, n: int, **consumer_overrides: An
     """Latency of one small record from ``send_and_wait`` to ``getmany`` returning it."""
     from aiokafka import TopicPartition
 
-    from epd.kafka import ensure_topics, make_consumer, make_producer
+    from runtime.kafka import ensure_topics, make_consumer, make_producer
 
     await ensure_topics(settings, [topic], partitions=1)
     producer = make_producer(settings)
@@ -349,8 +349,8 @@ async def _delete_topics(settings: Any, topics: list[str]) -> None:
 
 
 async def _throughput(run: Any, renders: list[Any], n: int) -> dict[str, Any]:
-    from gpu_workers.stores import open_store
     from producers.fanout import FanOut
+    from runtime.stores import open_store
     from schemas.codec import get_codec
 
     store = open_store(f"local://bench-{uuid.uuid4().hex[:12]}")
@@ -420,7 +420,7 @@ async def _cleanup_redis(redis_url: str, prefix: str) -> int:
 
 async def _run(settings: Any, sizes: Sizes, log_dir: Path, prefix: str) -> dict[str, Any]:
     from epd.local_pipeline import local_pipeline
-    from epd.topics import Topics
+    from schemas.topics import Topics
 
     t0 = time.perf_counter()
     run_settings = None
@@ -447,7 +447,7 @@ def run(
     *, quick: bool = False, out: Path | None = None, redis_url: str | None = None
 ) -> dict[str, Any]:
     """Run the pipeline on loopback and return the report block (needs Kafka and Redis)."""
-    from epd.settings import Settings
+    from runtime.settings import Settings
 
     env = Settings()
     db_url = _redis_db_url(redis_url or env.redis_url)

@@ -61,9 +61,9 @@ def _ec_json(prefill: Any) -> dict[str, Any]:
 
 
 async def _plan(event: Any) -> Any:
-    from epd.settings import Settings
-    from gpu_workers.stores.local import LocalStore
     from producers.fanout import FanOut
+    from runtime.settings import Settings
+    from runtime.stores.local import LocalStore
 
     settings = Settings(ec_secret="bench-secret")  # signed entries, as in production
     store = LocalStore(f"local://bench-prefill-{uuid.uuid4().hex[:8]}")
@@ -118,7 +118,7 @@ def record_batch_bytes(key: bytes, value: bytes, compression: str) -> int:
 
 def _sizes(event: Any, prefill: Any) -> dict[str, Any]:
     """Our prefill event's bytes and both baselines' bytes, for one set of token ids."""
-    from epd.settings import Settings
+    from runtime.settings import Settings
     from schemas.codec import get_codec
 
     codec = get_codec()

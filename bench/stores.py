@@ -99,7 +99,7 @@ async def _redis_sizes(
     sides; MB/s is the median over rounds and the ratio compares those medians."""
     import redis.asyncio as aioredis
 
-    from gpu_workers.stores import open_store
+    from runtime.stores import open_store
 
     store = open_store(store_url(redis_url, prefix))
     host, port, password = _redis_target(redis_url)
@@ -170,7 +170,7 @@ async def _redis_sizes(
 
 
 async def _shm_sizes(sizes: list[int], n: int) -> dict[str, Any]:
-    from gpu_workers.stores import open_store
+    from runtime.stores import open_store
 
     name = f"epd-bench-{uuid.uuid4().hex[:12]}"
     store: Any = open_store(f"shm://{name}")
@@ -222,7 +222,7 @@ async def _shm_sizes(sizes: list[int], n: int) -> dict[str, Any]:
 
 
 async def _local(n: int) -> dict[str, Any]:
-    from gpu_workers.stores import open_store
+    from runtime.stores import open_store
 
     store = open_store(f"local://bench-{uuid.uuid4().hex[:12]}")
     tensor = torch.zeros(4 * MIB // 2, dtype=torch.bfloat16)
@@ -240,7 +240,7 @@ def run(
 ) -> dict[str, Any]:
     """Measure the three stores and return the report block."""
     if redis_url is None:
-        from epd.settings import Settings
+        from runtime.settings import Settings
 
         redis_url = Settings().redis_url
     redis_sizes = [1 * MIB] if quick else [1 * MIB, 4 * MIB]

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from epd.kafka import ResultReporter
-from epd.topics import Topics
+from runtime.kafka import ResultReporter
+from schemas.topics import Topics
 from schemas.types import ErrorInfo
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
 
-    from consumers.runtime import ConsumedEvent, DeadLetterHook
+    from consumers.loop import ConsumedEvent, DeadLetterHook
 
 # Codes that mean "this input is bad" (rejected) rather than "we failed to process it".
 REJECTION_CODES = frozenset({"validation", "undecodable", "rejected", "compute"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from consumers.status_store import StatusStore
+from runtime.status_store import StatusStore
 from schemas.types import ResultEvent
 
 log = logging.getLogger(__name__)

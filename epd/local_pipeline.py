@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import SecretStr
 
-from epd.settings import Settings
+from runtime.settings import Settings
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
@@ -167,13 +167,13 @@ async def local_pipeline(
     """
     import redis.asyncio as aioredis
 
-    from consumers.status_store import StatusStore
-    from epd.kafka import ensure_topics, make_producer
-    from epd.topics import Topics
-    from gpu_workers.model import load_render_info
-    from gpu_workers.stores import open_store
     from producers.fanout import FanOut
     from producers.render import Renderer
+    from runtime.kafka import ensure_topics, make_producer
+    from runtime.model import load_render_info
+    from runtime.status_store import StatusStore
+    from runtime.stores import open_store
+    from schemas.topics import Topics
 
     if isolate:
         run_id = uuid.uuid4().hex[:8]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from gpu_workers.model import ModelBundle, text_config
+from runtime.model import ModelBundle, text_config
 from schemas.errors import ComputeError
 
 # mm_token_type_ids values understood by Qwen2-VL's get_rope_index.

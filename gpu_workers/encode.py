@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING
 import blake3
 import torch
 
-from epd.kafka import ResultReporter, send_event
-from epd.settings import Settings
-from epd.topics import Topics
 from gpu_workers.batcher import MicroBatcher
 from gpu_workers.compute import encode_images
-from gpu_workers.model import vision_config
-from gpu_workers.stores.base import StoreKeyMissing
+from runtime.kafka import ResultReporter, send_event
+from runtime.model import vision_config
+from runtime.settings import Settings
+from runtime.stores.base import StoreKeyMissing
 from schemas.errors import ValidationError
 from schemas.tensors import dtype_name, tensor_from_bytes
+from schemas.topics import Topics
 from schemas.types import EncodedEvent, EncodeEvent, ErrorInfo, TensorRef, now_ms
 from schemas.validator import (
     ENCODER_INPUT_FIELDS,
@@ -38,8 +38,8 @@ from schemas.validator import (
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
 
-    from gpu_workers.model import ModelBundle
-    from gpu_workers.stores.base import EmbeddingStore
+    from runtime.model import ModelBundle
+    from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger(__name__)
 

@@ -14,20 +14,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from epd.kafka import ResultReporter
-from epd.settings import Settings
-from epd.topics import Topics
 from gpu_workers.compute import ItemEmbedding, generate_from_embeddings
-from gpu_workers.stores.base import StoreTimeout
+from runtime.kafka import ResultReporter
+from runtime.settings import Settings
+from runtime.stores.base import StoreTimeout
 from schemas.errors import ValidationError
+from schemas.topics import Topics
 from schemas.types import ErrorInfo, PrefillEvent, now_ms
 from schemas.validator import ValidationConfig, validate_prefill_event
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
 
-    from gpu_workers.model import ModelBundle
-    from gpu_workers.stores.base import EmbeddingStore
+    from runtime.model import ModelBundle
+    from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger(__name__)
 

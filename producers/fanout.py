@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 import blake3
 import torch
 
-from epd.kafka import ResultReporter, event_headers
-from epd.settings import Settings
-from epd.topics import Topics
+from runtime.kafka import ResultReporter, event_headers
+from runtime.settings import Settings
 from schemas.codec import get_codec
 from schemas.signing import embedding_key, make_ec_transfer
 from schemas.tensors import dtype_name, tensor_bytes
+from schemas.topics import Topics
 from schemas.types import (
     ECTransfer,
     EncodeEvent,
@@ -37,7 +37,7 @@ from schemas.validator import DEFAULT_METADATA_FIELDS, ValidationConfig, validat
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
 
-    from gpu_workers.stores.base import EmbeddingStore
+    from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import blake3
 import torch
 from PIL import Image
 
-from gpu_workers.model import ModelBundle, RenderInfo
+from runtime.model import ModelBundle, RenderInfo
 from schemas.errors import ValidationError
 from schemas.types import (
     Features,
@@ -127,7 +127,7 @@ class Renderer:
         """
         self.info = info.render_info() if isinstance(info, ModelBundle) else info
         if max_image_pixels is None:
-            from epd.settings import get_settings
+            from runtime.settings import get_settings
 
             max_image_pixels = get_settings().max_image_pixels
         self.max_image_pixels = int(max_image_pixels)

@@ -11,10 +11,10 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from consumers.status_store import StatusStore
-from epd.settings import Settings
 from producers.fanout import FanOut, FanoutStats
 from producers.render import ImageInput, Renderer
+from runtime.settings import Settings
+from runtime.status_store import StatusStore
 from schemas.types import TERMINAL_STATUSES, RenderEvent, ResultEvent, SamplingParams
 
 if TYPE_CHECKING:

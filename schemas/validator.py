@@ -107,7 +107,7 @@ class ValidationConfig:
 
     @classmethod
     def from_settings(cls, settings: Any, **overrides: Any) -> ValidationConfig:
-        """Config from an ``epd.settings.Settings``; keyword overrides win (CLI flags)."""
+        """Config from an ``runtime.settings.Settings``; keyword overrides win (CLI flags)."""
         values: dict[str, Any] = {
             "mode": settings.validation_mode,
             "secret": settings.secret_bytes(),

@@ -23,8 +23,8 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from epd import services
-from epd.settings import Settings
-from epd.topics import Topics
+from runtime.settings import Settings
+from schemas.topics import Topics
 
 TEST_REDIS_DB = int(os.environ.get("EPD_TEST_REDIS_DB", "15"))
 _INTEGRATION_DIR = Path(__file__).parent / "integration"
@@ -68,7 +68,7 @@ def settings(services_state: services.ServicesState) -> Iterator[Settings]:
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
             mp.setenv(key, value)
-        from epd.settings import get_settings
+        from runtime.settings import get_settings
 
         get_settings.cache_clear()
         yield Settings()
@@ -84,7 +84,7 @@ def topic_prefix() -> str:
 @pytest.fixture
 async def topics(settings: Settings, topic_prefix: str) -> AsyncIterator[Topics]:
     """The six pipeline topics under a fresh prefix, created on the test broker."""
-    from epd.kafka import ensure_topics
+    from runtime.kafka import ensure_topics
 
     t = Topics(topic_prefix)
     await ensure_topics(settings, t.all())

@@ -81,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _demo(args: argparse.Namespace, quiet: bool, state_dir: Path) -> int:
-    from epd.kafka import read_topic
     from epd.local_pipeline import local_pipeline
-    from epd.settings import Settings
+    from runtime.kafka import read_topic
+    from runtime.settings import Settings
     from schemas.codec import get_codec
     from schemas.types import EncodedEvent, SamplingParams
 

@@ -6,8 +6,8 @@ import argparse
 import asyncio
 import sys
 
-from epd.settings import Settings, get_settings
-from epd.topics import Topics
+from runtime.settings import Settings, get_settings
+from schemas.topics import Topics
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -22,7 +22,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def cmd_create(args: argparse.Namespace) -> int:
     """Create the missing topics with the configured partitions and ``max.message.bytes``."""
-    from epd.kafka import ensure_topics
+    from runtime.kafka import ensure_topics
 
     settings = _settings(args)
     if args.partitions is not None and args.partitions < 1:

@@ -29,7 +29,7 @@ def format_rejection(e: Any) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 (``ok``) when accepted, 1 when rejected, 2 when the input is not readable JSON."""
-    from epd.settings import get_settings
+    from runtime.settings import get_settings
     from schemas.errors import ValidationError
     from schemas.validator import ValidationConfig, validate_features
     from schemas.vllm_wire import parse_generate_request

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from epd.local_pipeline import LocalRun
-    from gpu_workers.model import ModelBundle
+    from runtime.model import ModelBundle
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -149,8 +149,8 @@ def run(args: argparse.Namespace) -> int:
 
 async def _verify(args: argparse.Namespace, state_dir: Path) -> int:
     from epd.local_pipeline import local_pipeline
-    from epd.settings import Settings
-    from gpu_workers.model import load_model
+    from runtime.model import load_model
+    from runtime.settings import Settings
 
     settings = Settings(**({"model": args.model} if args.model else {}))
     cases = file_cases(args.images) if args.images else builtin_cases()

@@ -21,7 +21,7 @@ def _ec_params(text: str | None) -> Any:
 
 def run_split(args: argparse.Namespace) -> int:
     """Print ``{"encode": [...], "prefill": {...}}``; exit 1 on a rejected render, 2 on bad JSON."""
-    from epd.settings import get_settings
+    from runtime.settings import get_settings
     from schemas.errors import ValidationError
     from schemas.vllm_wire import split_render
 

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from epd.settings import Settings
+    from runtime.settings import Settings
 
     overrides: dict[str, Any] = {}
     if args.model:
@@ -81,11 +81,11 @@ async def run_worker(
     """Build the stage's handler, join its consumer group and run until SIGTERM/SIGINT."""
     import redis.asyncio as aioredis
 
+    from consumers.loop import ConsumeLoop, ConsumerConfig
     from consumers.reporting import dead_letter_reporter
-    from consumers.runtime import ConsumeLoop, ConsumerConfig
-    from epd.kafka import ensure_topics, make_producer
-    from epd.topics import GROUP_ENCODE, GROUP_PREFILL, GROUP_RESULTS, GROUP_ROUTER, Topics
-    from gpu_workers.stores import open_store
+    from runtime.kafka import ensure_topics, make_producer
+    from runtime.stores import open_store
+    from schemas.topics import GROUP_ENCODE, GROUP_PREFILL, GROUP_RESULTS, GROUP_ROUTER, Topics
 
     topics = Topics(settings.topic_prefix)
     if settings.ec_secret is None and kind in ("encode", "prefill", "router"):
@@ -104,7 +104,7 @@ async def run_worker(
             store = open_store(settings.embedding_store_url)
             closers.append(store.close)
         if kind in ("encode", "prefill"):
-            from gpu_workers.model import load_model
+            from runtime.model import load_model
 
             bundle = await asyncio.to_thread(load_model, settings.model, device=settings.device)
             log.info(
@@ -142,7 +142,7 @@ async def run_worker(
             )
         elif kind == "results":
             from consumers.results import ResultsCollector
-            from consumers.status_store import StatusStore
+            from runtime.status_store import StatusStore
 
             client = aioredis.Redis.from_url(settings.redis_url)
             closers.append(client.aclose)
@@ -157,9 +157,9 @@ async def run_worker(
                 True,
             )
         else:
-            from consumers.router import RenderRouter
-            from gpu_workers.model import load_render_info
             from producers.fanout import FanOut
+            from producers.router import RenderRouter
+            from runtime.model import load_render_info
 
             info = await asyncio.to_thread(load_render_info, settings.model)
             prefill_producer = make_producer(settings, compression=settings.prefill_compression)

@@ -22,8 +22,8 @@ import yaml
 
 from epd import services
 from epd.cli import build_parser
-from epd.kafka import ensure_topics, make_consumer, make_producer, send_event
-from epd.settings import Settings
+from runtime.kafka import ensure_topics, make_consumer, make_producer, send_event
+from runtime.settings import Settings
 from schemas.codec import SCHEMA_HEADER, get_codec
 from schemas.types import ECTransfer, EncodeEvent, ResultEvent
 

@@ -12,10 +12,10 @@ import torch
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
-from epd.kafka import make_consumer, make_producer, send_event
-from epd.settings import Settings
-from epd.topics import Topics
+from runtime.kafka import make_consumer, make_producer, send_event
+from runtime.settings import Settings
 from schemas.codec import SCHEMA_HEADER, get_codec
+from schemas.topics import Topics
 from schemas.types import (
     DeadLetter,
     ECTransfer,

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from epd.commands.verify import builtin_cases, verify_cases
-from epd.kafka import read_topic, send_event
 from epd.local_pipeline import LocalRun, local_pipeline
-from epd.settings import Settings
 from producers.sample_images import synthetic_image
+from runtime.kafka import read_topic, send_event
+from runtime.settings import Settings
 from schemas.codec import get_codec
 from schemas.types import DeadLetter, EncodedEvent, PrefillEvent, SamplingParams, TensorRef
 
@@ -53,7 +53,7 @@ async def _wait_all(run: LocalRun, request_ids: list[str]) -> dict[str, dict]:
 
 
 async def test_parity_with_monolithic_generate(pipeline: LocalRun) -> None:
-    from gpu_workers.model import load_model
+    from runtime.model import load_model
 
     bundle = await asyncio.to_thread(load_model, "tiny", device="cpu")
     results = await verify_cases(pipeline, bundle, builtin_cases(), max_tokens=10, timeout_s=240)

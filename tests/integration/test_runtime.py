@@ -12,10 +12,10 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from prometheus_client import CollectorRegistry
 
-from consumers.runtime import ConsumedEvent, ConsumeLoop, ConsumerConfig, Poison
-from epd.kafka import ensure_topics, make_producer, send_event
-from epd.settings import Settings
-from gpu_workers.stores import StoreUnavailable
+from consumers.loop import ConsumedEvent, ConsumeLoop, ConsumerConfig, Poison
+from runtime.kafka import ensure_topics, make_producer, send_event
+from runtime.settings import Settings
+from runtime.stores import StoreUnavailable
 from schemas.codec import decode
 from schemas.errors import ValidationError
 from schemas.types import DeadLetter, ErrorInfo, ResultEvent

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from epd.services import free_port, kafka_answers, pid_alive, redis_answers
-from epd.settings import Settings
-from epd.topics import Topics
+from runtime.settings import Settings
+from schemas.topics import Topics
 
 EPD = [sys.executable, "-m", "epd.cli"]
 

@@ -19,22 +19,22 @@ import torch
 from aiokafka import AIOKafkaProducer
 from pydantic import SecretStr
 
-from epd.kafka import make_producer, read_topic
-from epd.settings import Settings
-from epd.topics import Topics
 from gpu_workers.compute import encode_images, generate_monolithic
 from gpu_workers.encode import EncodeWorker
-from gpu_workers.model import ModelBundle, load_model
 from gpu_workers.prefill import PrefillWorker
-from gpu_workers.stores.base import EmbeddingStore
-from gpu_workers.stores.local import LocalStore
-from gpu_workers.stores.redis import RedisStore
 from producers.fanout import FanOut, FanoutPlan
 from producers.render import Renderer, monolithic_inputs
 from producers.sample_images import synthetic_image
+from runtime.kafka import make_producer, read_topic
+from runtime.model import ModelBundle, load_model
+from runtime.settings import Settings
+from runtime.stores.base import EmbeddingStore
+from runtime.stores.local import LocalStore
+from runtime.stores.redis import RedisStore
 from schemas.codec import decode, encode
 from schemas.errors import ValidationError
 from schemas.signing import make_ec_transfer
+from schemas.topics import Topics
 from schemas.types import (
     EncodedEvent,
     RenderEvent,

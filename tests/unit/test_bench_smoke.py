@@ -24,7 +24,7 @@ import pytest
 from bench.__main__ import BENCHMARKS, parse_args
 from bench.common import Stats, headroom, quantile
 from bench.plot import headroom_rows, headroom_svg
-from epd.settings import Settings
+from runtime.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 # Numbers that may legitimately be zero (counts of things that did not happen).

@@ -13,7 +13,7 @@ import pytest
 
 from epd.commands import validate as validate_cmd
 from epd.commands import vllm as vllm_cmd
-from epd.settings import get_settings
+from runtime.settings import get_settings
 from tests.unit.test_vllm_wire import make_render
 
 

@@ -16,14 +16,14 @@ import pytest
 import torch
 from pydantic import SecretStr
 
-from epd.settings import Settings
-from gpu_workers.model import RenderInfo, load_render_info
-from gpu_workers.stores.base import EmbeddingStore
-from gpu_workers.stores.local import LocalStore
-from gpu_workers.stores.redis import RedisStore
 from producers.fanout import FanOut, FanoutPlan
 from producers.render import Renderer
 from producers.sample_images import synthetic_image
+from runtime.model import RenderInfo, load_render_info
+from runtime.settings import Settings
+from runtime.stores.base import EmbeddingStore
+from runtime.stores.local import LocalStore
+from runtime.stores.redis import RedisStore
 from schemas.codec import get_codec
 from schemas.errors import ValidationError
 from schemas.signing import verify_ec

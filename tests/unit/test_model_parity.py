@@ -24,8 +24,8 @@ from gpu_workers.compute import (
     greedy_decode,
     prefill,
 )
-from gpu_workers.model import ModelBundle, load_model
 from producers.render import Renderer, monolithic_inputs
+from runtime.model import ModelBundle, load_model
 from schemas.types import RenderEvent
 
 MAX_TOKENS = 10
@@ -198,7 +198,7 @@ _PROBE = r"""
 import json, sys
 import numpy as np, torch
 from PIL import Image
-from gpu_workers.model import load_model
+from runtime.model import load_model
 from gpu_workers.compute import encode_images, prefill, ItemEmbedding
 from producers.render import Renderer
 b = load_model("tiny", device="cpu")
@@ -237,7 +237,7 @@ def test_deterministic_across_processes(bundle: ModelBundle) -> None:
 
 
 def test_fingerprint_tracks_weights(bundle: ModelBundle) -> None:
-    from gpu_workers.model import state_dict_fingerprint
+    from runtime.model import state_dict_fingerprint
 
     other = load_model("tiny", device="cpu")
     assert other.fingerprint == bundle.fingerprint
@@ -248,7 +248,7 @@ def test_fingerprint_tracks_weights(bundle: ModelBundle) -> None:
 
 def test_local_checkpoint_round_trip(bundle: ModelBundle, renderer: Renderer, tmp_path) -> None:
     """``load_model(PATH)`` loads a saved checkpoint offline and generates the same tokens."""
-    from gpu_workers.model import ModelLoadError, load_render_info
+    from runtime.model import ModelLoadError, load_render_info
 
     bundle.model.save_pretrained(tmp_path)
     bundle.tokenizer.save_pretrained(tmp_path)

@@ -12,7 +12,6 @@ import pytest
 import torch
 from PIL import Image
 
-from gpu_workers.model import RenderInfo, load_render_info
 from producers.render import (
     QWEN_IMAGE_BLOCK,
     Renderer,
@@ -21,6 +20,7 @@ from producers.render import (
     build_features,
     monolithic_inputs,
 )
+from runtime.model import RenderInfo, load_render_info
 from schemas.errors import ValidationError
 from schemas.types import SamplingParams
 

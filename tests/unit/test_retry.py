@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from consumers.retry import Poison, default_is_transient, error_info
-from gpu_workers.stores.base import StoreUnavailable
+from runtime.stores.base import StoreUnavailable
 from schemas.errors import CodecError, ComputeError, ValidationError
 
 

@@ -8,7 +8,7 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.status_store import StatusStore, fold
+from runtime.status_store import StatusStore, fold
 from schemas.types import ErrorInfo, ResultEvent
 
 

@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 import redis.exceptions as rexc
 import torch
 
-from gpu_workers.stores import (
+from runtime.stores import (
     EmbeddingStore,
     StoreCorrupt,
     StoreKeyMissing,
@@ -31,8 +31,8 @@ from gpu_workers.stores import (
     StoreUnavailable,
     open_store,
 )
-from gpu_workers.stores.redis import RedisStore
-from gpu_workers.stores.shm import ShmStore, key_filename
+from runtime.stores.redis import RedisStore
+from runtime.stores.shm import ShmStore, key_filename
 
 REDIS_BASE = "redis://127.0.0.1:6379/14"
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -277,7 +277,7 @@ async def test_shm_cross_process() -> None:
         code = textwrap.dedent(
             f"""
             import asyncio, torch
-            from gpu_workers.stores import open_store
+            from runtime.stores import open_store
             async def main():
                 s = open_store({url!r})
                 t = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(torch.bfloat16)

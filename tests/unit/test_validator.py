@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from epd.settings import Settings
+from runtime.settings import Settings
 from schemas.errors import ValidationError
 from schemas.signing import make_ec_transfer
 from schemas.types import (
@@ -662,7 +662,7 @@ def test_config_from_settings() -> None:
 
 
 def test_worker_gate_is_strict_and_pinned_whatever_the_setting() -> None:
-    from epd.settings import Settings
+    from runtime.settings import Settings
 
     cfg = ValidationConfig.for_worker(Settings(validation_mode="vllm"), "fp1")
     assert (cfg.mode, cfg.model_fingerprint) == ("strict", "fp1")

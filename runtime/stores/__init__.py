@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from gpu_workers.stores.base import (
+from runtime.stores.base import (
     EmbeddingStore,
     StoreCorrupt,
     StoreError,
@@ -27,15 +27,15 @@ def open_store(url: str) -> EmbeddingStore:
     """
     scheme = urlsplit(url).scheme
     if scheme in ("redis", "rediss"):
-        from gpu_workers.stores.redis import RedisStore
+        from runtime.stores.redis import RedisStore
 
         return RedisStore(url)
     if scheme == "shm":
-        from gpu_workers.stores.shm import ShmStore
+        from runtime.stores.shm import ShmStore
 
         return ShmStore(url)
     if scheme == "local":
-        from gpu_workers.stores.local import LocalStore
+        from runtime.stores.local import LocalStore
 
         return LocalStore(url)
     if scheme == "cuda":

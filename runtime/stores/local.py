@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from gpu_workers.stores.base import EmbeddingStore, StoreKeyMissing, StoreTimeout, expiry_ms
+from runtime.stores.base import EmbeddingStore, StoreKeyMissing, StoreTimeout, expiry_ms
 
 
 @dataclass(slots=True)

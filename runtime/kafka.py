@@ -11,7 +11,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
-from epd.settings import Settings
+from runtime.settings import Settings
 from schemas.codec import SCHEMA_HEADER, get_codec
 from schemas.types import ErrorInfo, Event, ResultEvent
 

@@ -1,6 +1,6 @@
 """``shm://[name]``: a same-node store in ``/dev/shm/<name>/``, cross-process, zero-copy reads.
 
-One file per key holding the blob described in :mod:`gpu_workers.stores.base`. A put writes a
+One file per key holding the blob described in :mod:`runtime.stores.base`. A put writes a
 temporary file and ``os.replace``-s it onto the key's name, so readers see either the old value or
 the new one, never a torn write; a reader ``mmap``-s the file and returns a tensor viewing the
 mapping (no copy). A replaced or deleted file stays mapped until its last tensor is gone.
@@ -65,7 +65,7 @@ from urllib.parse import parse_qsl, quote, urlsplit
 
 import torch
 
-from gpu_workers.stores.base import (
+from runtime.stores.base import (
     EXPIRES,
     EXPIRES_OFFSET,
     HEADER_MIN,

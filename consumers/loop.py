@@ -45,8 +45,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from consumers.commits import CommitTracker
 from consumers.retry import Poison, Transient, backoff_delay, default_is_transient, error_info
-from epd.kafka import event_headers, make_consumer, make_producer
-from epd.settings import Settings
+from runtime.kafka import event_headers, make_consumer, make_producer
+from runtime.settings import Settings
 from schemas import codec
 from schemas.types import DeadLetter, ErrorInfo
 

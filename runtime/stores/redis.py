@@ -1,11 +1,11 @@
 """``redis://host:port/db``: the multi-node embedding store.
 
-Each value is one blob (header + raw little-endian bytes, see :mod:`gpu_workers.stores.base`),
+Each value is one blob (header + raw little-endian bytes, see :mod:`runtime.stores.base`),
 written with ``SET key blob PX ttl`` and ``PUBLISH <channel> key`` in one MULTI/EXEC, so a reader
 that hears the notification always finds the value, and a put that fails part-way does neither.
 
 I/O: on plain ``redis://`` URLs the data path (put, get, get_many, exists, delete and wait's
-EXISTS) goes through :mod:`gpu_workers.stores.redis_wire`, which receives a value straight into
+EXISTS) goes through :mod:`runtime.stores.redis_wire`, which receives a value straight into
 its final buffer and sends a tensor's bytes from the tensor's own memory (the header and data are
 never joined), so a put or get costs about what ``redis-benchmark`` does. ``rediss://`` (TLS) and
 URLs carrying other redis-py connection options use redis-py for everything. Either way the
@@ -45,8 +45,8 @@ import torch
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from gpu_workers.stores import redis_wire as wire
-from gpu_workers.stores.base import (
+from runtime.stores import redis_wire as wire
+from runtime.stores.base import (
     Blob,
     EmbeddingStore,
     StoreError,
@@ -159,7 +159,7 @@ class _RedisPyIO:
 
 
 class _WireIO:
-    """Data path over :mod:`gpu_workers.stores.redis_wire` (plain TCP)."""
+    """Data path over :mod:`runtime.stores.redis_wire` (plain TCP)."""
 
     def __init__(self, pool: wire.WirePool) -> None:
         self.pool = pool

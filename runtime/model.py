@@ -28,7 +28,7 @@ from transformers import (
     Qwen2VLImageProcessorPil,
 )
 
-from gpu_workers.tokenizer import BYTE_VOCAB, EOS_TOKEN, SPECIAL_TOKENS, build_tiny_tokenizer
+from runtime.tokenizer import BYTE_VOCAB, EOS_TOKEN, SPECIAL_TOKENS, build_tiny_tokenizer
 
 TINY = "tiny"
 TINY_SEED = 20240917
@@ -114,7 +114,7 @@ def resolve_device(spec: str | None = None) -> torch.device:
     ``None`` reads ``EPD_DEVICE`` through the settings.
     """
     if spec is None:
-        from epd.settings import get_settings
+        from runtime.settings import get_settings
 
         spec = get_settings().device
     spec = spec.strip().lower() or "auto"

@@ -1,0 +1,1 @@
+"""Shared runtime pieces: settings, Kafka clients, status records, stores, model loading."""
