@@ -26,7 +26,7 @@ STAMP := $(VENV)/.epd-installed
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 
 .PHONY: help install test test-unit demo bench up down services services-down dockerd dockerd-stop \
-	lint fmt clean
+	lint imports fmt clean
 
 help:
 	@sed -n 's/^#   make /  make /p' $(MAKEFILE_LIST)
@@ -47,7 +47,7 @@ $(STAMP): pyproject.toml
 # A Docker daemon for the testcontainers suite is started when possible (root + dockerd) and left
 # running for the next run (`make dockerd-stop` ends it); without one those tests skip, except
 # under CI=true, where they fail. Pytest's exit code 5 (no tests collected) is an error.
-test: install
+test: install imports
 	@docker/ensure-dockerd.sh --pidfile $(STATE_DIR)/dockerd.pid --log $(STATE_DIR)/dockerd.log || \
 		echo "make: no Docker daemon; the docker-marked tests will skip" >&2
 	@rc=0; $(EPD) services run -- $(VPY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
@@ -85,6 +85,11 @@ down:
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+
+# The floors contract (pyproject.toml [tool.importlinter]): every import points down.
+imports: install
+	$(VENV)/bin/lint-imports
 
 fmt: install
 	$(VENV)/bin/ruff format .

@@ -9,9 +9,8 @@ from schemas.topics import Topics
 from schemas.types import ErrorInfo
 
 if TYPE_CHECKING:
-    from aiokafka import AIOKafkaProducer
-
     from consumers.loop import ConsumedEvent, DeadLetterHook
+    from runtime.publisher import Publisher
 
 # Codes that mean "this input is bad" (rejected) rather than "we failed to process it".
 REJECTION_CODES = frozenset({"validation", "undecodable", "rejected", "compute"})
@@ -26,7 +25,7 @@ def request_id_of(ce: ConsumedEvent, keyed_by_request: bool) -> str | None:
 
 
 def dead_letter_reporter(
-    producer: AIOKafkaProducer, topics: Topics, stage: str, *, keyed_by_request: bool
+    publisher: Publisher, topics: Topics, stage: str, *, keyed_by_request: bool
 ) -> DeadLetterHook:
     """A ConsumeLoop hook that emits ``rejected``/``failed`` for the dead-lettered request."""
 
@@ -34,7 +33,7 @@ def dead_letter_reporter(
         rid = request_id_of(ce, keyed_by_request)
         if rid is None:
             return
-        await ResultReporter(producer, topics.results, stage)(
+        await ResultReporter(publisher, topics.results, stage)(
             rid,
             "rejected" if info.code in REJECTION_CODES else "failed",
             error=info,

@@ -1,26 +1,55 @@
-"""Results collector: ResultEvents -> status records (deduplicated, forward-only, with a TTL)."""
+"""Results collector: ResultEvents and EncodedEvents -> status records (deduplicated, forward-only).
+
+It reads two topics in one consumer group: ``{prefix}.results`` (every stage's status updates)
+and ``{prefix}.encoded`` (one EncodedEvent per encoded item, hit or miss). The second is what
+lets a request's status say which of its items are encoded and which were cache hits.
+"""
 
 from __future__ import annotations
 
 import logging
 
 from runtime.status_store import StatusStore
-from schemas.types import ResultEvent
+from schemas.types import EncodedEvent, ResultEvent
 
 log = logging.getLogger(__name__)
 
 
+def encoded_update(ev: EncodedEvent) -> ResultEvent:
+    """The status update an EncodedEvent stands for.
+
+    The stage name carries the item's hash, so each item is recorded once (a redelivered
+    EncodedEvent is a duplicate) while different items of one request all land.
+    """
+    short = ev.mm_hash[:12]
+    info = {f"encoded.{short}": "cache_hit" if ev.cache_hit else "encoded"}
+    timings = {} if ev.cache_hit else {f"encode.{short}": ev.encode_ms}
+    if not ev.ok:
+        info = {f"encode_failed.{short}": ev.error.code if ev.error else "error"}
+        timings = {}
+    return ResultEvent(
+        request_id=ev.request_id,
+        stage=f"encode.{short}",
+        status="encoding",
+        timings=timings,
+        info=info,
+        worker="",
+        created_ms=ev.created_ms,
+    )
+
+
 class ResultsCollector:
-    """Folds every ResultEvent into the request's status record; plug into a ConsumeLoop."""
+    """Folds stage updates into the request's status record; plug into a ConsumeLoop."""
 
     def __init__(self, status: StatusStore) -> None:
         self.status = status
         self.applied = 0
         self.duplicates = 0
 
-    async def handle(self, ev: ResultEvent) -> None:
-        """Apply one stage update; a redelivered or out-of-date one changes nothing."""
-        if await self.status.apply(ev):
+    async def handle(self, ev: ResultEvent | EncodedEvent) -> None:
+        """Apply one update; a redelivered or out-of-date one changes nothing."""
+        update = encoded_update(ev) if isinstance(ev, EncodedEvent) else ev
+        if await self.status.apply(update):
             self.applied += 1
         else:
             self.duplicates += 1

@@ -19,12 +19,11 @@ from typing import TYPE_CHECKING
 
 from pydantic import SecretStr
 
-from runtime.settings import Settings
+from runtime.settings import Settings, env_names
 
 if TYPE_CHECKING:
-    from aiokafka import AIOKafkaProducer
-
     from producers.submit import Submitter
+    from runtime.kafka import KafkaPublisher
 
 DEFAULT_WORKERS = ("results", "encode", "prefill")
 
@@ -42,7 +41,7 @@ class WorkerProcesses:
         log_dir: Path,
         kinds: Sequence[str] = DEFAULT_WORKERS,
     ) -> None:
-        self.env = {**os.environ, **env}
+        self.env = child_env(env)
         self.log_dir = log_dir
         self.kinds = list(kinds)
         self.procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
@@ -119,26 +118,18 @@ class WorkerProcesses:
 
 
 def worker_env(settings: Settings) -> dict[str, str]:
-    """The EPD_* variables that make a worker process see the same pipeline as ``settings``."""
-    env = {
-        "EPD_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
-        "EPD_KAFKA_IDEMPOTENCE": "true" if settings.kafka_idempotence else "false",
-        "EPD_REDIS_URL": settings.redis_url,
-        "EPD_STORE_URL": settings.store_url,
-        "EPD_TOPIC_PREFIX": settings.topic_prefix,
-        "EPD_MODEL": settings.model,
-        "EPD_DEVICE": settings.device,
-        "EPD_INLINE_LIMIT_BYTES": str(settings.inline_limit_bytes),
-        "EPD_EC_NAMESPACE": settings.ec_namespace,
-        "EPD_PREFILL_COMPRESSION": settings.prefill_compression,
-        "EPD_KAFKA_SESSION_TIMEOUT_MS": str(settings.kafka_session_timeout_ms),
-        "EPD_KAFKA_HEARTBEAT_INTERVAL_MS": str(settings.kafka_heartbeat_interval_ms),
-        "EPD_KAFKA_FETCH_MAX_WAIT_MS": str(settings.kafka_fetch_max_wait_ms),
-    }
-    secret = settings.secret_bytes()
-    if secret:
-        env["EPD_EC_SECRET"] = secret.decode()
-    return env
+    """The EPD_* variables that make a worker process see exactly ``settings`` (all of them)."""
+    return settings.to_env()
+
+
+def child_env(env: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment with every setting replaced by ``env``'s.
+
+    Inherited ``EPD_*`` settings are dropped first, so a setting that is unset in ``env`` (e.g. no
+    EC secret) is unset in the child too instead of leaking in from the parent.
+    """
+    names = env_names()
+    return {**{k: v for k, v in os.environ.items() if k not in names}, **env}
 
 
 @dataclass
@@ -147,7 +138,7 @@ class LocalRun:
 
     settings: Settings
     submitter: Submitter
-    producer: AIOKafkaProducer
+    publisher: KafkaPublisher
     workers: WorkerProcesses | None
 
 
@@ -167,9 +158,10 @@ async def local_pipeline(
     """
     import redis.asyncio as aioredis
 
-    from producers.fanout import FanOut
+    from producers.fanout import build_fanout
     from producers.render import Renderer
-    from runtime.kafka import ensure_topics, make_producer
+    from producers.submit import Submitter
+    from runtime.kafka import KafkaPublisher, ensure_topics
     from runtime.model import load_render_info
     from runtime.status_store import StatusStore
     from runtime.stores import open_store
@@ -189,37 +181,24 @@ async def local_pipeline(
     workers = WorkerProcesses(worker_env(settings), log_dir, kinds) if spawn_workers else None
     if workers is not None:
         workers.start()
-    producer = make_producer(settings)
-    prefill_producer = make_producer(settings, compression=settings.prefill_compression)
+    publisher = KafkaPublisher.for_pipeline(settings, topics)
     store = open_store(settings.embedding_store_url)
     client = aioredis.Redis.from_url(settings.redis_url)
     try:
-        await producer.start()
-        await prefill_producer.start()
+        await publisher.start()
         info = await asyncio.to_thread(load_render_info, settings.model)
-        from producers.submit import Submitter
-
         submitter = Submitter(
             settings,
             Renderer(info, max_image_pixels=settings.max_image_pixels),
-            FanOut(
-                settings,
-                store,
-                info.fingerprint,
-                producer=producer,
-                prefill_producer=prefill_producer,
-                topics=topics,
-            ),
-            producer,
+            build_fanout(settings, store, info.fingerprint, publisher),
             StatusStore(client, prefix=settings.topic_prefix, ttl_s=settings.status_ttl_s),
         )
         if workers is not None:
             await workers.wait_ready()
-        yield LocalRun(settings, submitter, producer, workers)
+        yield LocalRun(settings, submitter, publisher, workers)
     finally:
         if workers is not None:
             workers.stop()
-        await producer.stop()
-        await prefill_producer.stop()
+        await publisher.stop()
         await store.close()
         await client.aclose()

@@ -28,8 +28,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+from runtime.settings import Settings
+
 STATE_FILE = "services.json"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_REDIS_URL: str = Settings.model_fields["redis_url"].default
 TANSU_IDEMPOTENCE = "false"
 """Tansu answers InitProducerId with UnknownError, so idempotent producers cannot start on it."""
 

@@ -19,26 +19,25 @@ import torch
 
 from gpu_workers.batcher import MicroBatcher
 from gpu_workers.compute import encode_images
-from runtime.kafka import ResultReporter, send_event
+from runtime.kafka import ResultReporter
 from runtime.model import vision_config
 from runtime.settings import Settings
 from runtime.stores.base import StoreKeyMissing
 from schemas.errors import ValidationError
+from schemas.modalities import GRID_FIELDS
+from schemas.modalities import MAIN_ENCODER_INPUT as ENCODER_INPUT_FIELDS
 from schemas.tensors import dtype_name, tensor_from_bytes
 from schemas.topics import Topics
 from schemas.types import EncodedEvent, EncodeEvent, ErrorInfo, TensorRef, now_ms
 from schemas.validator import (
-    ENCODER_INPUT_FIELDS,
-    GRID_FIELDS,
     ValidationConfig,
     check_tensor,
     validate_encode_event,
 )
 
 if TYPE_CHECKING:
-    from aiokafka import AIOKafkaProducer
-
     from runtime.model import ModelBundle
+    from runtime.publisher import Publisher
     from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger(__name__)
@@ -54,7 +53,7 @@ class EncodeWorker:
         settings: Settings,
         bundle: ModelBundle,
         store: EmbeddingStore,
-        producer: AIOKafkaProducer,
+        publisher: Publisher,
         *,
         topics: Topics | None = None,
         worker_id: str | None = None,
@@ -62,11 +61,11 @@ class EncodeWorker:
         self.settings = settings
         self.bundle = bundle
         self.store = store
-        self.producer = producer
+        self.publisher = publisher
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"encode@{socket.gethostname()}"
         self.vconfig = ValidationConfig.for_worker(settings, bundle.fingerprint)
-        self.report = ResultReporter(producer, self.topics.results, "encode", self.worker_id)
+        self.report = ResultReporter(publisher, self.topics.results, "encode", self.worker_id)
         self.batcher: MicroBatcher[Job, torch.Tensor] = MicroBatcher(
             self._compute, max_cost=settings.encode_batch_patches
         )
@@ -139,8 +138,8 @@ class EncodeWorker:
     async def _encoded(
         self, ev: EncodeEvent, emb_dtype: str, shape: list[int], *, hit: bool, ms: float
     ) -> None:
-        await send_event(
-            self.producer,
+        # The results collector reads these: they mark the item encoded in its request's status.
+        await self.publisher.send(
             self.topics.encoded,
             ev.mm_hash,
             EncodedEvent(
@@ -247,9 +246,3 @@ class EncodeWorker:
             await self._encoded(ev, dtype_name(self.bundle.dtype), [], hit=True, ms=0.0)
             return
         await self._encoded(ev, dtype_name(emb.dtype), list(emb.shape), hit=False, ms=ms)
-        await self.report(
-            ev.request_id,
-            "encoding",
-            timings={f"encode.{ev.modality}{ev.item_index}": ms},
-            info={f"encoded.{ev.mm_hash[:12]}": "1"},
-        )

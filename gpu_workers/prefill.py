@@ -19,19 +19,17 @@ from runtime.kafka import ResultReporter
 from runtime.settings import Settings
 from runtime.stores.base import StoreTimeout
 from schemas.errors import ValidationError
+from schemas.modalities import GRID_FIELDS
 from schemas.topics import Topics
 from schemas.types import ErrorInfo, PrefillEvent, now_ms
 from schemas.validator import ValidationConfig, validate_prefill_event
 
 if TYPE_CHECKING:
-    from aiokafka import AIOKafkaProducer
-
     from runtime.model import ModelBundle
+    from runtime.publisher import Publisher
     from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger(__name__)
-
-GRID_FIELD = {"image": "image_grid_thw", "video": "video_grid_thw"}
 
 
 class PrefillWorker:
@@ -42,21 +40,23 @@ class PrefillWorker:
         settings: Settings,
         bundle: ModelBundle,
         store: EmbeddingStore,
-        producer: AIOKafkaProducer,
+        publisher: Publisher,
         *,
         topics: Topics | None = None,
         worker_id: str | None = None,
-        embedding_wait_s: float = 60.0,
+        embedding_wait_s: float | None = None,
     ) -> None:
         self.settings = settings
         self.bundle = bundle
         self.store = store
-        self.producer = producer
+        self.publisher = publisher
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"prefill@{socket.gethostname()}"
         self.vconfig = ValidationConfig.for_worker(settings, bundle.fingerprint)
-        self.report = ResultReporter(producer, self.topics.results, "prefill", self.worker_id)
-        self.embedding_wait_s = embedding_wait_s
+        self.report = ResultReporter(publisher, self.topics.results, "prefill", self.worker_id)
+        self.embedding_wait_s = (
+            settings.embedding_wait_s if embedding_wait_s is None else embedding_wait_s
+        )
         # One compute thread: the model is shared, and CPU/GPU work does not speed up by
         # interleaving requests inside one process.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="epd-prefill")
@@ -70,7 +70,7 @@ class PrefillWorker:
         meta = ev.features.mm_metadata or {}
         for modality, index, mm_hash in ev.features.items():
             ph = ev.features.mm_placeholders[modality][index]
-            grid_field = GRID_FIELD.get(modality)
+            grid_field = GRID_FIELDS.get(modality)
             item_meta = meta.get(modality, [None] * (index + 1))[index] or {}
             grid = item_meta.get(grid_field) if grid_field else None
             if grid is None:

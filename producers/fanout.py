@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 import blake3
 import torch
 
-from runtime.kafka import ResultReporter, event_headers
+from runtime.kafka import ResultReporter
+from runtime.publisher import Publisher
 from runtime.settings import Settings
-from schemas.codec import get_codec
+from schemas.modalities import METADATA_FIELDS
 from schemas.signing import embedding_key, make_ec_transfer
 from schemas.tensors import dtype_name, tensor_bytes
 from schemas.topics import Topics
@@ -32,11 +33,9 @@ from schemas.types import (
     TensorRef,
     now_ms,
 )
-from schemas.validator import DEFAULT_METADATA_FIELDS, ValidationConfig, validate_render_event
+from schemas.validator import ValidationConfig, validate_render_event
 
 if TYPE_CHECKING:
-    from aiokafka import AIOKafkaProducer
-
     from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger(__name__)
@@ -89,18 +88,14 @@ class FanOut:
         store: EmbeddingStore,
         model_fingerprint: str,
         *,
-        producer: AIOKafkaProducer | None = None,
-        prefill_producer: AIOKafkaProducer | None = None,
+        publisher: Publisher | None = None,
         topics: Topics | None = None,
     ) -> None:
-        """``prefill_producer`` (default: ``producer``) sends the prefill events; give it
-        ``settings.prefill_compression`` so the small, repetitive events travel compressed
-        while the encoder inputs stay uncompressed."""
+        """Without a ``publisher`` the fan-out can only :meth:`plan` (benchmarks, tests)."""
         self.settings = settings
         self.store = store
         self.model_fingerprint = model_fingerprint
-        self.producer = producer
-        self.prefill_producer = prefill_producer or producer
+        self.publisher = publisher
         self.topics = topics or Topics(settings.topic_prefix)
         self._secret = settings.secret_bytes()
         # Structure only: scanning megabytes of pixels for NaN/Inf here would dominate the
@@ -130,7 +125,7 @@ class FanOut:
             nbytes = value.numel() * value.element_size()
             # Metadata (the grid) always travels inline: it is a few bytes, and the validator
             # and encoder need it without a store round trip (a claim-checked grid is rejected).
-            if name in DEFAULT_METADATA_FIELDS or nbytes <= self.settings.inline_limit_bytes:
+            if name in METADATA_FIELDS or nbytes <= self.settings.inline_limit_bytes:
                 out[name] = value
                 continue
             # Copying and hashing megabytes takes milliseconds: keep it off the event loop.
@@ -195,41 +190,25 @@ class FanOut:
 
     async def publish(self, ev: RenderEvent) -> FanoutStats:
         """Plan, then send encode events, the prefill event and a stage update."""
-        if self.producer is None or self.prefill_producer is None:
-            raise RuntimeError("FanOut.publish needs a producer")
+        publisher = self.publisher
+        if publisher is None:
+            raise RuntimeError("FanOut.publish needs a publisher")
         t0 = now_ms()
         plan = await self.plan(ev)
-        codec = get_codec()
-        encode_bytes = 0
-        deliveries = []
-        for enc in plan.encode:
-            value = codec.encode(enc)
-            encode_bytes += len(value)
-            deliveries.append(
-                await self.producer.send(
-                    self.topics.encode,
-                    value=value,
-                    key=enc.mm_hash.encode(),
-                    headers=event_headers(enc),
-                )
-            )
-        # Encode events first, so an encoder can start while the prefill event is in flight.
-        await asyncio.gather(*deliveries)
-        prefill_value = codec.encode(plan.prefill)
-        await self.prefill_producer.send_and_wait(
-            self.topics.prefill,
-            value=prefill_value,
-            key=ev.request_id.encode(),
-            headers=event_headers(plan.prefill),
+        # Encode events first (all in flight at once), so an encoder can start while the
+        # prefill event is still on its way.
+        encode_sizes = await asyncio.gather(
+            *(publisher.send(self.topics.encode, enc.mm_hash, enc) for enc in plan.encode)
         )
+        prefill_bytes = await publisher.send(self.topics.prefill, ev.request_id, plan.prefill)
         stats = FanoutStats(
             encode_events=len(plan.encode),
             cache_hits=len(plan.cached),
-            encode_bytes=encode_bytes,
-            prefill_bytes=len(prefill_value),
+            encode_bytes=sum(encode_sizes),
+            prefill_bytes=prefill_bytes,
             kwargs_bytes=kwargs_bytes(ev.features),
         )
-        await ResultReporter(self.producer, self.topics.results, "fanout")(
+        await ResultReporter(publisher, self.topics.results, "fanout")(
             ev.request_id,
             "encoding" if plan.encode else "prefilling",
             timings={"fanout": float(now_ms() - t0)},
@@ -241,6 +220,19 @@ class FanOut:
             },
         )
         return stats
+
+
+def build_fanout(
+    settings: Settings, store: EmbeddingStore, model_fingerprint: str, publisher: Publisher
+) -> FanOut:
+    """The one place a publishing FanOut is assembled (router, Submitter, demo, verify)."""
+    return FanOut(
+        settings,
+        store,
+        model_fingerprint,
+        publisher=publisher,
+        topics=Topics(settings.topic_prefix),
+    )
 
 
 def prefill_metadata(f: Features) -> dict[str, list[ItemData | None]] | None:
@@ -257,7 +249,7 @@ def prefill_metadata(f: Features) -> dict[str, list[ItemData | None]] | None:
             meta = (f.mm_metadata or {}).get(modality, [None] * len(hashes))[i]
             if meta is None:
                 full = (f.kwargs_data or {}).get(modality, [None] * len(hashes))[i] or {}
-                meta = {k: v for k, v in full.items() if k in DEFAULT_METADATA_FIELDS} or None
+                meta = {k: v for k, v in full.items() if k in METADATA_FIELDS} or None
             slots.append(meta)
         out[modality] = slots
     return out if any(m is not None for slots in out.values() for m in slots) else None

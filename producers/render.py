@@ -26,6 +26,7 @@ from PIL import Image
 
 from runtime.model import ModelBundle, RenderInfo
 from schemas.errors import ValidationError
+from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT
 from schemas.types import (
     Features,
     ItemData,
@@ -37,11 +38,6 @@ from schemas.types import (
 IMAGE_MARKER = "<image>"
 # What the Qwen2-VL chat template emits for one image; accepted as an alias of the marker.
 QWEN_IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
-# Fields of an item that prefill needs (metadata); everything else is encoder input.
-METADATA_FIELDS: dict[str, tuple[str, ...]] = {
-    "image": ("image_grid_thw",),
-    "video": ("video_grid_thw",),
-}
 
 VISION_TOKENS = (
     "<|vision_start|>",
@@ -117,19 +113,15 @@ class Renderer:
         self,
         info: RenderInfo | ModelBundle,
         *,
-        max_image_pixels: int | None = None,
+        max_image_pixels: int,
         max_images: int = 64,
     ) -> None:
         """``info``: a ``RenderInfo`` (no weights) or a loaded ``ModelBundle``.
 
-        ``max_image_pixels``: width*height cap checked from the image header before decoding;
-        None reads ``EPD_MAX_IMAGE_PIXELS``.
+        ``max_image_pixels``: width*height cap checked from the image header before decoding
+        (``settings.max_image_pixels``).
         """
         self.info = info.render_info() if isinstance(info, ModelBundle) else info
-        if max_image_pixels is None:
-            from runtime.settings import get_settings
-
-            max_image_pixels = get_settings().max_image_pixels
         self.max_image_pixels = int(max_image_pixels)
         self.max_images = max_images
         proc_cfg = self.info.image_processor.to_dict()
@@ -321,8 +313,8 @@ class Renderer:
                     mm_hash=self.mm_hash("image", pv, grid, cache_salt),
                     offset=offset,
                     length=n,
-                    data={"pixel_values": pv, "image_grid_thw": grid},
-                    metadata={k: grid for k in METADATA_FIELDS["image"]},
+                    data={MAIN_ENCODER_INPUT["image"]: pv, GRID_FIELDS["image"]: grid},
+                    metadata={GRID_FIELDS["image"]: grid},
                 )
             )
         if not ids:

@@ -9,16 +9,13 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from producers.fanout import FanOut, FanoutStats
 from producers.render import ImageInput, Renderer
 from runtime.settings import Settings
 from runtime.status_store import StatusStore
 from schemas.types import TERMINAL_STATUSES, RenderEvent, ResultEvent, SamplingParams
-
-if TYPE_CHECKING:
-    from aiokafka import AIOKafkaProducer
 
 
 class Submitter:
@@ -29,13 +26,11 @@ class Submitter:
         settings: Settings,
         renderer: Renderer,
         fanout: FanOut,
-        producer: AIOKafkaProducer,
         status: StatusStore,
     ) -> None:
         self.settings = settings
         self.renderer = renderer
         self.fanout = fanout
-        self.producer = producer
         self.status = status
 
     async def submit_rendered(self, ev: RenderEvent) -> FanoutStats:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
+from runtime.publisher import Publisher, event_headers
 from runtime.settings import Settings
-from schemas.codec import SCHEMA_HEADER, get_codec
+from schemas.codec import get_codec
+from schemas.topics import Topics
 from schemas.types import ErrorInfo, Event, ResultEvent
 
 log = logging.getLogger(__name__)
@@ -96,11 +98,6 @@ async def ensure_topics(
     return created
 
 
-def event_headers(event: Event) -> list[tuple[str, bytes]]:
-    """Kafka headers for a framed event: the schema name travels beside the fingerprint."""
-    return [(SCHEMA_HEADER, get_codec().schema_name(event).encode())]
-
-
 async def send_event(producer: AIOKafkaProducer, topic: str, key: str | None, event: Event) -> None:
     """Encode and send one event, waiting for the broker's acknowledgement."""
     value = get_codec().encode(event)
@@ -110,6 +107,62 @@ async def send_event(producer: AIOKafkaProducer, topic: str, key: str | None, ev
         key=key.encode() if key is not None else None,
         headers=event_headers(event),
     )
+
+
+class KafkaPublisher:
+    """The Publisher of real runs: aiokafka producers, one per compression setting.
+
+    Prefill events are mostly runs of placeholder token ids and travel with
+    ``settings.prefill_compression``; encoder inputs (pixels barely compress) and everything else
+    with ``settings.compression``. ``routes`` maps a topic to the producer that sends it.
+    """
+
+    def __init__(
+        self, producer: AIOKafkaProducer, routes: dict[str, AIOKafkaProducer] | None = None
+    ) -> None:
+        self.producer = producer
+        self.routes = dict(routes or {})
+
+    @classmethod
+    def for_pipeline(cls, settings: Settings, topics: Topics) -> KafkaPublisher:
+        """Producers for one pipeline (not started: ``await start()``)."""
+        producer = make_producer(settings)
+        routes = {}
+        if settings.prefill_compression != settings.compression:
+            routes[topics.prefill] = make_producer(
+                settings, compression=settings.prefill_compression
+            )
+        return cls(producer, routes)
+
+    def _producers(self) -> list[AIOKafkaProducer]:
+        return [self.producer, *{id(p): p for p in self.routes.values()}.values()]
+
+    async def start(self) -> None:
+        """Connect every producer."""
+        for p in self._producers():
+            await p.start()
+
+    async def stop(self) -> None:
+        """Flush and close every producer."""
+        for p in self._producers():
+            await p.stop()
+
+    async def send(
+        self,
+        topic: str,
+        key: str | None,
+        event: Event,
+        *,
+        headers: Sequence[tuple[str, bytes]] = (),
+    ) -> int:
+        value = get_codec().encode(event)
+        await self.routes.get(topic, self.producer).send_and_wait(
+            topic,
+            value=value,
+            key=key.encode() if key is not None else None,
+            headers=[*event_headers(event), *headers],
+        )
+        return len(value)
 
 
 async def read_topic(settings: Settings, topic: str, *, timeout_s: float = 30.0) -> list[Any]:
@@ -150,10 +203,8 @@ async def read_topic(settings: Settings, topic: str, *, timeout_s: float = 30.0)
 class ResultReporter:
     """Sends one stage's ResultEvents (status updates and outcomes) to the results topic."""
 
-    def __init__(
-        self, producer: AIOKafkaProducer, results_topic: str, stage: str, worker: str = ""
-    ):
-        self.producer = producer
+    def __init__(self, publisher: Publisher, results_topic: str, stage: str, worker: str = ""):
+        self.publisher = publisher
         self.topic = results_topic
         self.stage = stage
         self.worker = worker
@@ -170,8 +221,7 @@ class ResultReporter:
         info: dict[str, str] | None = None,
     ) -> None:
         """Publish one update for ``request_id`` (keyed by it, so a request stays ordered)."""
-        await send_event(
-            self.producer,
+        await self.publisher.send(
             self.topic,
             request_id,
             ResultEvent(

@@ -108,15 +108,8 @@ def vision_config(cfg: Qwen2VLConfig) -> Any:
 # device and dtype
 
 
-def resolve_device(spec: str | None = None) -> torch.device:
-    """``auto`` -> CUDA when present else CPU; ``cpu``/``cuda``/``cuda:N`` as given.
-
-    ``None`` reads ``EPD_DEVICE`` through the settings.
-    """
-    if spec is None:
-        from runtime.settings import get_settings
-
-        spec = get_settings().device
+def resolve_device(spec: str = "auto") -> torch.device:
+    """``auto`` -> CUDA when present else CPU; ``cpu``/``cuda``/``cuda:N`` as given."""
     spec = spec.strip().lower() or "auto"
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -345,7 +338,7 @@ def load_render_info(spec: str = TINY) -> RenderInfo:
 
 
 def load_model(
-    spec: str = TINY, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None
+    spec: str = TINY, *, device: str | torch.device = "auto", dtype: torch.dtype | None = None
 ) -> ModelBundle:
     """Load ``tiny`` (seeded random weights) or a local Qwen2-VL checkpoint directory (offline).
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from functools import cache
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -47,6 +49,11 @@ class Settings(BaseSettings):
     # Embedding store and claim checks
     store_url: str = Field("", description="embedding store URI; empty means EPD_REDIS_URL")
     embedding_ttl_s: int = 600
+    embedding_wait_s: float = Field(
+        60.0,
+        description="longest a prefill worker waits for a request's embeddings (the request's "
+        "deadline caps it)",
+    )
     inline_limit_bytes: int = Field(
         256 * 1024, description="encoder inputs above this size travel as a TensorRef claim check"
     )
@@ -74,6 +81,46 @@ class Settings(BaseSettings):
 
     def secret_bytes(self) -> bytes | None:
         return self.ec_secret.get_secret_value().encode() if self.ec_secret else None
+
+    def to_env(self) -> dict[str, str]:
+        """Every setting as the ``EPD_*`` variable that reproduces it in another process.
+
+        Derived from the fields, so a new setting reaches spawned workers without a hand-kept
+        list. Unset optional settings are left out (see :func:`env_names` to clear them).
+        """
+        env: dict[str, str] = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            elif isinstance(value, bool):
+                value = "true" if value else "false"
+            elif not isinstance(value, str):
+                value = json.dumps(value) if isinstance(value, list | dict) else str(value)
+            env[env_name(name)] = value
+        return env
+
+    def describe(self) -> dict[str, Any]:
+        """The settings as JSON-ready values; secrets appear as a SHA-256 digest, never in clear."""
+        out = self.model_dump(mode="json")
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, SecretStr):
+                digest = hashlib.sha256(value.get_secret_value().encode()).hexdigest()
+                out[name] = f"sha256:{digest}"
+        return out
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a setting."""
+    return f"EPD_{field.upper()}"
+
+
+def env_names() -> set[str]:
+    """The environment variables of every setting."""
+    return {env_name(f) for f in Settings.model_fields}
 
 
 @cache

@@ -58,6 +58,7 @@ from typing import Any, Literal
 import torch
 
 from schemas.errors import ValidationError
+from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT, METADATA_FIELDS, REQUIRED_METADATA
 from schemas.signing import verify_ec
 from schemas.types import (
     DTYPES,
@@ -74,16 +75,14 @@ from schemas.types import now_ms as wall_now_ms
 
 Mode = Literal["strict", "vllm"]
 
-DEFAULT_METADATA_FIELDS = frozenset(
-    {"image_grid_thw", "video_grid_thw", "second_per_grid_ts", "audio_feature_lengths"}
-)
-GRID_FIELDS: dict[str, str] = {"image": "image_grid_thw", "video": "video_grid_thw"}
-ENCODER_INPUT_FIELDS: dict[str, str] = {"image": "pixel_values", "video": "pixel_values_videos"}
+# From the one modality-field table (schemas/modalities.py).
+DEFAULT_METADATA_FIELDS = METADATA_FIELDS
+ENCODER_INPUT_FIELDS = MAIN_ENCODER_INPUT
 _EC_FIELDS = ("store", "key", "expires_ms", "signature")
 
 
 def _default_required() -> dict[str, tuple[str, ...]]:
-    return {"image": ("image_grid_thw",), "video": ("video_grid_thw",)}
+    return dict(REQUIRED_METADATA)
 
 
 @dataclass(frozen=True)

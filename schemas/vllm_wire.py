@@ -38,6 +38,7 @@ import msgpack
 import torch
 
 from schemas.errors import CodecError, ValidationError
+from schemas.modalities import ENCODER_INPUT_FIELDS, METADATA_FIELDS
 from schemas.signing import embedding_key, make_ec_transfer
 from schemas.tensors import tensor_bytes, tensor_from_bytes
 from schemas.types import DTYPE_NAMES, DTYPES, Features, ItemData, PlaceholderRange, now_ms
@@ -108,12 +109,9 @@ def flat(rows: int, *, dim: int = 0, keep_on_cpu: bool = False) -> FieldSpec:
 # Qwen2-VL's field config in vLLM (``_create_qwen2vl_field_factory``): encoder inputs are
 # ``flat_from_sizes`` (patch rows per item), grids are ``batched(keep_on_cpu=True)`` because
 # M-RoPE reads them on the CPU. ``second_per_grid_ts`` (Qwen2.5-VL) is batched too.
-_KEEP_ON_CPU_BATCHED = frozenset(
-    {"image_grid_thw", "video_grid_thw", "second_per_grid_ts", "audio_feature_lengths"}
-)
-_FLAT = frozenset(
-    {"pixel_values", "pixel_values_videos", "image_embeds", "video_embeds", "input_features"}
-)
+_KEEP_ON_CPU_BATCHED = METADATA_FIELDS
+# Precomputed embeddings (``image_embeds``) are flat per item too.
+_FLAT = ENCODER_INPUT_FIELDS | {"image_embeds", "video_embeds"}
 
 
 def default_field_spec(name: str, tensor: torch.Tensor) -> FieldSpec:

@@ -1,23 +1,194 @@
-"""``epd worker {encode,prefill,results,router}``: run one pipeline stage until SIGTERM."""
+"""``epd worker {encode,prefill,results,router}``: run one pipeline stage until SIGTERM.
+
+Each stage is one row of :data:`STAGES`: the topics it reads, its consumer group, how its
+dead letters are reported, and a builder that assembles its handler from shared parts.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import socket
+import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from schemas.topics import GROUP_ENCODE, GROUP_PREFILL, GROUP_RESULTS, GROUP_ROUTER, Topics
+
+if TYPE_CHECKING:
+    from runtime.kafka import KafkaPublisher
+    from runtime.settings import Settings
+    from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger("epd.worker")
 
-KINDS = ("encode", "prefill", "results", "router")
+Handler = Callable[[Any], Awaitable[None]]
+Closer = Callable[[], Awaitable[Any]]
+
+
+@dataclass
+class StageContext:
+    """What every stage builder gets: settings, topics, the publisher, and a list of closers."""
+
+    settings: Settings
+    topics: Topics
+    publisher: KafkaPublisher
+    worker_id: str
+    closers: list[Closer] = field(default_factory=list)
+
+    def open_store(self) -> EmbeddingStore:
+        """The configured embedding store, closed when the worker stops."""
+        from runtime.stores import open_store
+
+        store = open_store(self.settings.embedding_store_url)
+        self.closers.append(store.close)
+        return store
+
+    async def load_model(self) -> Any:
+        """The model on the configured device (in a thread: loading takes seconds)."""
+        from runtime.model import load_model
+
+        bundle = await asyncio.to_thread(
+            load_model, self.settings.model, device=self.settings.device
+        )
+        log.info(
+            "%s: model %s fingerprint %s on %s",
+            self.worker_id,
+            self.settings.model,
+            bundle.fingerprint,
+            bundle.device,
+        )
+        return bundle
+
+
+async def _build_encode(ctx: StageContext) -> Handler:
+    from gpu_workers.encode import EncodeWorker
+
+    store = ctx.open_store()
+    w = EncodeWorker(
+        ctx.settings,
+        await ctx.load_model(),
+        store,
+        ctx.publisher,
+        topics=ctx.topics,
+        worker_id=ctx.worker_id,
+    )
+    ctx.closers.append(w.close)
+    return w.handle
+
+
+async def _build_prefill(ctx: StageContext) -> Handler:
+    from gpu_workers.prefill import PrefillWorker
+
+    store = ctx.open_store()
+    w = PrefillWorker(
+        ctx.settings,
+        await ctx.load_model(),
+        store,
+        ctx.publisher,
+        topics=ctx.topics,
+        worker_id=ctx.worker_id,
+    )
+    ctx.closers.append(w.close)
+    return w.handle
+
+
+async def _build_results(ctx: StageContext) -> Handler:
+    import redis.asyncio as aioredis
+
+    from consumers.results import ResultsCollector
+    from runtime.status_store import StatusStore
+
+    client = aioredis.Redis.from_url(ctx.settings.redis_url)
+    ctx.closers.append(client.aclose)
+    status = StatusStore(client, prefix=ctx.settings.topic_prefix, ttl_s=ctx.settings.status_ttl_s)
+    return ResultsCollector(status).handle
+
+
+async def _build_router(ctx: StageContext) -> Handler:
+    from producers.fanout import build_fanout
+    from producers.router import RenderRouter
+    from runtime.model import load_render_info
+
+    store = ctx.open_store()
+    info = await asyncio.to_thread(load_render_info, ctx.settings.model)
+    return RenderRouter(build_fanout(ctx.settings, store, info.fingerprint, ctx.publisher)).handle
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One kind of worker."""
+
+    kind: str
+    help: str
+    topics: Callable[[Topics], list[str]]
+    group: str
+    build: Callable[[StageContext], Awaitable[Handler]]
+    report_as: str | None
+    """Stage name on the ``rejected``/``failed`` status of a dead-lettered request; None: none."""
+    keyed_by_request: bool
+    """Whether the record key is the request id (for reporting undecodable records)."""
+    signs_or_checks_ec: bool = True
+    """Whether the stage signs or checks ``ec_transfer_params`` (needs EPD_EC_SECRET)."""
+
+
+STAGES: dict[str, Stage] = {
+    s.kind: s
+    for s in (
+        Stage(
+            "encode",
+            "vision tower on encoder inputs, embeddings into the store",
+            lambda t: [t.encode],
+            GROUP_ENCODE,
+            _build_encode,
+            report_as="encode",
+            keyed_by_request=False,
+        ),
+        Stage(
+            "prefill",
+            "wait for embeddings, splice, prefill and decode",
+            lambda t: [t.prefill],
+            GROUP_PREFILL,
+            _build_prefill,
+            report_as="prefill",
+            keyed_by_request=True,
+        ),
+        Stage(
+            "results",
+            "fold stage updates and per-item encode records into status records",
+            lambda t: [t.results, t.encoded],
+            GROUP_RESULTS,
+            _build_results,
+            report_as=None,
+            keyed_by_request=True,
+            signs_or_checks_ec=False,
+        ),
+        Stage(
+            "router",
+            "fan RenderEvents from external renderers out to encode and prefill",
+            lambda t: [t.render],
+            GROUP_ROUTER,
+            _build_router,
+            report_as="fanout",
+            keyed_by_request=True,
+        ),
+    )
+}
+KINDS = tuple(STAGES)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("worker", help="run a pipeline worker (encode, prefill, results, router)")
+    p = sub.add_parser(
+        "worker",
+        help="run a pipeline worker (" + ", ".join(KINDS) + ")",
+        description="Run one pipeline stage until SIGTERM/SIGINT (then drain and commit). "
+        + " ".join(f"{s.kind}: {s.help}." for s in STAGES.values()),
+    )
     p.add_argument("kind", choices=KINDS)
     p.add_argument("--model", help="'tiny' or a local checkpoint path (default: EPD_MODEL)")
     p.add_argument("--store", help="embedding store URI (default: EPD_STORE_URL or EPD_REDIS_URL)")
@@ -35,25 +206,37 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=os.environ.get("EPD_READY_FILE") or None,
         help="touch this file once the worker holds partitions (for supervisors and the demo)",
     )
+    p.add_argument(
+        "--print-settings",
+        action="store_true",
+        help="print the settings this worker would run with as JSON (secrets as a SHA-256 "
+        "digest) and exit",
+    )
     p.set_defaults(func=run)
 
 
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """``EPD_*`` settings with this command's flags on top."""
+    from runtime.settings import Settings
+
+    flags = {
+        "model": args.model,
+        "store_url": args.store,
+        "device": args.device,
+        "max_in_flight": args.max_in_flight,
+    }
+    return Settings(**{k: v for k, v in flags.items() if v is not None})
+
+
 def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    if args.print_settings:
+        json.dump({"kind": args.kind, "settings": settings.describe()}, sys.stdout, sort_keys=True)
+        sys.stdout.write("\n")
+        return 0
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from runtime.settings import Settings
-
-    overrides: dict[str, Any] = {}
-    if args.model:
-        overrides["model"] = args.model
-    if args.store:
-        overrides["store_url"] = args.store
-    if args.device:
-        overrides["device"] = args.device
-    if args.max_in_flight:
-        overrides["max_in_flight"] = args.max_in_flight
-    settings = Settings(**overrides)
     if args.metrics_port:
         from prometheus_client import start_http_server
 
@@ -76,132 +259,50 @@ async def _when_assigned(loop: Any, ready: Callable[[], Awaitable[None]]) -> Non
 
 
 async def run_worker(
-    kind: str, settings: Any, *, ready: Callable[[], Awaitable[None]] | None = None
+    kind: str, settings: Settings, *, ready: Callable[[], Awaitable[None]] | None = None
 ) -> None:
     """Build the stage's handler, join its consumer group and run until SIGTERM/SIGINT."""
-    import redis.asyncio as aioredis
-
     from consumers.loop import ConsumeLoop, ConsumerConfig
     from consumers.reporting import dead_letter_reporter
-    from runtime.kafka import ensure_topics, make_producer
-    from runtime.stores import open_store
-    from schemas.topics import GROUP_ENCODE, GROUP_PREFILL, GROUP_RESULTS, GROUP_ROUTER, Topics
+    from runtime.kafka import KafkaPublisher, ensure_topics
 
+    stage = STAGES[kind]
     topics = Topics(settings.topic_prefix)
-    if settings.ec_secret is None and kind in ("encode", "prefill", "router"):
+    if settings.ec_secret is None and stage.signs_or_checks_ec:
         log.warning(
             "EPD_EC_SECRET is not set: ec_transfer_params are not signed, so any producer on "
             "the topics can name embedding keys of this model. Set it in production."
         )
     await ensure_topics(settings, topics.all())
-    producer = make_producer(settings)
-    await producer.start()
-    closers: list[Callable[[], Awaitable[Any]]] = [producer.stop]
-    worker_id = f"{kind}@{socket.gethostname()}:{os.getpid()}"
+    publisher = KafkaPublisher.for_pipeline(settings, topics)
+    await publisher.start()
+    ctx = StageContext(settings, topics, publisher, f"{kind}@{socket.gethostname()}:{os.getpid()}")
+    ctx.closers.append(publisher.stop)
     try:
-        handler: Callable[[Any], Awaitable[None]]
-        if kind in ("encode", "prefill", "router"):
-            store = open_store(settings.embedding_store_url)
-            closers.append(store.close)
-        if kind in ("encode", "prefill"):
-            from runtime.model import load_model
-
-            bundle = await asyncio.to_thread(load_model, settings.model, device=settings.device)
-            log.info(
-                "%s: model %s fingerprint %s on %s",
-                worker_id,
-                settings.model,
-                bundle.fingerprint,
-                bundle.device,
-            )
-        if kind == "encode":
-            from gpu_workers.encode import EncodeWorker
-
-            w = EncodeWorker(settings, bundle, store, producer, topics=topics, worker_id=worker_id)
-            closers.append(w.close)
-            handler, topic, group, stage, by_request = (
-                w.handle,
-                topics.encode,
-                GROUP_ENCODE,
-                "encode",
-                False,
-            )
-        elif kind == "prefill":
-            from gpu_workers.prefill import PrefillWorker
-
-            pw = PrefillWorker(
-                settings, bundle, store, producer, topics=topics, worker_id=worker_id
-            )
-            closers.append(pw.close)
-            handler, topic, group, stage, by_request = (
-                pw.handle,
-                topics.prefill,
-                GROUP_PREFILL,
-                "prefill",
-                True,
-            )
-        elif kind == "results":
-            from consumers.results import ResultsCollector
-            from runtime.status_store import StatusStore
-
-            client = aioredis.Redis.from_url(settings.redis_url)
-            closers.append(client.aclose)
-            rc = ResultsCollector(
-                StatusStore(client, prefix=settings.topic_prefix, ttl_s=settings.status_ttl_s)
-            )
-            handler, topic, group, stage, by_request = (
-                rc.handle,
-                topics.results,
-                GROUP_RESULTS,
-                "collector",
-                True,
-            )
-        else:
-            from producers.fanout import FanOut
-            from producers.router import RenderRouter
-            from runtime.model import load_render_info
-
-            info = await asyncio.to_thread(load_render_info, settings.model)
-            prefill_producer = make_producer(settings, compression=settings.prefill_compression)
-            await prefill_producer.start()
-            closers.append(prefill_producer.stop)
-            router = RenderRouter(
-                FanOut(
-                    settings,
-                    store,
-                    info.fingerprint,
-                    producer=producer,
-                    prefill_producer=prefill_producer,
-                    topics=topics,
-                )
-            )
-            handler, topic, group, stage, by_request = (
-                router.handle,
-                topics.render,
-                GROUP_ROUTER,
-                "fanout",
-                True,
-            )
+        handler = await stage.build(ctx)
 
         async def on_event(ce: Any) -> None:
             await handler(ce.event)
 
+        reporter = None
+        if stage.report_as is not None:
+            reporter = dead_letter_reporter(
+                publisher, topics, stage.report_as, keyed_by_request=stage.keyed_by_request
+            )
         loop = ConsumeLoop(
             settings,
             ConsumerConfig(
-                topics=[topic],
-                group_id=group,
+                topics=stage.topics(topics),
+                group_id=stage.group,
                 dlq_topic=topics.dlq,
                 max_in_flight=settings.max_in_flight,
                 max_attempts=settings.max_attempts,
             ),
             on_event,
-            producer=producer,
-            on_dead_letter=None
-            if kind == "results"
-            else dead_letter_reporter(producer, topics, stage, keyed_by_request=by_request),
+            producer=publisher.producer,
+            on_dead_letter=reporter,
         )
-        log.info("%s: consuming %s as group %s", worker_id, topic, group)
+        log.info("%s: consuming %s as group %s", ctx.worker_id, stage.topics(topics), stage.group)
         await loop.start()
         announce = None
         if ready is not None:
@@ -212,8 +313,8 @@ async def run_worker(
             if announce is not None:
                 announce.cancel()
     finally:
-        for close in reversed(closers):
+        for close in reversed(ctx.closers):
             try:
                 await close()
             except Exception:
-                log.exception("%s: error while closing", worker_id)
+                log.exception("%s: error while closing", ctx.worker_id)

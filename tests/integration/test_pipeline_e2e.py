@@ -102,6 +102,18 @@ async def test_twenty_requests_complete_and_repeats_encode_once(pipeline: LocalR
     # every distinct image went through the vision tower exactly once
     assert runs == Counter({h: 1 for h in used})
 
+    # The results collector folds the encoded topic into the status records: each image shows
+    # as "encoded" on exactly the request that ran it (the record may trail the terminal status).
+    runner = {e.mm_hash: e.request_id for e in encoded if not e.cache_hit and e.mm_hash in used}
+    deadline = asyncio.get_running_loop().time() + 15
+    while True:
+        records = {rid: await pipeline.submitter.status.get(rid) for rid in set(runner.values())}
+        marked = {h: records[rid]["info"].get(f"encoded.{h[:12]}") for h, rid in runner.items()}
+        if all(v == "encoded" for v in marked.values()):
+            break
+        assert asyncio.get_running_loop().time() < deadline, marked
+        await asyncio.sleep(0.2)
+
 
 async def test_prefill_topic_never_carries_pixel_values(pipeline: LocalRun) -> None:
     ev, _ = await pipeline.submitter.submit(
@@ -144,7 +156,7 @@ async def test_unsafe_metadata_only_event_is_rejected_and_others_finish(
     plan = await run.submitter.fanout.plan(rendered)
     unsafe = dataclasses.replace(plan.prefill, ec_transfer_params={})
     await send_event(
-        run.producer, f"{run.settings.topic_prefix}.prefill", unsafe.request_id, unsafe
+        run.publisher.producer, f"{run.settings.topic_prefix}.prefill", unsafe.request_id, unsafe
     )
 
     outcomes = await _wait_all(run, [*good, unsafe.request_id])
@@ -175,7 +187,9 @@ async def test_render_topic_through_the_router_worker(pipeline: LocalRun) -> Non
         images=[synthetic_image(84, 84, seed=31)],
         sampling=SamplingParams(max_tokens=3),
     )
-    await send_event(run.producer, f"{run.settings.topic_prefix}.render", ev.request_id, ev)
+    await send_event(
+        run.publisher.producer, f"{run.settings.topic_prefix}.render", ev.request_id, ev
+    )
     outcome = (await _wait_all(run, [ev.request_id]))[ev.request_id]
     assert outcome["status"] == "completed", outcome
     assert len(outcome["token_ids"]) == 3

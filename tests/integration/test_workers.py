@@ -16,7 +16,6 @@ from typing import Any
 import blake3
 import pytest
 import torch
-from aiokafka import AIOKafkaProducer
 from pydantic import SecretStr
 
 from gpu_workers.compute import encode_images, generate_monolithic
@@ -25,7 +24,7 @@ from gpu_workers.prefill import PrefillWorker
 from producers.fanout import FanOut, FanoutPlan
 from producers.render import Renderer, monolithic_inputs
 from producers.sample_images import synthetic_image
-from runtime.kafka import make_producer, read_topic
+from runtime.kafka import KafkaPublisher, make_producer, read_topic
 from runtime.model import ModelBundle, load_model
 from runtime.settings import Settings
 from runtime.stores.base import EmbeddingStore
@@ -67,8 +66,8 @@ def renderer(bundle: ModelBundle) -> Renderer:
 
 
 @pytest.fixture(scope="module")
-async def producer(settings: Settings) -> AsyncIterator[AIOKafkaProducer]:
-    p = make_producer(settings)
+async def producer(settings: Settings) -> AsyncIterator[KafkaPublisher]:
+    p = KafkaPublisher(make_producer(settings))
     await p.start()
     try:
         yield p
@@ -114,7 +113,7 @@ async def store(cfg: Settings, namespace: str) -> AsyncIterator[RedisStore]:
 
 @pytest.fixture
 async def encoder(
-    cfg: Settings, bundle: ModelBundle, store: RedisStore, producer: AIOKafkaProducer
+    cfg: Settings, bundle: ModelBundle, store: RedisStore, producer: KafkaPublisher
 ) -> AsyncIterator[EncodeWorker]:
     w = EncodeWorker(cfg, bundle, store, producer, worker_id="encode-test")
     try:
@@ -203,8 +202,10 @@ async def test_single_flight_then_store_hit(
     later = wire(dataclasses.replace(plans[0].encode[0], request_id="req-later"))
     await encoder.handle(later)
     assert (encoder.items_encoded, encoder.cache_hits, encoder.encoder_calls) == (1, 3, 1)
-    results = await produced(cfg, Topics(cfg.topic_prefix).results)
-    assert [(r.stage, r.status) for r in results] == [("encode", "encoding")]
+    # Per-item progress travels on the encoded topic only (the results collector folds it in).
+    assert await produced(cfg, Topics(cfg.topic_prefix).results) == []
+    encoded = await produced(cfg, Topics(cfg.topic_prefix).encoded)
+    assert [(e.request_id, e.cache_hit) for e in encoded][-1] == ("req-later", True)
 
 
 async def test_a_store_hit_extends_the_embeddings_lifetime(
@@ -229,7 +230,7 @@ async def test_a_store_hit_extends_the_embeddings_lifetime(
 
 
 async def test_concurrent_images_share_a_vision_call(
-    cfg: Settings, bundle: ModelBundle, renderer: Renderer, producer: AIOKafkaProducer
+    cfg: Settings, bundle: ModelBundle, renderer: Renderer, producer: KafkaPublisher
 ) -> None:
     # local:// keeps the interleaving deterministic: its exists() does not yield, so all three
     # handlers queue their items before the batcher's first call (Redis round trips would make
@@ -374,7 +375,7 @@ async def test_prefill_matches_the_monolithic_model(
     renderer: Renderer,
     store: RedisStore,
     encoder: EncodeWorker,
-    producer: AIOKafkaProducer,
+    producer: KafkaPublisher,
 ) -> None:
     ev = render(renderer, (71, 72))
     grids = [item_data(ev, i)[1].tolist() for i in range(2)]
@@ -409,7 +410,7 @@ async def test_prefill_reports_missing_embeddings(
     renderer: Renderer,
     store: RedisStore,
     encoder: EncodeWorker,
-    producer: AIOKafkaProducer,
+    producer: KafkaPublisher,
 ) -> None:
     ev = render(renderer, (81, 82))
     p = await plan(cfg, store, bundle, ev)
@@ -437,7 +438,7 @@ async def test_prefill_past_deadline_expires_without_running(
     bundle: ModelBundle,
     renderer: Renderer,
     store: RedisStore,
-    producer: AIOKafkaProducer,
+    producer: KafkaPublisher,
 ) -> None:
     ev = render(renderer, (91,), deadline_ms=now_ms() - 1_000)
     p = await plan(cfg, store, bundle, ev)
@@ -458,7 +459,7 @@ async def test_prefill_refuses_metadata_only_item_without_entry(
     bundle: ModelBundle,
     renderer: Renderer,
     store: RedisStore,
-    producer: AIOKafkaProducer,
+    producer: KafkaPublisher,
 ) -> None:
     ev = render(renderer, (101, 102))
     p = await plan(cfg, store, bundle, ev)

@@ -66,3 +66,18 @@ async def test_concurrent_writers_lose_nothing(store: StatusStore) -> None:
     await asyncio.gather(*(store.apply(e) for e in events))
     rec = await store.get("r2")
     assert rec is not None and len(rec["timings"]) == 20 and len(rec["stages"]) == 20
+
+
+def test_encoded_events_mark_each_item_of_a_request() -> None:
+    """Each EncodedEvent lands once per item: hits and misses both show in the record."""
+    from consumers.results import encoded_update
+    from schemas.types import EncodedEvent
+
+    a = EncodedEvent("a" * 64, "r", "tiny", "redis://", "ec:fp:a", "float32", [4, 8], encode_ms=7)
+    b = EncodedEvent("b" * 64, "r", "tiny", "redis://", "ec:fp:b", "float32", [], cache_hit=True)
+    rec = fold(fold(None, ResultEvent("r", "fanout", "encoding")), encoded_update(a))
+    rec = fold(rec, encoded_update(b))
+    assert rec is not None
+    assert rec["info"] == {"encoded." + "a" * 12: "encoded", "encoded." + "b" * 12: "cache_hit"}
+    assert rec["timings"] == {"encode." + "a" * 12: 7.0}
+    assert fold(rec, encoded_update(a)) is None  # a redelivered EncodedEvent changes nothing

@@ -1,0 +1,82 @@
+"""Stage logic through the Publisher seam, without a broker (an in-memory publisher).
+
+The fan-out and the results reporter publish through ``runtime.publisher.Publisher``; here the
+records they would send are checked directly: topics, keys, order, and that every record decodes.
+The same stages run against the real broker in the integration and end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from pydantic import SecretStr
+
+from producers.fanout import build_fanout
+from producers.render import Renderer
+from producers.sample_images import synthetic_image
+from runtime.kafka import ResultReporter
+from runtime.model import load_render_info
+from runtime.publisher import InMemoryPublisher, Publisher
+from runtime.settings import Settings
+from runtime.stores.local import LocalStore
+from schemas.codec import SCHEMA_HEADER
+from schemas.topics import Topics
+from schemas.types import EncodeEvent, PrefillEvent, ResultEvent
+
+
+@pytest.fixture(scope="module")
+def renderer() -> Renderer:
+    return Renderer(load_render_info("tiny"), max_image_pixels=4096 * 4096)
+
+
+def test_in_memory_publisher_is_a_publisher() -> None:
+    assert isinstance(InMemoryPublisher(), Publisher)
+
+
+async def test_fanout_publishes_encode_then_prefill_then_status(renderer: Renderer) -> None:
+    settings = Settings(
+        topic_prefix=f"unit-{uuid.uuid4().hex[:8]}",
+        ec_namespace="ec-unit",
+        ec_secret=SecretStr("unit-secret"),
+        inline_limit_bytes=1 << 30,
+    )
+    topics = Topics(settings.topic_prefix)
+    store = LocalStore(f"local://pub-{uuid.uuid4().hex[:8]}")
+    pub = InMemoryPublisher()
+    fanout = build_fanout(settings, store, renderer.info.fingerprint, pub)
+    images = [synthetic_image(84, 56, seed=1), synthetic_image(84, 56, seed=1)]
+    ev = renderer.render("req-1", prompt="<image> and <image>", images=images)
+
+    stats = await fanout.publish(ev)
+
+    assert [r.topic for r in pub.records] == [topics.encode, topics.prefill, topics.results]
+    (enc_rec,) = pub.on(topics.encode)  # the repeated image is encoded once
+    enc = enc_rec.event()
+    assert isinstance(enc, EncodeEvent) and enc_rec.key == enc.mm_hash
+    prefill_rec = pub.on(topics.prefill)[0]
+    prefill = prefill_rec.event()
+    assert isinstance(prefill, PrefillEvent) and prefill_rec.key == "req-1"
+    assert prefill.features.kwargs_data is None  # metadata only
+    assert (SCHEMA_HEADER, b"epd.PrefillEvent") in prefill_rec.headers
+    (status,) = pub.events(topics.results)
+    assert isinstance(status, ResultEvent) and status.status == "encoding"
+    assert stats.encode_bytes == len(enc_rec.value)
+    assert stats.prefill_bytes == len(prefill_rec.value)
+
+    # Once its embedding is in the store, the same image is a cache hit: no encode event.
+    pub.records.clear()
+    await store.put(enc.ec_transfer.key, enc.data["image_grid_thw"].float(), 60)
+    stats = await fanout.publish(renderer.render("req-2", prompt="<image>", images=images[:1]))
+    assert stats.cache_hits == 1 and pub.on(topics.encode) == []
+    assert pub.events(topics.results)[0].status == "prefilling"  # type: ignore[union-attr]
+
+
+async def test_result_reporter_keys_updates_by_request() -> None:
+    pub = InMemoryPublisher()
+    report = ResultReporter(pub, "t.results", "prefill", "w1")
+    await report("req-9", "completed", token_ids=[1, 2], timings={"total": 3.0})
+    (rec,) = pub.records
+    ev = rec.event()
+    assert rec.key == "req-9" and isinstance(ev, ResultEvent)
+    assert (ev.stage, ev.status, ev.token_ids, ev.worker) == ("prefill", "completed", [1, 2], "w1")

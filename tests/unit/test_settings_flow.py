@@ -1,0 +1,85 @@
+"""Settings flow one way: a spawned worker sees every setting of the process that spawned it.
+
+The worker environment is derived from the Settings model, so a setting added later reaches
+workers without anyone extending a hand-kept list; this test fails if one does not.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import typing
+from typing import Any, Literal
+
+import pytest
+from pydantic import SecretStr
+
+from epd.local_pipeline import child_env, worker_env
+from runtime.settings import Settings, env_name
+
+
+def _other_value(name: str, default: Any, annotation: Any) -> Any:
+    """A valid value of the field's type that differs from its default."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return next(a for a in args if a != default)
+    if SecretStr in args or annotation is SecretStr:
+        return SecretStr(f"secret-for-{name}")
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 7
+    if isinstance(default, float):
+        return default + 0.25
+    if isinstance(default, str):
+        return f"{default}-{name}-x" if default else f"value-for-{name}"
+    raise AssertionError(f"no non-default value for setting {name} ({annotation})")
+
+
+def non_default_settings() -> Settings:
+    values = {
+        name: _other_value(name, field.default, field.annotation)
+        for name, field in Settings.model_fields.items()
+    }
+    return Settings(**values)
+
+
+def test_every_setting_gets_a_non_default_value() -> None:
+    s = non_default_settings()
+    default = Settings.model_construct()
+    for name in Settings.model_fields:
+        assert getattr(s, name) != getattr(default, name), name
+
+
+def test_spawned_worker_sees_every_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A parent environment that disagrees with every setting: none of it may leak through.
+    for name in Settings.model_fields:
+        monkeypatch.setenv(env_name(name), "parent-value-that-must-not-win")
+    s = non_default_settings()
+    out = subprocess.run(
+        [sys.executable, "-m", "epd.cli", "worker", "prefill", "--print-settings"],
+        env=child_env(worker_env(s)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    seen = json.loads(out.stdout)["settings"]
+    expected = s.describe()
+    assert set(seen) == set(expected) == set(Settings.model_fields)
+    mismatched = {k: (expected[k], seen[k]) for k in expected if seen[k] != expected[k]}
+    assert not mismatched
+
+
+def test_unset_optional_setting_is_unset_in_the_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EPD_EC_SECRET", "parent-secret")
+    env = child_env(worker_env(Settings(ec_secret=None)))
+    assert "EPD_EC_SECRET" not in env
+
+
+def test_describe_never_shows_a_secret_in_clear() -> None:
+    s = Settings(ec_secret=SecretStr("hunter2"))
+    text = json.dumps(s.describe())
+    assert "hunter2" not in text
+    assert s.describe()["ec_secret"].startswith("sha256:")
