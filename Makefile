@@ -1,7 +1,7 @@
 # epd-pipeline: everyday commands. `make help` lists them.
 #
 #   make install   .venv with PyTorch (TORCH_SPEC) and the project, editable, with test tools
-#   make test      the full suite against a local Tansu broker and Redis (started and stopped)
+#   make test      the full suite; services from tests/services.py (env, testcontainers or embedded)
 #   make demo      the end-to-end demo on local services
 #   make bench     the side-by-side benchmarks
 #   make up/down   the production-like docker compose stack (Apache Kafka, Redis, services)
@@ -44,13 +44,15 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -e '.[test]'
 	@touch $@
 
-# A Docker daemon for the testcontainers suite is started when possible (root + dockerd) and left
-# running for the next run (`make dockerd-stop` ends it); without one those tests skip, except
-# under CI=true, where they fail. Pytest's exit code 5 (no tests collected) is an error.
+# Services come from tests/services.py: EPD_KAFKA_BOOTSTRAP/EPD_REDIS_URL if set, else
+# testcontainers when a Docker daemon answers (one is started when possible: root + dockerd, and
+# left running for the next run; `make dockerd-stop` ends it), else embedded Tansu + redis-server
+# processes. EPD_TEST_SERVICES=env|containers|embedded forces one. Pytest's exit code 5 (no
+# tests collected) is an error.
 test: install imports
 	@docker/ensure-dockerd.sh --pidfile $(STATE_DIR)/dockerd.pid --log $(STATE_DIR)/dockerd.log || \
-		echo "make: no Docker daemon; the docker-marked tests will skip" >&2
-	@rc=0; $(EPD) services run -- $(VPY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
+		echo "make: no Docker daemon; tests run on embedded services (EPD_TEST_SERVICES=containers would fail)" >&2
+	@rc=0; $(VPY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests" >&2; fi; exit $$rc
 
 test-unit: install

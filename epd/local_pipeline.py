@@ -51,20 +51,48 @@ class WorkerProcesses:
         """Spawn every worker; they join their consumer groups on their own."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for i, kind in enumerate(self.kinds):
-            log_path = self.log_dir / f"{kind}-{i}.log"
             ready = self.log_dir / f"{kind}-{i}.ready"
-            ready.unlink(missing_ok=True)
             self.ready_files.append(ready)
-            with open(log_path, "wb") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "epd.cli", "worker", kind, "--ready-file", str(ready)],
-                    env=self.env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            self.procs.append((kind, proc, log_path))
+            self.procs.append((kind, *self._spawn(kind, i)))
+
+    def _spawn(self, kind: str, i: int) -> tuple[subprocess.Popen[bytes], Path]:
+        log_path = self.log_dir / f"{kind}-{i}.log"
+        ready = self.log_dir / f"{kind}-{i}.ready"
+        ready.unlink(missing_ok=True)
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "epd.cli", "worker", kind, "--ready-file", str(ready)],
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return proc, log_path
+
+    def indices(self, kind: str) -> list[int]:
+        """Positions of the workers of ``kind`` (for :meth:`kill` and :meth:`restart`)."""
+        return [i for i, (k, _, _) in enumerate(self.procs) if k == kind]
+
+    def kill(self, index: int, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` (default: a hard kill) to worker ``index`` and reap it; its exit code."""
+        _, proc, _ = self.procs[index]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        return proc.wait(30)
+
+    async def restart(self, index: int, timeout_s: float = 180.0) -> None:
+        """Start worker ``index`` again (after :meth:`kill`) and wait until it holds partitions."""
+        kind, proc, _ = self.procs[index]
+        if proc.poll() is None:
+            raise RuntimeError(f"{kind} worker {index} is still running")
+        self.procs[index] = (kind, *self._spawn(kind, index))
+        deadline = time.monotonic() + timeout_s
+        while not self.ready_files[index].exists():
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{kind} worker {index} not ready after {timeout_s}s")
+            await asyncio.sleep(0.2)
 
     def check_alive(self) -> None:
         """Raise WorkerDied (with the log's tail) when a worker has exited."""

@@ -441,7 +441,8 @@ def start_redis(
 # ---------------------------------------------------------------- up / down
 
 
-def _env_for(kafka: ServiceRecord, redis_url: str, tansu: bool) -> dict[str, str]:
+def services_env(kafka: ServiceRecord, redis_url: str, tansu: bool) -> dict[str, str]:
+    """EPD_* lines pointing at ``kafka`` and ``redis_url`` (Tansu-only timing when ``tansu``)."""
     env = {"EPD_KAFKA_BOOTSTRAP": kafka.address, "EPD_REDIS_URL": redis_url}
     if tansu:
         env["EPD_KAFKA_IDEMPOTENCE"] = TANSU_IDEMPOTENCE
@@ -521,7 +522,7 @@ def up(
             stop_process(rec.pid, rec.command)
         raise
 
-    state = ServicesState(kafka, redis_rec, _env_for(kafka, redis_rec.address, tansu))
+    state = ServicesState(kafka, redis_rec, services_env(kafka, redis_rec.address, tansu))
     if record:
         save_state(directory, state)
     return state, new

@@ -1,14 +1,13 @@
 """Shared fixtures: real services (Kafka, Redis), fresh topics per test, an isolated Redis client.
 
-Services come from the environment that ``epd services run`` exports (``EPD_KAFKA_BOOTSTRAP``,
-``EPD_REDIS_URL``, ``EPD_KAFKA_IDEMPOTENCE``); when none answers, the ``settings`` fixture starts
-a Tansu broker and/or a redis-server itself (``epd.services``) and stops them at session end.
-Nothing starts unless a test asks for ``settings`` (directly or through another fixture), so pure
-unit tests run without any service.
+Services come from one layer, ``tests/services.py``: environment (``EPD_KAFKA_BOOTSTRAP`` /
+``EPD_REDIS_URL``), testcontainers when a Docker engine answers, else embedded processes;
+``EPD_TEST_SERVICES`` forces one. The pytest header says which. Nothing starts unless a test asks
+for ``settings`` (directly or through another fixture), so pure unit tests run without services.
 
 Redis: tests use DB ``$EPD_TEST_REDIS_DB`` (default 15), never DB 0, and each test's keys live
 under its own prefix (``redis_prefix``) and are deleted afterwards. The DB is not flushed as a
-whole because several test runs may share one Redis at the same time.
+whole because several test runs may share one Redis at the same time (env mode).
 """
 
 from __future__ import annotations
@@ -25,15 +24,16 @@ import pytest
 from epd import services
 from runtime.settings import Settings
 from schemas.topics import Topics
+from tests import services as test_services_mod
 
 TEST_REDIS_DB = int(os.environ.get("EPD_TEST_REDIS_DB", "15"))
-_INTEGRATION_DIR = Path(__file__).parent / "integration"
+_INTEGRATION_DIRS = (Path(__file__).parent / "integration", Path(__file__).parent / "fault")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Everything under tests/integration is marked ``integration`` (select with -m)."""
+    """Everything under tests/integration and tests/fault is marked ``integration``."""
     for item in items:
-        if _INTEGRATION_DIR in Path(str(item.fspath)).parents:
+        if any(d in Path(str(item.fspath)).parents for d in _INTEGRATION_DIRS):
             item.add_marker(pytest.mark.integration)
 
 
@@ -43,27 +43,32 @@ def redis_url_with_db(url: str, db: int) -> str:
     return urlunsplit((parts.scheme, parts.netloc, f"/{db}", parts.query, parts.fragment))
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """``services: testcontainers (kafka=..., redis=...)`` and the like."""
+    return test_services_mod.describe_planned()
+
+
 @pytest.fixture(scope="session")
-def services_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[services.ServicesState]:
-    """Kafka and Redis that answer: reused from the env / ``epd up`` state, else started here."""
-    logs = tmp_path_factory.mktemp("services")
+def test_services(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[test_services_mod.TestServices]:
+    """The broker and Redis of this session (see tests/services.py); stopped at the end."""
     try:
-        # record=False: never write the shared state file; tie_to_parent: what we start dies
-        # with this pytest process even if it is killed.
-        state, started = services.up(None, record=False, log_dir=logs, tie_to_parent=True)
-    except services.ServiceError as exc:
+        ts = test_services_mod.provide(tmp_path_factory.mktemp("services"))
+    except (test_services_mod.ServicesUnavailable, services.ServiceError) as exc:
         pytest.fail(f"cannot provide Kafka/Redis for the tests: {exc}", pytrace=False)
+    print(f"\nservices: {ts.description}")
     try:
-        yield state
+        yield ts
     finally:
-        services.stop_records(started)
+        ts.close()
 
 
 @pytest.fixture(scope="session")
-def settings(services_state: services.ServicesState) -> Iterator[Settings]:
+def settings(test_services: test_services_mod.TestServices) -> Iterator[Settings]:
     """Settings pointing at the test broker and the test Redis DB; exported to ``os.environ``
-    too, so code calling ``get_settings()`` and ``epd`` subprocesses see the same services."""
-    env = dict(services_state.env)
+    too, so ``epd`` subprocesses (workers) see the same services."""
+    env = dict(test_services.env)
     env["EPD_REDIS_URL"] = redis_url_with_db(env["EPD_REDIS_URL"], TEST_REDIS_DB)
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():

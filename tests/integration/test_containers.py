@@ -1,19 +1,17 @@
-"""The testcontainers suite: Tansu and Redis in containers, framed events and values through them.
+"""The service layer itself (tests/services.py) and the compose file.
 
-Images are built ``FROM scratch`` out of binaries on this machine (``docker/build-images.sh``),
-because no registry can be reached. Containers use host networking and bind 127.0.0.1 only.
-Without a Docker daemon the docker tests skip, except under ``CI``, where they fail: CI must run
-this suite (``.ci/run`` starts dockerd).
+Every integration test gets its broker and Redis from ``tests/services.py``; under CI that is
+testcontainers (``EPD_TEST_SERVICES=containers``: Tansu and redis-server images built ``FROM
+scratch`` from binaries on this machine, since no registry can be reached; the official
+``apache/kafka`` and ``redis:7`` images on a laptop with a registry). The tests here check the
+layer's own promises: the mode rules, a forced mode that cannot start fails loudly, faults act
+on the services, and framed events and tensor values cross them bit-exact.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 import subprocess
-import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,104 +24,49 @@ from runtime.kafka import ensure_topics, make_consumer, make_producer, send_even
 from runtime.settings import Settings
 from schemas.codec import SCHEMA_HEADER, get_codec
 from schemas.types import ECTransfer, EncodeEvent, ResultEvent
-
-# testcontainers reads this when its config is first used: no reaper container (it would need a
-# pull), our fixtures remove their containers themselves.
-os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+from tests import services as layer
 
 ROOT = Path(__file__).resolve().parents[2]
-BUILD_IMAGES = ROOT / "docker" / "build-images.sh"
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-READY_TIMEOUT_S = 60.0
 
 
-@pytest.fixture(scope="module")
-def docker_client() -> Iterator[object]:
-    """A docker-py client that answers; skip without a daemon, fail without one in CI."""
-    import docker
-
-    try:
-        client = docker.from_env()
-        client.ping()
-    except Exception as exc:
-        reason = f"no Docker daemon answers ({type(exc).__name__}: {exc})"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the testcontainers suite but {reason}", pytrace=False)
-        pytest.skip(f"{reason}; start one with `sudo docker/ensure-dockerd.sh` to run this suite")
-    yield client
-    client.close()
+def test_mode_rules() -> None:
+    assert layer.choose_mode({"EPD_TEST_SERVICES": "embedded"}) == ("embedded", True)
+    assert layer.choose_mode({"EPD_TEST_SERVICES": "Containers "}) == ("containers", True)
+    assert layer.choose_mode({"EPD_KAFKA_BOOTSTRAP": "127.0.0.1:1"}) == ("env", False)
+    assert layer.choose_mode({"EPD_REDIS_URL": "redis://127.0.0.1:1/0"}) == ("env", False)
+    with pytest.raises(layer.ServicesUnavailable, match="choose one of"):
+        layer.choose_mode({"EPD_TEST_SERVICES": "cloud"})
 
 
-@pytest.fixture(scope="module")
-def images(docker_client: object) -> dict[str, str]:
-    """Names of the scratch images (built on first use): ``{"tansu": ..., "redis": ...}``."""
-    env = {**os.environ, "PYTHON": sys.executable}
-    proc = subprocess.run(
-        ["bash", str(BUILD_IMAGES)], capture_output=True, text=True, env=env, check=False
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"docker/build-images.sh failed:\n{proc.stderr}", pytrace=False)
-    return dict(line.split("=", 1) for line in proc.stdout.split() if "=" in line)
-
-
-@contextlib.contextmanager
-def _running(image: str, command: list[str], ready: Callable[[], bool]) -> Iterator[object]:
-    """A host-network container of ``image`` that answers ``ready``; removed afterwards."""
-    from testcontainers.core.container import DockerContainer
-
-    container = DockerContainer(image).with_command(command).with_kwargs(network_mode="host")
-    container.start()
-    try:
-
-        def alive() -> bool:
-            wrapped = container.get_wrapped_container()
-            wrapped.reload()
-            return wrapped.status in ("created", "running")
-
-        if not services.wait_until(ready, READY_TIMEOUT_S, alive=alive):
-            out, err = container.get_logs()
-            pytest.fail(f"{image} did not answer:\n{out.decode()}{err.decode()}", pytrace=False)
-        yield container
-    finally:
-        container.stop()
-
-
-@pytest.fixture(scope="module")
-def kafka_container(images: dict[str, str]) -> Iterator[str]:
-    """Bootstrap address of a Tansu broker running in a container."""
-    port = services.free_port()
-    url = f"tcp://127.0.0.1:{port}"
-    command = ["--listener-url", url, "--advertised-listener-url", url]
-    command += ["--storage-engine", "memory://tansu/"]
-    bootstrap = f"127.0.0.1:{port}"
-    with _running(images["tansu"], command, lambda: services.kafka_answers(bootstrap, 2.0)):
-        yield bootstrap
-
-
-@pytest.fixture(scope="module")
-def redis_container(images: dict[str, str]) -> Iterator[str]:
-    """URL (DB 0 of a private server) of a Redis running in a container."""
-    port = services.free_port()
-    command = ["--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"]
-    url = f"redis://127.0.0.1:{port}/0"
-    with _running(images["redis"], command, lambda: services.redis_answers(url)):
-        yield url
-
-
-@pytest.mark.docker
-async def test_events_and_values_through_containers(
-    kafka_container: str, redis_container: str
+def test_a_forced_mode_that_cannot_start_fails_instead_of_falling_back(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    monkeypatch.setenv("EPD_TEST_SERVICES", "containers")
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-docker.sock")
+    with pytest.raises(layer.ServicesUnavailable, match="no Docker engine"):
+        layer.provide(tmp_path)
+    monkeypatch.setenv("EPD_TEST_SERVICES", "env")
+    monkeypatch.setenv("EPD_KAFKA_BOOTSTRAP", f"127.0.0.1:{services.free_port()}")
+    with pytest.raises(layer.ServicesUnavailable, match="does not answer"):
+        layer.provide(tmp_path)
+
+
+def test_tansu_only_settings_only_for_tansu() -> None:
+    tansu = layer.settings_env("127.0.0.1:9", "redis://127.0.0.1:6/0", tansu=True)
+    kafka = layer.settings_env("127.0.0.1:9", "redis://127.0.0.1:6/0", tansu=False)
+    assert tansu["EPD_KAFKA_IDEMPOTENCE"] == "false" and tansu["EPD_KAFKA_FETCH_MAX_WAIT_MS"]
+    assert kafka["EPD_KAFKA_IDEMPOTENCE"] == "true"
+    assert not {k for k in kafka if "TIMEOUT" in k or "FETCH" in k or "HEARTBEAT" in k}
+
+
+async def test_events_and_values_cross_the_services(settings: Settings) -> None:
     import redis.asyncio as aioredis
 
-    settings = Settings(
-        kafka_bootstrap=kafka_container, redis_url=redis_container, kafka_idempotence=False
-    )
-    topic = "containers.encode"
+    topic = f"layer-{services.free_port()}.encode"
     await ensure_topics(settings, [topic], partitions=2)
-
     pixels = torch.randn(64, 1176, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    ec = ECTransfer("h" * 64, redis_container, "ec:tiny:" + "h" * 64, 1 << 41, "ab" * 32)
+    ec = ECTransfer("h" * 64, settings.redis_url, "ec:tiny:" + "h" * 64, 1 << 41, "ab" * 32)
     events = [
         EncodeEvent("r1", "tiny", "image", 0, "h" * 64, {"pixel_values": pixels}, ec),
         ResultEvent("r1", "encode", "completed", timings={"encode": 2.0}),
@@ -147,23 +90,47 @@ async def test_events_and_values_through_containers(
         "epd.EncodeEvent",
         "epd.ResultEvent",
     ]
-    encode = codec.decode(records[0].value, EncodeEvent)
-    got = encode.data["pixel_values"]
+    got = codec.decode(records[0].value, EncodeEvent).data["pixel_values"]
     assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16
     assert torch.equal(got, pixels)
     assert codec.decode(records[1].value, ResultEvent).timings == {"encode": 2.0}
 
-    # The embedding store's wire pattern: raw tensor bytes under a key, read back bit-exact.
-    client = aioredis.Redis.from_url(redis_container)
+    client = aioredis.Redis.from_url(settings.redis_url)
+    key = f"test:layer:{services.free_port()}"
     try:
         raw = pixels.view(torch.int16).numpy().tobytes()
-        await client.set(ec.key, raw, ex=60)
-        back = await client.get(ec.key)
+        await client.set(key, raw, ex=60)
+        back = await client.get(key)
+        await client.delete(key)
     finally:
         await client.aclose()
     assert back == raw
-    restored = torch.frombuffer(bytearray(back), dtype=torch.bfloat16).view(64, 1176)
-    assert torch.equal(restored, pixels)
+
+
+def test_faults_act_on_the_services(test_services: layer.TestServices) -> None:
+    """Pause makes Redis stop answering, unpause brings it back; restart empties it."""
+    if not test_services.redis.controllable:
+        pytest.skip(f"services are not ours to fault in mode {test_services.mode}")
+    import redis
+
+    url = test_services.redis.address
+    client = redis.Redis.from_url(url, socket_timeout=0.5)
+    try:
+        client.set("test:layer:fault", b"1")
+        assert test_services.redis.pause is not None and test_services.redis.unpause is not None
+        test_services.redis.pause()
+        try:
+            assert not services.redis_answers(url, timeout_s=0.5)
+        finally:
+            test_services.redis.unpause()
+        assert services.redis_answers(url) and client.get("test:layer:fault") == b"1"
+        assert test_services.redis.restart is not None
+        test_services.redis.restart()
+        assert services.redis_answers(url)
+        client.connection_pool.disconnect()
+        assert client.get("test:layer:fault") is None  # restarted empty, same address
+    finally:
+        client.close()
 
 
 def test_compose_file_is_a_valid_stack() -> None:
