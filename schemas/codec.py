@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 from fastavro import schemaless_reader, schemaless_writer
 from fastavro.schema import load_schema, to_parsing_canonical_form
 
-from schemas.convert import FROM_AVRO, TO_AVRO
+from schemas.convert import RecordConverter, avro_name, build_converter
 from schemas.errors import CodecError
-from schemas.types import Event
+from schemas.types import EVENT_TYPES, Event
 
 MAGIC = b"\xc3\x01"
 HEADER_LEN = 10
@@ -28,14 +28,8 @@ SCHEMA_HEADER = "epd-schema"
 
 AVRO_DIR = Path(__file__).parent / "avro"
 FROZEN_DIR = Path(__file__).parent / "frozen"
-EVENT_SCHEMAS = (
-    "epd.RenderEvent",
-    "epd.EncodeEvent",
-    "epd.PrefillEvent",
-    "epd.EncodedEvent",
-    "epd.ResultEvent",
-    "epd.DeadLetter",
-)
+EVENT_SCHEMAS = tuple(avro_name(t) for t in EVENT_TYPES)
+"""Full Avro names of the event records, one per type in ``schemas.types.EVENT_TYPES``."""
 
 _CRC64_EMPTY = 0xC15D213AA4D7A795
 
@@ -85,11 +79,17 @@ class Codec:
     def __init__(self, avro_dir: Path = AVRO_DIR, frozen_dir: Path = FROZEN_DIR) -> None:
         self._current: dict[str, tuple[Any, bytes]] = {}
         self._writers: dict[bytes, _Writer] = {}
-        for name in EVENT_SCHEMAS:
+        # Converters are derived from each dataclass and its current schema here, once; a
+        # dataclass that disagrees with its schema raises SchemaMismatch now, not mid-stream.
+        self._by_type: dict[type, RecordConverter] = {}
+        self._by_name: dict[str, RecordConverter] = {}
+        for cls in EVENT_TYPES:
+            name = avro_name(cls)
             parsed = load_event_schema(name, avro_dir)
             fp = fingerprint(parsed)
             self._current[name] = (parsed, fp)
             self._writers[fp] = _Writer(name, parsed, None)
+            self._by_type[cls] = self._by_name[name] = build_converter(cls, parsed)
         if frozen_dir.is_dir():
             for version_dir in sorted(p for p in frozen_dir.iterdir() if p.is_dir()):
                 for name in EVENT_SCHEMAS:
@@ -111,23 +111,24 @@ class Codec:
 
     def schema_name(self, event: Event) -> str:
         """Full Avro name of an event's schema."""
+        return self._converter(event).name
+
+    def _converter(self, event: Event) -> RecordConverter:
         try:
-            return TO_AVRO[type(event)][0]
+            return self._by_type[type(event)]
         except KeyError:
             raise CodecError(f"not an event type: {type(event).__name__}") from None
 
     def encode(self, event: Event) -> bytes:
         """Frame and serialise one event."""
-        try:
-            name, to_avro = TO_AVRO[type(event)]
-        except KeyError:
-            raise CodecError(f"not an event type: {type(event).__name__}") from None
+        conv = self._converter(event)
+        name = conv.name
         parsed, fp = self._current[name]
         buf = io.BytesIO()
         buf.write(MAGIC)
         buf.write(fp)
         try:
-            schemaless_writer(buf, parsed, to_avro(event))
+            schemaless_writer(buf, parsed, conv.to_avro(event))
         except CodecError:
             raise
         except Exception as exc:  # fastavro raises assorted types for bad field values
@@ -167,7 +168,8 @@ class Codec:
                 f"{writer.name}: {len(data) - buf.tell()} trailing bytes after the datum"
             )
         try:
-            event = FROM_AVRO[writer.name](record)  # type: ignore[arg-type]  # records decode to dicts
+            # A record always decodes to a dict; fastavro types the result as any datum.
+            event = self._by_name[writer.name].from_avro(record)  # type: ignore[arg-type]
         except CodecError:
             raise
         except Exception as exc:
