@@ -21,11 +21,11 @@ from unittest import mock
 import torch
 
 from bench.common import (
-    MODEL_FINGERPRINT,
     budget,
     headroom,
     measure,
     measure_async,
+    render_info,
     rendered_1024,
 )
 from bench.stores import REDIS_DB, store_url
@@ -41,13 +41,12 @@ async def _bench_store(url: str, event: Any, repeat: int) -> dict[str, Any]:
     from runtime.settings import Settings
     from runtime.stores import open_store
     from schemas.codec import get_codec
-    from schemas.signing import embedding_key
 
     settings = Settings(ec_secret="bench-secret")
     store = open_store(url)
-    fan = FanOut(settings, store, MODEL_FINGERPRINT)
+    fan = FanOut(settings, store, render_info())
     mm_hash = event.features.mm_hashes["image"][0]
-    key = embedding_key(settings.ec_namespace, MODEL_FINGERPRINT, mm_hash)
+    key = fan.store_key(mm_hash)  # our renderer's label is the fan-out's own hash
     codec = get_codec()
     try:
         await store.put(key, torch.zeros(EMBED_SHAPE, dtype=torch.bfloat16), ttl_s=300)

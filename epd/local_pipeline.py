@@ -205,7 +205,7 @@ async def local_pipeline(
             FanOut(
                 settings,
                 store,
-                info.fingerprint,
+                info,
                 producer=producer,
                 prefill_producer=prefill_producer,
                 topics=topics,
