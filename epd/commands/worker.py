@@ -88,11 +88,7 @@ async def run_worker(
     from schemas.topics import GROUP_ENCODE, GROUP_PREFILL, GROUP_RESULTS, GROUP_ROUTER, Topics
 
     topics = Topics(settings.topic_prefix)
-    if settings.ec_secret is None and kind in ("encode", "prefill", "router"):
-        log.warning(
-            "EPD_EC_SECRET is not set: ec_transfer_params are not signed, so any producer on "
-            "the topics can name embedding keys of this model. Set it in production."
-        )
+    settings.require_signing(kind)  # no real EPD_EC_SECRET: refuse, unless EPD_ALLOW_UNSIGNED
     await ensure_topics(settings, topics.all())
     producer = make_producer(settings)
     await producer.start()
@@ -169,7 +165,7 @@ async def run_worker(
                 FanOut(
                     settings,
                     store,
-                    info.fingerprint,
+                    info,
                     producer=producer,
                     prefill_producer=prefill_producer,
                     topics=topics,

@@ -199,5 +199,7 @@ def test_compose_file_parses_with_docker_compose() -> None:
         text=True,
         cwd=ROOT,
         check=False,
+        # The stack has no default secret (see test_compose_requires_a_secret).
+        env={**os.environ, "EPD_EC_SECRET": "compose-config-test-secret"},
     )
     assert proc.returncode == 0, proc.stderr
