@@ -134,6 +134,9 @@ def worker_env(settings: Settings) -> dict[str, str]:
         "EPD_KAFKA_SESSION_TIMEOUT_MS": str(settings.kafka_session_timeout_ms),
         "EPD_KAFKA_HEARTBEAT_INTERVAL_MS": str(settings.kafka_heartbeat_interval_ms),
         "EPD_KAFKA_FETCH_MAX_WAIT_MS": str(settings.kafka_fetch_max_wait_ms),
+        "EPD_ALLOW_UNSIGNED": "true" if settings.allow_unsigned else "false",
+        "EPD_MAX_TOKENS_LIMIT": str(settings.max_tokens_limit),
+        "EPD_MAX_CONTEXT_TOKENS": str(settings.max_context_tokens),
     }
     secret = settings.secret_bytes()
     if secret:

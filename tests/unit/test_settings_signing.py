@@ -92,3 +92,22 @@ def test_compose_has_no_default_secret() -> None:
         assert re.fullmatch(r"\$\{EPD_EC_SECRET:\?[^}]+\}", value), (name, value)
         assert spec["services"][name]["environment"].get("EPD_ALLOW_UNSIGNED") is None
     assert "change-me" not in (ROOT / "docker-compose.yml").read_text()
+
+
+def test_spawned_workers_get_the_signing_and_bounds_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Local pipelines start workers as processes: what the parent was configured with must
+    # reach them, or a worker refuses (no secret) or runs with other caps.
+    from epd.local_pipeline import worker_env
+
+    parent = settings(None, allow_unsigned=True, max_tokens_limit=7, max_context_tokens=99)
+    for k in [k for k in os.environ if k.startswith("EPD_")]:
+        monkeypatch.delenv(k)
+    for k, v in worker_env(parent).items():
+        monkeypatch.setenv(k, v)
+    child = Settings()
+    assert (child.allow_unsigned, child.max_tokens_limit, child.max_context_tokens) == (True, 7, 99)
+    child.require_signing("prefill")
+    signed = worker_env(settings(REAL, allow_unsigned=False))
+    assert signed["EPD_EC_SECRET"] == REAL and signed["EPD_ALLOW_UNSIGNED"] == "false"
