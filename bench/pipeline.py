@@ -354,7 +354,7 @@ async def _throughput(run: Any, renders: list[Any], n: int) -> dict[str, Any]:
     from schemas.codec import get_codec
 
     store = open_store(f"local://bench-{uuid.uuid4().hex[:12]}")
-    fan = FanOut(run.settings, store, run.submitter.fanout.model_fingerprint)
+    fan = FanOut(run.settings, store, run.submitter.fanout.info)
     try:
         ours = [(await fan.plan(ev)).prefill for ev in renders]
     finally:

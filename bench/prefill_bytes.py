@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bench.common import MODEL_FINGERPRINT, budget, headroom, ratio, rendered_1024
+from bench.common import budget, headroom, ratio, render_info, rendered_1024
 
 BUDGET_RATIO = 10_000.0
 BYTE_VOCAB = 256
@@ -68,7 +68,7 @@ async def _plan(event: Any) -> Any:
     settings = Settings(ec_secret="bench-secret")  # signed entries, as in production
     store = LocalStore(f"local://bench-prefill-{uuid.uuid4().hex[:8]}")
     try:
-        plan = await FanOut(settings, store, MODEL_FINGERPRINT).plan(event)
+        plan = await FanOut(settings, store, render_info()).plan(event)
         # The claim-checked pixel_values the plan parked; drop them again.
         for enc in plan.encode:
             for ref in enc.data.values():

@@ -218,7 +218,7 @@ async def local_pipeline(
         submitter = Submitter(
             settings,
             Renderer(info, max_image_pixels=settings.max_image_pixels),
-            build_fanout(settings, store, info.fingerprint, publisher),
+            build_fanout(settings, store, info, publisher),
             StatusStore(client, prefix=settings.topic_prefix, ttl_s=settings.status_ttl_s),
         )
         if workers is not None:

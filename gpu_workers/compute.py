@@ -22,6 +22,7 @@ from transformers import DynamicCache
 
 from runtime.model import ModelBundle, text_config
 from schemas.errors import ComputeError
+from schemas.types import now_ms
 
 # mm_token_type_ids values understood by Qwen2-VL's get_rope_index.
 TOKEN_TYPE = {"text": 0, "image": 1, "video": 2}
@@ -98,6 +99,41 @@ def encode_images(
         if to_cpu:
             return [p.to("cpu").clone() for p in parts]
         return [p.clone() for p in parts]
+
+
+# ---------------------------------------------------------------------------------------------
+# bounds
+
+
+class DeadlineExceeded(Exception):
+    """Decoding stopped because the request's deadline passed; ``tokens`` were generated first."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        super().__init__(f"deadline passed after {len(tokens)} generated token(s)")
+        self.tokens = tokens
+
+
+def vocab_size(bundle: ModelBundle) -> int:
+    """Rows of the model's token embedding table: every id fed to it must be below this."""
+    return int(text_config(bundle.config).vocab_size)
+
+
+def context_length(bundle: ModelBundle) -> int:
+    """The model's context: ``max_position_embeddings`` of its text config."""
+    return int(text_config(bundle.config).max_position_embeddings)
+
+
+def check_token_range(bundle: ModelBundle, token_ids: Sequence[int]) -> None:
+    """Every id in ``[0, vocab)``, checked before any tensor is built: on CUDA an id outside the
+    embedding table is a device-side assert that kills the process and every request on it."""
+    vocab = vocab_size(bundle)
+    for i, t in enumerate(token_ids):
+        if not 0 <= int(t) < vocab:
+            raise ComputeError(f"token_ids[{i}] = {t} is outside the vocabulary [0, {vocab})")
+
+
+def _past(deadline_ms: int | None) -> bool:
+    return deadline_ms is not None and now_ms() >= deadline_ms
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,6 +242,11 @@ def prefill(
     """Splice the embeddings, compute M-RoPE positions and run the prompt through the LM."""
     if not token_ids:
         raise ComputeError("token_ids is empty")
+    check_token_range(bundle, token_ids)
+    if len(token_ids) > context_length(bundle):
+        raise ComputeError(
+            f"{len(token_ids)} prompt tokens exceed the model's context of {context_length(bundle)}"
+        )
     ordered = _check_items(bundle, token_ids, items)
     lm = bundle.model.model.language_model
     with torch.inference_mode():
@@ -229,11 +270,13 @@ def greedy_decode(
     *,
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    deadline_ms: int | None = None,
 ) -> list[int]:
     """Greedy decode from a prefilled state; the stop/eos token, when hit, is included.
 
     Step ``s`` (0-based) feeds the token generated at step ``s`` at position
-    ``prompt_len + s + rope_delta`` on all three M-RoPE axes.
+    ``prompt_len + s + rope_delta`` on all three M-RoPE axes. The deadline is checked before
+    every step's forward pass; past it, ``DeadlineExceeded`` carries the tokens so far.
     """
     if max_tokens <= 0:
         return []
@@ -250,6 +293,8 @@ def greedy_decode(
             out_ids.append(tok)
             if tok in stops or step == max_tokens - 1:
                 break
+            if _past(deadline_ms):
+                raise DeadlineExceeded(out_ids)
             pos = state.prompt_len + step + state.rope_delta
             position_ids = torch.full((3, 1, 1), pos, dtype=torch.long, device=bundle.device)
             emb = lm.embed_tokens(torch.tensor([[tok]], device=bundle.device))
@@ -267,11 +312,22 @@ def generate_from_embeddings(
     max_tokens: int,
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    deadline_ms: int | None = None,
 ) -> list[int]:
-    """The disaggregated path: precomputed embeddings -> prefill -> greedy decode -> token ids."""
+    """The disaggregated path: precomputed embeddings -> prefill -> greedy decode -> token ids.
+
+    ``deadline_ms``: checked before the prefill and before every decode step
+    (``DeadlineExceeded``)."""
+    if _past(deadline_ms):
+        raise DeadlineExceeded([])
     state = prefill(bundle, token_ids, items)
     return greedy_decode(
-        bundle, state, max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos
+        bundle,
+        state,
+        max_tokens,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=ignore_eos,
+        deadline_ms=deadline_ms,
     )
 
 

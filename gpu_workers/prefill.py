@@ -1,20 +1,31 @@
 """Prefill worker: PrefillEvents -> wait for embeddings -> splice -> prefill + greedy decode.
 
 Validation is strict (a metadata-only item without a valid ``ec_transfer_params`` entry is
-rejected before anything runs). Waiting for embeddings is an async store wait, so one slow
-request never blocks others; model compute runs on a single worker thread.
+rejected before anything runs), and so are the bounds of what runs (:func:`check_bounds`:
+``max_tokens``, prompt length against the context, token ids against the vocabulary, greedy
+sampling only). Waiting for embeddings is an async store wait, so one slow request never blocks
+others; model compute runs on a single worker thread and stops at the deadline between decode
+steps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpu_workers.compute import ItemEmbedding, generate_from_embeddings
+from gpu_workers.compute import (
+    DeadlineExceeded,
+    ItemEmbedding,
+    context_length,
+    generate_from_embeddings,
+    vocab_size,
+)
 from runtime.kafka import ResultReporter
 from runtime.settings import Settings
 from runtime.stores.base import StoreTimeout
@@ -30,6 +41,62 @@ if TYPE_CHECKING:
     from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """What one prefill worker agrees to run."""
+
+    vocab_size: int
+    context: int
+    """Most tokens (prompt + generated) one request may hold."""
+    max_tokens: int
+
+    @classmethod
+    def for_model(cls, settings: Settings, bundle: ModelBundle) -> Bounds:
+        """The settings' caps, held to the model's vocabulary and context."""
+        ctx = context_length(bundle)
+        if settings.max_context_tokens:
+            ctx = min(ctx, settings.max_context_tokens)
+        return cls(vocab_size(bundle), ctx, settings.max_tokens_limit)
+
+
+def check_bounds(ev: PrefillEvent, bounds: Bounds) -> None:
+    """Refuse a request the worker must not run, before any tensor is built.
+
+    Rules: ``max-tokens`` (1 .. ``EPD_MAX_TOKENS_LIMIT``), ``context-length`` (prompt +
+    ``max_tokens`` within the context), ``token-ids`` (every id below the vocabulary size: on
+    CUDA an out-of-range id is a device-side assert that kills the process), ``temperature``
+    (only greedy decoding runs, so any other temperature is refused rather than ignored).
+    """
+    s = ev.sampling
+    if not 1 <= s.max_tokens <= bounds.max_tokens:
+        raise ValidationError(
+            "max-tokens",
+            f"max_tokens is {s.max_tokens}; it must be between 1 and {bounds.max_tokens}",
+            field="max_tokens",
+        )
+    if len(ev.token_ids) + s.max_tokens > bounds.context:
+        raise ValidationError(
+            "context-length",
+            f"{len(ev.token_ids)} prompt tokens + max_tokens {s.max_tokens} exceed the context "
+            f"of {bounds.context} tokens",
+            field="token_ids",
+        )
+    for i, t in enumerate(ev.token_ids):
+        if not 0 <= t < bounds.vocab_size:
+            raise ValidationError(
+                "token-ids",
+                f"token_ids[{i}] = {t} is outside the vocabulary [0, {bounds.vocab_size})",
+                field="token_ids",
+            )
+    if not math.isfinite(s.temperature) or s.temperature != 0.0:
+        raise ValidationError(
+            "temperature",
+            f"temperature is {s.temperature}; this worker decodes greedily, so only 0 is "
+            "accepted (sampling is not implemented, and ignoring it would be silent)",
+            field="temperature",
+        )
 
 
 class PrefillWorker:
@@ -53,6 +120,7 @@ class PrefillWorker:
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"prefill@{socket.gethostname()}"
         self.vconfig = ValidationConfig.for_worker(settings, bundle.fingerprint)
+        self.bounds = Bounds.for_model(settings, bundle)
         self.report = ResultReporter(publisher, self.topics.results, "prefill", self.worker_id)
         self.embedding_wait_s = (
             settings.embedding_wait_s if embedding_wait_s is None else embedding_wait_s
@@ -106,6 +174,7 @@ class PrefillWorker:
             )
             return
         validate_prefill_event(ev, self.vconfig)
+        check_bounds(ev, self.bounds)
         await self.report(ev.request_id, "prefilling")
         hashes = dict.fromkeys(h for _, _, h in ev.features.items())
         keys = {h: ev.ec_transfer_params[h].key for h in hashes}
@@ -139,17 +208,27 @@ class PrefillWorker:
         wait_ms = (time.perf_counter() - t_wait) * 1000
         items = self._items(ev, dict(zip(keys, tensors, strict=True)))
         t_compute = time.perf_counter()
-        tokens = await asyncio.get_running_loop().run_in_executor(
-            self._executor,
-            lambda: generate_from_embeddings(
-                self.bundle,
-                ev.token_ids,
-                items,
-                ev.sampling.max_tokens,
-                stop_token_ids=ev.sampling.stop_token_ids,
-                ignore_eos=ev.sampling.ignore_eos,
-            ),
-        )
+        try:
+            tokens = await asyncio.get_running_loop().run_in_executor(
+                self._executor,
+                lambda: generate_from_embeddings(
+                    self.bundle,
+                    ev.token_ids,
+                    items,
+                    ev.sampling.max_tokens,
+                    stop_token_ids=ev.sampling.stop_token_ids,
+                    ignore_eos=ev.sampling.ignore_eos,
+                    deadline_ms=ev.deadline_ms,
+                ),
+            )
+        except DeadlineExceeded as exc:
+            await self.report(
+                ev.request_id,
+                "expired",
+                token_ids=exc.tokens,
+                error=ErrorInfo("expired", f"deadline passed during prefill/decode: {exc}"),
+            )
+            return
         compute_ms = (time.perf_counter() - t_compute) * 1000
         text = str(self.bundle.tokenizer.decode(tokens, skip_special_tokens=True))
         self.completed += 1

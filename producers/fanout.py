@@ -4,6 +4,13 @@ The prefill side never sees ``pixel_values``: it gets the placeholder metadata a
 ``ec_transfer_params`` entry per item telling it where the encoder output will be parked.
 Encoder inputs above the inline limit travel as a claim check (TensorRef) in the store, and an
 item whose embedding is already in the store is not sent to the encoder at all.
+
+Store keys come from the fan-out's own hash (``schemas.signing.ItemHasher``) over each item's
+encoder inputs, the processor config, the model fingerprint and the request's ``cache_salt``;
+an event's ``mm_hash`` is only a label. Our renderer labels items with that same hash, so a
+label that differs is refused (rule ``mm-hash-mismatch``): it would otherwise let anyone who can
+write to the render topic get signed entries, and cache hits, for another tenant's key. Each
+entry's signature also binds the request id, so it cannot be replayed into another request.
 """
 
 from __future__ import annotations
@@ -13,14 +20,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import blake3
 import torch
 
 from runtime.kafka import ResultReporter
 from runtime.publisher import Publisher
 from runtime.settings import Settings
+from schemas.errors import ValidationError
 from schemas.modalities import METADATA_FIELDS
-from schemas.signing import embedding_key, make_ec_transfer
+from schemas.signing import ItemHasher, embedding_key, make_ec_transfer, tensor_digest
 from schemas.tensors import dtype_name, tensor_bytes
 from schemas.topics import Topics
 from schemas.types import (
@@ -36,6 +43,7 @@ from schemas.types import (
 from schemas.validator import ValidationConfig, validate_render_event
 
 if TYPE_CHECKING:
+    from runtime.model import RenderInfo
     from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger(__name__)
@@ -63,19 +71,85 @@ class FanoutStats:
     """What the prefill event would weigh had it carried the full ``kwargs_data``."""
 
 
-def claim_key(namespace: str, mm_hash: str, field_name: str) -> str:
-    """Store key of a claim-checked encoder input."""
-    return f"{namespace}:claim:{mm_hash}:{field_name}"
+def claim_key(namespace: str, key_hash: str, field_name: str) -> str:
+    """Store key of a claim-checked encoder input (``key_hash``: the fan-out's own hash)."""
+    return f"{namespace}:claim:{key_hash}:{field_name}"
 
 
-def _unique_items(features: Features) -> list[tuple[str, int, str]]:
-    """(modality, index, mm_hash) for the first occurrence of each mm_hash."""
+@dataclass(slots=True)
+class HashedItem:
+    """One item of a RenderEvent with the hash the fan-out computed for it."""
+
+    modality: str
+    index: int
+    label: str
+    """The event's ``mm_hash`` for the item."""
+    key_hash: str
+    """The fan-out's own hash: what the store key is made of."""
+    data: ItemData
+    digests: dict[str, str]
+    """blake3 of each inline tensor's bytes, reused for claim checks."""
+
+
+def hash_items(ev: RenderEvent, hasher: ItemHasher) -> list[HashedItem]:
+    """Every item of a validated RenderEvent with the fan-out's own hash of it.
+
+    Rule ``mm-hash-mismatch``: an item whose ``mm_hash`` is not that hash is refused, naming the
+    item. CPU-bound (digests of inline tensors): run it in a worker thread.
+    """
+    out: list[HashedItem] = []
+    for modality, index, label in ev.features.items():
+        data = (ev.features.kwargs_data or {})[modality][index]
+        if data is None:  # validate_render_event refuses this; keep the rule explicit anyway
+            raise ValidationError(
+                "render-data-missing",
+                "render events carry full kwargs_data for every item",
+                modality=modality,
+                item=index,
+            )
+        digests = {n: tensor_digest(v) for n, v in data.items() if isinstance(v, torch.Tensor)}
+        key_hash = hasher.item_hash(modality, data, ev.cache_salt, digests=digests)
+        if label != key_hash:
+            raise ValidationError(
+                "mm-hash-mismatch",
+                f"mm_hash {label!r} is not the hash of the item's encoder inputs, processor "
+                f"config, model and cache_salt ({key_hash!r})",
+                modality=modality,
+                item=index,
+                field="mm_hashes",
+            )
+        out.append(HashedItem(modality, index, label, key_hash, data, digests))
+    return out
+
+
+def check_upstream_refs(items: list[HashedItem], namespace: str, store_url: str) -> None:
+    """Rule ``claim-check``: a TensorRef already in a RenderEvent must sit at its own item's
+    claim key in our store. The hash trusts a ref's digest (the encoder checks the bytes against
+    it), so a ref pointing at another tenant's parked inputs would otherwise get them encoded
+    under the sender's key."""
+    for it in items:
+        for name, v in it.data.items():
+            if not isinstance(v, TensorRef):
+                continue
+            want = claim_key(namespace, it.key_hash, name)
+            if v.store != store_url or v.key != want:
+                raise ValidationError(
+                    "claim-check",
+                    f"TensorRef {v.store}/{v.key} is not this item's claim key {store_url}/{want}",
+                    modality=it.modality,
+                    item=it.index,
+                    field=name,
+                )
+
+
+def _unique(items: list[HashedItem]) -> list[HashedItem]:
+    """The first item of each key hash (a repeated image is encoded once)."""
     seen: set[str] = set()
     out = []
-    for modality, index, mm_hash in features.items():
-        if mm_hash not in seen:
-            seen.add(mm_hash)
-            out.append((modality, index, mm_hash))
+    for it in items:
+        if it.key_hash not in seen:
+            seen.add(it.key_hash)
+            out.append(it)
     return out
 
 
@@ -86,15 +160,19 @@ class FanOut:
         self,
         settings: Settings,
         store: EmbeddingStore,
-        model_fingerprint: str,
+        info: RenderInfo,
         *,
         publisher: Publisher | None = None,
         topics: Topics | None = None,
     ) -> None:
-        """Without a ``publisher`` the fan-out can only :meth:`plan` (benchmarks, tests)."""
+        """``info``: the model's ``RenderInfo`` (no weights): its fingerprint and processor config
+        go into the hash the store is keyed by. Without a ``publisher`` the fan-out can only
+        :meth:`plan` (benchmarks, tests)."""
         self.settings = settings
         self.store = store
-        self.model_fingerprint = model_fingerprint
+        self.info = info
+        self.model_fingerprint = info.fingerprint
+        self.hasher = ItemHasher.for_processor(info.fingerprint, info.image_processor.to_dict())
         self.publisher = publisher
         self.topics = topics or Topics(settings.topic_prefix)
         self._secret = settings.secret_bytes()
@@ -102,23 +180,30 @@ class FanOut:
         # cache-hit path; the encode worker checks values when it reads them.
         self._vconfig = ValidationConfig.from_settings(settings, check_values=False)
 
-    def ec_transfer(self, mm_hash: str, deadline_ms: int | None) -> ECTransfer:
-        """A signed entry for one item; it expires with the embedding's TTL or the deadline."""
+    def store_key(self, key_hash: str) -> str:
+        """The embedding store key for one of the fan-out's own hashes."""
+        return embedding_key(self.settings.ec_namespace, self.model_fingerprint, key_hash)
+
+    def ec_transfer(
+        self, request_id: str, label: str, key_hash: str, deadline_ms: int | None
+    ) -> ECTransfer:
+        """A signed entry for one item of one request; it expires with the embedding's TTL or
+        the deadline. ``label`` is the event's ``mm_hash``, ``key_hash`` our own hash."""
         expires = now_ms() + self.settings.embedding_ttl_s * 1000
         if deadline_ms is not None:
             expires = min(expires, deadline_ms)
-        key = embedding_key(self.settings.ec_namespace, self.model_fingerprint, mm_hash)
         return make_ec_transfer(
-            mm_hash=mm_hash,
+            mm_hash=label,
             store=self.store.url,
-            key=key,
+            key=self.store_key(key_hash),
             expires_ms=expires,
             secret=self._secret,
+            request_id=request_id,
         )
 
-    async def _inline_or_claim(self, mm_hash: str, data: ItemData) -> ItemData:
+    async def _inline_or_claim(self, item: HashedItem) -> ItemData:
         out: ItemData = {}
-        for name, value in data.items():
+        for name, value in item.data.items():
             if isinstance(value, TensorRef):
                 out[name] = value  # already claim-checked upstream
                 continue
@@ -128,9 +213,11 @@ class FanOut:
             if name in METADATA_FIELDS or nbytes <= self.settings.inline_limit_bytes:
                 out[name] = value
                 continue
-            # Copying and hashing megabytes takes milliseconds: keep it off the event loop.
-            raw, digest = await asyncio.to_thread(_bytes_and_digest, value)
-            key = claim_key(self.settings.ec_namespace, mm_hash, name)
+            # Copying megabytes takes milliseconds: keep it off the event loop. The digest was
+            # computed when the item was hashed.
+            raw = await asyncio.to_thread(tensor_bytes, value)
+            digest = item.digests[name]
+            key = claim_key(self.settings.ec_namespace, item.key_hash, name)
             await self.store.put_bytes(key, raw, self.settings.embedding_ttl_s)
             out[name] = TensorRef(
                 store=self.store.url,
@@ -146,25 +233,29 @@ class FanOut:
         """Validate a RenderEvent and build its encode and prefill events (claim checks stored)."""
         validate_render_event(ev, self._vconfig)
         f = ev.features
-        params = {h: self.ec_transfer(h, ev.deadline_ms) for _, _, h in _unique_items(f)}
+        # Hashing reads every inline tensor's bytes (megabytes): off the event loop.
+        items = _unique(await asyncio.to_thread(hash_items, ev, self.hasher))
+        check_upstream_refs(items, self.settings.ec_namespace, self.store.url)
+        params = {
+            it.label: self.ec_transfer(ev.request_id, it.label, it.key_hash, ev.deadline_ms)
+            for it in items
+        }
         encode: list[EncodeEvent] = []
         cached: list[str] = []
-        for modality, index, mm_hash in _unique_items(f):
-            ec = params[mm_hash]
+        for it in items:
+            ec = params[it.label]
             # A hit must outlive the entry's promise (now + embedding_ttl_s): touch, not exists.
             if await self.store.touch(ec.key, self.settings.embedding_ttl_s):
-                cached.append(mm_hash)
+                cached.append(it.label)
                 continue
-            data = (f.kwargs_data or {})[modality][index]
-            assert data is not None  # validate_render_event: render items carry full data
             encode.append(
                 EncodeEvent(
                     request_id=ev.request_id,
                     model=ev.model,
-                    modality=modality,
-                    item_index=index,
-                    mm_hash=mm_hash,
-                    data=await self._inline_or_claim(mm_hash, data),
+                    modality=it.modality,
+                    item_index=it.index,
+                    mm_hash=it.label,
+                    data=await self._inline_or_claim(it),
                     ec_transfer=ec,
                     deadline_ms=ev.deadline_ms,
                     trace=dict(ev.trace),
@@ -223,13 +314,13 @@ class FanOut:
 
 
 def build_fanout(
-    settings: Settings, store: EmbeddingStore, model_fingerprint: str, publisher: Publisher
+    settings: Settings, store: EmbeddingStore, info: RenderInfo, publisher: Publisher
 ) -> FanOut:
     """The one place a publishing FanOut is assembled (router, Submitter, demo, verify)."""
     return FanOut(
         settings,
         store,
-        model_fingerprint,
+        info,
         publisher=publisher,
         topics=Topics(settings.topic_prefix),
     )
@@ -253,11 +344,6 @@ def prefill_metadata(f: Features) -> dict[str, list[ItemData | None]] | None:
             slots.append(meta)
         out[modality] = slots
     return out if any(m is not None for slots in out.values() for m in slots) else None
-
-
-def _bytes_and_digest(t: torch.Tensor) -> tuple[bytes, str]:
-    raw = tensor_bytes(t)
-    return raw, blake3.blake3(raw).hexdigest()
 
 
 def kwargs_bytes(features: Features) -> int:

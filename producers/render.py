@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import blake3
 import torch
 from PIL import Image
 
 from runtime.model import ModelBundle, RenderInfo
 from schemas.errors import ValidationError
 from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT
+from schemas.signing import ItemHasher
 from schemas.types import (
     Features,
     ItemData,
@@ -48,6 +47,11 @@ VISION_TOKENS = (
 )
 
 ImageInput = Image.Image | bytes | bytearray | memoryview | str | Path
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+"""The only PIL decoders an image may reach. Naming them keeps every other plugin (EPS, which
+would run Ghostscript; PSD; TIFF with its many codecs; ...) out of reach of untrusted bytes.
+Multi-frame images (GIF, animated WebP/PNG) are read at their first frame."""
 
 
 class RenderError(ValidationError):
@@ -72,6 +76,13 @@ def _pil_errors(index: int) -> Iterator[None]:
     except Image.DecompressionBombError as e:
         msg = f"decompression bomb refused: {e}"
         raise RenderError("render.image_too_large", msg, modality="image", item=index) from None
+    except Image.UnidentifiedImageError:
+        raise RenderError(
+            "render.image_format",
+            f"not an image in an accepted format ({', '.join(IMAGE_FORMATS)})",
+            modality="image",
+            item=index,
+        ) from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:
         # UnidentifiedImageError is an OSError; some plugins raise SyntaxError/EOFError on garbage.
         raise RenderError(
@@ -115,19 +126,24 @@ class Renderer:
         *,
         max_image_pixels: int,
         max_images: int = 64,
+        allow_file_paths: bool = False,
     ) -> None:
         """``info``: a ``RenderInfo`` (no weights) or a loaded ``ModelBundle``.
 
         ``max_image_pixels``: width*height cap checked from the image header before decoding
         (``settings.max_image_pixels``).
+
+        ``allow_file_paths``: read a ``str`` image as a file path. Off by default, because
+        strings often come from users (an HTTP body); a ``pathlib.Path`` is always read as a
+        file, since the caller built it to name one.
         """
         self.info = info.render_info() if isinstance(info, ModelBundle) else info
         self.max_image_pixels = int(max_image_pixels)
         self.max_images = max_images
-        proc_cfg = self.info.image_processor.to_dict()
-        self._processor_digest = blake3.blake3(
-            json.dumps(proc_cfg, sort_keys=True, default=str).encode()
-        ).digest()
+        self.allow_file_paths = allow_file_paths
+        self.hasher = ItemHasher.for_processor(
+            self.info.fingerprint, self.info.image_processor.to_dict()
+        )
         tok = self.info.tokenizer
         self._reserved = {
             s: i
@@ -146,15 +162,31 @@ class Renderer:
                 modality="image",
                 item=index,
             )
+        if isinstance(src, str) and not self.allow_file_paths:
+            raise RenderError(
+                "render.image_type",
+                "a str image is not read as a file path (pass bytes, a PIL image or a "
+                "pathlib.Path, or build the renderer with allow_file_paths=True)",
+                modality="image",
+                item=index,
+            )
+        if isinstance(src, Image.Image) and src.format not in (None, *IMAGE_FORMATS):
+            # A caller-opened image may still be lazy: load() below would run its decoder.
+            raise RenderError(
+                "render.image_format",
+                f"{src.format} images are not accepted ({', '.join(IMAGE_FORMATS)} are)",
+                modality="image",
+                item=index,
+            )
         with _pil_errors(index):
             if isinstance(src, Image.Image):
                 img = src
             elif isinstance(src, str | Path):
-                img = Image.open(Path(src))
+                img = Image.open(Path(src), formats=IMAGE_FORMATS)
             else:
                 # Image.open reads only the header here; pixels are decoded by load() below,
                 # after the size check.
-                img = Image.open(io.BytesIO(bytes(src)))
+                img = Image.open(io.BytesIO(bytes(src)), formats=IMAGE_FORMATS)
         w, h = img.size
         if w <= 0 or h <= 0 or w * h > self.max_image_pixels:
             raise RenderError(
@@ -179,23 +211,10 @@ class Renderer:
         grid = out["image_grid_thw"].reshape(3).to(torch.int64).contiguous()
         return pv, grid
 
-    def mm_hash(
-        self, modality: str, pixel_values: torch.Tensor, grid: torch.Tensor, cache_salt: str | None
-    ) -> str:
-        """blake3 of the processed item, the processor config, the model and the tenant salt."""
-        h = blake3.blake3()
-        h.update(b"epd-mm-v1\0")
-        h.update(modality.encode() + b"\0")
-        h.update(self.info.fingerprint.encode() + b"\0")
-        h.update(self._processor_digest)
-        # Length-prefixed so None, "" and any salt are all distinct.
-        salt = b"" if cache_salt is None else b"S" + cache_salt.encode()
-        h.update(len(salt).to_bytes(8, "little") + salt)
-        for t in (grid, pixel_values):
-            t = t.contiguous()
-            h.update(f"{t.dtype}:{tuple(t.shape)}\0".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+    def mm_hash(self, modality: str, data: ItemData, cache_salt: str | None) -> str:
+        """The item's content hash (``ItemHasher``: encoder inputs, processor config, model,
+        tenant salt): the same function the fan-out keys the embedding store by."""
+        return self.hasher.item_hash(modality, data, cache_salt)
 
     # ------------------------------------------------------------------ tokens
 
@@ -307,13 +326,14 @@ class Renderer:
             ids.extend([info.image_token_id] * n)
             ids.append(info.vision_end_id)
             ids.extend(segments[i + 1])
+            data: ItemData = {MAIN_ENCODER_INPUT["image"]: pv, GRID_FIELDS["image"]: grid}
             items.append(
                 _Item(
                     modality="image",
-                    mm_hash=self.mm_hash("image", pv, grid, cache_salt),
+                    mm_hash=self.mm_hash("image", data, cache_salt),
                     offset=offset,
                     length=n,
-                    data={MAIN_ENCODER_INPUT["image"]: pv, GRID_FIELDS["image"]: grid},
+                    data=data,
                     metadata={GRID_FIELDS["image"]: grid},
                 )
             )

@@ -10,6 +10,18 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+SIGNING_WORKERS = frozenset({"encode", "prefill", "router"})
+"""Workers that sign or verify ``ec_transfer_params``."""
+PLACEHOLDER_SECRETS = frozenset({"change-me", "changeme", "secret", "password", "test"})
+MIN_SECRET_CHARS = 16
+
+
+class InsecureSettings(SystemExit):
+    """Settings a worker refuses to run with (a missing or placeholder secret).
+
+    A ``SystemExit``: the worker process ends with the message on stderr and status 1, not a
+    traceback."""
+
 
 class Settings(BaseSettings):
     """Every knob of the pipeline. Read from the environment with the ``EPD_`` prefix."""
@@ -65,6 +77,21 @@ class Settings(BaseSettings):
     spatial_merge_size: int = 2
     max_tensor_bytes: int = 256 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
+    allow_unsigned: bool = Field(
+        False,
+        description="let encode, prefill and router workers run without EPD_EC_SECRET "
+        "(unsigned ec_transfer_params: anyone who can write to the topics can name embedding "
+        "keys); for local experiments only",
+    )
+    max_tokens_limit: int = Field(
+        2048, ge=1, description="largest max_tokens a request may ask for; more is rejected"
+    )
+    max_context_tokens: int = Field(
+        0,
+        ge=0,
+        description="cap on prompt + max_tokens; 0 means the model's max_position_embeddings "
+        "(a larger value is still held to the model's context)",
+    )
 
     # Model
     model: str = Field("tiny", description="'tiny' or a local checkpoint path")
@@ -111,6 +138,32 @@ class Settings(BaseSettings):
                 digest = hashlib.sha256(value.get_secret_value().encode()).hexdigest()
                 out[name] = f"sha256:{digest}"
         return out
+
+    def require_signing(self, kind: str) -> None:
+        """Refuse to run a worker that handles ``ec_transfer_params`` (encode, prefill, router)
+        without a real secret, unless ``EPD_ALLOW_UNSIGNED=true`` says unsigned is meant.
+
+        Raises ``InsecureSettings`` naming the fix. A placeholder secret (``change-me`` and the
+        like) or one shorter than ``MIN_SECRET_CHARS`` counts as none.
+        """
+        if kind not in SIGNING_WORKERS or self.allow_unsigned:
+            return
+        secret = self.ec_secret.get_secret_value() if self.ec_secret else ""
+        if not secret:
+            problem = "EPD_EC_SECRET is not set"
+        elif secret.strip().lower() in PLACEHOLDER_SECRETS:
+            problem = f"EPD_EC_SECRET is the placeholder {secret!r}"
+        elif len(secret) < MIN_SECRET_CHARS:
+            problem = f"EPD_EC_SECRET has {len(secret)} characters, fewer than {MIN_SECRET_CHARS}"
+        else:
+            return
+        raise InsecureSettings(
+            f"refusing to start the {kind} worker: {problem}. Without a real secret anyone "
+            "who can write to the topics can point workers at other tenants' embeddings. Set "
+            "EPD_EC_SECRET to a random value shared by the router, encode and prefill workers "
+            "(e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`), or set "
+            "EPD_ALLOW_UNSIGNED=true for a local experiment."
+        )
 
 
 def env_name(field: str) -> str:

@@ -1,16 +1,32 @@
-"""HMAC signatures on ``ec_transfer_params`` entries, and the embedding key layout.
+"""HMAC signatures on ``ec_transfer_params`` entries, the embedding key layout, and the content
+hash an embedding is keyed by.
 
 The fan-out signs each entry; the prefill side checks the signature and that the key stays
 inside the configured namespace, so a forged event cannot point a worker at another tenant's
-embeddings.
+embeddings. The key's hash is never taken from an event: the fan-out computes it with
+:class:`ItemHasher` over what the encoder will actually run on (the renderer uses the same
+function, so the ``mm_hash`` it labels an item with is that same hash).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from schemas.types import ECTransfer
+import blake3
+import torch
+
+from schemas.types import ECTransfer, TensorLike, TensorRef
+
+_SIGNATURE_TAG = b"epd-ec-v2"
+_HASH_TAG = b"epd-mm-v2"
+# Above this, blake3 hashes on all cores (a 1024x1024 image's pixel_values are 25.8 MB, and the
+# fan-out digests them on every request, cache hits included); below it threads cost more.
+_PARALLEL_HASH_BYTES = 1 << 20
 
 
 def embedding_key(namespace: str, model_fingerprint: str, mm_hash: str) -> str:
@@ -18,31 +34,177 @@ def embedding_key(namespace: str, model_fingerprint: str, mm_hash: str) -> str:
     return f"{namespace}:{model_fingerprint}:{mm_hash}"
 
 
-def _message(mm_hash: str, store: str, key: str, expires_ms: int) -> bytes:
-    # Unit separators keep field boundaries unambiguous ("a|b" + "c" != "a" + "b|c").
-    return "\x1f".join(("epd-ec-v1", mm_hash, store, key, str(expires_ms))).encode()
+def _framed(*fields: bytes) -> bytes:
+    # Each field carries its 8-byte length, so no choice of field contents can make two
+    # different field lists serialise alike (a separator can appear inside a field; a length
+    # prefix cannot be forged by one).
+    return b"".join(len(f).to_bytes(8, "big") + f for f in fields)
 
 
-def sign_ec(secret: bytes, *, mm_hash: str, store: str, key: str, expires_ms: int) -> str:
-    """Hex HMAC-SHA256 over one entry's fields."""
-    return hmac.new(secret, _message(mm_hash, store, key, expires_ms), hashlib.sha256).hexdigest()
+def _opt(value: str | None) -> bytes:
+    # Presence byte first: None and "" are different values.
+    return b"\x00" if value is None else b"\x01" + value.encode()
+
+
+def ec_message(
+    *, request_id: str | None, mm_hash: str, store: str, key: str, expires_ms: int
+) -> bytes:
+    """The bytes an entry's HMAC covers: a version tag and every field, length-prefixed.
+
+    ``request_id`` binds the entry to one request, so an entry captured from one event cannot be
+    replayed into another. ``None`` is an entry bound to no request (the vLLM JSON split has no
+    stable request id across its encode and prefill bodies); the pipeline's workers always verify
+    with the event's request id, so they refuse such an entry.
+    """
+    return _framed(
+        _SIGNATURE_TAG,
+        _opt(request_id),
+        mm_hash.encode(),
+        store.encode(),
+        key.encode(),
+        str(int(expires_ms)).encode(),
+    )
+
+
+def sign_ec(
+    secret: bytes,
+    *,
+    mm_hash: str,
+    store: str,
+    key: str,
+    expires_ms: int,
+    request_id: str | None = None,
+) -> str:
+    """Hex HMAC-SHA256 over one entry's fields and the request it belongs to."""
+    msg = ec_message(
+        request_id=request_id, mm_hash=mm_hash, store=store, key=key, expires_ms=expires_ms
+    )
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
 
 
 def make_ec_transfer(
-    *, mm_hash: str, store: str, key: str, expires_ms: int, secret: bytes | None
+    *,
+    mm_hash: str,
+    store: str,
+    key: str,
+    expires_ms: int,
+    secret: bytes | None,
+    request_id: str | None = None,
 ) -> ECTransfer:
-    """An ``ec_transfer_params`` entry, signed when a secret is configured."""
+    """An ``ec_transfer_params`` entry, signed (for ``request_id``) when a secret is configured."""
     sig = (
-        sign_ec(secret, mm_hash=mm_hash, store=store, key=key, expires_ms=expires_ms)
+        sign_ec(
+            secret,
+            mm_hash=mm_hash,
+            store=store,
+            key=key,
+            expires_ms=expires_ms,
+            request_id=request_id,
+        )
         if secret
         else ""
     )
     return ECTransfer(mm_hash=mm_hash, store=store, key=key, expires_ms=expires_ms, signature=sig)
 
 
-def verify_ec(secret: bytes, ec: ECTransfer) -> bool:
-    """True when the entry's signature matches its fields under ``secret`` (constant time)."""
+def verify_ec(secret: bytes, ec: ECTransfer, *, request_id: str | None = None) -> bool:
+    """True when the entry's signature matches its fields and ``request_id`` under ``secret``
+    (constant time). Verify with the request id of the event that carries the entry."""
     expected = sign_ec(
-        secret, mm_hash=ec.mm_hash, store=ec.store, key=ec.key, expires_ms=ec.expires_ms
+        secret,
+        mm_hash=ec.mm_hash,
+        store=ec.store,
+        key=ec.key,
+        expires_ms=ec.expires_ms,
+        request_id=request_id,
     )
     return hmac.compare_digest(expected, ec.signature)
+
+
+# ---------------------------------------------------------------------------------------------
+# Content hash
+
+
+def processor_digest(processor_config: Mapping[str, Any]) -> bytes:
+    """blake3 of a processor config (``image_processor.to_dict()``), canonical JSON."""
+    canonical = json.dumps(processor_config, sort_keys=True, default=str)
+    return blake3.blake3(canonical.encode()).digest()
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """blake3 hex of a tensor's raw little-endian C-order bytes: the ``TensorRef.digest`` of it.
+
+    Hashes a view of the tensor's memory (no copy of the bytes), multithreaded when large.
+    """
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return blake3.blake3(b"").hexdigest()
+    raw = t.reshape(-1).view(torch.uint8).numpy().data
+    threads = blake3.blake3.AUTO if raw.nbytes > _PARALLEL_HASH_BYTES else 1
+    return blake3.blake3(raw, max_threads=threads).hexdigest()
+
+
+def _dtype_name(v: TensorLike) -> str:
+    if isinstance(v, TensorRef):
+        return v.dtype
+    return str(v.dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True, slots=True)
+class ItemHasher:
+    """The ``mm_hash`` of an item for one model and processor config.
+
+    The hash is blake3 over a version tag, the modality, the model fingerprint, the processor
+    config digest, the tenant's ``cache_salt`` and, for every field of the item's encoder inputs
+    (``pixel_values``, ``image_grid_thw``, ...) in name order: its name, dtype, shape and the
+    blake3 digest of its raw bytes. Every part is length-prefixed.
+
+    Hashing the per-field digest instead of the bytes themselves is what lets a claim-checked
+    input (``TensorRef``) be hashed without fetching its megabytes: the ref carries the digest
+    of its bytes, and the encode worker refuses bytes that do not match that digest, so the
+    hash still commits to what gets encoded. Inline tensors are digested here; the renderer
+    hashes through the same function, so both sides always agree whether a field travels inline
+    or by claim check.
+    """
+
+    model_fingerprint: str
+    processor_digest: bytes
+
+    @classmethod
+    def for_processor(
+        cls, model_fingerprint: str, processor_config: Mapping[str, Any]
+    ) -> ItemHasher:
+        """A hasher for a model fingerprint and its processor's ``to_dict()`` config."""
+        return cls(model_fingerprint, processor_digest(processor_config))
+
+    def item_hash(
+        self,
+        modality: str,
+        data: Mapping[str, TensorLike],
+        cache_salt: str | None,
+        *,
+        digests: Mapping[str, str] | None = None,
+    ) -> str:
+        """The hash of one item's encoder inputs. ``digests`` (field name -> blake3 hex of
+        its bytes) skips re-hashing inline tensors whose digest the caller already has."""
+        fields: list[bytes] = [
+            _HASH_TAG,
+            modality.encode(),
+            self.model_fingerprint.encode(),
+            self.processor_digest,
+            _opt(cache_salt),
+        ]
+        for name in sorted(data):
+            v = data[name]
+            if isinstance(v, TensorRef):
+                digest = v.digest
+            elif digests is not None and name in digests:
+                digest = digests[name]
+            else:
+                digest = tensor_digest(v)
+            shape = ",".join(str(int(d)) for d in v.shape)
+            fields += [name.encode(), _dtype_name(v).encode(), shape.encode(), digest.encode()]
+        return blake3.blake3(_framed(*fields)).hexdigest()

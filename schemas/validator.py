@@ -196,9 +196,17 @@ def check_ec_key(
 
 
 def check_ec_entry(
-    entry: Any, mm_hash: str, config: ValidationConfig, *, modality: str | None, item: int | None
+    entry: Any,
+    mm_hash: str,
+    config: ValidationConfig,
+    *,
+    modality: str | None,
+    item: int | None,
+    request_id: str | None = None,
 ) -> None:
-    """Strict checks of one entry: shape, ``mm_hash``, namespace, signature, expiry."""
+    """Strict checks of one entry: shape, ``mm_hash``, namespace, signature, expiry.
+
+    ``request_id``: the request of the event that carries the entry; signatures bind it."""
     ec = _as_ec_transfer(entry, mm_hash)
     if ec is None:
         if config.secret is not None:
@@ -222,7 +230,7 @@ def check_ec_entry(
             field="ec_transfer_params",
         )
     check_ec_key(ec.key, mm_hash, config, modality=modality, item=item)
-    if config.secret is not None and not verify_ec(config.secret, ec):
+    if config.secret is not None and not verify_ec(config.secret, ec, request_id=request_id):
         raise ValidationError(
             "ec-signature",
             f"signature of the entry for {mm_hash!r} does not verify",
@@ -498,6 +506,8 @@ def validate_features(
     features: Features | None,
     ec_transfer_params: Mapping[str, Any] | None,
     config: ValidationConfig,
+    *,
+    request_id: str | None = None,
 ) -> None:
     """Check one request's tokens and features; raise ``ValidationError`` on the first break.
 
@@ -536,7 +546,9 @@ def validate_features(
                     item=i,
                 )
             if entry is not None:
-                check_ec_entry(entry, mm_hash, config, modality=modality, item=i)
+                check_ec_entry(
+                    entry, mm_hash, config, modality=modality, item=i, request_id=request_id
+                )
             check_item_data(modality, i, full, meta, features.mm_placeholders[modality][i], config)
 
 
@@ -587,7 +599,9 @@ def validate_prefill_event(ev: PrefillEvent, config: ValidationConfig) -> None:
     entry (full ``kwargs_data`` does not excuse it), and it computes M-RoPE positions from
     ``mm_metadata``, so every item's required metadata must be there.
     """
-    validate_features(ev.token_ids, ev.features, ev.ec_transfer_params, config)
+    validate_features(
+        ev.token_ids, ev.features, ev.ec_transfer_params, config, request_id=ev.request_id
+    )
     if config.mode != "strict":
         return
     meta = ev.features.mm_metadata or {}
@@ -612,7 +626,7 @@ def validate_prefill_event(ev: PrefillEvent, config: ValidationConfig) -> None:
                         field=name,
                     )
     for h, entry in ev.ec_transfer_params.items():
-        check_ec_entry(entry, h, config, modality=None, item=None)
+        check_ec_entry(entry, h, config, modality=None, item=None, request_id=ev.request_id)
 
 
 def validate_encode_event(ev: EncodeEvent, config: ValidationConfig) -> None:
@@ -642,4 +656,11 @@ def validate_encode_event(ev: EncodeEvent, config: ValidationConfig) -> None:
         _check_rows(
             ev.data[pv_name], patches, modality=ev.modality, item=ev.item_index, name=pv_name
         )
-    check_ec_entry(ev.ec_transfer, ev.mm_hash, config, modality=ev.modality, item=ev.item_index)
+    check_ec_entry(
+        ev.ec_transfer,
+        ev.mm_hash,
+        config,
+        modality=ev.modality,
+        item=ev.item_index,
+        request_id=ev.request_id,
+    )

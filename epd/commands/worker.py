@@ -117,7 +117,7 @@ async def _build_router(ctx: StageContext) -> Handler:
 
     store = ctx.open_store()
     info = await asyncio.to_thread(load_render_info, ctx.settings.model)
-    return RenderRouter(build_fanout(ctx.settings, store, info.fingerprint, ctx.publisher)).handle
+    return RenderRouter(build_fanout(ctx.settings, store, info, ctx.publisher)).handle
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,6 @@ class Stage:
     """Stage name on the ``rejected``/``failed`` status of a dead-lettered request; None: none."""
     keyed_by_request: bool
     """Whether the record key is the request id (for reporting undecodable records)."""
-    signs_or_checks_ec: bool = True
-    """Whether the stage signs or checks ``ec_transfer_params`` (needs EPD_EC_SECRET)."""
 
 
 STAGES: dict[str, Stage] = {
@@ -166,7 +164,6 @@ STAGES: dict[str, Stage] = {
             _build_results,
             report_as=None,
             keyed_by_request=True,
-            signs_or_checks_ec=False,
         ),
         Stage(
             "router",
@@ -268,11 +265,7 @@ async def run_worker(
 
     stage = STAGES[kind]
     topics = Topics(settings.topic_prefix)
-    if settings.ec_secret is None and stage.signs_or_checks_ec:
-        log.warning(
-            "EPD_EC_SECRET is not set: ec_transfer_params are not signed, so any producer on "
-            "the topics can name embedding keys of this model. Set it in production."
-        )
+    settings.require_signing(kind)  # no real EPD_EC_SECRET: refuse, unless EPD_ALLOW_UNSIGNED
     await ensure_topics(settings, topics.all())
     publisher = KafkaPublisher.for_pipeline(settings, topics)
     await publisher.start()

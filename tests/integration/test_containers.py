@@ -10,6 +10,7 @@ on the services, and framed events and tensor values cross them bit-exact.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -166,5 +167,7 @@ def test_compose_file_parses_with_docker_compose() -> None:
         text=True,
         cwd=ROOT,
         check=False,
+        # The stack has no default secret (see test_compose_requires_a_secret).
+        env={**os.environ, "EPD_EC_SECRET": "compose-config-test-secret"},
     )
     assert proc.returncode == 0, proc.stderr

@@ -142,7 +142,7 @@ def render(
 async def plan(
     cfg: Settings, store: EmbeddingStore, bundle: ModelBundle, ev: RenderEvent
 ) -> FanoutPlan:
-    return await FanOut(cfg, store, bundle.fingerprint).plan(ev)
+    return await FanOut(cfg, store, bundle.render_info()).plan(ev)
 
 
 def wire(event: Any) -> Any:
@@ -198,8 +198,12 @@ async def test_single_flight_then_store_hit(
     fresh = next(e for e in encoded if not e.cache_hit)
     assert fresh.shape == list(expected.shape) and fresh.store == store.url
 
-    # Later, another request for the same image: a store hit, the encoder does not run.
-    later = wire(dataclasses.replace(plans[0].encode[0], request_id="req-later"))
+    # Later, another request for the same image: a store hit, the encoder does not run. (Its
+    # entry is signed for its own request: signatures bind the request id.)
+    first = plans[0].encode[0]
+    fanout = FanOut(cfg, store, bundle.render_info())
+    ec = fanout.ec_transfer("req-later", first.mm_hash, first.mm_hash, None)
+    later = wire(dataclasses.replace(first, request_id="req-later", ec_transfer=ec))
     await encoder.handle(later)
     assert (encoder.items_encoded, encoder.cache_hits, encoder.encoder_calls) == (1, 3, 1)
     # Per-item progress travels on the encoded topic only (the results collector folds it in).
@@ -308,6 +312,7 @@ async def test_key_for_another_model_is_rejected(
         key=other,
         expires_ms=enc.ec_transfer.expires_ms,
         secret=SECRET.encode(),
+        request_id=enc.request_id,
     )
     with pytest.raises(ValidationError) as err:
         await encoder.handle(wire(dataclasses.replace(enc, ec_transfer=ec)))
@@ -508,3 +513,144 @@ async def test_claim_checked_pixels_are_scanned_for_nan_by_the_encoder(
         await encoder.handle(wire(poisoned))
     assert (err.value.rule, err.value.field) == ("tensor-nonfinite", "pixel_values")
     assert encoder.items_encoded == 0
+
+
+# ------------------------------------------------------------------ forged renders (defect 7)
+
+
+async def test_forged_render_gets_no_hit_on_another_tenants_embedding(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    encoder: EncodeWorker,
+    producer: KafkaPublisher,
+) -> None:
+    # The victim's request runs through the real fan-out, encoder and prefill on Redis.
+    image = synthetic_image(84, 56, seed=111)
+    victim = renderer.render(
+        "victim-req",
+        prompt="<image> what is it",
+        images=[image],
+        cache_salt="tenant-victim",
+        sampling=SamplingParams(max_tokens=MAX_TOKENS),
+    )
+    (victim_hash,) = victim.features.mm_hashes["image"]
+    vp = await plan(cfg, store, bundle, victim)
+    await encoder.handle(wire(vp.encode[0]))
+    victim_key = vp.encode[0].ec_transfer.key
+    assert await store.exists(victim_key)
+    prefill = PrefillWorker(cfg, bundle, store, producer, embedding_wait_s=0.5)
+    try:
+        await asyncio.wait_for(prefill.handle(wire(vp.prefill)), HANG_GUARD_S)
+        assert prefill.completed == 1
+        assert (await plan(cfg, store, bundle, victim)).cached == [victim_hash]  # a real hit
+
+        # 1. The attacker's own image, labelled with the victim's mm_hash: refused, no entry.
+        mine = renderer.render(
+            "attacker-req",
+            prompt="<image> what is it",
+            images=[synthetic_image(84, 56, seed=112)],
+            cache_salt="tenant-attacker",
+        )
+        forged = dataclasses.replace(
+            mine,
+            features=dataclasses.replace(mine.features, mm_hashes={"image": [victim_hash]}),
+        )
+        with pytest.raises(ValidationError) as err:
+            await plan(cfg, store, bundle, wire(forged))
+        assert (err.value.rule, err.value.modality, err.value.item) == (
+            "mm-hash-mismatch",
+            "image",
+            0,
+        )
+
+        # 2. The victim's very pixels under the attacker's salt: another key, so a miss.
+        same = renderer.render(
+            "attacker-req-2", prompt="<image> what is it", images=[image], cache_salt="x"
+        )
+        sp = await plan(cfg, store, bundle, same)
+        assert sp.cached == [] and len(sp.encode) == 1
+        assert sp.encode[0].ec_transfer.key != victim_key
+
+        # 3. The victim's signed entries replayed into the attacker's own prefill event.
+        replay = dataclasses.replace(vp.prefill, request_id="attacker-req-3")
+        with pytest.raises(ValidationError) as err:
+            await asyncio.wait_for(prefill.handle(wire(replay)), HANG_GUARD_S)
+        assert err.value.rule == "ec-signature"
+        assert prefill.completed == 1
+    finally:
+        await prefill.close()
+    results = await produced(cfg, Topics(cfg.topic_prefix).results)
+    assert not [r for r in results if r.request_id.startswith("attacker") and r.stage == "prefill"]
+
+
+# ------------------------------------------------------------------ prefill bounds (defect 8)
+
+
+@pytest.mark.parametrize(
+    ("change", "rule"),
+    [
+        ({"token_ids": "oov"}, "token-ids"),
+        ({"max_tokens": 10**6}, "max-tokens"),
+        ({"temperature": 0.8}, "temperature"),
+    ],
+)
+async def test_prefill_refuses_out_of_bounds_requests_before_running(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    producer: KafkaPublisher,
+    change: dict[str, Any],
+    rule: str,
+) -> None:
+    p = await plan(cfg, store, bundle, render(renderer, (121,)))
+    pre = p.prefill
+    if "token_ids" in change:
+        vocab = int(bundle.config.text_config.vocab_size)  # type: ignore[union-attr]
+        pre = dataclasses.replace(pre, token_ids=[vocab + 5, *pre.token_ids[1:]])
+    else:
+        pre = dataclasses.replace(pre, sampling=dataclasses.replace(pre.sampling, **change))
+    # A long embedding wait: nothing is encoded, so a worker that waited would hit the guard.
+    prefill = PrefillWorker(cfg, bundle, store, producer, embedding_wait_s=HANG_GUARD_S * 2)
+    try:
+        with pytest.raises(ValidationError) as err:
+            await asyncio.wait_for(prefill.handle(wire(pre)), HANG_GUARD_S)
+    finally:
+        await prefill.close()
+    assert err.value.rule == rule
+    assert prefill.completed == 0
+    assert await produced(cfg, Topics(cfg.topic_prefix).results) == []
+
+
+async def test_prefill_stops_at_the_deadline_between_decode_steps(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    encoder: EncodeWorker,
+    producer: KafkaPublisher,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpu_workers import compute
+
+    deadline = now_ms() + 600_000
+    ev = render(renderer, (131,), deadline_ms=deadline)
+    ev = dataclasses.replace(ev, sampling=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    p = await plan(cfg, store, bundle, ev)
+    await asyncio.gather(*(encoder.handle(wire(e)) for e in p.encode))
+    # The decode loop's clock passes the deadline after the prefill and two decode steps.
+    ticks = iter([0, 0, 0])
+    monkeypatch.setattr(compute, "now_ms", lambda: next(ticks, deadline + 1))
+    prefill = PrefillWorker(cfg, bundle, store, producer)
+    try:
+        await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
+    finally:
+        await prefill.close()
+    assert prefill.completed == 0
+    results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
+    assert [r.status for r in results] == ["prefilling", "expired"]
+    done = results[-1]
+    assert done.error is not None and done.error.code == "expired"
+    assert done.token_ids is not None and len(done.token_ids) == 3 < MAX_TOKENS

@@ -28,7 +28,7 @@ from schemas.codec import get_codec
 from schemas.errors import ValidationError
 from schemas.signing import verify_ec
 from schemas.tensors import tensor_bytes, tensor_from_bytes
-from schemas.types import RenderEvent, TensorRef, now_ms
+from schemas.types import ItemData, RenderEvent, TensorRef, now_ms
 from schemas.validator import ValidationConfig, validate_encode_event, validate_prefill_event
 from tests.conftest import redis_url_with_db
 
@@ -114,7 +114,7 @@ async def plan_for(
     renderer: Renderer, info: RenderInfo, store: EmbeddingStore, settings: Settings, **kw: object
 ) -> tuple[RenderEvent, FanoutPlan]:
     ev = render(renderer, **kw)  # type: ignore[arg-type]
-    return ev, await FanOut(settings, store, info.fingerprint).plan(ev)
+    return ev, await FanOut(settings, store, info).plan(ev)
 
 
 # ------------------------------------------------------------------ inline vs claim check
@@ -125,7 +125,7 @@ async def test_pixels_inline_under_the_limit(
 ) -> None:
     ev = render(renderer)
     settings = make_settings(namespace, inline_limit_bytes=max(pixel_bytes(ev)) + 1)
-    plan = await FanOut(settings, store, info.fingerprint).plan(ev)
+    plan = await FanOut(settings, store, info).plan(ev)
 
     src = ev.features.kwargs_data["image"]  # type: ignore[index]
     assert [e.item_index for e in plan.encode] == [0, 1]
@@ -144,7 +144,7 @@ async def test_pixels_claim_checked_over_the_limit(
     # Between the two items' sizes: the small image stays inline, the large one is claim-checked.
     small, large = pixel_bytes(ev)
     settings = make_settings(namespace, inline_limit_bytes=(small + large) // 2)
-    plan = await FanOut(settings, store, info.fingerprint).plan(ev)
+    plan = await FanOut(settings, store, info).plan(ev)
 
     src = ev.features.kwargs_data["image"]  # type: ignore[index]
     inline, claimed = plan.encode
@@ -197,8 +197,11 @@ async def test_entries_are_signed_and_namespaced(
         assert ec.mm_hash == h
         assert ec.key == f"{namespace}:{info.fingerprint}:{h}"
         assert ec.store == store.url
-        assert ec.signature and verify_ec(SECRET.encode(), ec)
-        assert not verify_ec(b"another-secret", ec)
+        assert ec.signature and verify_ec(SECRET.encode(), ec, request_id=ev.request_id)
+        assert not verify_ec(b"another-secret", ec, request_id=ev.request_id)
+        # Bound to this request: not valid for another one, nor as an unbound entry.
+        assert not verify_ec(SECRET.encode(), ec, request_id=ev.request_id + "x")
+        assert not verify_ec(SECRET.encode(), ec)
     for enc in plan.encode:
         assert enc.ec_transfer == params[enc.mm_hash]
 
@@ -218,8 +221,10 @@ async def test_tampering_breaks_the_signature(
         dataclasses.replace(ec, store="redis://10.0.0.1:6379/0"),
         dataclasses.replace(ec, mm_hash=h1),
     ]
+    rid = plan.prefill.request_id
+    assert verify_ec(secret, ec, request_id=rid)
     for bad in forged:
-        assert not verify_ec(secret, bad), bad
+        assert not verify_ec(secret, bad, request_id=rid), bad
 
     # The prefill gate refuses forged entries (naming the item), not just verify_ec: a key
     # re-pointed at another item fails the key layout, one for another model the signature.
@@ -300,8 +305,8 @@ async def test_stored_item_is_not_sent_to_encode(
     settings = make_settings(namespace, secret=SECRET)
     ev = render(renderer)
     h0, h1 = ev.features.mm_hashes["image"]
-    fanout = FanOut(settings, store, info.fingerprint)
-    await store.put(fanout.ec_transfer(h0, None).key, torch.zeros(6, 64), ttl_s=60)
+    fanout = FanOut(settings, store, info)
+    await store.put(fanout.store_key(h0), torch.zeros(6, 64), ttl_s=60)
 
     plan = await fanout.plan(ev)
     assert plan.cached == [h0]
@@ -319,8 +324,8 @@ async def test_a_hit_extends_the_embeddings_lifetime(
     settings = make_settings(namespace, secret=SECRET, embedding_ttl_s=600)
     ev = render(renderer, seeds=(3,), sizes=((84, 56),))
     (h0,) = ev.features.mm_hashes["image"]
-    fanout = FanOut(settings, store, info.fingerprint)
-    key = fanout.ec_transfer(h0, None).key
+    fanout = FanOut(settings, store, info)
+    key = fanout.store_key(h0)
     await store.put(key, torch.zeros(6, 64), ttl_s=1)
 
     plan = await fanout.plan(ev)
@@ -338,7 +343,7 @@ async def test_repeated_image_yields_one_encode_event(
     hashes = ev.features.mm_hashes["image"]
     assert hashes[0] == hashes[1] != hashes[2]
 
-    plan = await FanOut(settings, local_store, info.fingerprint).plan(ev)
+    plan = await FanOut(settings, local_store, info).plan(ev)
     assert [(e.mm_hash, e.item_index) for e in plan.encode] == [(hashes[0], 0), (hashes[2], 2)]
     assert plan.cached == []
     assert sorted(plan.prefill.ec_transfer_params) == sorted({hashes[0], hashes[2]})
@@ -354,7 +359,7 @@ async def test_expiry_is_ttl_or_deadline_whichever_is_first(
 ) -> None:
     ttl_s = 600
     settings = make_settings(namespace, secret=SECRET, embedding_ttl_s=ttl_s)
-    fanout = FanOut(settings, local_store, info.fingerprint)
+    fanout = FanOut(settings, local_store, info)
 
     before = now_ms()
     plan = await fanout.plan(render(renderer))
@@ -374,7 +379,8 @@ async def test_expiry_is_ttl_or_deadline_whichever_is_first(
     after = now_ms()
     for ec in plan.prefill.ec_transfer_params.values():
         assert before + ttl_s * 1000 <= ec.expires_ms <= after + ttl_s * 1000 < late
-        assert verify_ec(SECRET.encode(), ec)  # the signature covers the expiry it carries
+        # The signature covers the expiry it carries.
+        assert verify_ec(SECRET.encode(), ec, request_id=plan.prefill.request_id)
 
 
 async def test_metadata_is_recovered_from_kwargs_when_the_render_left_it_out(
@@ -390,10 +396,157 @@ async def test_metadata_is_recovered_from_kwargs_when_the_render_left_it_out(
     )
     grids = [item["image_grid_thw"] for item in ev.features.kwargs_data["image"]]
     ev = dataclasses.replace(ev, features=dataclasses.replace(ev.features, mm_metadata=None))
-    plan = await FanOut(settings, local_store, info.fingerprint).plan(ev)
+    plan = await FanOut(settings, local_store, info).plan(ev)
     meta = plan.prefill.features.mm_metadata
     assert meta is not None and set(meta) == {"image"}
     for item, grid in zip(meta["image"], grids, strict=True):
         assert item is not None and set(item) == {"image_grid_thw"}
         assert torch.equal(item["image_grid_thw"], grid)
     validate_prefill_event(plan.prefill, ValidationConfig.from_settings(settings))
+
+
+# ------------------------------------------------------------------ keys come from our own hash
+
+
+def victim_and_attacker(renderer: Renderer) -> tuple[RenderEvent, RenderEvent]:
+    """Two tenants' requests: the victim's image under its salt, the attacker's own image."""
+    victim = renderer.render(
+        "victim", prompt="<image>", images=[synthetic_image(84, 56, 51)], cache_salt="tenant-v"
+    )
+    attacker = renderer.render(
+        "attacker", prompt="<image>", images=[synthetic_image(84, 56, 52)], cache_salt="tenant-a"
+    )
+    return victim, attacker
+
+
+def relabel(ev: RenderEvent, label: str) -> RenderEvent:
+    """``ev`` with its one image item's mm_hash replaced by ``label`` (a forged event)."""
+    return dataclasses.replace(
+        ev, features=dataclasses.replace(ev.features, mm_hashes={"image": [label]})
+    )
+
+
+async def test_forged_label_gets_no_signed_entry_and_no_cache_hit(
+    renderer: Renderer, info: RenderInfo, store: EmbeddingStore, namespace: str
+) -> None:
+    # Defect: the fan-out signed whatever mm_hash a RenderEvent named, so anyone who could write
+    # to the render topic got a signed entry (and a cache hit) for another tenant's embedding.
+    settings = make_settings(namespace, secret=SECRET)
+    fanout = FanOut(settings, store, info)
+    victim, attacker = victim_and_attacker(renderer)
+    (victim_hash,) = victim.features.mm_hashes["image"]
+    victim_key = fanout.store_key(victim_hash)
+    await store.put(victim_key, torch.full((6, 64), 7.0), ttl_s=1)
+
+    # The victim's own request is a hit (so the attacker's misses below are not a store fluke).
+    assert (await fanout.plan(victim)).cached == [victim_hash]
+    await store.put(victim_key, torch.full((6, 64), 7.0), ttl_s=1)
+
+    forged = [
+        relabel(attacker, victim_hash),  # own image, victim's label
+        # The victim's exact pixels under the attacker's salt, labelled with the victim's hash.
+        relabel(
+            dataclasses.replace(victim, request_id="attacker", cache_salt="tenant-a"), victim_hash
+        ),
+        relabel(dataclasses.replace(victim, request_id="attacker", cache_salt=None), victim_hash),
+    ]
+    for ev in forged:
+        with pytest.raises(ValidationError) as err:
+            await fanout.plan(ev)
+        assert (err.value.rule, err.value.modality, err.value.item, err.value.field) == (
+            "mm-hash-mismatch",
+            "image",
+            0,
+            "mm_hashes",
+        )
+    # No hit was taken: a hit would have extended the victim's 1 s TTL to embedding_ttl_s.
+    await asyncio.sleep(1.2)  # past the TTL (a functional wait, nothing is timed)
+    assert not await store.exists(victim_key)
+
+
+async def test_keys_and_claim_checks_use_the_fanouts_own_hash(
+    renderer: Renderer, info: RenderInfo, store: EmbeddingStore, namespace: str
+) -> None:
+    settings = make_settings(namespace, secret=SECRET, inline_limit_bytes=0)
+    fanout = FanOut(settings, store, info)
+    ev = renderer.render(
+        "r-own",
+        prompt="<image> <image>",
+        images=[synthetic_image(84, 56, 61), synthetic_image(56, 56, 62)],
+        cache_salt="t1",
+    )
+    plan = await fanout.plan(ev)
+    src = ev.features.kwargs_data["image"]  # type: ignore[index]
+    for enc in plan.encode:
+        item = src[enc.item_index]
+        assert item is not None
+        own = fanout.hasher.item_hash("image", item, "t1")
+        assert enc.ec_transfer.key == f"{namespace}:{info.fingerprint}:{own}"
+        ref = enc.data["pixel_values"]
+        assert isinstance(ref, TensorRef) and ref.key == f"{namespace}:claim:{own}:pixel_values"
+        # The claim-checked form of the item hashes the same: the ref carries its bytes' digest.
+        assert fanout.hasher.item_hash("image", enc.data, "t1") == own
+    # Another salt (tenant) is another key for the same pixels.
+    other = renderer.render(
+        "r-other",
+        prompt="<image> <image>",
+        images=[synthetic_image(84, 56, 61), synthetic_image(56, 56, 62)],
+        cache_salt="t2",
+    )
+    assert not set(other.features.mm_hashes["image"]) & set(ev.features.mm_hashes["image"])
+
+
+async def test_render_event_tensor_ref_must_be_its_own_claim_key(
+    renderer: Renderer, info: RenderInfo, local_store: LocalStore, namespace: str
+) -> None:
+    # A ref already in a RenderEvent is hashed by its digest; pointing it at another tenant's
+    # parked inputs would get those encoded under the sender's key.
+    settings = make_settings(namespace, secret=SECRET)
+    fanout = FanOut(settings, local_store, info)
+    ev = renderer.render("r-ref", prompt="<image>", images=[synthetic_image(84, 56, 71)])
+    item = ev.features.kwargs_data["image"][0]  # type: ignore[index]
+    assert item is not None
+    pv = item["pixel_values"]
+    assert isinstance(pv, torch.Tensor)
+    (label,) = ev.features.mm_hashes["image"]
+    raw = tensor_bytes(pv)
+
+    def with_ref(key: str) -> RenderEvent:
+        ref = TensorRef(
+            local_store.url,
+            key,
+            "float32",
+            list(pv.shape),
+            len(raw),
+            blake3.blake3(raw).hexdigest(),
+        )
+        kw: dict[str, list[ItemData | None]] = {"image": [{**item, "pixel_values": ref}]}
+        return dataclasses.replace(ev, features=dataclasses.replace(ev.features, kwargs_data=kw))
+
+    with pytest.raises(ValidationError) as err:
+        await fanout.plan(with_ref(f"{namespace}:claim:{'0' * 64}:pixel_values"))
+    assert (err.value.rule, err.value.field) == ("claim-check", "pixel_values")
+    own = f"{namespace}:claim:{label}:pixel_values"
+    await local_store.put_bytes(own, raw, 60)
+    plan = await fanout.plan(with_ref(own))
+    assert [e.mm_hash for e in plan.encode] == [label]
+
+
+async def test_entries_cannot_be_replayed_into_another_request(
+    renderer: Renderer, info: RenderInfo, local_store: LocalStore, namespace: str
+) -> None:
+    settings = make_settings(namespace, secret=SECRET)
+    _, plan = await plan_for(renderer, info, local_store, settings)
+    config = ValidationConfig.from_settings(settings)
+    validate_prefill_event(plan.prefill, config)
+    for enc in plan.encode:
+        validate_encode_event(enc, config)
+    replayed = dataclasses.replace(plan.prefill, request_id="someone-else")
+    with pytest.raises(ValidationError) as err:
+        validate_prefill_event(replayed, config)
+    assert err.value.rule == "ec-signature"
+    with pytest.raises(ValidationError) as err:
+        validate_encode_event(
+            dataclasses.replace(plan.encode[0], request_id="someone-else"), config
+        )
+    assert (err.value.rule, err.value.item) == ("ec-signature", plan.encode[0].item_index)

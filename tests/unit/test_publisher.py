@@ -44,7 +44,7 @@ async def test_fanout_publishes_encode_then_prefill_then_status(renderer: Render
     topics = Topics(settings.topic_prefix)
     store = LocalStore(f"local://pub-{uuid.uuid4().hex[:8]}")
     pub = InMemoryPublisher()
-    fanout = build_fanout(settings, store, renderer.info.fingerprint, pub)
+    fanout = build_fanout(settings, store, renderer.info, pub)
     images = [synthetic_image(84, 56, seed=1), synthetic_image(84, 56, seed=1)]
     ev = renderer.render("req-1", prompt="<image> and <image>", images=images)
 

@@ -6,6 +6,7 @@ import io
 import itertools
 import struct
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 from PIL import Image
 
 from producers.render import (
+    IMAGE_FORMATS,
     QWEN_IMAGE_BLOCK,
     Renderer,
     RenderError,
@@ -235,17 +237,18 @@ def test_unreadable_images(renderer: Renderer, blob: str, tmp_path) -> None:
     }[blob]
     with pytest.raises(RenderError) as ei:
         renderer.render("c", prompt="<image>", images=[src])
-    assert ei.value.rule == (
-        "render.image_type" if blob == "bad_type" else "render.image_unreadable"
-    )
+    assert ei.value.rule == {
+        "bad_type": "render.image_type",
+        "garbage": "render.image_format",  # no accepted decoder recognises it
+    }.get(blob, "render.image_unreadable")
     assert ei.value.item == 0
 
 
-def test_path_input_and_extreme_aspect(renderer: Renderer, tmp_path) -> None:
+def test_path_input_and_extreme_aspect(renderer: Renderer, tmp_path: Path) -> None:
     p = tmp_path / "img.png"
     img = rand_image(70, 90, 10)
     img.save(p)
-    assert renderer.render("p", prompt="<image>", images=[str(p)]).features.mm_hashes == (
+    assert renderer.render("p", prompt="<image>", images=[p]).features.mm_hashes == (
         renderer.render("p", prompt="<image>", images=[img]).features.mm_hashes
     )
     with pytest.raises(RenderError) as ei:
@@ -256,3 +259,78 @@ def test_path_input_and_extreme_aspect(renderer: Renderer, tmp_path) -> None:
 async def test_render_async(renderer: Renderer) -> None:
     ev = await renderer.render_async("a", prompt="<image>!", images=[rand_image(56, 56)])
     assert ev.features.mm_placeholders["image"][0].length == 4
+
+
+# ------------------------------------------------------------------ image formats and paths
+
+
+def encoded(img: Image.Image, fmt: str, **kw: object) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+# A minimal EPS: PIL's EpsImagePlugin recognises it and would run Ghostscript to load it.
+EPS = (
+    b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 64 64\n"
+    b"%%EndComments\nnewpath 0 0 moveto 64 64 lineto stroke\nshowpage\n%%EOF\n"
+)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP"])
+def test_accepted_formats_decode(renderer: Renderer, fmt: str) -> None:
+    assert fmt in IMAGE_FORMATS
+    img = rand_image(64, 80, 12)
+    ev = renderer.render("f", prompt="<image>", images=[encoded(img, fmt)])
+    assert ev.features.mm_placeholders["image"][0].length > 0
+
+
+def test_gif_is_read_at_its_first_frame(renderer: Renderer) -> None:
+    first, second = rand_image(64, 64, 13), rand_image(64, 64, 14)
+    anim = encoded(first, "GIF", save_all=True, append_images=[second], duration=10)
+    still = encoded(first, "GIF")
+    one = renderer.render("g", prompt="<image>", images=[anim]).features.mm_hashes
+    assert one == renderer.render("g", prompt="<image>", images=[still]).features.mm_hashes
+
+
+@pytest.mark.parametrize("fmt", ["EPS", "TIFF", "ICO", "PPM", "TGA"])
+def test_other_formats_are_refused_before_decoding(
+    renderer: Renderer, fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from PIL import EpsImagePlugin
+
+    # Had PIL reached the EPS plugin's loader, it would have tried to run Ghostscript.
+    def no_ghostscript(*a: object, **k: object) -> None:
+        raise AssertionError("Ghostscript reached")
+
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", no_ghostscript)
+    blob = EPS if fmt == "EPS" else encoded(rand_image(64, 64, 15), fmt)
+    with pytest.raises(RenderError) as ei:
+        renderer.render("x", prompt="<image>", images=[blob])
+    assert (ei.value.rule, ei.value.modality, ei.value.item) == ("render.image_format", "image", 0)
+    assert "PNG" in str(ei.value)
+    # The same from a file, and from an image a caller opened lazily (not yet decoded).
+    p = tmp_path / f"img.{fmt.lower()}"
+    p.write_bytes(blob)
+    with pytest.raises(RenderError) as ei:
+        renderer.render("x", prompt="<image>", images=[p])
+    assert ei.value.rule == "render.image_format"
+    with pytest.raises(RenderError) as ei:
+        renderer.render("x", prompt="<image>", images=[Image.open(p)])
+    assert ei.value.rule == "render.image_format"
+
+
+def test_a_str_image_is_not_a_path_unless_files_are_allowed(
+    renderer: Renderer, tmp_path: Path
+) -> None:
+    p = tmp_path / "img.png"
+    rand_image(64, 64, 16).save(p)
+    for s in (str(p), "/etc/passwd", "aGVsbG8="):
+        with pytest.raises(RenderError) as ei:
+            renderer.render("s", prompt="<image>", images=[s])
+        assert (ei.value.rule, ei.value.item) == ("render.image_type", 0)
+        assert "not read as a file path" in str(ei.value)
+    files = Renderer(renderer.info, max_image_pixels=10**6, allow_file_paths=True)
+    assert files.render("s", prompt="<image>", images=[str(p)]).features.mm_hashes == (
+        renderer.render("s", prompt="<image>", images=[p]).features.mm_hashes
+    )

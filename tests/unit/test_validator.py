@@ -517,7 +517,8 @@ def test_vllm_mode_ignores_signatures() -> None:
 def test_prefill_event() -> None:
     f = feats({"image": [(2, 4, None, image_meta())]})
     cfg = ValidationConfig(secret=SECRET, now_ms=lambda: 0)
-    ev = PrefillEvent("r", "m", TOKENS, f, ec_transfer_params=ec_for(f, SECRET))
+    # Signatures bind the request: entries are signed for the event's request id.
+    ev = PrefillEvent("r", "m", TOKENS, f, ec_transfer_params=ec_for(f, SECRET, request_id="r"))
     validate_prefill_event(ev, cfg)
     # An extra, forged entry that no item uses is still rejected.
     ev.ec_transfer_params["stray"] = make_ec_transfer(
@@ -559,7 +560,9 @@ def test_prefill_event_needs_the_grid_in_mm_metadata() -> None:
 
 
 def _encode_event(data: ItemData, secret: bytes | None = SECRET, **kw: Any) -> EncodeEvent:
-    ec = make_ec_transfer(mm_hash="h", store="s", key="ec:fp:h", expires_ms=10**13, secret=secret)
+    ec = make_ec_transfer(
+        mm_hash="h", store="s", key="ec:fp:h", expires_ms=10**13, secret=secret, request_id="r"
+    )
     args: dict[str, Any] = {
         "request_id": "r",
         "model": "m",
