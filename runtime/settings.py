@@ -44,6 +44,15 @@ class Settings(BaseSettings):
 
     # Redis (status records; also the default embedding store)
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_max_connections: int = Field(
+        64,
+        ge=1,
+        description="connections per process to EPD_REDIS_URL (status records, replay ledger); "
+        "beyond them a command waits for a free one instead of failing",
+    )
+    redis_pool_timeout_s: float = Field(
+        10.0, gt=0, description="longest a command waits for a free Redis connection"
+    )
     status_ttl_s: int = 3600
 
     # Embedding store and claim checks
