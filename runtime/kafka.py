@@ -172,8 +172,8 @@ async def read_topic(settings: Settings, topic: str, *, timeout_s: float = 30.0)
     that inspect what was sent (the demo's byte counts, the e2e test's DLQ check).
     """
     consumer = make_consumer(settings, group_id=None)
-    await consumer.start()
     try:
+        await consumer.start()
         partitions = consumer.partitions_for_topic(topic)
         if partitions is None:
             await consumer._client.force_metadata_update()

@@ -83,6 +83,11 @@ class Settings(BaseSettings):
     max_in_flight: int = 64
     max_attempts: int = 3
     encode_batch_patches: int = Field(16384, description="patch budget of one vision-tower call")
+    dlq_replay_ttl_s: int = Field(
+        30 * 86400,
+        description="how long `epd dlq replay` remembers a dead letter it republished (so a "
+        "second run does not republish it again); keep it above the DLQ topic's retention",
+    )
 
     @property
     def embedding_store_url(self) -> str:
