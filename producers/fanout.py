@@ -20,7 +20,7 @@ from runtime.kafka import ResultReporter
 from runtime.publisher import Publisher
 from runtime.settings import Settings
 from schemas.modalities import METADATA_FIELDS
-from schemas.signing import embedding_key, make_ec_transfer
+from schemas.signing import claim_key, embedding_key, make_ec_transfer
 from schemas.tensors import dtype_name, tensor_bytes
 from schemas.topics import Topics
 from schemas.types import (
@@ -63,9 +63,15 @@ class FanoutStats:
     """What the prefill event would weigh had it carried the full ``kwargs_data``."""
 
 
-def claim_key(namespace: str, mm_hash: str, field_name: str) -> str:
-    """Store key of a claim-checked encoder input."""
-    return f"{namespace}:claim:{mm_hash}:{field_name}"
+def claim_ttl_s(settings: Settings, deadline_ms: int | None, now: int | None = None) -> float:
+    """Lifetime of a claim check: ``EPD_CLAIM_TTL_S``, capped by the request's deadline (past
+    it the encode worker expires the event unread). The encode worker deletes the claim once the
+    embedding is stored; the TTL only bounds claims nobody came for."""
+    ttl = float(settings.claim_ttl_s)
+    if deadline_ms is not None:
+        left_ms = deadline_ms - (now if now is not None else now_ms())
+        ttl = min(ttl, max(1.0, left_ms / 1000))
+    return ttl
 
 
 def _unique_items(features: Features) -> list[tuple[str, int, str]]:
@@ -116,7 +122,9 @@ class FanOut:
             secret=self._secret,
         )
 
-    async def _inline_or_claim(self, mm_hash: str, data: ItemData) -> ItemData:
+    async def _inline_or_claim(
+        self, mm_hash: str, data: ItemData, deadline_ms: int | None
+    ) -> ItemData:
         out: ItemData = {}
         for name, value in data.items():
             if isinstance(value, TensorRef):
@@ -131,7 +139,7 @@ class FanOut:
             # Copying and hashing megabytes takes milliseconds: keep it off the event loop.
             raw, digest = await asyncio.to_thread(_bytes_and_digest, value)
             key = claim_key(self.settings.ec_namespace, mm_hash, name)
-            await self.store.put_bytes(key, raw, self.settings.embedding_ttl_s)
+            await self.store.put_bytes(key, raw, claim_ttl_s(self.settings, deadline_ms))
             out[name] = TensorRef(
                 store=self.store.url,
                 key=key,
@@ -164,7 +172,7 @@ class FanOut:
                     modality=modality,
                     item_index=index,
                     mm_hash=mm_hash,
-                    data=await self._inline_or_claim(mm_hash, data),
+                    data=await self._inline_or_claim(mm_hash, data, ev.deadline_ms),
                     ec_transfer=ec,
                     deadline_ms=ev.deadline_ms,
                     trace=dict(ev.trace),

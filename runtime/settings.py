@@ -63,6 +63,12 @@ class Settings(BaseSettings):
         description="longest a prefill worker waits for a request's embeddings (the request's "
         "deadline caps it)",
     )
+    claim_ttl_s: int = Field(
+        120,
+        ge=1,
+        description="lifetime of a claim-checked encoder input in the store (capped by the "
+        "request's deadline); the encode worker deletes it once the embedding is stored",
+    )
     inline_limit_bytes: int = Field(
         256 * 1024, description="encoder inputs above this size travel as a TensorRef claim check"
     )

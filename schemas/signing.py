@@ -1,4 +1,4 @@
-"""HMAC signatures on ``ec_transfer_params`` entries, and the embedding key layout.
+"""HMAC signatures on ``ec_transfer_params`` entries, and the embedding and claim key layout.
 
 The fan-out signs each entry; the prefill side checks the signature and that the key stays
 inside the configured namespace, so a forged event cannot point a worker at another tenant's
@@ -16,6 +16,15 @@ from schemas.types import ECTransfer
 def embedding_key(namespace: str, model_fingerprint: str, mm_hash: str) -> str:
     """Store key of one item's embeddings: ``{namespace}:{model_fingerprint}:{mm_hash}``."""
     return f"{namespace}:{model_fingerprint}:{mm_hash}"
+
+
+def claim_key(namespace: str, mm_hash: str, field_name: str) -> str:
+    """Store key of a claim-checked encoder input: ``{namespace}:claim:{mm_hash}:{field}``.
+
+    The fan-out writes it; the encode worker reads it and deletes it once the item's embedding is
+    stored (and deletes nothing that is not exactly this key for the event's item).
+    """
+    return f"{namespace}:claim:{mm_hash}:{field_name}"
 
 
 def _message(mm_hash: str, store: str, key: str, expires_ms: int) -> bytes:
