@@ -44,6 +44,7 @@ from schemas.types import (
     PrefillEvent,
     RenderEvent,
     ResultEvent,
+    TensorRef,
     now_ms,
 )
 from schemas.validator import (
@@ -56,6 +57,8 @@ from schemas.validator import (
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
     from aiokafka import AIOKafkaProducer
+
+    from runtime.stores.base import EmbeddingStore
 
 REPLAYED_FROM_HEADER = "epd-replayed-from"
 """On a republished record: the dead letter it came from, as ``dlq_topic:partition:offset``."""
@@ -390,6 +393,45 @@ def check_replayable(
     return None
 
 
+async def check_claims(r: DeadLetterRecord, store: EmbeddingStore) -> ErrorInfo | None:
+    """For an encode event whose inputs were claim-checked into ``store``: why replaying it would
+    fail at the worker, or None.
+
+    Claim checks live ``EPD_CLAIM_TTL_S`` and are deleted once the embedding is stored, so an
+    old encode dead letter can point at inputs that are gone. That is fine when the embedding is
+    in the store (the worker has a hit and reads no claim); otherwise the event cannot succeed.
+    """
+    if r.letter is None or not r.letter.value:
+        return None
+    try:
+        ev: Any = codec.decode(r.letter.value)
+    except CodecError:
+        return None  # check_replayable reports it
+    if not isinstance(ev, EncodeEvent):
+        return None
+    refs = [
+        (name, v)
+        for name, v in ev.data.items()
+        if isinstance(v, TensorRef) and v.store == store.url
+    ]
+    if not refs:
+        return None
+    if ev.ec_transfer.store == store.url and await store.exists(ev.ec_transfer.key):
+        return None
+    for name, ref in refs:
+        if not await store.exists(ref.key):
+            return ErrorInfo(
+                "claim-check-gone",
+                f"the claim-checked input {ref.key!r} is no longer in the store and the item's "
+                "embedding is not there either; submit the request again",
+                rule="claim-check",
+                modality=ev.modality,
+                item=ev.item_index,
+                field=name,
+            )
+    return None
+
+
 def replay_headers(r: DeadLetterRecord) -> list[tuple[str, bytes]]:
     """The original record's headers (minus the DLQ's ``epd-error-*`` ones), plus the replay
     marks that let replay recognise this payload if it is dead-lettered again."""
@@ -462,6 +504,8 @@ class Replayer:
     ledger: ReplayLedger
     producer: AIOKafkaProducer | None = None
     """Started producer; None only for dry runs."""
+    store: EmbeddingStore | None = None
+    """The embedding store, to check that an encode event's claim checks still exist."""
 
     async def replay(
         self, records: Sequence[DeadLetterRecord], *, dry_run: bool = False
@@ -479,6 +523,8 @@ class Replayer:
                 ErrorInfo("already-replayed", f"replayed before, at {_iso(r.replayed_ms)}"),
             )
         reason = check_replayable(r, self.topics, self.config)
+        if reason is None and self.store is not None:
+            reason = await check_claims(r, self.store)
         if reason is not None:
             return ReplayOutcome(r, "skipped", reason)
         if dry_run:

@@ -136,6 +136,7 @@ async def replay_letters(settings: Settings, args: argparse.Namespace) -> int:
     """Re-validate and republish the matching dead letters; print one line per dead letter."""
     from consumers.dlq import Replayer, outcome_line, read_dead_letters
     from runtime.kafka import make_producer
+    from runtime.stores import open_store
     from schemas.topics import Topics
     from schemas.validator import ValidationConfig
 
@@ -145,15 +146,17 @@ async def replay_letters(settings: Settings, args: argparse.Namespace) -> int:
 
     async def body(ledger: Any) -> int:
         producer = None if args.dry_run else make_producer(settings)
-        if producer is not None:
-            await producer.start()
+        store = open_store(settings.embedding_store_url)
         try:
-            outcomes = await Replayer(topics, config, ledger, producer).replay(
+            if producer is not None:
+                await producer.start()
+            outcomes = await Replayer(topics, config, ledger, producer, store).replay(
                 records, dry_run=args.dry_run
             )
         finally:
             if producer is not None:
                 await producer.stop()
+            await store.close()
         counts: dict[str, int] = {}
         for o in outcomes:
             counts[o.action] = counts.get(o.action, 0) + 1

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime
 
 import pytest
+import torch
 
 from consumers.dlq import (
     REPLAY_COUNT_HEADER,
@@ -12,20 +14,26 @@ from consumers.dlq import (
     VALUE_DROPPED_HEADER,
     DeadLetterRecord,
     LetterFilter,
+    check_claims,
     check_replayable,
     parse_position,
     parse_since,
     replay_headers,
 )
+from runtime.stores.local import LocalStore
 from schemas import codec
+from schemas.signing import claim_key
 from schemas.topics import Topics
 from schemas.types import (
     DeadLetter,
+    ECTransfer,
     EncodedEvent,
+    EncodeEvent,
     ErrorInfo,
     Features,
     PrefillEvent,
     ResultEvent,
+    TensorRef,
 )
 from schemas.validator import ValidationConfig
 
@@ -104,3 +112,31 @@ def test_filter_matches_rule_code_and_time() -> None:
     assert not LetterFilter(rule="r2")(r)
     assert not LetterFilter(code="validation")(r)
     assert not LetterFilter(since_ms=NOW + 1)(r)
+
+
+async def test_replay_checks_that_claim_checked_inputs_still_exist() -> None:
+    store = LocalStore(f"local://dlq-{uuid.uuid4().hex[:8]}")
+    claim = claim_key("ec", "h", "pixel_values")
+    ref = TensorRef(store.url, claim, "float32", [4, 4], 64, "d" * 64)
+    grid = torch.tensor([[1, 2, 2]])
+    ec = ECTransfer("h", store.url, "ec:fp:h", NOW)
+    ev = EncodeEvent(
+        "r", "tiny", "image", 0, "h", {"pixel_values": ref, "image_grid_thw": grid}, ec
+    )
+    r = _rec(codec.encode(ev), topic=TOPICS.encode)
+    try:
+        reason = await check_claims(r, store)
+        assert reason is not None and reason.code == "claim-check-gone"
+        assert (reason.rule, reason.modality, reason.item, reason.field) == (
+            "claim-check",
+            "image",
+            0,
+            "pixel_values",
+        )
+        await store.put_bytes(claim, b"\0" * 64)
+        assert await check_claims(r, store) is None  # the input is still there
+        await store.delete(claim)
+        await store.put("ec:fp:h", torch.zeros(2, 2))
+        assert await check_claims(r, store) is None  # gone, but the worker will have a hit
+    finally:
+        await store.close()
