@@ -199,8 +199,8 @@ async def read_dead_letters(
     *,
     timeout_s: float = 30.0,
 ) -> list[DeadLetterRecord]:
-    """Every dead letter in ``topic`` (up to its current end) that ``keep`` accepts, oldest first
-    per partition. Undecodable DLQ records are kept (filters on rule/code skip them)."""
+    """Every dead letter in ``topic`` (up to its current end) that ``keep`` accepts, in the order
+    they failed. Undecodable DLQ records are kept (filters on rule/code skip them)."""
     out = [_record(rec) for rec in await read_topic(settings, topic, timeout_s=timeout_s)]
     out.sort(key=lambda r: (r.failed_ms, r.partition, r.offset))
     return [r for r in out if keep(r)]

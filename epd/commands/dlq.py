@@ -55,6 +55,16 @@ async def _with_ledger(settings: Settings, body: Callable[[Any], Awaitable[int]]
         await client.aclose()
 
 
+async def _annotate(ledger: Any, records: list[DeadLetterRecord]) -> None:
+    """Replay state from the ledger; listing still works (without it) when Redis does not."""
+    from redis.exceptions import RedisError
+
+    try:
+        await ledger.annotate(records)
+    except (RedisError, OSError) as exc:
+        print(f"epd: warning: replay state unknown (Redis: {exc})", file=sys.stderr)
+
+
 def _row(r: DeadLetterRecord) -> str:
     from consumers.dlq import describe
 
@@ -85,7 +95,7 @@ async def list_letters(settings: Settings, args: argparse.Namespace) -> int:
     records = await read_dead_letters(settings, Topics(settings.topic_prefix).dlq, _filter(args))
 
     async def body(ledger: Any) -> int:
-        await ledger.annotate(records)
+        await _annotate(ledger, records)
         if args.json:
             _json([describe(r) for r in records])
             return 0
@@ -115,7 +125,7 @@ async def show_letter(settings: Settings, args: argparse.Namespace) -> int:
         return 1
 
     async def body(ledger: Any) -> int:
-        await ledger.annotate([rec])
+        await _annotate(ledger, [rec])
         d = describe(rec, with_value=True)
         if args.json:
             _json(d)

@@ -157,6 +157,12 @@ async def test_list_show_and_replay_without_loops(
         await dlq_cmd.list_letters(settings, _args("list", "--since", "2999-01-01T00:00Z"))
         assert "0 dead letter(s)" in capsys.readouterr().out
 
+        # Listing does not need Redis (only the replay state does).
+        no_redis = settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
+        assert await dlq_cmd.list_letters(no_redis, _args("list")) == 0
+        captured = capsys.readouterr()
+        assert "4 dead letter(s)" in captured.out and "replay state unknown" in captured.err
+
         # --- show: by PARTITION:OFFSET, and by OFFSET alone when it is unambiguous --------
         pos = by_code["validation"]
         one = await fetch_dead_letter(settings, topics.dlq, pos.partition, pos.offset)
@@ -172,6 +178,13 @@ async def test_list_show_and_replay_without_loops(
         assert shown["headers"]["epd-error-rule"] == "ec-transfer-required"
         assert await dlq_cmd.show_letter(settings, _args("show", f"{pos.partition}:999")) == 1
         assert "no dead letter at offset 999" in capsys.readouterr().err
+        holders = [r.partition for r in letters if r.offset == pos.offset]
+        if len(holders) == 1:
+            alone = await fetch_dead_letter(settings, topics.dlq, None, pos.offset)
+            assert alone.letter == pos.letter
+        else:
+            assert await dlq_cmd.show_letter(settings, _args("show", str(pos.offset))) == 1
+            assert "exists in several partitions" in capsys.readouterr().err
 
         # --- dry run: says what it would do, publishes nothing ----------------------------
         sources = [topics.results, topics.prefill]
