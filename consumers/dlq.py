@@ -450,8 +450,13 @@ def replay_headers(r: DeadLetterRecord) -> list[tuple[str, bytes]]:
 
 
 class ReplayLedger:
-    """Which dead letters were republished: ``{prefix}:dlq-replayed:{topic}:{p}:{o}`` in Redis
-    (value: epoch ms of the replay), kept ``ttl_s`` (outlive the DLQ's retention)."""
+    """Which dead letters were republished, in Redis (value: epoch ms of the replay), kept
+    ``ttl_s`` (outlive the DLQ's retention).
+
+    Key: ``{prefix}:dlq-replayed:{topic}:{p}:{o}:{failed_ms}``. The failure time is part of it
+    because a position alone is not an identity: a recreated topic (or a restarted in-memory
+    broker) starts its offsets again, and its new dead letters must not look replayed.
+    """
 
     def __init__(self, client: aioredis.Redis, *, prefix: str, ttl_s: int) -> None:
         self.client = client
@@ -459,7 +464,7 @@ class ReplayLedger:
         self.ttl_s = ttl_s
 
     def key(self, r: DeadLetterRecord) -> str:
-        return f"{self.prefix}:dlq-replayed:{r.topic}:{r.partition}:{r.offset}"
+        return f"{self.prefix}:dlq-replayed:{r.topic}:{r.partition}:{r.offset}:{r.failed_ms}"
 
     async def annotate(self, records: Sequence[DeadLetterRecord]) -> None:
         """Fill in ``replayed_ms`` of each record from the ledger."""

@@ -14,6 +14,7 @@ from consumers.dlq import (
     VALUE_DROPPED_HEADER,
     DeadLetterRecord,
     LetterFilter,
+    ReplayLedger,
     check_claims,
     check_replayable,
     parse_position,
@@ -140,3 +141,13 @@ async def test_replay_checks_that_claim_checked_inputs_still_exist() -> None:
         assert await check_claims(r, store) is None  # gone, but the worker will have a hit
     finally:
         await store.close()
+
+
+def test_ledger_key_tells_apart_dead_letters_at_a_reused_position() -> None:
+    # A recreated DLQ topic (or a restarted in-memory broker) hands out offset 9 again.
+    ledger = ReplayLedger(None, prefix="t", ttl_s=60)  # type: ignore[arg-type]  # key() only
+    old, new = _rec(b"x"), _rec(b"x")
+    assert new.letter is not None
+    new.letter.failed_ms += 1
+    assert ledger.key(old) != ledger.key(new)
+    assert ledger.key(old) == f"t:dlq-replayed:{TOPICS.dlq}:0:9:{NOW}"
