@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "epd.commands.worker",
     "epd.commands.demo",
     "epd.commands.verify",
+    "epd.commands.dlq",
 ]
 
 

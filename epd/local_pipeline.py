@@ -184,13 +184,12 @@ async def local_pipeline(
     ``isolate`` gives this run its own topic prefix, embedding namespace and EC secret, so
     reruns against a long-lived broker and Redis never see each other's events or embeddings.
     """
-    import redis.asyncio as aioredis
-
     from producers.fanout import build_fanout
     from producers.render import Renderer
     from producers.submit import Submitter
     from runtime.kafka import KafkaPublisher, ensure_topics
     from runtime.model import load_render_info
+    from runtime.redis_client import redis_client
     from runtime.status_store import StatusStore
     from runtime.stores import open_store
     from schemas.topics import Topics
@@ -211,7 +210,7 @@ async def local_pipeline(
         workers.start()
     publisher = KafkaPublisher.for_pipeline(settings, topics)
     store = open_store(settings.embedding_store_url)
-    client = aioredis.Redis.from_url(settings.redis_url)
+    client = redis_client(settings)
     try:
         await publisher.start()
         info = await asyncio.to_thread(load_render_info, settings.model)

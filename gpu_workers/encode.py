@@ -22,10 +22,11 @@ from gpu_workers.compute import encode_images
 from runtime.kafka import ResultReporter
 from runtime.model import vision_config
 from runtime.settings import Settings
-from runtime.stores.base import StoreKeyMissing
+from runtime.stores.base import StoreError, StoreKeyMissing
 from schemas.errors import ValidationError
 from schemas.modalities import GRID_FIELDS
 from schemas.modalities import MAIN_ENCODER_INPUT as ENCODER_INPUT_FIELDS
+from schemas.signing import claim_key
 from schemas.tensors import dtype_name, tensor_from_bytes
 from schemas.topics import Topics
 from schemas.types import EncodedEvent, EncodeEvent, ErrorInfo, TensorRef, now_ms
@@ -72,6 +73,7 @@ class EncodeWorker:
         self._inflight: dict[str, asyncio.Future[None]] = {}
         self.cache_hits = 0
         self.items_encoded = 0
+        self.claims_deleted = 0
 
     @property
     def encoder_calls(self) -> int:
@@ -134,6 +136,24 @@ class EncodeWorker:
         # The event only carried the reference: check the values now that we hold them.
         check_tensor(tensor, self.vconfig, modality=ev.modality, item=ev.item_index, name=name)
         return tensor
+
+    async def _drop_claims(self, ev: EncodeEvent) -> None:
+        """Delete this item's claim-checked inputs (megabytes each) once its embedding is stored.
+
+        Only keys the fan-out would have written for this item (:func:`claim_key`) in this
+        worker's store are deleted, so an event cannot name another key for deletion. A failed
+        delete is logged, not raised: the claim's own TTL removes it anyway.
+        """
+        for name, value in ev.data.items():
+            if not isinstance(value, TensorRef) or value.store != self.store.url:
+                continue
+            if value.key != claim_key(self.settings.ec_namespace, ev.mm_hash, name):
+                continue
+            try:
+                await self.store.delete(value.key)
+                self.claims_deleted += 1
+            except StoreError as exc:
+                log.warning("%s: could not delete claim %s (%r)", self.worker_id, value.key, exc)
 
     async def _encoded(
         self, ev: EncodeEvent, emb_dtype: str, shape: list[int], *, hit: bool, ms: float
@@ -241,6 +261,9 @@ class EncodeWorker:
             raise
         finally:
             self._inflight.pop(ev.mm_hash, None)
+        # Only now (the embedding is stored) is the claim-checked input garbage: a redelivery of
+        # this event finds the embedding (a hit) and never reads the claim again.
+        await self._drop_claims(ev)
         if hit:
             self.cache_hits += 1
             await self._encoded(ev, dtype_name(self.bundle.dtype), [], hit=True, ms=0.0)

@@ -27,7 +27,7 @@ from runtime.publisher import Publisher
 from runtime.settings import Settings
 from schemas.errors import ValidationError
 from schemas.modalities import METADATA_FIELDS
-from schemas.signing import ItemHasher, embedding_key, make_ec_transfer, tensor_digest
+from schemas.signing import ItemHasher, claim_key, embedding_key, make_ec_transfer, tensor_digest
 from schemas.tensors import dtype_name, tensor_bytes
 from schemas.topics import Topics
 from schemas.types import (
@@ -71,9 +71,15 @@ class FanoutStats:
     """What the prefill event would weigh had it carried the full ``kwargs_data``."""
 
 
-def claim_key(namespace: str, key_hash: str, field_name: str) -> str:
-    """Store key of a claim-checked encoder input (``key_hash``: the fan-out's own hash)."""
-    return f"{namespace}:claim:{key_hash}:{field_name}"
+def claim_ttl_s(settings: Settings, deadline_ms: int | None, now: int | None = None) -> float:
+    """Lifetime of a claim check: ``EPD_CLAIM_TTL_S``, capped by the request's deadline (past
+    it the encode worker expires the event unread). The encode worker deletes the claim once the
+    embedding is stored; the TTL only bounds claims nobody came for."""
+    ttl = float(settings.claim_ttl_s)
+    if deadline_ms is not None:
+        left_ms = deadline_ms - (now if now is not None else now_ms())
+        ttl = min(ttl, max(1.0, left_ms / 1000))
+    return ttl
 
 
 @dataclass(slots=True)
@@ -201,7 +207,7 @@ class FanOut:
             request_id=request_id,
         )
 
-    async def _inline_or_claim(self, item: HashedItem) -> ItemData:
+    async def _inline_or_claim(self, item: HashedItem, deadline_ms: int | None) -> ItemData:
         out: ItemData = {}
         for name, value in item.data.items():
             if isinstance(value, TensorRef):
@@ -218,7 +224,7 @@ class FanOut:
             raw = await asyncio.to_thread(tensor_bytes, value)
             digest = item.digests[name]
             key = claim_key(self.settings.ec_namespace, item.key_hash, name)
-            await self.store.put_bytes(key, raw, self.settings.embedding_ttl_s)
+            await self.store.put_bytes(key, raw, claim_ttl_s(self.settings, deadline_ms))
             out[name] = TensorRef(
                 store=self.store.url,
                 key=key,
@@ -255,7 +261,7 @@ class FanOut:
                     modality=it.modality,
                     item_index=it.index,
                     mm_hash=it.label,
-                    data=await self._inline_or_claim(it),
+                    data=await self._inline_or_claim(it, ev.deadline_ms),
                     ec_transfer=ec,
                     deadline_ms=ev.deadline_ms,
                     trace=dict(ev.trace),

@@ -172,8 +172,8 @@ async def read_topic(settings: Settings, topic: str, *, timeout_s: float = 30.0)
     that inspect what was sent (the demo's byte counts, the e2e test's DLQ check).
     """
     consumer = make_consumer(settings, group_id=None)
-    await consumer.start()
     try:
+        await consumer.start()
         partitions = consumer.partitions_for_topic(topic)
         if partitions is None:
             await consumer._client.force_metadata_update()
@@ -201,7 +201,21 @@ async def read_topic(settings: Settings, topic: str, *, timeout_s: float = 30.0)
 
 
 class ResultReporter:
-    """Sends one stage's ResultEvents (status updates and outcomes) to the results topic."""
+    """Sends one stage's ResultEvents (status updates and outcomes) to the results topic.
+
+    Each record carries a stable id in the :attr:`RESULT_ID_HEADER` Kafka header,
+    ``{request_id}:{stage}:{status}``, so a downstream reader can drop duplicates (the results
+    topic is at-least-once: a worker that crashes before committing sends its updates again).
+    It is the same pair the status record dedupes by: one id per stage outcome of a request,
+    however many times that outcome is sent.
+    """
+
+    RESULT_ID_HEADER = "epd-result-id"
+
+    @staticmethod
+    def result_id(request_id: str, stage: str, status: str) -> str:
+        """The stable id of one (request, stage, status) update."""
+        return f"{request_id}:{stage}:{status}"
 
     def __init__(self, publisher: Publisher, results_topic: str, stage: str, worker: str = ""):
         self.publisher = publisher
@@ -221,6 +235,7 @@ class ResultReporter:
         info: dict[str, str] | None = None,
     ) -> None:
         """Publish one update for ``request_id`` (keyed by it, so a request stays ordered)."""
+        rid = self.result_id(request_id, self.stage, status)
         await self.publisher.send(
             self.topic,
             request_id,
@@ -235,4 +250,5 @@ class ResultReporter:
                 info=info or {},
                 worker=self.worker,
             ),
+            headers=[(self.RESULT_ID_HEADER, rid.encode())],
         )

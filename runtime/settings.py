@@ -56,6 +56,15 @@ class Settings(BaseSettings):
 
     # Redis (status records; also the default embedding store)
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_max_connections: int = Field(
+        64,
+        ge=1,
+        description="connections per process to EPD_REDIS_URL (status records, replay ledger); "
+        "beyond them a command waits for a free one instead of failing",
+    )
+    redis_pool_timeout_s: float = Field(
+        10.0, gt=0, description="longest a command waits for a free Redis connection"
+    )
     status_ttl_s: int = 3600
 
     # Embedding store and claim checks
@@ -65,6 +74,12 @@ class Settings(BaseSettings):
         60.0,
         description="longest a prefill worker waits for a request's embeddings (the request's "
         "deadline caps it)",
+    )
+    claim_ttl_s: int = Field(
+        120,
+        ge=1,
+        description="lifetime of a claim-checked encoder input in the store (capped by the "
+        "request's deadline); the encode worker deletes it once the embedding is stored",
     )
     inline_limit_bytes: int = Field(
         256 * 1024, description="encoder inputs above this size travel as a TensorRef claim check"
@@ -101,6 +116,11 @@ class Settings(BaseSettings):
     max_in_flight: int = 64
     max_attempts: int = 3
     encode_batch_patches: int = Field(16384, description="patch budget of one vision-tower call")
+    dlq_replay_ttl_s: int = Field(
+        30 * 86400,
+        description="how long `epd dlq replay` remembers a dead letter it republished (so a "
+        "second run does not republish it again); keep it above the DLQ topic's retention",
+    )
 
     @property
     def embedding_store_url(self) -> str:

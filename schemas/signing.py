@@ -1,5 +1,5 @@
-"""HMAC signatures on ``ec_transfer_params`` entries, the embedding key layout, and the content
-hash an embedding is keyed by.
+"""HMAC signatures on ``ec_transfer_params`` entries, the embedding and claim key layout, and the
+content hash an embedding is keyed by.
 
 The fan-out signs each entry; the prefill side checks the signature and that the key stays
 inside the configured namespace, so a forged event cannot point a worker at another tenant's
@@ -32,6 +32,16 @@ _PARALLEL_HASH_BYTES = 1 << 20
 def embedding_key(namespace: str, model_fingerprint: str, mm_hash: str) -> str:
     """Store key of one item's embeddings: ``{namespace}:{model_fingerprint}:{mm_hash}``."""
     return f"{namespace}:{model_fingerprint}:{mm_hash}"
+
+
+def claim_key(namespace: str, mm_hash: str, field_name: str) -> str:
+    """Store key of a claim-checked encoder input: ``{namespace}:claim:{mm_hash}:{field}``
+    (``mm_hash``: the fan-out's own hash of the item).
+
+    The fan-out writes it; the encode worker reads it and deletes it once the item's embedding is
+    stored (and deletes nothing that is not exactly this key for the event's item).
+    """
+    return f"{namespace}:claim:{mm_hash}:{field_name}"
 
 
 def _framed(*fields: bytes) -> bytes:

@@ -99,12 +99,11 @@ async def _build_prefill(ctx: StageContext) -> Handler:
 
 
 async def _build_results(ctx: StageContext) -> Handler:
-    import redis.asyncio as aioredis
-
     from consumers.results import ResultsCollector
+    from runtime.redis_client import redis_client
     from runtime.status_store import StatusStore
 
-    client = aioredis.Redis.from_url(ctx.settings.redis_url)
+    client = redis_client(ctx.settings)
     ctx.closers.append(client.aclose)
     status = StatusStore(client, prefix=ctx.settings.topic_prefix, ttl_s=ctx.settings.status_ttl_s)
     return ResultsCollector(status).handle

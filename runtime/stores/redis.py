@@ -66,6 +66,8 @@ _OWN_PARAMS = ("key_prefix", "channel")
 _WIRE_PARAMS = frozenset({"socket_timeout", "socket_connect_timeout"})
 """redis-py options the wire path honours too; a URL with any other option stays on redis-py."""
 _UNAVAILABLE = (rexc.ConnectionError, rexc.TimeoutError, OSError)
+_POOL_WAIT_S = 30.0
+"""Longest a redis-py store command waits for a pooled connection (then StoreUnavailable)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -109,8 +111,13 @@ class _RedisPyIO:
     """Data path over redis-py (TLS, or options only redis-py understands)."""
 
     def __init__(self, conn_url: str, connect_timeout_s: float) -> None:
-        self._pool = aioredis.ConnectionPool.from_url(
-            conn_url, decode_responses=False, socket_connect_timeout=connect_timeout_s
+        # Blocking: a burst beyond the pool (default 50, ``?max_connections=`` in the URL) waits
+        # for a free connection instead of failing with MaxConnectionsError.
+        self._pool = aioredis.BlockingConnectionPool.from_url(
+            conn_url,
+            decode_responses=False,
+            socket_connect_timeout=connect_timeout_s,
+            timeout=_POOL_WAIT_S,
         )
         self._client = aioredis.Redis(connection_pool=self._pool)
 

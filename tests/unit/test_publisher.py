@@ -80,3 +80,13 @@ async def test_result_reporter_keys_updates_by_request() -> None:
     ev = rec.event()
     assert rec.key == "req-9" and isinstance(ev, ResultEvent)
     assert (ev.stage, ev.status, ev.token_ids, ev.worker) == ("prefill", "completed", [1, 2], "w1")
+
+
+async def test_result_records_carry_a_stable_id_for_dedupe() -> None:
+    pub = InMemoryPublisher()
+    report = ResultReporter(pub, "t.results", "encode", "w1")
+    await report("req-9", "encoding")
+    await report("req-9", "encoding", info={"sent": "again"})  # a redelivery's re-send
+    await report("req-9", "rejected")
+    ids = [dict(r.headers)[ResultReporter.RESULT_ID_HEADER] for r in pub.records]
+    assert ids == [b"req-9:encode:encoding", b"req-9:encode:encoding", b"req-9:encode:rejected"]

@@ -1,0 +1,28 @@
+"""The one place redis-py clients for ``EPD_REDIS_URL`` are made (status records, DLQ ledger).
+
+redis-py's default pool raises ``MaxConnectionsError: Too many connections`` as soon as more
+commands are in flight than it has connections; a burst of submits (each status update WATCHes
+its record on a connection of its own) then fails requests that only had to wait. A
+``BlockingConnectionPool`` queues them instead: a command waits up to
+``redis_pool_timeout_s`` for a connection, and the process never holds more than
+``redis_max_connections``.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from runtime.settings import Settings
+
+
+def redis_client(settings: Settings, url: str | None = None) -> aioredis.Redis:
+    """A client on ``url`` (default ``settings.redis_url``) over a bounded, waiting pool.
+
+    Close it with ``await client.aclose()``; that also closes the pool it owns.
+    """
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url or settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        timeout=settings.redis_pool_timeout_s,
+    )
+    return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes both

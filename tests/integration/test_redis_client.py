@@ -1,0 +1,79 @@
+"""The shared Redis client (runtime/redis_client.py) under a burst, against a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+import torch
+from redis.exceptions import MaxConnectionsError
+
+from runtime.redis_client import redis_client as make_redis_client
+from runtime.settings import Settings
+from runtime.status_store import StatusStore
+from runtime.stores.redis import RedisStore
+from schemas.types import ResultEvent
+
+pytestmark = pytest.mark.integration
+
+BURST = 300
+POOL = 4
+
+
+def _burst() -> list[ResultEvent]:
+    # Mostly distinct requests (one WATCHed connection each), plus several updates per request
+    # so WATCH conflicts and retries happen under the same pressure.
+    return [
+        ResultEvent(f"r{i % 100}", "stage", ("queued", "encoding", "prefilling")[i // 100])
+        for i in range(BURST)
+    ]
+
+
+async def test_burst_of_status_applies_waits_for_a_connection(
+    settings: Settings, redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    small = settings.model_copy(update={"redis_max_connections": POOL})
+    client = make_redis_client(small)
+    status = StatusStore(client, prefix=redis_prefix.rstrip(":"), ttl_s=60)
+    try:
+        results = await asyncio.gather(*(status.apply(ev) for ev in _burst()))
+        assert all(results)  # every (stage, status) pair was new: none lost, none failed
+        pool = client.connection_pool
+        opened = len(pool._available_connections) + len(pool._in_use_connections)
+        assert 0 < opened <= POOL  # bounded: the burst waited instead of opening more
+        recs = await asyncio.gather(*(status.get(f"r{i}") for i in range(100)))
+        assert all(r is not None and r["status"] == "prefilling" for r in recs)
+    finally:
+        await client.aclose()
+
+
+async def test_default_pool_of_that_size_fails_the_same_burst(
+    settings: Settings, redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    # The failure this module exists for: redis-py's default pool raises at its limit.
+    client = aioredis.Redis.from_url(settings.redis_url, max_connections=POOL)
+    status = StatusStore(client, prefix=redis_prefix.rstrip(":"), ttl_s=60)
+    try:
+        outcomes = await asyncio.gather(
+            *(status.apply(ev) for ev in _burst()), return_exceptions=True
+        )
+        assert any(isinstance(o, MaxConnectionsError) for o in outcomes)
+    finally:
+        await client.aclose()
+
+
+async def test_store_on_redis_py_waits_for_a_connection_too(
+    settings: Settings, redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    # The same class of failure in the embedding store's redis-py path (rediss://, or URLs with
+    # redis-py-only options such as max_connections).
+    url = f"{settings.redis_url}?max_connections={POOL}&key_prefix={redis_prefix}"
+    store = RedisStore(url, wire_io=False)
+    try:
+        tensors = [torch.full((4,), float(i)) for i in range(BURST)]
+        await asyncio.gather(*(store.put(f"k{i}", t, 60) for i, t in enumerate(tensors)))
+        got = await asyncio.gather(*(store.get(f"k{i}") for i in range(BURST)))
+        assert all(torch.equal(g, t) for g, t in zip(got, tensors, strict=True))
+    finally:
+        await store.close()
