@@ -47,6 +47,7 @@ from consumers.commits import CommitTracker
 from consumers.retry import Poison, Transient, backoff_delay, default_is_transient, error_info
 from runtime.kafka import event_headers, make_consumer, make_producer
 from runtime.settings import Settings
+from runtime.tracing import carrier_of, stage_span
 from schemas import codec
 from schemas.types import DeadLetter, ErrorInfo
 
@@ -151,6 +152,18 @@ class _Metrics:
             labels,
             registry=registry,
         )
+        self.errors = Counter(
+            "epd_consumer_errors",
+            "Dead-lettered records by error code and validation rule",
+            ["group", "code", "rule"],
+            registry=registry,
+        )
+        self.lag = Gauge(
+            "epd_consumer_lag",
+            "Records behind the partition's end (high watermark - position)",
+            ["group", "topic", "partition"],
+            registry=registry,
+        )
 
 
 # One metric set per registry, so several loops (encode + prefill in one process) share series
@@ -220,6 +233,7 @@ class ConsumeLoop:
         self._stop_event = asyncio.Event()
         self._capacity = asyncio.Event()
         self._paused_by_us: set[TopicPartition] = set()
+        self._next_offset: dict[TopicPartition, int] = {}
         self._last_commit = 0.0
         self._started = False
         self._running = False
@@ -370,6 +384,19 @@ class ConsumeLoop:
                 return
             raise exc
         self._dispatch(fetch.result())
+        self._record_lag()
+
+    def _record_lag(self) -> None:
+        """Consumer lag per partition: the high watermark the last fetch reported minus the next
+        offset this member will dispatch (records on the broker not yet taken up)."""
+        consumer = self.consumer
+        for tp in consumer.assignment():
+            high = consumer.highwater(tp)
+            nxt = self._next_offset.get(tp)
+            if high is None or nxt is None:
+                continue
+            lag = max(0, high - nxt)
+            self._metrics.lag.labels(self.config.group_id, tp.topic, str(tp.partition)).set(lag)
 
     def _dispatch(self, batch: dict[TopicPartition, list[Any]]) -> None:
         consumer = self.consumer
@@ -383,6 +410,7 @@ class ConsumeLoop:
                     consumer.seek(tp, records[i].offset)
                     break
                 epoch = self._tracker.add(tp, rec.offset)
+                self._next_offset[tp] = rec.offset + 1
                 task = asyncio.create_task(self._process(tp, rec, epoch))
                 self._tasks[task] = tp
                 task.add_done_callback(self._task_finished)
@@ -426,7 +454,10 @@ class ConsumeLoop:
             except Exception as exc:
                 await self._dead_letter(ce, error_info(exc, code="undecodable"), attempts=0)
             else:
-                await self._run_handler(ce)
+                carrier = carrier_of(getattr(ce.event, "trace", None), ce.headers)
+                rid = getattr(ce.event, "request_id", None)
+                with stage_span(self.config.group_id, carrier, request_id=rid or ce.key_str):
+                    await self._run_handler(ce)
         except _Abandoned:
             return
         self._tracker.done(tp, rec.offset, epoch)
@@ -450,9 +481,18 @@ class ConsumeLoop:
             except Exception as exc:
                 failure = exc
             else:
-                self._metrics.handler_seconds.labels(group).observe(time.perf_counter() - started)
+                elapsed = time.perf_counter() - started
+                self._metrics.handler_seconds.labels(group).observe(elapsed)
                 self.processed += 1
                 self._metrics.processed.labels(group).inc()
+                log.info(
+                    "%s: handled %s[%d]@%d in %.1f ms",
+                    group,
+                    ce.topic,
+                    ce.partition,
+                    ce.offset,
+                    elapsed * 1000,
+                )
                 return
             self._metrics.handler_seconds.labels(group).observe(time.perf_counter() - started)
             if not self._is_transient(failure):
@@ -515,6 +555,7 @@ class ConsumeLoop:
         )
         value = codec.encode(letter)
         headers = event_headers(letter) + list(err_headers.items())
+        self._metrics.errors.labels(group, info.code, info.rule or "").inc()
         log.warning(
             "%s: dead-lettering %s[%d]@%d after %d attempt(s): %s %s",
             group,

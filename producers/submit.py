@@ -15,6 +15,7 @@ from producers.fanout import FanOut, FanoutStats
 from producers.render import ImageInput, Renderer
 from runtime.settings import Settings
 from runtime.status_store import StatusStore
+from runtime.tracing import TRACEPARENT, new_traceparent, stage_span, trace_id_of
 from schemas.types import TERMINAL_STATUSES, RenderEvent, ResultEvent, SamplingParams
 
 
@@ -34,9 +35,17 @@ class Submitter:
         self.status = status
 
     async def submit_rendered(self, ev: RenderEvent) -> FanoutStats:
-        """Publish an already rendered request."""
-        await self.status.apply(ResultEvent(request_id=ev.request_id, stage="api", status="queued"))
-        return await self.fanout.publish(ev)
+        """Publish an already rendered request (it gets a W3C ``traceparent`` if it has none)."""
+        ev.trace.setdefault(TRACEPARENT, new_traceparent())
+        with stage_span("submit", ev.trace, request_id=ev.request_id):
+            queued = ResultEvent(
+                request_id=ev.request_id,
+                stage="api",
+                status="queued",
+                info={"trace_id": trace_id_of(ev.trace[TRACEPARENT]) or ""},
+            )
+            await self.status.apply(queued)
+            return await self.fanout.publish(ev)
 
     async def submit(
         self,

@@ -13,6 +13,7 @@ from aiokafka.errors import TopicAlreadyExistsError
 
 from runtime.publisher import Publisher, event_headers
 from runtime.settings import Settings
+from runtime.tracing import current_carrier, current_trace_id
 from schemas.codec import get_codec
 from schemas.topics import Topics
 from schemas.types import ErrorInfo, Event, ResultEvent
@@ -156,11 +157,13 @@ class KafkaPublisher:
         headers: Sequence[tuple[str, bytes]] = (),
     ) -> int:
         value = get_codec().encode(event)
+        # The active trace context travels as a W3C header beside the event's own trace map.
+        trace_headers = [(k, v.encode()) for k, v in current_carrier().items()]
         await self.routes.get(topic, self.producer).send_and_wait(
             topic,
             value=value,
             key=key.encode() if key is not None else None,
-            headers=[*event_headers(event), *headers],
+            headers=[*event_headers(event), *trace_headers, *headers],
         )
         return len(value)
 
@@ -236,6 +239,10 @@ class ResultReporter:
     ) -> None:
         """Publish one update for ``request_id`` (keyed by it, so a request stays ordered)."""
         rid = self.result_id(request_id, self.stage, status)
+        info = dict(info or {})
+        trace_id = current_trace_id()
+        if trace_id is not None:
+            info.setdefault("trace_id", trace_id)  # the request's trace, on its status record
         await self.publisher.send(
             self.topic,
             request_id,
@@ -247,7 +254,7 @@ class ResultReporter:
                 text=text,
                 error=error,
                 timings=timings or {},
-                info=info or {},
+                info=info,
                 worker=self.worker,
             ),
             headers=[(self.RESULT_ID_HEADER, rid.encode())],

@@ -112,6 +112,11 @@ class Settings(BaseSettings):
     model: str = Field("tiny", description="'tiny' or a local checkpoint path")
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
 
+    # Logs
+    log_format: Literal["json", "text"] = Field(
+        "json", description="worker log lines: JSON objects (with request_id and trace_id) or text"
+    )
+
     # Consumers
     max_in_flight: int = 64
     max_attempts: int = 3

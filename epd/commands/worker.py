@@ -230,9 +230,9 @@ def run(args: argparse.Namespace) -> int:
         json.dump({"kind": args.kind, "settings": settings.describe()}, sys.stdout, sort_keys=True)
         sys.stdout.write("\n")
         return 0
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from runtime.logs import configure_logging
+
+    configure_logging(args.log_level, settings.log_format)
     if args.metrics_port:
         from prometheus_client import start_http_server
 
@@ -258,6 +258,8 @@ async def run_worker(
     kind: str, settings: Settings, *, ready: Callable[[], Awaitable[None]] | None = None
 ) -> None:
     """Build the stage's handler, join its consumer group and run until SIGTERM/SIGINT."""
+    from prometheus_client import REGISTRY
+
     from consumers.loop import ConsumeLoop, ConsumerConfig
     from consumers.reporting import dead_letter_reporter
     from runtime.kafka import KafkaPublisher, ensure_topics
@@ -293,6 +295,7 @@ async def run_worker(
             on_event,
             producer=publisher.producer,
             on_dead_letter=reporter,
+            registry=REGISTRY,  # served by --metrics-port
         )
         log.info("%s: consuming %s as group %s", ctx.worker_id, stage.topics(topics), stage.group)
         await loop.start()

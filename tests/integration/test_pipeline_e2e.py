@@ -194,3 +194,45 @@ async def test_render_topic_through_the_router_worker(pipeline: LocalRun) -> Non
     assert outcome["status"] == "completed", outcome
     assert len(outcome["token_ids"]) == 3
     assert "fanout:encoding" in outcome["stages"]  # the router's stage update reached the status
+
+
+async def test_trace_id_flows_from_submit_to_result_and_every_stage_log(
+    pipeline: LocalRun,
+) -> None:
+    """A W3C trace id given at submit appears on the status record and in the JSON log lines
+    of every stage that handled the request (router, encode, prefill, results)."""
+    import json
+
+    run = pipeline
+    assert run.workers is not None
+    trace_id = uuid.uuid4().hex
+    ev = await run.submitter.renderer.render_async(
+        "traced-" + uuid.uuid4().hex[:8],
+        prompt="Traced <image>",
+        images=[synthetic_image(98, 70, seed=uuid.uuid4().int % 10_000)],
+        sampling=SamplingParams(max_tokens=2),
+    )
+    ev.trace["traceparent"] = f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"
+    # Through the render topic, so the router stage handles it too.
+    await send_event(
+        run.publisher.producer, f"{run.settings.topic_prefix}.render", ev.request_id, ev
+    )
+    outcome = (await _wait_all(run, [ev.request_id]))[ev.request_id]
+    assert outcome["status"] == "completed", outcome
+    assert outcome["info"]["trace_id"] == trace_id
+
+    seen: dict[str, int] = {}
+    deadline = asyncio.get_running_loop().time() + 15
+    kinds = {"router", "encode", "prefill", "results"}
+    while set(seen) != kinds:
+        for kind, _, log_path in run.workers.procs:
+            for line in log_path.read_text(errors="replace").splitlines():
+                if ev.request_id not in line:
+                    continue
+                rec = json.loads(line)  # every line is one JSON object
+                assert rec["request_id"] == ev.request_id
+                assert rec["trace_id"] == trace_id, rec
+                seen[kind] = seen.get(kind, 0) + 1
+        assert asyncio.get_running_loop().time() < deadline, seen
+        if set(seen) != kinds:
+            await asyncio.sleep(0.5)

@@ -486,7 +486,37 @@ async def test_metrics_registry_and_sigterm(settings: Settings) -> None:
     assert registry.get_sample_value("epd_consumer_processed_total", labels) == 2
     assert registry.get_sample_value("epd_consumer_retried_total", labels) == 1
     assert registry.get_sample_value("epd_consumer_in_flight", labels) == 0
+    lag = {**labels, "topic": src, "partition": "0"}
+    assert registry.get_sample_value("epd_consumer_lag", lag) == 0  # caught up
     assert await _committed(settings, cfg.group_id, TopicPartition(src, 0)) == 2
+
+
+async def test_dead_letters_are_counted_by_code_and_rule(settings: Settings) -> None:
+    from schemas.errors import ValidationError
+
+    src, dlq = await _topics(settings)
+    await _produce(settings, src, [b"\x00garbage", "bad"])
+    registry = CollectorRegistry()
+
+    async def handler(ce: ConsumedEvent) -> None:
+        raise ValidationError("ec-transfer-required", "no entry", modality="image", item=0)
+
+    cfg = _config(src, dlq)
+    loop = ConsumeLoop(settings, cfg, handler, registry=registry)
+    task = _run(loop)
+    await _until(lambda: loop.dead_lettered == 2, "both dead-lettered")
+    await loop.stop()
+    await task
+    group = cfg.group_id
+    count = registry.get_sample_value
+    assert count("epd_consumer_errors_total", {"group": group, "code": "undecodable", "rule": ""})
+    assert (
+        count(
+            "epd_consumer_errors_total",
+            {"group": group, "code": "validation", "rule": "ec-transfer-required"},
+        )
+        == 1
+    )
 
 
 class _Bug(BaseException):
