@@ -18,6 +18,8 @@ COMMAND_MODULES = [
     "epd.commands.worker",
     "epd.commands.demo",
     "epd.commands.verify",
+    "epd.commands.api",
+    "epd.commands.submit",
 ]
 
 

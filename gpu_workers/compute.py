@@ -13,7 +13,7 @@ positions (``get_rope_index`` with ``mm_token_type_ids``) and the decode-step po
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,6 +200,14 @@ class Prefilled:
     rope_delta: int
 
 
+class DecodeStopped(Exception):
+    """Decoding was stopped between steps by ``should_stop``; ``tokens`` were made so far."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        super().__init__(f"stopped after {len(tokens)} tokens")
+        self.tokens = tokens
+
+
 def prefill(
     bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]
 ) -> Prefilled:
@@ -229,11 +237,14 @@ def greedy_decode(
     *,
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[int]:
     """Greedy decode from a prefilled state; the stop/eos token, when hit, is included.
 
     Step ``s`` (0-based) feeds the token generated at step ``s`` at position
-    ``prompt_len + s + rope_delta`` on all three M-RoPE axes.
+    ``prompt_len + s + rope_delta`` on all three M-RoPE axes. ``should_stop`` is asked before
+    every step after the first; when it says yes, :class:`DecodeStopped` is raised (a
+    cancelled request stops between steps instead of running to ``max_tokens``).
     """
     if max_tokens <= 0:
         return []
@@ -250,6 +261,8 @@ def greedy_decode(
             out_ids.append(tok)
             if tok in stops or step == max_tokens - 1:
                 break
+            if should_stop is not None and should_stop():
+                raise DecodeStopped(out_ids)
             pos = state.prompt_len + step + state.rope_delta
             position_ids = torch.full((3, 1, 1), pos, dtype=torch.long, device=bundle.device)
             emb = lm.embed_tokens(torch.tensor([[tok]], device=bundle.device))
@@ -267,11 +280,26 @@ def generate_from_embeddings(
     max_tokens: int,
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    should_stop: Callable[[], bool] | None = None,
+    on_prefilled: Callable[[], None] | None = None,
 ) -> list[int]:
-    """The disaggregated path: precomputed embeddings -> prefill -> greedy decode -> token ids."""
+    """The disaggregated path: precomputed embeddings -> prefill -> greedy decode -> token ids.
+
+    ``should_stop`` is asked before prefill and between decode steps (DecodeStopped);
+    ``on_prefilled`` runs once the prompt is prefilled, before the first decode step.
+    """
+    if should_stop is not None and should_stop():
+        raise DecodeStopped([])
     state = prefill(bundle, token_ids, items)
+    if on_prefilled is not None:
+        on_prefilled()
     return greedy_decode(
-        bundle, state, max_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos
+        bundle,
+        state,
+        max_tokens,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=ignore_eos,
+        should_stop=should_stop,
     )
 
 

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from gpu_workers.compute import ItemEmbedding, generate_from_embeddings
+from gpu_workers.compute import DecodeStopped, ItemEmbedding, generate_from_embeddings
 from runtime.kafka import ResultReporter
 from runtime.settings import Settings
 from runtime.stores.base import StoreTimeout
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
 
     from runtime.model import ModelBundle
+    from runtime.status_store import CancelWatch
     from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,10 @@ class PrefillWorker:
         topics: Topics | None = None,
         worker_id: str | None = None,
         embedding_wait_s: float = 60.0,
+        cancel: CancelWatch | None = None,
     ) -> None:
+        """``cancel``: asked before the embedding wait, before compute and between decode
+        steps; a cancelled request is reported ``cancelled`` and its work is skipped."""
         self.settings = settings
         self.bundle = bundle
         self.store = store
@@ -57,10 +61,13 @@ class PrefillWorker:
         self.vconfig = ValidationConfig.for_worker(settings, bundle.fingerprint)
         self.report = ResultReporter(producer, self.topics.results, "prefill", self.worker_id)
         self.embedding_wait_s = embedding_wait_s
+        self.cancel = cancel
+        self._side_tasks: set[asyncio.Task[None]] = set()
         # One compute thread: the model is shared, and CPU/GPU work does not speed up by
         # interleaving requests inside one process.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="epd-prefill")
         self.completed = 0
+        self.cancelled = 0
 
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -106,6 +113,8 @@ class PrefillWorker:
             )
             return
         validate_prefill_event(ev, self.vconfig)
+        if await self._cancelled(ev.request_id, "before prefill"):
+            return
         await self.report(ev.request_id, "prefilling")
         hashes = dict.fromkeys(h for _, _, h in ev.features.items())
         keys = {h: ev.ec_transfer_params[h].key for h in hashes}
@@ -138,18 +147,30 @@ class PrefillWorker:
         tensors = await self.store.get_many(list(keys.values()))
         wait_ms = (time.perf_counter() - t_wait) * 1000
         items = self._items(ev, dict(zip(keys, tensors, strict=True)))
+        if await self._cancelled(ev.request_id, "before compute"):
+            return
         t_compute = time.perf_counter()
-        tokens = await asyncio.get_running_loop().run_in_executor(
-            self._executor,
-            lambda: generate_from_embeddings(
-                self.bundle,
-                ev.token_ids,
-                items,
-                ev.sampling.max_tokens,
-                stop_token_ids=ev.sampling.stop_token_ids,
-                ignore_eos=ev.sampling.ignore_eos,
-            ),
-        )
+        loop = asyncio.get_running_loop()
+        cancel = self.cancel
+        rid = ev.request_id
+        try:
+            tokens = await loop.run_in_executor(
+                self._executor,
+                lambda: generate_from_embeddings(
+                    self.bundle,
+                    ev.token_ids,
+                    items,
+                    ev.sampling.max_tokens,
+                    stop_token_ids=ev.sampling.stop_token_ids,
+                    ignore_eos=ev.sampling.ignore_eos,
+                    # Asked in the compute thread: a set lookup, no I/O.
+                    should_stop=(lambda: cancel.cancelled_now(rid)) if cancel else None,
+                    on_prefilled=lambda: loop.call_soon_threadsafe(self._report_decoding, rid),
+                ),
+            )
+        except DecodeStopped as stopped:
+            await self._report_cancelled(rid, f"stopped after {len(stopped.tokens)} tokens")
+            return
         compute_ms = (time.perf_counter() - t_compute) * 1000
         text = str(self.bundle.tokenizer.decode(tokens, skip_special_tokens=True))
         self.completed += 1
@@ -164,4 +185,27 @@ class PrefillWorker:
                 "prefill_decode": compute_ms,
                 "total": float(now_ms() - ev.created_ms),
             },
+        )
+
+    def _report_decoding(self, request_id: str) -> None:
+        """Status ``decoding`` once the prompt is prefilled (sent from the event loop)."""
+        task = asyncio.ensure_future(self.report(request_id, "decoding"))
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    async def _cancelled(self, request_id: str, where: str) -> bool:
+        """True (and reported) when the request was cancelled: its work is skipped."""
+        if self.cancel is None or not await self.cancel.is_cancelled(request_id):
+            return False
+        await self._report_cancelled(request_id, f"skipped {where}")
+        return True
+
+    async def _report_cancelled(self, request_id: str, what: str) -> None:
+        self.cancelled += 1
+        await self.report(
+            request_id,
+            "cancelled",
+            error=ErrorInfo("cancelled", f"cancelled: {what}"),
+            # info survives in the record even though the API's cancel was the terminal status
+            info={"prefill.cancelled": what},
         )

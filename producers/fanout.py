@@ -62,6 +62,8 @@ class FanoutStats:
     prefill_bytes: int
     kwargs_bytes: int
     """What the prefill event would weigh had it carried the full ``kwargs_data``."""
+    cached: list[str] = field(default_factory=list)
+    """mm_hashes found in the store (no encode event); the API reports them per item."""
 
 
 def claim_key(namespace: str, mm_hash: str, field_name: str) -> str:
@@ -228,6 +230,7 @@ class FanOut:
             encode_bytes=encode_bytes,
             prefill_bytes=len(prefill_value),
             kwargs_bytes=kwargs_bytes(ev.features),
+            cached=list(plan.cached),
         )
         await ResultReporter(self.producer, self.topics.results, "fanout")(
             ev.request_id,

@@ -103,6 +103,15 @@ async def run_worker(
         if kind in ("encode", "prefill", "router"):
             store = open_store(settings.embedding_store_url)
             closers.append(store.close)
+        cancel = None
+        if kind in ("encode", "prefill"):
+            # Cancels (DELETE /v1/requests/{id}) are checked before compute and between steps.
+            from runtime.status_store import CancelWatch
+
+            cancel_client = aioredis.Redis.from_url(settings.redis_url)
+            cancel = CancelWatch(cancel_client, settings.topic_prefix)
+            await cancel.start()
+            closers.extend([cancel_client.aclose, cancel.close])
         if kind in ("encode", "prefill"):
             from runtime.model import load_model
 
@@ -117,7 +126,9 @@ async def run_worker(
         if kind == "encode":
             from gpu_workers.encode import EncodeWorker
 
-            w = EncodeWorker(settings, bundle, store, producer, topics=topics, worker_id=worker_id)
+            w = EncodeWorker(
+                settings, bundle, store, producer, topics=topics, worker_id=worker_id, cancel=cancel
+            )
             closers.append(w.close)
             handler, topic, group, stage, by_request = (
                 w.handle,
@@ -130,7 +141,7 @@ async def run_worker(
             from gpu_workers.prefill import PrefillWorker
 
             pw = PrefillWorker(
-                settings, bundle, store, producer, topics=topics, worker_id=worker_id
+                settings, bundle, store, producer, topics=topics, worker_id=worker_id, cancel=cancel
             )
             closers.append(pw.close)
             handler, topic, group, stage, by_request = (
