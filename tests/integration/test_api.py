@@ -426,3 +426,321 @@ async def test_vllm_generate_fans_out_a_render_response(
     assert bad.json()["error"]["item"] == 0
     garbage = await http.post("/v1/vllm/generate", json={"token_ids": "x"})
     assert garbage.status_code == 422 and garbage.json()["error"]["rule"]
+
+
+# ---------------------------------------------------------------------------------- errors
+
+
+def _png_header_bomb(width: int, height: int) -> bytes:
+    """A real PNG whose zlib stream inflates to width*height grey pixels (all zero): a few
+    kilobytes on the wire, ``width*height`` bytes once decompressed."""
+    import struct
+    import zlib
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(tag + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", crc)
+
+    comp = zlib.compressobj(9)
+    row = b"\x00" * (width + 1)
+    idat = b"".join(comp.compress(row) for _ in range(height)) + comp.flush()
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def _err(r: httpx.Response, status: int, code: str, rule: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert err["code"] == code and err["message"], err
+    if rule is not None:
+        assert err.get("rule") == rule, err
+    return err
+
+
+async def test_every_error_is_json_with_code_and_rule(
+    stack: ApiStack, http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    png = png_bytes(synthetic_image(56, 56, seed=281))
+    ok_img = data_url(png)
+
+    async def post(body: Any) -> httpx.Response:
+        return await http.post("/v1/requests", json=body)
+
+    # 400 malformed
+    _err(
+        await http.post(
+            "/v1/requests", content=b"{not json", headers={"content-type": "application/json"}
+        ),
+        400,
+        "malformed",
+        "body.json",
+    )
+    _err(
+        await post({"prompt": "<image>", "images": ["%%%not-base64"]}),
+        400,
+        "malformed",
+        "image.encoding",
+    )
+    # A file path is data, never opened: /etc/passwd is not base64 (400); a path whose text
+    # happens to be valid base64 decodes to garbage bytes (415), though a real PNG is there.
+    err = _err(
+        await post({"prompt": "<image>", "images": ["/etc/passwd"]}),
+        400,
+        "malformed",
+        "image.encoding",
+    )
+    assert err["item"] == 0 and err["field"] == "images"
+    for extra in range(4):
+        folder = Path("/tmp") / f"epdpath{uuid.uuid4().hex[:8]}{'x' * extra}"
+        if len(str(folder / "img")) % 4 == 0:
+            break
+    folder.mkdir()
+    try:
+        (folder / "img").write_bytes(png)  # a real image lies at that path
+        path_text = str(folder / "img")
+        base64.b64decode(path_text, validate=True)  # the path is valid base64 text
+        err = _err(
+            await post({"prompt": "<image>", "images": [path_text]}),
+            415,
+            "unsupported_media_type",
+            "image.type",
+        )
+        assert err["item"] == 0
+    finally:
+        (folder / "img").unlink()
+        folder.rmdir()
+    # 404 unknown id
+    _err(await http.get("/v1/requests/no-such-id"), 404, "not_found")
+    _err(await http.delete("/v1/requests/no-such-id"), 404, "not_found")
+    # 413 image too large (the limit is 2 MiB here), checked before decoding
+    big = "A" * (3 * 1024 * 1024)
+    _err(await post({"prompt": "<image>", "images": [big]}), 413, "too_large", "image.size")
+    # 413 decompression bomb: 6000x6000 pixels in ~40 KB of PNG, refused from its header
+    bomb = _png_header_bomb(6000, 6000)
+    assert len(bomb) < 100_000
+    err = _err(
+        await post({"prompt": "<image>", "images": [data_url(bomb)]}),
+        413,
+        "too_large",
+        "render.image_too_large",
+    )
+    assert err["item"] == 0 and err["modality"] == "image"
+    # 415 EPS (PostScript: Pillow would hand it to Ghostscript), SVG data URL, wrong body type
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
+    err = _err(
+        await post({"prompt": "<image>", "images": [base64.b64encode(eps).decode()]}),
+        415,
+        "unsupported_media_type",
+        "image.type",
+    )
+    assert err["item"] == 0
+    _err(
+        await post({"prompt": "<image>", "images": ["data:image/svg+xml;base64,PHN2Zz4="]}),
+        415,
+        "unsupported_media_type",
+        "image.type",
+    )
+    _err(
+        await http.post("/v1/requests", content=b"x", headers={"content-type": "text/plain"}),
+        415,
+        "unsupported_media_type",
+        "body.content_type",
+    )
+    files = {"images": ("a.eps", eps, "application/postscript")}
+    _err(
+        await http.post("/v1/requests", data={"prompt": "<image>"}, files=files),
+        415,
+        "unsupported_media_type",
+        "image.type",
+    )
+    # 422 validation, rule named
+    _err(
+        await post({"prompt": "two <image> <image>", "images": [ok_img]}),
+        422,
+        "validation_failed",
+        "render.marker_count",
+    )
+    _err(await post({"prompt": "x", "max_tokens": 0}), 422, "validation_failed", "request.schema")
+    _err(
+        await post({"prompt": "x", "temperature": 0.7}),
+        422,
+        "validation_failed",
+        "sampling.temperature",
+    )
+    _err(await post({"prompt": "x", "token_ids": [1]}), 422, "validation_failed", "render.prompt")
+    _err(await post({"prompt": "x", "surprise": 1}), 422, "validation_failed", "request.schema")
+    # multipart works too, and its errors have the same shape
+    ok = await http.post(
+        "/v1/requests",
+        data={"prompt": "Form <image>", "max_tokens": "2", "cache_salt": salt()},
+        files={"images": ("a.png", png, "image/png")},
+    )
+    assert ok.status_code == 202, ok.text
+    assert (await wait_terminal(stack, http, ok.json()["request_id"]))["status"] == "completed"
+    # nothing above left a request behind in flight
+    metrics = (await http.get("/metrics")).text
+    assert "epd_api_in_flight 0.0" in metrics, metrics
+
+
+def _raw_post(url: str, head: bytes, chunks: Iterator[bytes]) -> bytes:
+    """Send a request over a plain socket, stopping when the server answers or closes."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as s:
+        s.sendall(head)
+        s.setblocking(False)
+        answer = b""
+        for chunk in chunks:
+            try:
+                answer += s.recv(65536)
+            except BlockingIOError:
+                pass
+            except OSError:
+                break
+            if answer:
+                break
+            try:
+                s.setblocking(True)
+                s.sendall(chunk)
+                s.setblocking(False)
+            except OSError:
+                break  # the server closed the connection: it refused the body
+        s.setblocking(True)
+        s.settimeout(10)
+        try:
+            while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                data = s.recv(65536)
+                if not data:
+                    break
+                answer += data
+        except OSError:
+            pass
+        return answer
+
+
+async def test_fifty_megabyte_body_is_refused_while_read_and_memory_stays_flat(
+    stack: ApiStack,
+) -> None:
+    size = 50 * 1024 * 1024
+    mb = b"A" * (1024 * 1024)
+    before = stack.api.rss_bytes()
+    head = (
+        b"POST /v1/requests HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer alice-token\r\n"
+    )
+    # declared length: refused before a byte of the body is read
+    answer = await asyncio.to_thread(
+        _raw_post,
+        stack.api.url,
+        head + f"Content-Length: {size}\r\n\r\n".encode(),
+        (mb for _ in range(50)),
+    )
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b'"rule":"body.size"' in answer
+
+    # chunked, no length: refused once the limit (4 MiB here) is crossed
+    def chunks() -> Iterator[bytes]:
+        for _ in range(50):
+            yield f"{len(mb):x}\r\n".encode() + mb + b"\r\n"
+        yield b"0\r\n\r\n"
+
+    answer = await asyncio.to_thread(
+        _raw_post, stack.api.url, head + b"Transfer-Encoding: chunked\r\n\r\n", chunks()
+    )
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    after = stack.api.rss_bytes()
+    # far less than the 50 MB sent (twice); the 4 MiB limit bounds what was held
+    assert after - before < 20 * 1024 * 1024, (before, after)
+    async with httpx.AsyncClient(base_url=stack.api.url) as c:
+        assert (await c.get("/healthz")).status_code == 200  # still serving
+
+
+async def test_burst_beyond_the_in_flight_bound_gets_429_and_accepted_ones_complete(
+    stack: ApiStack,
+) -> None:
+    # The replica allows 2 requests in flight (shared through Redis by every replica).
+    img = data_url(png_bytes(synthetic_image(56, 56, seed=291)))
+    async with httpx.AsyncClient(base_url=stack.replica.url, headers=auth(), timeout=60) as c:
+
+        async def one(i: int) -> httpx.Response:
+            return await c.post(
+                "/v1/requests",
+                json={
+                    "prompt": f"Burst {i} <image>",
+                    "images": [img],
+                    "max_tokens": 12,
+                    "ignore_eos": True,
+                },
+            )
+
+        answers = await asyncio.gather(*(one(i) for i in range(8)))
+        codes = sorted(r.status_code for r in answers)
+        assert 202 in codes and 429 in codes, codes
+        for r in answers:
+            if r.status_code == 429:
+                err = _err(r, 429, "throttled", "admission.in_flight")
+                assert int(r.headers["Retry-After"]) >= 1, err
+        accepted = [r.json()["request_id"] for r in answers if r.status_code == 202]
+        for rid in accepted:
+            body = (await c.get(f"/v1/requests/{rid}", params={"wait": 60})).json()
+            while body["status"] not in TERMINAL:
+                body = (await c.get(f"/v1/requests/{rid}", params={"wait": 60})).json()
+            assert body["status"] == "completed", body
+        # the client honours Retry-After and gets through once slots free up
+        from producers.client import EPDClient
+
+        async with EPDClient(stack.replica.url, token="alice-token", retries=30) as client:
+            rids = await asyncio.gather(
+                *(
+                    client.submit(
+                        prompt="Retry <image>",
+                        images=[png_bytes(synthetic_image(56, 56, seed=292))],
+                        max_tokens=2,
+                    )
+                    for _ in range(4)
+                )
+            )
+            for rid in rids:
+                assert (await client.wait(rid, timeout_s=120)).status == "completed"
+
+
+async def test_health_ready_metrics_and_offline_docs(
+    stack: ApiStack, http: httpx.AsyncClient
+) -> None:
+    assert (await http.get("/healthz")).json()["status"] == "ok"
+    ready = await http.get("/readyz")
+    assert ready.status_code == 200
+    assert ready.json()["checks"] == {"redis": "ok", "status_notifications": "ok", "kafka": "ok"}
+    text = (await http.get("/metrics")).text
+    for name in (
+        "epd_api_requests_total",
+        "epd_api_http_request_seconds_bucket",
+        "epd_api_render_seconds_count",
+        "epd_api_in_flight",
+        "epd_api_http_in_flight",
+    ):
+        assert name in text, name
+    assert 'epd_api_requests_total{status="queued"}' in text
+    spec = (await http.get("/openapi.json")).json()
+    assert {
+        "/v1/requests",
+        "/v1/requests/{request_id}",
+        "/v1/requests/{request_id}/events",
+        "/v1/vllm/generate",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    } <= set(spec["paths"])
+    post = spec["paths"]["/v1/requests"]["post"]
+    assert post["requestBody"]["content"]["application/json"]["example"]["prompt"]
+    assert {"202", "400", "409", "413", "415", "422", "429", "503"} <= set(post["responses"])
+    docs = (await http.get("/docs")).text
+    # every asset is served by the API itself: no CDN
+    assert "cdn" not in docs.lower() and "https://" not in docs.split("<body>")[-1]
+    for asset in ("/static-docs/swagger-ui-bundle.js", "/static-docs/swagger-ui.css"):
+        assert asset in docs
+        r = await http.get(asset)
+        assert r.status_code == 200 and len(r.content) > 10_000
