@@ -62,11 +62,45 @@ from runtime.settings import Settings
 from runtime.status_store import StatusNotifier, StatusStore
 from schemas.errors import ValidationError
 from schemas.topics import Topics
-from schemas.types import TERMINAL_STATUSES, RenderEvent, ResultEvent, SamplingParams, now_ms
+from schemas.types import (
+    STATUSES,
+    TERMINAL_STATUSES,
+    RenderEvent,
+    ResultEvent,
+    SamplingParams,
+    now_ms,
+)
 
 log = logging.getLogger("epd.api")
 
 API_PREFIX = "/v1"
+# One Server-Sent Event of /events (OpenAPI 3.1: the media type's schema describes one event;
+# its data is JSON).
+SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["event", "data"],
+    "properties": {
+        "event": {"type": "string", "enum": ["status"]},
+        "id": {"type": "string", "description": "resume with Last-Event-ID"},
+        "data": {
+            "type": "string",
+            "contentMediaType": "application/json",
+            "contentSchema": {
+                "type": "object",
+                "required": ["request_id", "status", "stage", "at_ms"],
+                "properties": {
+                    "request_id": {"type": "string"},
+                    "status": {"type": "string", "enum": list(STATUSES)},
+                    "stage": {"type": "string"},
+                    "at_ms": {"type": "integer"},
+                    "token_ids": {"type": ["array", "null"], "items": {"type": "integer"}},
+                    "text": {"type": ["string", "null"]},
+                    "error": {"type": ["object", "null"]},
+                },
+            },
+        },
+    },
+}
 SSE_KEEPALIVE_S = 15.0
 
 
@@ -698,7 +732,7 @@ def create_app(settings: Settings) -> FastAPI:
             200: {
                 "description": "Server-Sent Events: one `status` event per status change, "
                 "closing after the terminal one. Resume with `Last-Event-ID`.",
-                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
             }
         }
         | ERROR_RESPONSES,
