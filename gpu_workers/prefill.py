@@ -165,7 +165,7 @@ class PrefillWorker:
                     ignore_eos=ev.sampling.ignore_eos,
                     # Asked in the compute thread: a set lookup, no I/O.
                     should_stop=(lambda: cancel.cancelled_now(rid)) if cancel else None,
-                    on_prefilled=lambda: loop.call_soon_threadsafe(self._report_decoding, rid),
+                    on_prefilled=lambda: self._from_thread(loop, rid),
                 ),
             )
         except DecodeStopped as stopped:
@@ -186,6 +186,10 @@ class PrefillWorker:
                 "total": float(now_ms() - ev.created_ms),
             },
         )
+
+    def _from_thread(self, loop: asyncio.AbstractEventLoop, request_id: str) -> None:
+        """Called in the compute thread once prefill is done: hand the report to the loop."""
+        loop.call_soon_threadsafe(self._report_decoding, request_id)
 
     def _report_decoding(self, request_id: str) -> None:
         """Status ``decoding`` once the prompt is prefilled (sent from the event loop)."""

@@ -207,12 +207,11 @@ class StatusStore:
     async def events(self, request_id: str, after: str = "0") -> list[tuple[str, dict[str, Any]]]:
         """Status changes after stream id ``after`` (exclusive), oldest first."""
         start = "-" if after in ("", "0") else f"({after}"
-        rows = await self.client.xrange(self.events_key(request_id), min=start, max="+")
-        out = []
-        for sid, fields in rows:
-            sid = sid.decode() if isinstance(sid, bytes) else sid
+        rows: Any = await self.client.xrange(self.events_key(request_id), min=start, max="+")
+        out: list[tuple[str, dict[str, Any]]] = []
+        for sid, fields in rows or []:
             data = fields.get(b"data") or fields.get("data")
-            out.append((sid, json.loads(data)))
+            out.append((sid.decode() if isinstance(sid, bytes) else str(sid), json.loads(data)))
         return out
 
     # -------------------------------------------------------------- admission (in-flight bound)

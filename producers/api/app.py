@@ -401,8 +401,9 @@ def create_app(settings: Settings) -> FastAPI:
         f"{API_PREFIX}/requests",
         status_code=202,
         response_model=Accepted,
-        responses={200: {"model": Accepted, "description": "seen before (Idempotency-Key)"}}
-        | ERROR_RESPONSES,
+        responses=_with_errors(
+            {200: {"model": Accepted, "description": "seen before (Idempotency-Key)"}}
+        ),
         openapi_extra={"requestBody": body_doc, "parameters": [idem_param]},
         summary="Submit a request (render + enqueue); answers 202 without waiting for a GPU",
         tags=["requests"],
@@ -592,8 +593,9 @@ def create_app(settings: Settings) -> FastAPI:
         f"{API_PREFIX}/vllm/generate",
         status_code=202,
         response_model=Accepted,
-        responses={200: {"model": Accepted, "description": "seen before (Idempotency-Key)"}}
-        | ERROR_RESPONSES,
+        responses=_with_errors(
+            {200: {"model": Accepted, "description": "seen before (Idempotency-Key)"}}
+        ),
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -728,14 +730,15 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get(
         f"{API_PREFIX}/requests/{{request_id}}/events",
-        responses={
-            200: {
-                "description": "Server-Sent Events: one `status` event per status change, "
-                "closing after the terminal one. Resume with `Last-Event-ID`.",
-                "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+        responses=_with_errors(
+            {
+                200: {
+                    "description": "Server-Sent Events: one `status` event per status change, "
+                    "closing after the terminal one. Resume with `Last-Event-ID`.",
+                    "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+                }
             }
-        }
-        | ERROR_RESPONSES,
+        ),
         summary="Server-Sent Events of every status change",
         tags=["requests"],
     )
@@ -836,6 +839,10 @@ def create_app(settings: Settings) -> FastAPI:
 
     app.state.metrics = metrics
     return app
+
+
+def _with_errors(responses: dict[int | str, dict[str, Any]]) -> dict[int | str, dict[str, Any]]:
+    return {**responses, **ERROR_RESPONSES}
 
 
 def _deadline(inp: SubmitInput) -> int | None:
