@@ -135,12 +135,6 @@ class Metrics:
             ["status"],
             registry=self.registry,
         )
-        self.statuses = Gauge(
-            "epd_api_requests_in_status",
-            "requests by status as last seen by this API's reads",
-            ["status"],
-            registry=self.registry,
-        )
         self.latency = Histogram(
             "epd_api_http_request_seconds",
             "HTTP latency by route",

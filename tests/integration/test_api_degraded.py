@@ -79,3 +79,37 @@ async def test_kafka_down_is_503_until_it_connects(settings: Settings) -> None:
         assert ready.json()["checks"]["kafka"] == "not connected"
         # reads need Redis only
         assert (await c.get("/v1/requests/unknown")).status_code == 404
+
+
+async def test_encode_backlog_beyond_the_bound_is_429(topic_settings: Settings) -> None:
+    from producers.api.admission import LagMonitor
+    from runtime.kafka import make_consumer, make_producer
+    from schemas.topics import GROUP_ENCODE, Topics
+
+    cfg = topic_settings.model_copy(update={"api_max_encode_lag": 3, "api_tokens": None})
+    topics = Topics(cfg.topic_prefix)
+    producer = make_producer(cfg)
+    await producer.start()
+    try:  # five encode events nobody consumes (no encode worker on this prefix)
+        for i in range(5):
+            await producer.send_and_wait(topics.encode, value=b"x", key=str(i).encode())
+    finally:
+        await producer.stop()
+    consumer = make_consumer(cfg, group_id=GROUP_ENCODE)
+    await consumer.start()
+    try:
+        assert await LagMonitor(cfg, topics).sample(consumer) == 5
+    finally:
+        await consumer.stop()
+
+    async with in_process(cfg) as c:
+        st = c._transport.app.state.api  # type: ignore[attr-defined]
+        for _ in range(200):
+            if st.kafka_ready.is_set() and st.lag.lag is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert st.lag.lag == 5
+        r = await c.post("/v1/requests", json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["rule"] == "admission.encode_lag"
+        assert int(r.headers["Retry-After"]) >= 1
