@@ -281,18 +281,14 @@ def generate_from_embeddings(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     should_stop: Callable[[], bool] | None = None,
-    on_prefilled: Callable[[], None] | None = None,
 ) -> list[int]:
     """The disaggregated path: precomputed embeddings -> prefill -> greedy decode -> token ids.
 
-    ``should_stop`` is asked before prefill and between decode steps (DecodeStopped);
-    ``on_prefilled`` runs once the prompt is prefilled, before the first decode step.
+    ``should_stop`` is asked before prefill and between decode steps (DecodeStopped).
     """
     if should_stop is not None and should_stop():
         raise DecodeStopped([])
     state = prefill(bundle, token_ids, items)
-    if on_prefilled is not None:
-        on_prefilled()
     return greedy_decode(
         bundle,
         state,

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from gpu_workers.compute import DecodeStopped, ItemEmbedding, generate_from_embeddings
+from gpu_workers.compute import DecodeStopped, ItemEmbedding, Prefilled, greedy_decode, prefill
 from runtime.kafka import ResultReporter
 from runtime.settings import Settings
 from runtime.stores.base import StoreTimeout
@@ -62,7 +62,6 @@ class PrefillWorker:
         self.report = ResultReporter(producer, self.topics.results, "prefill", self.worker_id)
         self.embedding_wait_s = embedding_wait_s
         self.cancel = cancel
-        self._side_tasks: set[asyncio.Task[None]] = set()
         # One compute thread: the model is shared, and CPU/GPU work does not speed up by
         # interleaving requests inside one process.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="epd-prefill")
@@ -153,19 +152,28 @@ class PrefillWorker:
         loop = asyncio.get_running_loop()
         cancel = self.cancel
         rid = ev.request_id
+        # Asked in the compute thread, before prefill and between decode steps: a set lookup.
+        should_stop = (lambda: cancel.cancelled_now(rid)) if cancel else None
+
+        def run_prefill() -> Prefilled:
+            if should_stop is not None and should_stop():
+                raise DecodeStopped([])  # cancelled while it waited for the compute thread
+            return prefill(self.bundle, ev.token_ids, items)
+
         try:
+            state = await loop.run_in_executor(self._executor, run_prefill)
+            # Reported from the loop between the two compute calls, so the update is out before
+            # decoding starts (a thread decoding thousands of steps would hold it up).
+            await self.report(rid, "decoding")
             tokens = await loop.run_in_executor(
                 self._executor,
-                lambda: generate_from_embeddings(
+                lambda: greedy_decode(
                     self.bundle,
-                    ev.token_ids,
-                    items,
+                    state,
                     ev.sampling.max_tokens,
                     stop_token_ids=ev.sampling.stop_token_ids,
                     ignore_eos=ev.sampling.ignore_eos,
-                    # Asked in the compute thread: a set lookup, no I/O.
-                    should_stop=(lambda: cancel.cancelled_now(rid)) if cancel else None,
-                    on_prefilled=lambda: self._from_thread(loop, rid),
+                    should_stop=should_stop,
                 ),
             )
         except DecodeStopped as stopped:
@@ -186,16 +194,6 @@ class PrefillWorker:
                 "total": float(now_ms() - ev.created_ms),
             },
         )
-
-    def _from_thread(self, loop: asyncio.AbstractEventLoop, request_id: str) -> None:
-        """Called in the compute thread once prefill is done: hand the report to the loop."""
-        loop.call_soon_threadsafe(self._report_decoding, request_id)
-
-    def _report_decoding(self, request_id: str) -> None:
-        """Status ``decoding`` once the prompt is prefilled (sent from the event loop)."""
-        task = asyncio.ensure_future(self.report(request_id, "decoding"))
-        self._side_tasks.add(task)
-        task.add_done_callback(self._side_tasks.discard)
 
     async def _cancelled(self, request_id: str, where: str) -> bool:
         """True (and reported) when the request was cancelled: its work is skipped."""

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,19 @@ cancelled) or the API refused it, 2 when the API cannot be reached.
 """
 
 
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, 92) + "\n\n"
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=os.environ.get("EPD_API_URL", "http://127.0.0.1:8000"))
-    p.add_argument("--token", default=os.environ.get("EPD_API_TOKEN"))
+    p.add_argument(
+        "--url",
+        default=os.environ.get("EPD_API_URL", "http://127.0.0.1:8000"),
+        help="API base URL (default $EPD_API_URL or http://127.0.0.1:8000)",
+    )
+    p.add_argument(
+        "--token", default=os.environ.get("EPD_API_TOKEN"), help="bearer token ($EPD_API_TOKEN)"
+    )
     p.add_argument("--json", action="store_true", help="print the status JSON instead of text")
 
 
@@ -29,17 +40,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s = sub.add_parser(
         "submit",
         help="submit a request to the HTTP API (and optionally wait for it)",
-        description="Render and enqueue a prompt with images through the HTTP API "
-        "(POST /v1/requests). Mark each image in the prompt with <image>, in the order of "
-        "--image options. Prints the request id; with --wait, follows the request stage by "
-        "stage and prints the result.\n\n" + COMMON,
+        description=_wrap(
+            "Render and enqueue a prompt with images through the HTTP API (POST "
+            "/v1/requests). Mark each image in the prompt with <image>, in the order of the "
+            "--image options. Prints the request id; with --wait, shows the request's progress "
+            "stage by stage on stderr (queued, encoding, prefilling, decoding, completed) and "
+            "prints the result."
+        )
+        + COMMON,
         formatter_class=fmt,
     )
     s.add_argument(
         "--image", action="append", type=Path, default=[], help="image file (repeatable)"
     )
     s.add_argument("--prompt", required=True, help="prompt text; <image> marks each image")
-    s.add_argument("--max-tokens", type=int, default=16)
+    s.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (16)")
     s.add_argument("--cache-salt", default=None, help="encoder-cache isolation label")
     s.add_argument("--deadline-s", type=float, default=None, help="give up after N seconds")
     s.add_argument("--idempotency-key", default=None, help="retry-safe submission key")
@@ -51,8 +66,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     st = sub.add_parser(
         "status",
         help="show a request's status (stages, result, error)",
-        description="Show a request's status (GET /v1/requests/ID): its stage timings, result "
-        "or error. With --wait, follow it stage by stage until it ends.\n\n" + COMMON,
+        description=_wrap(
+            "Show a request's status (GET /v1/requests/ID): its stage timings, items, result "
+            "or error. With --wait, follow it stage by stage until it ends."
+        )
+        + COMMON,
         formatter_class=fmt,
     )
     st.add_argument("request_id", metavar="ID")
@@ -64,9 +82,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c = sub.add_parser(
         "cancel",
         help="cancel a request",
-        description="Cancel a request (DELETE /v1/requests/ID): its status becomes 'cancelled' "
-        "at once and workers skip its remaining work. A request that already finished cannot "
-        "be cancelled (exit 1).\n\n" + COMMON,
+        description=_wrap(
+            "Cancel a request (DELETE /v1/requests/ID): its status becomes 'cancelled' at once "
+            "and the workers skip its remaining work (encode and prefill are skipped, decoding "
+            "stops between steps). A request that already finished cannot be cancelled (exit 1)."
+        )
+        + COMMON,
         formatter_class=fmt,
     )
     c.add_argument("request_id", metavar="ID")

@@ -501,9 +501,13 @@ def create_app(settings: Settings) -> FastAPI:
         task.add_done_callback(st.tasks.discard)
         try:
             await asyncio.shield(task)
-        except ApiError:
+        except asyncio.CancelledError:
+            raise  # the client left; the enqueue goes on and keeps its Idempotency-Key
+        except Exception:
+            # Not enqueued (the task forgot the request): a retry with this key starts afresh.
             if idem_key is not None:
-                await st.idempotency.release(tenant, idem_key, rid)
+                with contextlib.suppress(Exception):
+                    await st.idempotency.release(tenant, idem_key, rid)
             raise
         metrics.requests.labels("queued").inc()
         return _accepted(rid, "queued", 202)

@@ -113,3 +113,42 @@ async def test_encode_backlog_beyond_the_bound_is_429(topic_settings: Settings) 
         assert r.status_code == 429, r.text
         assert r.json()["error"]["rule"] == "admission.encode_lag"
         assert int(r.headers["Retry-After"]) >= 1
+
+
+async def test_renders_are_bounded_and_never_stall_the_event_loop(
+    topic_settings: Settings,
+) -> None:
+    import base64
+
+    import redis.asyncio as aioredis
+
+    from producers.sample_images import png_bytes, synthetic_image
+
+    cfg = topic_settings.model_copy(update={"api_render_concurrency": 1, "api_tokens": None})
+    img = base64.b64encode(png_bytes(synthetic_image(512, 512, seed=5))).decode()
+    body = {"prompt": "Big <image>", "images": [img], "max_tokens": 1}
+    try:
+        async with in_process(cfg) as c:
+            st = c._transport.app.state.api  # type: ignore[attr-defined]
+            for _ in range(200):
+                if st.kafka_ready.is_set():
+                    break
+                await asyncio.sleep(0.05)
+            await st.render_slots.acquire()  # the one render slot is busy
+            post = asyncio.create_task(c.post("/v1/requests", json=body))
+            await asyncio.sleep(0.5)
+            assert not post.done()  # waits for a slot instead of rendering beside it
+            health = await asyncio.wait_for(c.get("/healthz"), 2)
+            assert health.status_code == 200  # the loop keeps serving meanwhile
+            st.render_slots.release()
+            # the render itself runs in a thread: the loop answers during it too
+            t = asyncio.create_task(c.post("/v1/requests", json={**body, "max_tokens": 2}))
+            pings = [await asyncio.wait_for(c.get("/healthz"), 2) for _ in range(5)]
+            assert all(p.status_code == 200 for p in pings)
+            assert (await post).status_code == 202 and (await t).status_code == 202
+    finally:
+        client = aioredis.Redis.from_url(cfg.redis_url)
+        keys = [k async for k in client.scan_iter(match=f"{cfg.topic_prefix}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
