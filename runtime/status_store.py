@@ -249,6 +249,21 @@ class StatusStore:
         """Admitted requests without an outcome yet."""
         return int(await self.client.zcard(self.inflight_key))
 
+    async def in_flight_by_status(self, limit: int = 10000) -> dict[str, int]:
+        """Unfinished requests counted by status (one MGET of at most ``limit`` records)."""
+        ids = await self.client.zrange(self.inflight_key, 0, limit - 1)
+        if not ids:
+            return {}
+        raws = await self.client.mget(
+            [self.key(i.decode() if isinstance(i, bytes) else i) for i in ids]
+        )
+        counts: dict[str, int] = {}
+        for raw in raws:
+            if raw:
+                status = json.loads(raw)["status"]
+                counts[status] = counts.get(status, 0) + 1
+        return counts
+
     # ------------------------------------------------------------------------ cancellation
 
     def cancel_key(self, request_id: str) -> str:

@@ -144,6 +144,12 @@ class Metrics:
         self.in_flight = Gauge(
             "epd_api_in_flight", "admitted requests without an outcome", registry=self.registry
         )
+        self.by_status = Gauge(
+            "epd_api_unfinished_requests",
+            "admitted, unfinished requests by status (all replicas; read at scrape time)",
+            ["status"],
+            registry=self.registry,
+        )
         self.http_in_flight = Gauge(
             "epd_api_http_in_flight", "HTTP requests being handled", registry=self.registry
         )
@@ -833,6 +839,9 @@ def create_app(settings: Settings) -> FastAPI:
         st = state_of(request)
         with contextlib.suppress(Exception):
             metrics.in_flight.set(await st.status.in_flight())
+            counts = await st.status.in_flight_by_status()
+            for status in ("queued", "encoding", "prefilling", "decoding"):
+                metrics.by_status.labels(status).set(counts.get(status, 0))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.state.metrics = metrics

@@ -721,6 +721,7 @@ async def test_health_ready_metrics_and_offline_docs(
         "epd_api_render_seconds_count",
         "epd_api_in_flight",
         "epd_api_http_in_flight",
+        'epd_api_unfinished_requests{status="decoding"}',
     ):
         assert name in text, name
     assert 'epd_api_requests_total{status="queued"}' in text

@@ -125,6 +125,9 @@ async def test_in_flight_bound_is_shared_and_released_on_outcome(store: StatusSt
     assert await store.admit("c", 2)
     await store.release("c")
     assert await store.in_flight() == 1
+    await store.create("b", {})
+    await store.apply(ResultEvent("b", "prefill", "decoding"))
+    assert await store.in_flight_by_status() == {"decoding": 1}
 
 
 async def test_cancel_is_terminal_and_seen_by_workers(store: StatusStore) -> None:
@@ -149,3 +152,20 @@ async def test_cancel_is_terminal_and_seen_by_workers(store: StatusStore) -> Non
     # a worker started after the cancel still sees it (the flag in Redis)
     late = CancelWatch(store.client, store.prefix)
     assert await late.is_cancelled("c1") and not late.cancelled_now("other")
+
+
+async def test_collector_applies_one_requests_updates_in_arrival_order(
+    store: StatusStore,
+) -> None:
+    from consumers.results import ResultsCollector
+
+    rc = ResultsCollector(store)
+    # dispatched together, as the consume loop does with one fetched batch
+    await asyncio.gather(
+        rc.handle(ResultEvent("o1", "prefill", "prefilling")),
+        rc.handle(ResultEvent("o1", "prefill", "decoding")),
+        rc.handle(ResultEvent("o1", "prefill", "completed", token_ids=[1])),
+    )
+    history = [e["status"] for _, e in await store.events("o1")]
+    assert history == ["prefilling", "decoding", "completed"]
+    assert rc.applied == 3 and not rc._order  # nothing kept once a request is idle
