@@ -14,29 +14,22 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from fastapi.staticfiles import StaticFiles
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
     generate_latest,
 )
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from producers.api.admission import LagMonitor
+from producers.api.docs import mount_docs
 from producers.api.errors import (
     ApiError,
     bad_request,
@@ -45,6 +38,7 @@ from producers.api.errors import (
     throttled,
     unavailable,
 )
+from producers.api.events import SSE_EVENT_SCHEMA, event_stream, is_stream_id
 from producers.api.idempotency import IdempotencyStore
 from producers.api.intake import SubmitInput, parse_json_submit, parse_multipart_submit, read_body
 from producers.api.models import (
@@ -54,6 +48,7 @@ from producers.api.models import (
     RequestStatus,
     SubmitRequest,
 )
+from producers.api.state import ApiState, Metrics, connect_kafka, tenant_salt
 from producers.api.views import status_view
 from producers.fanout import FanOut, FanoutStats
 from producers.render import Renderer
@@ -63,7 +58,6 @@ from runtime.status_store import StatusNotifier, StatusStore
 from schemas.errors import ValidationError
 from schemas.topics import Topics
 from schemas.types import (
-    STATUSES,
     TERMINAL_STATUSES,
     RenderEvent,
     ResultEvent,
@@ -74,101 +68,6 @@ from schemas.types import (
 log = logging.getLogger("epd.api")
 
 API_PREFIX = "/v1"
-# One Server-Sent Event of /events (OpenAPI 3.1: the media type's schema describes one event;
-# its data is JSON).
-SSE_EVENT_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["event", "data"],
-    "properties": {
-        "event": {"type": "string", "enum": ["status"]},
-        "id": {"type": "string", "description": "resume with Last-Event-ID"},
-        "data": {
-            "type": "string",
-            "contentMediaType": "application/json",
-            "contentSchema": {
-                "type": "object",
-                "required": ["request_id", "status", "stage", "at_ms"],
-                "properties": {
-                    "request_id": {"type": "string"},
-                    "status": {"type": "string", "enum": list(STATUSES)},
-                    "stage": {"type": "string"},
-                    "at_ms": {"type": "integer"},
-                    "token_ids": {"type": ["array", "null"], "items": {"type": "integer"}},
-                    "text": {"type": ["string", "null"]},
-                    "error": {"type": ["object", "null"]},
-                },
-            },
-        },
-    },
-}
-SSE_KEEPALIVE_S = 15.0
-
-
-@dataclass
-class ApiState:
-    """Everything the handlers share (one per process)."""
-
-    settings: Settings
-    topics: Topics
-    redis: aioredis.Redis
-    status: StatusStore
-    notifier: StatusNotifier
-    idempotency: IdempotencyStore
-    renderer: Renderer
-    fanout: FanOut
-    lag: LagMonitor
-    tenants: dict[str, str]
-    render_slots: asyncio.Semaphore
-    producers: list[Any] = field(default_factory=list)
-    kafka_ready: asyncio.Event = field(default_factory=asyncio.Event)
-    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
-
-
-class Metrics:
-    """Prometheus metrics of one app (own registry, so several apps can live in one process)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "epd_api_requests",
-            "submissions by API outcome (queued, duplicate, rejected, throttled, unavailable)",
-            ["status"],
-            registry=self.registry,
-        )
-        self.latency = Histogram(
-            "epd_api_http_request_seconds",
-            "HTTP latency by route",
-            ["method", "route", "code"],
-            registry=self.registry,
-        )
-        self.in_flight = Gauge(
-            "epd_api_in_flight", "admitted requests without an outcome", registry=self.registry
-        )
-        self.by_status = Gauge(
-            "epd_api_unfinished_requests",
-            "admitted, unfinished requests by status (all replicas; read at scrape time)",
-            ["status"],
-            registry=self.registry,
-        )
-        self.http_in_flight = Gauge(
-            "epd_api_http_in_flight", "HTTP requests being handled", registry=self.registry
-        )
-        self.render = Histogram(
-            "epd_api_render_seconds",
-            "render time (decode + image processor)",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-            registry=self.registry,
-        )
-
-
-def tenant_salt(tenant: str | None, salt: str | None) -> str | None:
-    """The cache salt a request runs with: the tenant's own namespace, then the client's salt.
-
-    Tenants therefore never share encoder-cache entries, whatever salt they send.
-    """
-    if tenant is None:
-        return salt
-    return f"tenant:{tenant}" + ("" if salt is None else f":{salt}")
 
 
 def _error_response(exc: ApiError) -> JSONResponse:
@@ -229,7 +128,7 @@ def create_app(settings: Settings) -> FastAPI:
         await state.lag.start()
         # Kafka may come up after the API (compose starts them together): connect in the
         # background; until then submissions answer 503 and /readyz says why.
-        connect = asyncio.create_task(_connect_kafka(state), name="kafka-connect")
+        connect = asyncio.create_task(connect_kafka(state), name="kafka-connect")
         try:
             yield
         finally:
@@ -260,7 +159,7 @@ def create_app(settings: Settings) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
-    _mount_docs(app)
+    mount_docs(app)
 
     def state_of(request: Request) -> ApiState:
         st: ApiState = request.app.state.api
@@ -751,12 +650,12 @@ def create_app(settings: Settings) -> FastAPI:
         tenant = tenant_of(request)
         await owned_record(st, request_id, tenant)
         last = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
-        if last is not None and not _is_stream_id(last):
+        if last is not None and not is_stream_id(last):
             raise bad_request(
                 "Last-Event-ID must be an id this API sent", rule="events.last_event_id"
             )
         return StreamingResponse(
-            _event_stream(st, request_id, last or "0"),
+            event_stream(st, request_id, last or "0"),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -860,73 +759,3 @@ def _error_info(code: str, message: str) -> Any:
     from schemas.types import ErrorInfo
 
     return ErrorInfo(code, message)
-
-
-def _is_stream_id(text: str) -> bool:
-    ms, sep, seq = text.partition("-")
-    return ms.isdigit() and (not sep or seq.isdigit()) and len(text) < 64
-
-
-async def _connect_kafka(st: ApiState) -> None:
-    delay = 0.5
-    while True:
-        try:
-            for p in st.producers:
-                await p.start()
-            st.kafka_ready.set()
-            log.info("connected to Kafka at %s", st.settings.kafka_bootstrap)
-            return
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("Kafka not reachable yet (%s); retrying in %.1fs", exc, delay)
-            for p in st.producers:
-                with contextlib.suppress(Exception):
-                    await p.stop()
-            st.producers = [
-                make_producer(st.settings),
-                make_producer(st.settings, compression=st.settings.prefill_compression),
-            ]
-            st.fanout.producer, st.fanout.prefill_producer = st.producers
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
-
-
-async def _event_stream(st: ApiState, request_id: str, last: str) -> AsyncIterator[bytes]:
-    """SSE frames: history after ``last``, then each change as it is announced; ends after
-    the terminal status (or when the record is gone)."""
-    async with st.notifier.watch(request_id) as changed:
-        while True:
-            changed.clear()
-            rows = await st.status.events(request_id, last)
-            for sid, data in rows:
-                last = sid
-                yield (f"id: {sid}\nevent: status\ndata: {json.dumps(data)}\n\n").encode()
-                if data.get("status") in TERMINAL_STATUSES:
-                    return
-            if not rows:
-                rec = await st.status.get(request_id)
-                if rec is None or rec["status"] in TERMINAL_STATUSES:
-                    return  # resumed after the terminal event, or expired
-            try:
-                await asyncio.wait_for(changed.wait(), SSE_KEEPALIVE_S)
-            except TimeoutError:
-                yield b": keep-alive\n\n"
-
-
-def _mount_docs(app: FastAPI) -> None:
-    """Swagger UI served from this process (no CDN): ``/docs`` works offline."""
-    import fastapi_offline
-
-    static = Path(fastapi_offline.__file__).parent / "static"
-    app.mount("/static-docs", StaticFiles(directory=static), name="static-docs")
-
-    @app.get("/docs", include_in_schema=False)
-    async def docs() -> HTMLResponse:
-        return get_swagger_ui_html(
-            openapi_url="/openapi.json",
-            title="epd-pipeline API - docs",
-            swagger_js_url="/static-docs/swagger-ui-bundle.js",
-            swagger_css_url="/static-docs/swagger-ui.css",
-            swagger_favicon_url="/static-docs/favicon.png",
-        )

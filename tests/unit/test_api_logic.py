@@ -9,7 +9,6 @@ import pytest
 from aiokafka import TopicPartition
 
 from producers.api.admission import consumer_lag
-from producers.api.app import tenant_salt
 from producers.api.errors import ApiError
 from producers.api.intake import (
     check_image_bytes,
@@ -17,6 +16,7 @@ from producers.api.intake import (
     parse_json_submit,
     sniff_image_type,
 )
+from producers.api.state import tenant_salt
 from producers.api.views import iso, status_view
 from producers.sample_images import png_bytes, synthetic_image
 from runtime.settings import Settings
@@ -112,6 +112,7 @@ def test_tenant_salt_keeps_tenants_apart_whatever_salt_they_send() -> None:
     # a tenant cannot pick a salt that lands in another tenant's namespace
     assert tenant_salt("alice", "y") != tenant_salt("bob", None)
     assert tenant_salt("mallory", "tenant:bob") != tenant_salt("bob", None)
+    assert tenant_salt("a", "b:c") != tenant_salt("a:b", "c") != tenant_salt("a:b:c", None)
 
 
 def test_status_view_stages_and_items() -> None:
