@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -78,6 +79,7 @@ def create_app(settings: Settings) -> FastAPI:
     """The API app for ``settings`` (services are connected in the lifespan)."""
     metrics = Metrics()
     tenants = settings.api_tenants()
+    token_list = [(tok.encode(), name) for tok, name in tenants.items()]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -237,7 +239,13 @@ def create_app(settings: Settings) -> FastAPI:
             return None
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        tenant = tenants.get(token.strip()) if scheme.lower() == "bearer" else None
+        tenant = None
+        if scheme.lower() == "bearer":
+            given = token.strip().encode()
+            # Constant-time comparison against every token: timing says nothing about them.
+            for known, name in token_list:
+                if hmac.compare_digest(known, given):
+                    tenant = name
         if tenant is None:
             raise ApiError(
                 401,
@@ -588,7 +596,9 @@ def create_app(settings: Settings) -> FastAPI:
             )
         import hashlib
 
-        fingerprint = hashlib.sha256(body).hexdigest()
+        # The body's meaning, not its formatting: key order and whitespace do not matter.
+        canonical = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+        fingerprint = hashlib.sha256(canonical).hexdigest()
 
         async def render(rid: str) -> RenderEvent:
             return RenderEvent(
