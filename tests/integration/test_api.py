@@ -406,8 +406,16 @@ async def test_vllm_generate_fans_out_a_render_response(
         cache_salt=salt(),
     )
     payload = generate_request_to_json(req)
-    r = await http.post("/v1/vllm/generate", json=payload)
+    key = {"Idempotency-Key": f"vllm-{uuid.uuid4().hex}"}
+    r = await http.post("/v1/vllm/generate", json=payload, headers=key)
     assert r.status_code == 202, r.text
+    # the same request formatted differently is the same request
+    again = await http.post(
+        "/v1/vllm/generate",
+        content=json.dumps(payload, sort_keys=True, indent=1),
+        headers={**key, "content-type": "application/json"},
+    )
+    assert again.status_code == 200 and again.json()["request_id"] == r.json()["request_id"]
     done = await wait_terminal(stack, http, r.json()["request_id"])
     ids, pv, grid = monolithic_inputs(ev)
     expected = await asyncio.to_thread(generate_monolithic, bundle, ids, pv, grid, 5)
