@@ -7,6 +7,7 @@ lets a request's status say which of its items are encoded and which were cache 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from runtime.status_store import StatusStore
@@ -45,11 +46,27 @@ class ResultsCollector:
         self.status = status
         self.applied = 0
         self.duplicates = 0
+        # The consume loop runs records concurrently. Updates of one request (same key, same
+        # partition, in offset order) are applied one at a time in arrival order, so a short
+        # request's "decoding" is not overtaken by its "completed" and lost from its history.
+        self._order: dict[str, tuple[asyncio.Lock, int]] = {}
 
     async def handle(self, ev: ResultEvent | EncodedEvent) -> None:
         """Apply one update; a redelivered or out-of-date one changes nothing."""
         update = encoded_update(ev) if isinstance(ev, EncodedEvent) else ev
-        if await self.status.apply(update):
-            self.applied += 1
-        else:
-            self.duplicates += 1
+        rid = update.request_id
+        # Taken before the first await: asyncio.Lock grants waiters in the order they asked.
+        lock, users = self._order.get(rid, (asyncio.Lock(), 0))
+        self._order[rid] = (lock, users + 1)
+        try:
+            async with lock:
+                if await self.status.apply(update):
+                    self.applied += 1
+                else:
+                    self.duplicates += 1
+        finally:
+            lock, users = self._order[rid]
+            if users <= 1:
+                del self._order[rid]
+            else:
+                self._order[rid] = (lock, users - 1)

@@ -19,6 +19,8 @@ COMMAND_MODULES = [
     "epd.commands.demo",
     "epd.commands.verify",
     "epd.commands.dlq",
+    "epd.commands.api",
+    "epd.commands.submit",
 ]
 
 

@@ -13,7 +13,7 @@ positions (``get_rope_index`` with ``mm_token_type_ids``) and the decode-step po
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,6 +236,14 @@ class Prefilled:
     rope_delta: int
 
 
+class DecodeStopped(Exception):
+    """Decoding was stopped between steps by ``should_stop``; ``tokens`` were made so far."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        super().__init__(f"stopped after {len(tokens)} tokens")
+        self.tokens = tokens
+
+
 def prefill(
     bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]
 ) -> Prefilled:
@@ -271,12 +279,16 @@ def greedy_decode(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     deadline_ms: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[int]:
     """Greedy decode from a prefilled state; the stop/eos token, when hit, is included.
 
     Step ``s`` (0-based) feeds the token generated at step ``s`` at position
     ``prompt_len + s + rope_delta`` on all three M-RoPE axes. The deadline is checked before
     every step's forward pass; past it, ``DeadlineExceeded`` carries the tokens so far.
+    ``should_stop`` is asked before every step after the first; when it says yes,
+    :class:`DecodeStopped` is raised (a cancelled request stops between steps instead of
+    running to ``max_tokens``).
     """
     if max_tokens <= 0:
         return []
@@ -295,6 +307,8 @@ def greedy_decode(
                 break
             if _past(deadline_ms):
                 raise DeadlineExceeded(out_ids)
+            if should_stop is not None and should_stop():
+                raise DecodeStopped(out_ids)
             pos = state.prompt_len + step + state.rope_delta
             position_ids = torch.full((3, 1, 1), pos, dtype=torch.long, device=bundle.device)
             emb = lm.embed_tokens(torch.tensor([[tok]], device=bundle.device))
@@ -313,13 +327,16 @@ def generate_from_embeddings(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     deadline_ms: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[int]:
     """The disaggregated path: precomputed embeddings -> prefill -> greedy decode -> token ids.
 
     ``deadline_ms``: checked before the prefill and before every decode step
-    (``DeadlineExceeded``)."""
+    (``DeadlineExceeded``); ``should_stop`` is asked at the same points (``DecodeStopped``)."""
     if _past(deadline_ms):
         raise DeadlineExceeded([])
+    if should_stop is not None and should_stop():
+        raise DecodeStopped([])
     state = prefill(bundle, token_ids, items)
     return greedy_decode(
         bundle,
@@ -328,6 +345,7 @@ def generate_from_embeddings(
         stop_token_ids=stop_token_ids,
         ignore_eos=ignore_eos,
         deadline_ms=deadline_ms,
+        should_stop=should_stop,
     )
 
 

@@ -39,6 +39,7 @@ from schemas.validator import (
 if TYPE_CHECKING:
     from runtime.model import ModelBundle
     from runtime.publisher import Publisher
+    from runtime.status_store import CancelWatch
     from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,10 @@ class EncodeWorker:
         *,
         topics: Topics | None = None,
         worker_id: str | None = None,
+        cancel: CancelWatch | None = None,
     ) -> None:
+        """``cancel``: asked before anything is read or encoded; a cancelled request's item
+        is skipped (and reported ``cancelled``)."""
         self.settings = settings
         self.bundle = bundle
         self.store = store
@@ -74,6 +78,8 @@ class EncodeWorker:
         self.cache_hits = 0
         self.items_encoded = 0
         self.claims_deleted = 0
+        self.cancel = cancel
+        self.skipped_cancelled = 0
 
     @property
     def encoder_calls(self) -> int:
@@ -217,6 +223,20 @@ class EncodeWorker:
                     modality=ev.modality,
                     item=ev.item_index,
                 ),
+            )
+            return
+        if self.cancel is not None and await self.cancel.is_cancelled(ev.request_id):
+            self.skipped_cancelled += 1
+            await self.report(
+                ev.request_id,
+                "cancelled",
+                error=ErrorInfo(
+                    "cancelled",
+                    "cancelled: skipped before encoding",
+                    modality=ev.modality,
+                    item=ev.item_index,
+                ),
+                info={f"encode.cancelled.{ev.modality}{ev.item_index}": "skipped"},
             )
             return
         validate_encode_event(ev, self.vconfig)

@@ -21,9 +21,12 @@ from typing import TYPE_CHECKING
 
 from gpu_workers.compute import (
     DeadlineExceeded,
+    DecodeStopped,
     ItemEmbedding,
+    Prefilled,
     context_length,
-    generate_from_embeddings,
+    greedy_decode,
+    prefill,
     vocab_size,
 )
 from runtime.kafka import ResultReporter
@@ -38,6 +41,7 @@ from schemas.validator import ValidationConfig, validate_prefill_event
 if TYPE_CHECKING:
     from runtime.model import ModelBundle
     from runtime.publisher import Publisher
+    from runtime.status_store import CancelWatch
     from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger(__name__)
@@ -112,7 +116,10 @@ class PrefillWorker:
         topics: Topics | None = None,
         worker_id: str | None = None,
         embedding_wait_s: float | None = None,
+        cancel: CancelWatch | None = None,
     ) -> None:
+        """``cancel``: asked before the embedding wait, before compute and between decode
+        steps; a cancelled request is reported ``cancelled`` and its work is skipped."""
         self.settings = settings
         self.bundle = bundle
         self.store = store
@@ -125,10 +132,12 @@ class PrefillWorker:
         self.embedding_wait_s = (
             settings.embedding_wait_s if embedding_wait_s is None else embedding_wait_s
         )
+        self.cancel = cancel
         # One compute thread: the model is shared, and CPU/GPU work does not speed up by
         # interleaving requests inside one process.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="epd-prefill")
         self.completed = 0
+        self.cancelled = 0
 
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -175,6 +184,8 @@ class PrefillWorker:
             return
         validate_prefill_event(ev, self.vconfig)
         check_bounds(ev, self.bounds)
+        if await self._cancelled(ev.request_id, "before prefill"):
+            return
         await self.report(ev.request_id, "prefilling")
         hashes = dict.fromkeys(h for _, _, h in ev.features.items())
         keys = {h: ev.ec_transfer_params[h].key for h in hashes}
@@ -207,23 +218,45 @@ class PrefillWorker:
         tensors = await self.store.get_many(list(keys.values()))
         wait_ms = (time.perf_counter() - t_wait) * 1000
         items = self._items(ev, dict(zip(keys, tensors, strict=True)))
+        if await self._cancelled(ev.request_id, "before compute"):
+            return
         t_compute = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        cancel = self.cancel
+        rid = ev.request_id
+        # Asked in the compute thread, before prefill and between decode steps: a set lookup.
+        should_stop = (lambda: cancel.cancelled_now(rid)) if cancel else None
+
+        def run_prefill() -> Prefilled:
+            if should_stop is not None and should_stop():
+                raise DecodeStopped([])  # cancelled while it waited for the compute thread
+            if ev.deadline_ms is not None and now_ms() >= ev.deadline_ms:
+                raise DeadlineExceeded([])
+            return prefill(self.bundle, ev.token_ids, items)
+
         try:
-            tokens = await asyncio.get_running_loop().run_in_executor(
+            state = await loop.run_in_executor(self._executor, run_prefill)
+            # Reported from the loop between the two compute calls, so the update is out before
+            # decoding starts (a thread decoding thousands of steps would hold it up).
+            await self.report(rid, "decoding")
+            tokens = await loop.run_in_executor(
                 self._executor,
-                lambda: generate_from_embeddings(
+                lambda: greedy_decode(
                     self.bundle,
-                    ev.token_ids,
-                    items,
+                    state,
                     ev.sampling.max_tokens,
                     stop_token_ids=ev.sampling.stop_token_ids,
                     ignore_eos=ev.sampling.ignore_eos,
                     deadline_ms=ev.deadline_ms,
+                    should_stop=should_stop,
                 ),
             )
+        except DecodeStopped as stopped:
+            await self._report_cancelled(rid, f"stopped after {len(stopped.tokens)} tokens")
+            return
         except DeadlineExceeded as exc:
             await self.report(
-                ev.request_id,
+                rid,
                 "expired",
                 token_ids=exc.tokens,
                 error=ErrorInfo("expired", f"deadline passed during prefill/decode: {exc}"),
@@ -243,4 +276,21 @@ class PrefillWorker:
                 "prefill_decode": compute_ms,
                 "total": float(now_ms() - ev.created_ms),
             },
+        )
+
+    async def _cancelled(self, request_id: str, where: str) -> bool:
+        """True (and reported) when the request was cancelled: its work is skipped."""
+        if self.cancel is None or not await self.cancel.is_cancelled(request_id):
+            return False
+        await self._report_cancelled(request_id, f"skipped {where}")
+        return True
+
+    async def _report_cancelled(self, request_id: str, what: str) -> None:
+        self.cancelled += 1
+        await self.report(
+            request_id,
+            "cancelled",
+            error=ErrorInfo("cancelled", f"cancelled: {what}"),
+            # info survives in the record even though the API's cancel was the terminal status
+            info={"prefill.cancelled": what},
         )

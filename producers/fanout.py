@@ -69,6 +69,8 @@ class FanoutStats:
     prefill_bytes: int
     kwargs_bytes: int
     """What the prefill event would weigh had it carried the full ``kwargs_data``."""
+    cached: list[str] = field(default_factory=list)
+    """mm_hashes found in the store (no encode event); the API reports them per item."""
 
 
 def claim_ttl_s(settings: Settings, deadline_ms: int | None, now: int | None = None) -> float:
@@ -304,6 +306,7 @@ class FanOut:
             encode_bytes=sum(encode_sizes),
             prefill_bytes=prefill_bytes,
             kwargs_bytes=kwargs_bytes(ev.features),
+            cached=list(plan.cached),
         )
         await ResultReporter(publisher, self.topics.results, "fanout")(
             ev.request_id,

@@ -15,14 +15,16 @@ import redis.asyncio as aioredis
 from runtime.settings import Settings
 
 
-def redis_client(settings: Settings, url: str | None = None) -> aioredis.Redis:
+def redis_client(settings: Settings, url: str | None = None, **options: object) -> aioredis.Redis:
     """A client on ``url`` (default ``settings.redis_url``) over a bounded, waiting pool.
 
-    Close it with ``await client.aclose()``; that also closes the pool it owns.
+    ``options`` go to the connections (e.g. ``socket_timeout``). Close it with
+    ``await client.aclose()``; that also closes the pool it owns.
     """
     pool = aioredis.BlockingConnectionPool.from_url(
         url or settings.redis_url,
         max_connections=settings.redis_max_connections,
         timeout=settings.redis_pool_timeout_s,
+        **options,
     )
     return aioredis.Redis.from_pool(pool)  # the client owns the pool: aclose() closes both

@@ -127,9 +127,47 @@ class Settings(BaseSettings):
         "second run does not republish it again); keep it above the DLQ topic's retention",
     )
 
+    # HTTP API (epd api)
+    api_tokens: SecretStr | None = Field(
+        None,
+        description="bearer tokens, 'TOKEN=TENANT' pairs separated by commas; unset: open API",
+    )
+    api_max_body_bytes: int = Field(
+        32 * 1024 * 1024, description="largest request body; checked while it is read"
+    )
+    api_max_image_bytes: int = Field(
+        16 * 1024 * 1024, description="largest encoded image (file bytes, before decoding)"
+    )
+    api_max_images: int = Field(16, description="images per request")
+    api_max_in_flight: int = Field(
+        256, description="admitted, unfinished requests across all API replicas; beyond: 429"
+    )
+    api_max_encode_lag: int = Field(
+        10000, description="encode topic consumer lag (events) beyond which the API answers 429"
+    )
+    api_render_concurrency: int = Field(2, description="renders running at once per process")
+    api_idempotency_ttl_s: int = Field(86400, description="lifetime of an Idempotency-Key")
+    api_max_wait_s: float = Field(60.0, description="longest ?wait= long-poll")
+    api_retry_after_s: int = Field(1, description="Retry-After of 429 and 503 answers")
+
     @property
     def embedding_store_url(self) -> str:
         return self.store_url or self.redis_url
+
+    def api_tenants(self) -> dict[str, str]:
+        """Bearer token -> tenant, from ``api_tokens`` (``TOKEN=TENANT,TOKEN2=TENANT2``)."""
+        if self.api_tokens is None:
+            return {}
+        out: dict[str, str] = {}
+        for pair in self.api_tokens.get_secret_value().split(","):
+            pair = pair.strip()
+            if not pair:
+                continue
+            token, sep, tenant = pair.partition("=")
+            if not sep or not token.strip() or not tenant.strip():
+                raise ValueError("EPD_API_TOKENS: each entry must be TOKEN=TENANT")
+            out[token.strip()] = tenant.strip()
+        return out
 
     def secret_bytes(self) -> bytes | None:
         return self.ec_secret.get_secret_value().encode() if self.ec_secret else None

@@ -1,46 +1,66 @@
-"""Request status records in Redis: folded from ResultEvents, deduplicated, never regressing."""
+"""Request status records in Redis: folded from ResultEvents, deduplicated, never regressing.
+
+Besides the record itself (``{prefix}:status:{id}``, JSON, with a TTL), every status *change*
+is appended to a per-request Redis stream (``{prefix}:status-events:{id}``: the history that
+Server-Sent Events replay and resume from) and announced on one pub/sub channel
+(``{prefix}:status-notify``, message = request id), so long-polls and event streams wake on a
+notification instead of polling. All three writes happen in the same MULTI as the record.
+
+Cancellation also lives here, because every floor above needs it: the API marks a request
+cancelled (``{prefix}:cancel:{id}`` + a message on ``{prefix}:cancel``), and workers ask a
+:class:`CancelWatch` before compute and between decode steps.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import WatchError
+from redis.exceptions import RedisError, WatchError
 
-from schemas.types import TERMINAL_STATUSES, ResultEvent, now_ms
+from schemas.types import TERMINAL_STATUSES, ErrorInfo, ResultEvent, now_ms
 
-_RANK = {"queued": 0, "encoding": 1, "prefilling": 2}
+log = logging.getLogger(__name__)
+
+_RANK = {"queued": 0, "encoding": 1, "prefilling": 2, "decoding": 3}
+_TERMINAL_RANK = 4
+STREAM_MAXLEN = 256
+"""A request changes status a handful of times; the cap only bounds a misbehaving producer."""
 
 
 def _rank(status: str) -> int:
-    return 3 if status in TERMINAL_STATUSES else _RANK.get(status, 0)
+    return _TERMINAL_RANK if status in TERMINAL_STATUSES else _RANK.get(status, 0)
 
 
 def fold(record: dict[str, Any] | None, ev: ResultEvent) -> dict[str, Any] | None:
     """The record after applying one ResultEvent, or None when it changes nothing.
 
-    Rules: the status only moves forward (queued < encoding < prefilling < terminal) and the
-    first terminal status wins, so a redelivered or late event cannot undo an outcome. Stage
-    timings and info are merged; a (stage, status) pair already seen is a duplicate.
+    Rules: the status only moves forward (queued < encoding < prefilling < decoding <
+    terminal) and the first terminal status wins, so a redelivered or late event cannot undo
+    an outcome (a ``completed`` after a ``cancelled`` changes nothing). Stage timings and info
+    are merged; a (stage, status) pair already seen, with nothing new in its timings and
+    info, is a duplicate (``stages`` keeps the first time of a pair, ``stages_last`` the last).
     """
-    rec = record or {
-        "request_id": ev.request_id,
-        "status": "queued",
-        "stages": {},
-        "timings": {},
-        "info": {},
-        "token_ids": None,
-        "text": None,
-        "error": None,
-        "created_ms": ev.created_ms,
-    }
+    rec = record or new_record(ev.request_id, ev.created_ms)
     seen_key = f"{ev.stage}:{ev.status}"
     if seen_key in rec["stages"]:
-        return None
+        # A redelivery brings nothing new. Another item's update of the same stage (a second
+        # image's "encode:encoding") does: its timings and info are kept.
+        if all(rec["timings"].get(k) == v for k, v in ev.timings.items()) and all(
+            rec["info"].get(k) == v for k, v in ev.info.items()
+        ):
+            return None
+        rec.setdefault("stages_last", {})[seen_key] = ev.created_ms
+    else:
+        rec["stages"][seen_key] = ev.created_ms
     terminal = rec["status"] in TERMINAL_STATUSES
-    rec["stages"][seen_key] = ev.created_ms
     rec["timings"].update(ev.timings)
     rec["info"].update(ev.info)
     if not terminal and _rank(ev.status) >= _rank(rec["status"]):
@@ -54,6 +74,36 @@ def fold(record: dict[str, Any] | None, ev: ResultEvent) -> dict[str, Any] | Non
     return rec
 
 
+def new_record(request_id: str, created_ms: int | None = None) -> dict[str, Any]:
+    """An empty ``queued`` record."""
+    return {
+        "request_id": request_id,
+        "status": "queued",
+        "stages": {},
+        "timings": {},
+        "info": {},
+        "token_ids": None,
+        "text": None,
+        "error": None,
+        "created_ms": created_ms if created_ms is not None else now_ms(),
+    }
+
+
+def _event_entry(rec: dict[str, Any], stage: str) -> str:
+    """The JSON of one status change as it is kept in the request's event stream."""
+    entry: dict[str, Any] = {
+        "request_id": rec["request_id"],
+        "status": rec["status"],
+        "stage": stage,
+        "at_ms": rec["updated_ms"],
+    }
+    if rec["status"] in TERMINAL_STATUSES:
+        entry["token_ids"] = rec["token_ids"]
+        entry["text"] = rec["text"]
+        entry["error"] = rec["error"]
+    return json.dumps(entry)
+
+
 class StatusStore:
     """Status records under ``{prefix}:status:{request_id}`` with a TTL."""
 
@@ -65,26 +115,357 @@ class StatusStore:
     def key(self, request_id: str) -> str:
         return f"{self.prefix}:status:{request_id}"
 
+    def events_key(self, request_id: str) -> str:
+        """The request's stream of status changes (ids are Redis stream ids)."""
+        return f"{self.prefix}:status-events:{request_id}"
+
+    @property
+    def notify_channel(self) -> str:
+        """Pub/sub channel announcing every status change (the message is the request id)."""
+        return f"{self.prefix}:status-notify"
+
+    @property
+    def inflight_key(self) -> str:
+        """Sorted set of admitted, unfinished requests (score: admission time in ms)."""
+        return f"{self.prefix}:inflight"
+
     async def get(self, request_id: str) -> dict[str, Any] | None:
         """The status record of a request, or None when unknown or expired."""
         raw = await self.client.get(self.key(request_id))
         return json.loads(raw) if raw else None
 
+    def _queue_change(self, pipe: Any, rec: dict[str, Any], stage: str) -> None:
+        """Queue the stream entry, its TTL and the notification of one status change."""
+        rid = rec["request_id"]
+        pipe.xadd(
+            self.events_key(rid),
+            {"data": _event_entry(rec, stage)},
+            maxlen=STREAM_MAXLEN,
+            approximate=True,
+        )
+        pipe.expire(self.events_key(rid), self.ttl_s)
+        if rec["status"] in TERMINAL_STATUSES:
+            pipe.zrem(self.inflight_key, rid)
+        pipe.publish(self.notify_channel, rid)
+
+    async def create(self, request_id: str, fields: dict[str, Any]) -> bool:
+        """Create a ``queued`` record carrying ``fields`` (owner, items...); False if it exists.
+
+        The first entry of the event stream is this ``queued`` status.
+        """
+        rec = new_record(request_id)
+        rec.update(fields)
+        rec["stages"]["api:queued"] = rec["created_ms"]
+        rec["updated_ms"] = rec["created_ms"]
+        if not await self.client.set(self.key(request_id), json.dumps(rec), ex=self.ttl_s, nx=True):
+            return False
+        async with self.client.pipeline(transaction=True) as pipe:
+            self._queue_change(pipe, rec, "api")
+            await pipe.execute()
+        return True
+
+    async def update_fields(self, request_id: str, fields: dict[str, Any]) -> None:
+        """Merge top-level ``fields`` into an existing record (no status change)."""
+        await self._modify(request_id, lambda rec: (rec.update(fields), rec)[1] if rec else None)
+
+    async def delete(self, request_id: str) -> None:
+        """Forget a request entirely (a request that was never enqueued)."""
+        await self.client.delete(self.key(request_id), self.events_key(request_id))
+        await self.client.zrem(self.inflight_key, request_id)
+
     async def apply(self, ev: ResultEvent) -> bool:
         """Fold one ResultEvent into its record atomically; False when it was a duplicate."""
-        key = self.key(ev.request_id)
+        return await self._modify(ev.request_id, lambda rec: fold(rec, ev), stage=ev.stage)
+
+    async def _modify(
+        self,
+        request_id: str,
+        change: Callable[[dict[str, Any] | None], dict[str, Any] | None],
+        stage: str = "api",
+    ) -> bool:
+        key = self.key(request_id)
         async with self.client.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     await pipe.watch(key)
                     raw = await pipe.get(key)
-                    rec = fold(json.loads(raw) if raw else None, ev)
+                    old = json.loads(raw) if raw else None
+                    old_status = old["status"] if old else None
+                    rec = change(old)
                     if rec is None:
                         await pipe.unwatch()
                         return False
                     pipe.multi()
                     pipe.set(key, json.dumps(rec), ex=self.ttl_s)
+                    if rec["status"] != old_status:
+                        self._queue_change(pipe, rec, stage)
                     await pipe.execute()
                     return True
                 except WatchError:
                     continue  # another writer changed the record; fold again on the new value
+
+    async def events(self, request_id: str, after: str = "0") -> list[tuple[str, dict[str, Any]]]:
+        """Status changes after stream id ``after`` (exclusive), oldest first."""
+        start = "-" if after in ("", "0") else f"({after}"
+        rows: Any = await self.client.xrange(self.events_key(request_id), min=start, max="+")
+        out: list[tuple[str, dict[str, Any]]] = []
+        for sid, fields in rows or []:
+            data = fields.get(b"data") or fields.get("data")
+            out.append((sid.decode() if isinstance(sid, bytes) else str(sid), json.loads(data)))
+        return out
+
+    # -------------------------------------------------------------- admission (in-flight bound)
+
+    _ADMIT = """
+    redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+    if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+    redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
+    redis.call('EXPIRE', KEYS[1], ARGV[5])
+    return 1
+    """
+
+    async def admit(self, request_id: str, limit: int) -> bool:
+        """Count ``request_id`` as in flight unless ``limit`` requests already are (atomic,
+        shared by every API replica). Entries older than the record TTL are dropped, so a
+        request whose outcome never arrives cannot hold a slot forever."""
+        now = now_ms()
+        ok = await self.client.eval(
+            self._ADMIT,
+            1,
+            self.inflight_key,
+            now - self.ttl_s * 1000,
+            limit,
+            now,
+            request_id,
+            self.ttl_s,
+        )
+        return bool(ok)
+
+    async def release(self, request_id: str) -> None:
+        """Give back an in-flight slot (a request that was not enqueued after all)."""
+        await self.client.zrem(self.inflight_key, request_id)
+
+    async def in_flight(self) -> int:
+        """Admitted requests without an outcome yet."""
+        return int(await self.client.zcard(self.inflight_key))
+
+    async def in_flight_by_status(self, limit: int = 10000) -> dict[str, int]:
+        """Unfinished requests counted by status (one MGET of at most ``limit`` records)."""
+        ids = await self.client.zrange(self.inflight_key, 0, limit - 1)
+        if not ids:
+            return {}
+        names = [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
+        raws = await self.client.mget([self.key(n) for n in names])
+        counts: dict[str, int] = {}
+        for raw in raws:
+            if raw:
+                status = json.loads(raw)["status"]
+                counts[status] = counts.get(status, 0) + 1
+        return counts
+
+    # ------------------------------------------------------------------------ cancellation
+
+    def cancel_key(self, request_id: str) -> str:
+        return cancel_key(self.prefix, request_id)
+
+    async def cancel(self, request_id: str, reason: str = "cancelled by the client") -> bool:
+        """Mark a request cancelled: the flag workers check, a message to running workers, and
+        the terminal ``cancelled`` status (False when the record was already terminal)."""
+        await self.client.set(self.cancel_key(request_id), b"1", ex=self.ttl_s)
+        await self.client.publish(cancel_channel(self.prefix), request_id)
+        return await self.apply(
+            ResultEvent(
+                request_id=request_id,
+                stage="api",
+                status="cancelled",
+                error=ErrorInfo("cancelled", reason),
+            )
+        )
+
+
+def cancel_key(prefix: str, request_id: str) -> str:
+    """The Redis key that marks ``request_id`` cancelled."""
+    return f"{prefix}:cancel:{request_id}"
+
+
+def cancel_channel(prefix: str) -> str:
+    """Pub/sub channel on which cancels are announced (message = request id)."""
+    return f"{prefix}:cancel"
+
+
+class ChannelListener:
+    """One pub/sub subscription, handing each message to ``on_message``; reconnects on errors.
+
+    ``on_gap`` runs after a reconnect (messages may have been missed while disconnected), so
+    waiters can re-read state instead of sleeping until their timeout.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        channel: str,
+        on_message: Callable[[str], None],
+        on_gap: Callable[[], None] | None = None,
+    ) -> None:
+        self.client = client
+        self.channel = channel
+        self.on_message = on_message
+        self.on_gap = on_gap
+        self.healthy = False
+        self._task: asyncio.Task[None] | None = None
+        self._subscribed = asyncio.Event()
+
+    async def start(self, timeout_s: float = 5.0) -> None:
+        """Subscribe (in the background); waits up to ``timeout_s`` for the first subscription."""
+        self._task = asyncio.create_task(self._run(), name=f"listen:{self.channel}")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._subscribed.wait(), timeout_s)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def _run(self) -> None:
+        delay = 0.1
+        first = True
+        while True:
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.channel)
+                self.healthy = True
+                self._subscribed.set()
+                if not first and self.on_gap is not None:
+                    self.on_gap()
+                first = False
+                delay = 0.1
+                async for msg in pubsub.listen():
+                    if msg.get("type") != "message":
+                        continue
+                    data = msg["data"]
+                    self.on_message(data.decode() if isinstance(data, bytes) else str(data))
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as exc:
+                if self.healthy:
+                    log.warning("pub/sub %s lost (%s); reconnecting", self.channel, exc)
+                self.healthy = False
+                if self.on_gap is not None:
+                    self.on_gap()  # waiters re-read state rather than trusting a dead channel
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+class StatusNotifier:
+    """Wakes waiters of a request when its status changes (one subscription per process)."""
+
+    def __init__(self, store: StatusStore) -> None:
+        self.store = store
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self.listener = ChannelListener(
+            store.client, store.notify_channel, self._wake, on_gap=self._wake_all
+        )
+
+    @property
+    def healthy(self) -> bool:
+        return self.listener.healthy
+
+    async def start(self) -> None:
+        await self.listener.start()
+
+    async def close(self) -> None:
+        await self.listener.close()
+
+    def _wake(self, request_id: str) -> None:
+        for ev in self._waiters.get(request_id, ()):
+            ev.set()
+
+    def _wake_all(self) -> None:
+        for evs in self._waiters.values():
+            for ev in evs:
+                ev.set()
+
+    @contextlib.asynccontextmanager
+    async def watch(self, request_id: str) -> AsyncIterator[asyncio.Event]:
+        """An event set on the next change of ``request_id``; register *before* reading the
+        record, so a change between the read and the wait is never missed. Clear it to re-arm."""
+        ev = asyncio.Event()
+        self._waiters.setdefault(request_id, set()).add(ev)
+        try:
+            yield ev
+        finally:
+            evs = self._waiters.get(request_id)
+            if evs is not None:
+                evs.discard(ev)
+                if not evs:
+                    del self._waiters[request_id]
+
+    async def wait_change(
+        self, request_id: str, status: str | None, timeout_s: float
+    ) -> dict[str, Any] | None:
+        """The record once its status differs from ``status`` or is terminal, or as it is
+        when ``timeout_s`` runs out."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        async with self.watch(request_id) as changed:
+            while True:
+                changed.clear()
+                rec = await self.store.get(request_id)
+                if rec is None or rec["status"] != status or rec["status"] in TERMINAL_STATUSES:
+                    return rec
+                left = deadline - loop.time()
+                if left <= 0:
+                    return rec
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), left)
+
+
+class CancelWatch:
+    """What workers ask before compute and between decode steps: is this request cancelled?
+
+    ``is_cancelled`` reads the flag in Redis (authoritative, one round trip); ``cancelled_now``
+    is a lock-free membership test of the ids announced on the cancel channel since start-up,
+    cheap enough for the decode loop's compute thread.
+    """
+
+    def __init__(self, client: aioredis.Redis, prefix: str, *, remember: int = 10000) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.remember = remember
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self.listener = ChannelListener(client, cancel_channel(prefix), self._add)
+
+    async def start(self) -> None:
+        await self.listener.start()
+
+    async def close(self) -> None:
+        await self.listener.close()
+
+    def _add(self, request_id: str) -> None:
+        self._ids[request_id] = None
+        while len(self._ids) > self.remember:
+            self._ids.popitem(last=False)
+
+    def cancelled_now(self, request_id: str) -> bool:
+        """True when a cancel of ``request_id`` has been seen (any thread may call this)."""
+        return request_id in self._ids
+
+    async def is_cancelled(self, request_id: str) -> bool:
+        """True when ``request_id`` is cancelled; a Redis error counts as not cancelled (the
+        status record already refuses any outcome after a cancel)."""
+        if request_id in self._ids:
+            return True
+        try:
+            found = bool(await self.client.exists(cancel_key(self.prefix, request_id)))
+        except RedisError:
+            return False
+        if found:
+            self._add(request_id)
+        return found
+
+
+CancelCheck = Callable[[str], Awaitable[bool]]

@@ -29,6 +29,7 @@ STATUSES = (
     "queued",
     "encoding",
     "prefilling",
+    "decoding",
     "completed",
     "failed",
     "rejected",

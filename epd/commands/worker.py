@@ -49,6 +49,17 @@ class StageContext:
         self.closers.append(store.close)
         return store
 
+    async def cancel_watch(self) -> Any:
+        """Cancels (``DELETE /v1/requests/{id}``), checked before compute and between steps."""
+        from runtime.redis_client import redis_client
+        from runtime.status_store import CancelWatch
+
+        client = redis_client(self.settings)
+        watch = CancelWatch(client, self.settings.topic_prefix)
+        await watch.start()
+        self.closers.extend([client.aclose, watch.close])
+        return watch
+
     async def load_model(self) -> Any:
         """The model on the configured device (in a thread: loading takes seconds)."""
         from runtime.model import load_model
@@ -77,6 +88,7 @@ async def _build_encode(ctx: StageContext) -> Handler:
         ctx.publisher,
         topics=ctx.topics,
         worker_id=ctx.worker_id,
+        cancel=await ctx.cancel_watch(),
     )
     ctx.closers.append(w.close)
     return w.handle
@@ -93,6 +105,7 @@ async def _build_prefill(ctx: StageContext) -> Handler:
         ctx.publisher,
         topics=ctx.topics,
         worker_id=ctx.worker_id,
+        cancel=await ctx.cancel_watch(),
     )
     ctx.closers.append(w.close)
     return w.handle

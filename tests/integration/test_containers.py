@@ -140,7 +140,9 @@ def test_compose_file_is_a_valid_stack() -> None:
     every service command a real ``epd`` sub-command."""
     spec = yaml.safe_load(COMPOSE_FILE.read_text())
     svcs = spec["services"]
-    assert {"kafka", "redis", "router", "encode-worker", "prefill-worker", "results"} <= set(svcs)
+    assert {"kafka", "redis", "router", "encode-worker", "prefill-worker", "results", "api"} <= set(
+        svcs
+    )
     assert svcs["kafka"]["image"].startswith("apache/kafka")
     assert "controller" in svcs["kafka"]["environment"]["KAFKA_PROCESS_ROLES"]
     for name, svc in svcs.items():
@@ -150,13 +152,15 @@ def test_compose_file_is_a_valid_stack() -> None:
         devices = svcs[name]["deploy"]["resources"]["reservations"]["devices"]
         assert any(d.get("driver") == "nvidia" and "gpu" in d["capabilities"] for d in devices)
     parser = build_parser()
-    for name in ("topics", "router", "encode-worker", "prefill-worker", "results"):
+    for name in ("topics", "router", "encode-worker", "prefill-worker", "results", "api"):
         env = svcs[name]["environment"]
         assert env["EPD_KAFKA_BOOTSTRAP"] and env["EPD_REDIS_URL"], name
         assert svcs[name]["build"]["dockerfile"] == "docker/Dockerfile"
         # the image's entrypoint is `epd`: the command must parse as one of its sub-commands
         args = parser.parse_args(svcs[name]["command"])
         assert callable(args.func), name
+    # the API is healthy only when ready (broker, Redis, topics)
+    assert "/readyz" in " ".join(svcs["api"]["healthcheck"]["test"])
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")

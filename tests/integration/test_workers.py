@@ -399,7 +399,7 @@ async def test_prefill_matches_the_monolithic_model(
     assert prefill.completed == 1
 
     results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
-    assert [r.status for r in results] == ["prefilling", "completed"]
+    assert [r.status for r in results] == ["prefilling", "decoding", "completed"]
     done = results[-1]
     token_ids, pixels, grid = monolithic_inputs(ev)
     expected = generate_monolithic(bundle, token_ids, pixels, grid, MAX_TOKENS)

@@ -81,3 +81,106 @@ def test_encoded_events_mark_each_item_of_a_request() -> None:
     assert rec["info"] == {"encoded." + "a" * 12: "encoded", "encoded." + "b" * 12: "cache_hit"}
     assert rec["timings"] == {"encode." + "a" * 12: 7.0}
     assert fold(rec, encoded_update(a)) is None  # a redelivered EncodedEvent changes nothing
+
+
+def test_second_item_of_a_stage_is_kept_redelivery_is_not() -> None:
+    first = ResultEvent("r", "encode", "encoding", timings={"encode.image0": 5.0})
+    second = ResultEvent("r", "encode", "encoding", timings={"encode.image1": 7.0})
+    rec = fold(None, first)
+    rec = fold(rec, second)
+    assert rec is not None and rec["timings"] == {"encode.image0": 5.0, "encode.image1": 7.0}
+    assert "encode:encoding" in rec["stages_last"]
+    assert fold(rec, second) is None
+
+
+def test_decoding_sits_between_prefilling_and_terminal() -> None:
+    rec = fold(None, ResultEvent("r", "prefill", "decoding"))
+    assert rec is not None and rec["status"] == "decoding"
+    assert fold(rec, ResultEvent("r", "prefill", "prefilling"))["status"] == "decoding"
+    rec = fold(rec, ResultEvent("r", "prefill", "completed", token_ids=[1]))
+    assert rec is not None and rec["status"] == "completed"
+
+
+async def test_status_changes_are_streamed_and_announced(store: StatusStore) -> None:
+    from runtime.status_store import StatusNotifier
+
+    notifier = StatusNotifier(store)
+    await notifier.start()
+    try:
+        assert await store.create("r2", {"tenant": "t"})
+        assert not await store.create("r2", {"tenant": "other"})  # never overwritten
+        waiter = asyncio.create_task(notifier.wait_change("r2", "queued", 30))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        await store.apply(ResultEvent("r2", "fanout", "encoding"))
+        rec = await asyncio.wait_for(waiter, 5)  # woken by the notification, not the timeout
+        assert rec is not None and rec["status"] == "encoding" and rec["tenant"] == "t"
+        # info without a status change: no new event
+        await store.apply(ResultEvent("r2", "encode", "encoding", info={"x": "1"}))
+        await store.apply(ResultEvent("r2", "prefill", "completed", token_ids=[3]))
+        events = await store.events("r2")
+        assert [e["status"] for _, e in events] == ["queued", "encoding", "completed"]
+        assert events[-1][1]["token_ids"] == [3]
+        after_first = await store.events("r2", events[0][0])
+        assert [sid for sid, _ in after_first] == [sid for sid, _ in events[1:]]
+        # a terminal record answers at once
+        t0 = asyncio.get_running_loop().time()
+        await notifier.wait_change("r2", "completed", 10)
+        assert asyncio.get_running_loop().time() - t0 < 1
+    finally:
+        await notifier.close()
+
+
+async def test_in_flight_bound_is_shared_and_released_on_outcome(store: StatusStore) -> None:
+    assert await store.admit("a", 2) and await store.admit("b", 2)
+    assert not await store.admit("c", 2)
+    await store.create("a", {})
+    await store.apply(ResultEvent("a", "prefill", "failed"))
+    assert await store.in_flight() == 1
+    assert await store.admit("c", 2)
+    await store.release("c")
+    assert await store.in_flight() == 1
+    await store.create("b", {})
+    await store.apply(ResultEvent("b", "prefill", "decoding"))
+    assert await store.in_flight_by_status() == {"decoding": 1}
+
+
+async def test_cancel_is_terminal_and_seen_by_workers(store: StatusStore) -> None:
+    from runtime.status_store import CancelWatch
+
+    watch = CancelWatch(store.client, store.prefix)
+    await watch.start()
+    try:
+        await store.create("c1", {})
+        assert not await watch.is_cancelled("c1")
+        assert await store.cancel("c1")
+        for _ in range(100):  # the pub/sub message reaches the watcher's set
+            if watch.cancelled_now("c1"):
+                break
+            await asyncio.sleep(0.01)
+        assert watch.cancelled_now("c1") and await watch.is_cancelled("c1")
+        await store.apply(ResultEvent("c1", "prefill", "completed", token_ids=[1]))
+        rec = await store.get("c1")
+        assert rec is not None and rec["status"] == "cancelled" and rec["token_ids"] is None
+    finally:
+        await watch.close()
+    # a worker started after the cancel still sees it (the flag in Redis)
+    late = CancelWatch(store.client, store.prefix)
+    assert await late.is_cancelled("c1") and not late.cancelled_now("other")
+
+
+async def test_collector_applies_one_requests_updates_in_arrival_order(
+    store: StatusStore,
+) -> None:
+    from consumers.results import ResultsCollector
+
+    rc = ResultsCollector(store)
+    # dispatched together, as the consume loop does with one fetched batch
+    await asyncio.gather(
+        rc.handle(ResultEvent("o1", "prefill", "prefilling")),
+        rc.handle(ResultEvent("o1", "prefill", "decoding")),
+        rc.handle(ResultEvent("o1", "prefill", "completed", token_ids=[1])),
+    )
+    history = [e["status"] for _, e in await store.events("o1")]
+    assert history == ["prefilling", "decoding", "completed"]
+    assert rc.applied == 3 and not rc._order  # nothing kept once a request is idle

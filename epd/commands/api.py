@@ -1,0 +1,60 @@
+"""``epd api``: serve the HTTP submit-and-poll API (FastAPI on uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+DESCRIPTION = """\
+Serve the HTTP front door of the pipeline:
+
+  POST   /v1/requests              submit (JSON with base64/data: URL images, or multipart);
+                                   202 {request_id, status_url, events_url} without waiting
+  GET    /v1/requests/{id}         status, per-stage timings, result; ?wait=S long-polls
+  GET    /v1/requests/{id}/events  Server-Sent Events of every status change
+  DELETE /v1/requests/{id}         cancel
+  POST   /v1/vllm/generate         fan out a vLLM render response
+  GET    /healthz /readyz /metrics /docs /openapi.json
+
+Configuration comes from EPD_* variables (Kafka, Redis, model, EPD_API_* limits). Set
+EPD_API_TOKENS=TOKEN=TENANT,... to require bearer tokens; without it the API is open.
+Replicas (--workers, or several hosts) share every piece of state through Redis.
+"""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "api",
+        help="serve the HTTP submit-and-poll API",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--host", default=os.environ.get("EPD_API_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(os.environ.get("EPD_API_PORT", "8000")))
+    p.add_argument(
+        "--workers", type=int, default=1, help="uvicorn worker processes (each a full replica)"
+    )
+    p.add_argument("--log-level", default=os.environ.get("EPD_LOG_LEVEL", "info"))
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    uvicorn.run(
+        "producers.api:app_factory",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        log_level=args.log_level.lower(),
+        # Long-polls and event streams hold connections open; keep idle ones short.
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=10,
+    )
+    return 0

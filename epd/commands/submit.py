@@ -1,0 +1,202 @@
+"""``epd submit`` / ``epd status`` / ``epd cancel``: the HTTP API from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+COMMON = """\
+The API is at --url (default $EPD_API_URL or http://127.0.0.1:8000); give --token (default
+$EPD_API_TOKEN) when the API requires bearer tokens. Exit status: 0 when the request completed
+(or, without --wait, was accepted), 1 when it ended otherwise (failed, rejected, expired,
+cancelled) or the API refused it, 2 when the API cannot be reached.
+"""
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, 92) + "\n\n"
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--url",
+        default=os.environ.get("EPD_API_URL", "http://127.0.0.1:8000"),
+        help="API base URL (default $EPD_API_URL or http://127.0.0.1:8000)",
+    )
+    p.add_argument(
+        "--token", default=os.environ.get("EPD_API_TOKEN"), help="bearer token ($EPD_API_TOKEN)"
+    )
+    p.add_argument("--json", action="store_true", help="print the status JSON instead of text")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    s = sub.add_parser(
+        "submit",
+        help="submit a request to the HTTP API (and optionally wait for it)",
+        description=_wrap(
+            "Render and enqueue a prompt with images through the HTTP API (POST "
+            "/v1/requests). Mark each image in the prompt with <image>, in the order of the "
+            "--image options. Prints the request id; with --wait, shows the request's progress "
+            "stage by stage on stderr (queued, encoding, prefilling, decoding, completed) and "
+            "prints the result."
+        )
+        + COMMON,
+        formatter_class=fmt,
+    )
+    s.add_argument(
+        "--image", action="append", type=Path, default=[], help="image file (repeatable)"
+    )
+    s.add_argument("--prompt", required=True, help="prompt text; <image> marks each image")
+    s.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (16)")
+    s.add_argument("--cache-salt", default=None, help="encoder-cache isolation label")
+    s.add_argument("--deadline-s", type=float, default=None, help="give up after N seconds")
+    s.add_argument("--idempotency-key", default=None, help="retry-safe submission key")
+    s.add_argument("--wait", action="store_true", help="wait for the outcome (progress on stderr)")
+    s.add_argument("--timeout", type=float, default=300.0, help="seconds --wait waits at most")
+    _add_common(s)
+    s.set_defaults(func=run_submit)
+
+    st = sub.add_parser(
+        "status",
+        help="show a request's status (stages, result, error)",
+        description=_wrap(
+            "Show a request's status (GET /v1/requests/ID): its stage timings, items, result "
+            "or error. With --wait, follow it stage by stage until it ends."
+        )
+        + COMMON,
+        formatter_class=fmt,
+    )
+    st.add_argument("request_id", metavar="ID")
+    st.add_argument("--wait", action="store_true", help="wait until it ends (progress on stderr)")
+    st.add_argument("--timeout", type=float, default=300.0)
+    _add_common(st)
+    st.set_defaults(func=run_status)
+
+    c = sub.add_parser(
+        "cancel",
+        help="cancel a request",
+        description=_wrap(
+            "Cancel a request (DELETE /v1/requests/ID): its status becomes 'cancelled' at once "
+            "and the workers skip its remaining work (encode and prefill are skipped, decoding "
+            "stops between steps). A request that already finished cannot be cancelled (exit 1)."
+        )
+        + COMMON,
+        formatter_class=fmt,
+    )
+    c.add_argument("request_id", metavar="ID")
+    _add_common(c)
+    c.set_defaults(func=run_cancel)
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from producers.client import SyncEPDClient
+
+    return SyncEPDClient(args.url, token=args.token)
+
+
+def _print_status(st: Any, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(st.raw, indent=2))
+        return
+    print(f"request {st.request_id}: {st.status}")
+    for name, t in st.stages.items():
+        if t.ms is not None:
+            print(f"  {name:<8} {t.ms:9.1f} ms")
+    for it in st.items:
+        hit = "cache hit" if it.cache_hit else ("encoded" if it.encoded else "pending")
+        print(f"  {it.modality} {it.mm_hash[:16]}  {hit}")
+    if st.result is not None:
+        print(f"  tokens: {st.result.token_ids}")
+        if st.result.text is not None:
+            print(f"  text:   {st.result.text!r}")
+    if st.error is not None:
+        rule = f" [{st.error.rule}]" if st.error.rule else ""
+        print(f"  error:  {st.error.code}{rule}: {st.error.message}")
+
+
+def _follow(client: Any, request_id: str, timeout_s: float) -> Any:
+    """Print each status change to stderr as it happens (SSE); then the final status."""
+    t0 = time.monotonic()
+    last = None
+    try:
+        for ev in client.events(request_id):
+            if ev.status != last:
+                print(f"  {time.monotonic() - t0:7.2f}s  {ev.status}", file=sys.stderr, flush=True)
+                last = ev.status
+            if time.monotonic() - t0 > timeout_s:
+                break
+    except Exception as exc:  # events are progress only; the long-poll below decides
+        print(f"  (progress unavailable: {exc})", file=sys.stderr)
+    return client.wait(request_id, timeout_s=max(1.0, timeout_s - (time.monotonic() - t0)))
+
+
+def _run(args: argparse.Namespace, body: Any) -> int:
+    import httpx
+
+    from producers.client import EPDError
+
+    try:
+        with _client(args) as client:
+            return int(body(client))
+    except EPDError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (httpx.TransportError, OSError) as e:
+        print(f"error: cannot reach the API at {args.url}: {e}", file=sys.stderr)
+        return 2
+    except TimeoutError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    for p in args.image:
+        if not p.is_file():
+            print(f"error: no such image file: {p}", file=sys.stderr)
+            return 2
+
+    def body(client: Any) -> int:
+        rid = client.submit(
+            prompt=args.prompt,
+            images=list(args.image),
+            max_tokens=args.max_tokens,
+            cache_salt=args.cache_salt,
+            deadline_s=args.deadline_s,
+            idempotency_key=args.idempotency_key,
+        )
+        if not args.wait:
+            print(json.dumps({"request_id": rid}) if args.json else rid)
+            return 0
+        print(f"submitted {rid}", file=sys.stderr)
+        st = _follow(client, rid, args.timeout)
+        _print_status(st, args.json)
+        return 0 if st.status == "completed" else 1
+
+    return _run(args, body)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    def body(client: Any) -> int:
+        st = _follow(client, args.request_id, args.timeout) if args.wait else None
+        st = st or client.status(args.request_id)
+        _print_status(st, args.json)
+        if args.wait:
+            return 0 if st.status == "completed" else 1
+        return 0
+
+    return _run(args, body)
+
+
+def run_cancel(args: argparse.Namespace) -> int:
+    def body(client: Any) -> int:
+        _print_status(client.cancel(args.request_id), args.json)
+        return 0
+
+    return _run(args, body)

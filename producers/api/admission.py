@@ -1,0 +1,94 @@
+"""Backpressure: the encode topic's consumer lag, sampled in the background.
+
+Asking the broker on every request would put two admin round trips on the submit path; a
+sample a second old is good enough to tell "the encoders are far behind" from "they are not".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from runtime.kafka import make_consumer
+from runtime.settings import Settings
+from schemas.topics import GROUP_ENCODE, Topics
+
+log = logging.getLogger(__name__)
+
+
+def consumer_lag(end: dict[TopicPartition, int], committed: dict[TopicPartition, int]) -> int:
+    """Events not yet consumed: per partition, end offset minus committed (0 if none)."""
+    return sum(max(0, e - committed.get(tp, 0)) for tp, e in end.items())
+
+
+class LagMonitor:
+    """Keeps ``lag`` (events behind on the encode topic for the encode group) fresh."""
+
+    def __init__(self, settings: Settings, topics: Topics, interval_s: float = 1.0) -> None:
+        self.settings = settings
+        self.topic = topics.encode
+        self.interval_s = interval_s
+        self.lag: int | None = None
+        self.sampled_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="encode-lag")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def sample(self, consumer: AIOKafkaConsumer) -> int:
+        """One measurement: end offsets minus the encode group's committed offsets. The
+        consumer never joins the group (no subscription), it only reads its offsets."""
+        parts = consumer.partitions_for_topic(self.topic)
+        if parts is None:
+            await consumer._client.force_metadata_update()
+            parts = consumer.partitions_for_topic(self.topic) or set()
+        tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
+        if not tps:
+            return 0
+        end = await consumer.end_offsets(tps)
+        committed = {}
+        for tp in tps:
+            off = await consumer.committed(tp)
+            if off is not None:
+                committed[tp] = off
+        return consumer_lag(end, committed)
+
+    async def _run(self) -> None:
+        consumer: AIOKafkaConsumer | None = None
+        try:
+            while True:
+                try:
+                    if consumer is None:
+                        consumer = make_consumer(self.settings, group_id=GROUP_ENCODE)
+                        await consumer.start()
+                    self.lag = await self.sample(consumer)
+                    self.sampled_at = time.monotonic()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # broker down: keep the last sample; start afresh
+                    log.debug("encode lag sample failed: %s", exc)
+                    if consumer is not None:
+                        with contextlib.suppress(Exception):
+                            await consumer.stop()
+                        consumer = None
+                await asyncio.sleep(self.interval_s)
+        finally:
+            if consumer is not None:
+                with contextlib.suppress(Exception):
+                    await consumer.stop()
+
+    def over(self, limit: int) -> bool:
+        """True when a recent sample (under 10 s old) is above ``limit`` (0 disables)."""
+        if limit <= 0 or self.lag is None:
+            return False
+        return time.monotonic() - self.sampled_at < 10 and self.lag > limit

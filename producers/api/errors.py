@@ -1,0 +1,81 @@
+"""API errors: one JSON shape, ``{"error": {"code", "message", "rule"?, "field"?, "item"?}}``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from schemas.errors import ValidationError
+
+# Renderer rules that mean "too big" rather than "invalid": the client must send less.
+TOO_LARGE_RULES = frozenset({"render.image_too_large", "render.too_many_images"})
+
+
+class ApiError(Exception):
+    """An answer other than success; raised anywhere in a handler, rendered by one handler."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        rule: str | None = None,
+        field: str | None = None,
+        item: int | None = None,
+        modality: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.rule = rule
+        self.field = field
+        self.item = item
+        self.modality = modality
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        err: dict[str, Any] = {"code": self.code, "message": self.message}
+        for name in ("rule", "field", "item", "modality"):
+            value = getattr(self, name)
+            if value is not None:
+                err[name] = value
+        return {"error": err}
+
+
+def from_validation(exc: ValidationError) -> ApiError:
+    """A renderer or validator rejection as an API error (413 for size rules, else 422)."""
+    too_large = exc.rule in TOO_LARGE_RULES
+    return ApiError(
+        413 if too_large else 422,
+        "too_large" if too_large else "validation_failed",
+        exc.detail,
+        rule=exc.rule,
+        field=exc.field,
+        item=exc.item,
+        modality=exc.modality,
+    )
+
+
+def bad_request(message: str, *, rule: str, field: str | None = None, item: int | None = None):
+    """400: the request cannot be parsed."""
+    return ApiError(400, "malformed", message, rule=rule, field=field, item=item)
+
+
+def throttled(message: str, retry_after_s: int, *, rule: str) -> ApiError:
+    """429 with ``Retry-After``."""
+    return ApiError(
+        429, "throttled", message, rule=rule, headers={"Retry-After": str(retry_after_s)}
+    )
+
+
+def unavailable(message: str, retry_after_s: int, *, rule: str) -> ApiError:
+    """503 with ``Retry-After``: a dependency (Kafka, Redis) is down."""
+    return ApiError(
+        503, "unavailable", message, rule=rule, headers={"Retry-After": str(retry_after_s)}
+    )
+
+
+def not_found(request_id: str) -> ApiError:
+    return ApiError(404, "not_found", f"no request {request_id!r}", field="request_id")

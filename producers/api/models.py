@@ -1,0 +1,187 @@
+"""Pydantic models of the HTTP API: what ``/openapi.json`` documents, with examples."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Status = Literal[
+    "queued",
+    "encoding",
+    "prefilling",
+    "decoding",
+    "completed",
+    "failed",
+    "rejected",
+    "expired",
+    "cancelled",
+]
+
+# A 28x28 red PNG (the smallest the Qwen2-VL processor takes): an example that actually runs.
+EXAMPLE_PNG_B64 = (
+    "iVBORw0KGgoAAAANSUhEUgAAABwAAAAcCAIAAAD9b0jDAAAAKElEQVR42mM8ISfHQG3AxEADMGroqKGjho4aOmro"
+    "qKGjho4aOvgMBQB+BAE8FfyCFgAAAABJRU5ErkJggg=="
+)
+
+
+class SubmitRequest(BaseModel):
+    """A generation request: a prompt (``<image>`` marks each image) or token ids, plus images.
+
+    Images are base64 strings or ``data:image/...;base64,`` URLs: data, never file paths or
+    URLs. Decoding is greedy (``temperature`` 0).
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "prompt": "Describe <image>.",
+                    "images": [f"data:image/png;base64,{EXAMPLE_PNG_B64}"],
+                    "max_tokens": 8,
+                }
+            ]
+        },
+    )
+
+    prompt: str | None = Field(None, max_length=65536, description="text; <image> per image")
+    token_ids: list[int] | None = Field(
+        None, max_length=65536, description="prompt token ids; one <|image_pad|> per image"
+    )
+    images: list[str] = Field(
+        default_factory=list, max_length=64, description="base64 or data: URL per image"
+    )
+    max_tokens: int = Field(16, ge=1, le=4096)
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="only 0 (greedy) is supported")
+    ignore_eos: bool = Field(False, description="keep decoding past the end-of-sequence token")
+    cache_salt: str | None = Field(None, max_length=256, description="encoder-cache isolation")
+    deadline_s: float | None = Field(
+        None, gt=0, le=86400, description="seconds from now after which work is not started"
+    )
+    metadata: dict[str, str] | None = Field(
+        None, max_length=16, description="opaque labels returned with the status"
+    )
+
+
+class Accepted(BaseModel):
+    """The request was admitted and enqueued (or found again by its Idempotency-Key)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "request_id": "5f0c3e1b9a3b4a7f8e2d1c0b9a8f7e6d",
+                    "status": "queued",
+                    "status_url": "/v1/requests/5f0c3e1b9a3b4a7f8e2d1c0b9a8f7e6d",
+                    "events_url": "/v1/requests/5f0c3e1b9a3b4a7f8e2d1c0b9a8f7e6d/events",
+                }
+            ]
+        }
+    )
+
+    request_id: str
+    status: Status
+    status_url: str
+    events_url: str
+
+
+class StageTiming(BaseModel):
+    started: str | None = Field(None, description="ISO-8601 UTC")
+    finished: str | None = Field(None, description="ISO-8601 UTC")
+    ms: float | None = Field(None, description="time spent in the stage's compute")
+
+
+class Stages(BaseModel):
+    render: StageTiming = Field(default_factory=StageTiming)
+    encode: StageTiming = Field(default_factory=StageTiming)
+    prefill: StageTiming = Field(default_factory=StageTiming)
+    decode: StageTiming = Field(default_factory=StageTiming)
+
+
+class Item(BaseModel):
+    modality: str
+    mm_hash: str
+    cache_hit: bool | None = Field(None, description="embedding already in the store")
+    encoded: bool = Field(description="the embedding is known to be in the store")
+
+
+class Result(BaseModel):
+    token_ids: list[int]
+    text: str | None = None
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+    rule: str | None = None
+    modality: str | None = None
+    item: int | None = None
+    field: str | None = None
+
+
+class RequestStatus(BaseModel):
+    """Where a request is, how long each stage took, and its outcome."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "request_id": "5f0c3e1b9a3b4a7f8e2d1c0b9a8f7e6d",
+                    "status": "completed",
+                    "created_at": "2026-11-30T12:00:00.000Z",
+                    "stages": {
+                        "render": {"started": None, "finished": None, "ms": 12.5},
+                        "encode": {"started": None, "finished": None, "ms": 30.1},
+                        "prefill": {"started": None, "finished": None, "ms": 4.0},
+                        "decode": {"started": None, "finished": None, "ms": 20.0},
+                    },
+                    "items": [
+                        {
+                            "modality": "image",
+                            "mm_hash": "ab12",
+                            "cache_hit": False,
+                            "encoded": True,
+                        }
+                    ],
+                    "result": {"token_ids": [17, 42], "text": "hi"},
+                    "error": None,
+                }
+            ]
+        }
+    )
+
+    request_id: str
+    status: Status
+    created_at: str
+    updated_at: str | None = None
+    stages: Stages
+    items: list[Item]
+    result: Result | None = None
+    error: ErrorDetail | None = None
+    metadata: dict[str, str] | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: str
+    checks: dict[str, Any] = Field(default_factory=dict)
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody, "description": desc}
+    for code, desc in {
+        400: "malformed request (bad JSON, bad base64, bad form)",
+        401: "missing or unknown bearer token (when EPD_API_TOKENS is set)",
+        404: "unknown request id (or another tenant's)",
+        409: "Idempotency-Key reused with another body, or cancel of a finished request",
+        413: "body or image too large",
+        415: "unsupported content or image type",
+        422: "validation failed (the rule is named)",
+        429: "too many requests in flight or encoder backlog; see Retry-After",
+        503: "Kafka or Redis unavailable; see Retry-After",
+    }.items()
+}

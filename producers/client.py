@@ -1,0 +1,494 @@
+"""Python client of the HTTP API (httpx): ``EPDClient`` (async) and ``SyncEPDClient``.
+
+Both speak the same routes with the same typed results; server errors become typed exceptions
+carrying the server's ``code`` and ``rule``; 429 and 503 are retried, honouring ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+TERMINAL = frozenset({"completed", "failed", "rejected", "expired", "cancelled"})
+ImageArg = bytes | bytearray | memoryview | Path
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass(slots=True)
+class StageTiming:
+    started: str | None = None
+    finished: str | None = None
+    ms: float | None = None
+
+
+@dataclass(slots=True)
+class Item:
+    modality: str
+    mm_hash: str
+    cache_hit: bool | None
+    encoded: bool
+
+
+@dataclass(slots=True)
+class Result:
+    token_ids: list[int]
+    text: str | None = None
+
+
+@dataclass(slots=True)
+class ErrorDetail:
+    code: str
+    message: str
+    rule: str | None = None
+    modality: str | None = None
+    item: int | None = None
+    field: str | None = None
+
+
+@dataclass(slots=True)
+class RequestStatus:
+    """``GET /v1/requests/{id}``."""
+
+    request_id: str
+    status: str
+    created_at: str
+    stages: dict[str, StageTiming]
+    items: list[Item]
+    result: Result | None = None
+    error: ErrorDetail | None = None
+    metadata: dict[str, str] | None = None
+    updated_at: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.status in TERMINAL
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> RequestStatus:
+        err = obj.get("error")
+        res = obj.get("result")
+        return cls(
+            request_id=obj["request_id"],
+            status=obj["status"],
+            created_at=obj["created_at"],
+            updated_at=obj.get("updated_at"),
+            stages={k: StageTiming(**v) for k, v in (obj.get("stages") or {}).items()},
+            items=[Item(**it) for it in obj.get("items") or []],
+            result=Result(**res) if res else None,
+            error=ErrorDetail(**err) if err else None,
+            metadata=obj.get("metadata"),
+            raw=dict(obj),
+        )
+
+
+@dataclass(slots=True)
+class StatusEvent:
+    """One Server-Sent Event of ``/events``."""
+
+    id: str
+    status: str
+    stage: str
+    data: dict[str, Any]
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+class EPDError(Exception):
+    """An error answer of the API: HTTP status, the server's code, rule and location."""
+
+    def __init__(self, status: int, body: Mapping[str, Any] | None, text: str = "") -> None:
+        err = (body or {}).get("error") or {}
+        self.status = status
+        self.code: str = err.get("code", "http_error")
+        self.message: str = err.get("message", text or f"HTTP {status}")
+        self.rule: str | None = err.get("rule")
+        self.field: str | None = err.get("field")
+        self.item: int | None = err.get("item")
+        self.modality: str | None = err.get("modality")
+        where = f" ({self.rule})" if self.rule else ""
+        super().__init__(f"{status} {self.code}{where}: {self.message}")
+
+
+class BadRequest(EPDError):
+    """400."""
+
+
+class Unauthorized(EPDError):
+    """401."""
+
+
+class NotFound(EPDError):
+    """404: unknown id (or another tenant's)."""
+
+
+class Conflict(EPDError):
+    """409: Idempotency-Key reused with another body, or cancel of a finished request."""
+
+
+class TooLarge(EPDError):
+    """413."""
+
+
+class UnsupportedMediaType(EPDError):
+    """415."""
+
+
+class Rejected(EPDError):
+    """422: a validation rule failed (``rule`` names it)."""
+
+
+class Throttled(EPDError):
+    """429, after the client's retries ran out."""
+
+
+class Unavailable(EPDError):
+    """503, after the client's retries ran out."""
+
+
+_ERRORS: dict[int, type[EPDError]] = {
+    400: BadRequest,
+    401: Unauthorized,
+    404: NotFound,
+    409: Conflict,
+    413: TooLarge,
+    415: UnsupportedMediaType,
+    422: Rejected,
+    429: Throttled,
+    503: Unavailable,
+}
+
+
+def _raise_for(resp: httpx.Response) -> None:
+    if resp.status_code < 400:
+        return
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    raise _ERRORS.get(resp.status_code, EPDError)(resp.status_code, body, resp.text[:500])
+
+
+def _retry_after(resp: httpx.Response, attempt: int) -> float:
+    value = resp.headers.get("retry-after", "")
+    try:
+        return max(0.0, min(float(value), 60.0))
+    except ValueError:
+        return min(0.25 * 2**attempt, 5.0)
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+def _image_bytes(img: ImageArg) -> bytes:
+    # Paths are read here, on the client's machine; the server takes bytes only.
+    return img.read_bytes() if isinstance(img, Path) else bytes(img)
+
+
+def _submit_parts(
+    prompt: str | None,
+    token_ids: Sequence[int] | None,
+    images: Sequence[ImageArg],
+    max_tokens: int,
+    cache_salt: str | None,
+    deadline_s: float | None,
+    metadata: Mapping[str, str] | None,
+    ignore_eos: bool = False,
+) -> dict[str, Any]:
+    """httpx keyword arguments of a submission: multipart with the image files (no base64
+    inflation), or JSON when there is no image."""
+    fields: dict[str, Any] = {"max_tokens": str(max_tokens)}
+    if ignore_eos:
+        fields["ignore_eos"] = "true"
+    if prompt is not None:
+        fields["prompt"] = prompt
+    if token_ids is not None:
+        fields["token_ids"] = json.dumps(list(token_ids))
+    if cache_salt is not None:
+        fields["cache_salt"] = cache_salt
+    if deadline_s is not None:
+        fields["deadline_s"] = str(deadline_s)
+    if metadata is not None:
+        fields["metadata"] = json.dumps(dict(metadata))
+    if not images:
+        body: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": ignore_eos}
+        for k in ("prompt", "cache_salt"):
+            if k in fields:
+                body[k] = fields[k]
+        if token_ids is not None:
+            body["token_ids"] = list(token_ids)
+        if deadline_s is not None:
+            body["deadline_s"] = deadline_s
+        if metadata is not None:
+            body["metadata"] = dict(metadata)
+        return {"json": body}
+    files = [("images", (f"image{i}", _image_bytes(img))) for i, img in enumerate(images)]
+    return {"data": fields, "files": files}
+
+
+def image_to_data_url(data: bytes, mime: str = "image/png") -> str:
+    """A ``data:`` URL for JSON submissions."""
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def _headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _parse_sse(lines: list[str]) -> StatusEvent | None:
+    ev_id, data = "", []
+    for line in lines:
+        if line.startswith("id:"):
+            ev_id = line[3:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip())
+    if not data:
+        return None
+    obj = json.loads("\n".join(data))
+    return StatusEvent(id=ev_id, status=obj.get("status", ""), stage=obj.get("stage", ""), data=obj)
+
+
+class EPDClient:
+    """Async client. ``async with EPDClient(url) as c: rid = await c.submit(...)``."""
+
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        *,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        retries: int = 5,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.retries = retries
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            headers=_headers(token),
+            timeout=timeout_s,
+            transport=transport,
+        )
+
+    async def __aenter__(self) -> EPDClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
+        for attempt in range(self.retries + 1):
+            resp = await self._http.request(method, url, **kw)
+            if resp.status_code in (429, 503) and attempt < self.retries:
+                await asyncio.sleep(_retry_after(resp, attempt))
+                continue
+            _raise_for(resp)
+            return resp
+        raise AssertionError("unreachable")
+
+    async def submit(
+        self,
+        *,
+        prompt: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        images: Sequence[ImageArg] = (),
+        max_tokens: int = 16,
+        cache_salt: str | None = None,
+        deadline_s: float | None = None,
+        metadata: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
+        ignore_eos: bool = False,
+    ) -> str:
+        """Submit a request; returns its id (202, or 200 for a repeated Idempotency-Key)."""
+        kw = _submit_parts(
+            prompt, token_ids, images, max_tokens, cache_salt, deadline_s, metadata, ignore_eos
+        )
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        resp = await self._request("POST", "/v1/requests", headers=headers, **kw)
+        return str(resp.json()["request_id"])
+
+    async def submit_vllm(
+        self, generate_request: Mapping[str, Any], *, idempotency_key: str | None = None
+    ) -> str:
+        """Fan out a vLLM render response / GenerateRequest JSON; returns the request id."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        resp = await self._request(
+            "POST", "/v1/vllm/generate", json=dict(generate_request), headers=headers
+        )
+        return str(resp.json()["request_id"])
+
+    async def status(self, request_id: str, *, wait_s: float = 0.0) -> RequestStatus:
+        """The request's status; ``wait_s`` long-polls until it changes."""
+        params = {"wait": wait_s} if wait_s > 0 else None
+        timeout = httpx.Timeout((self._http.timeout.read or 30.0) + wait_s + 10)
+        resp = await self._request(
+            "GET", f"/v1/requests/{request_id}", params=params, timeout=timeout
+        )
+        return RequestStatus.from_json(resp.json())
+
+    async def wait(self, request_id: str, timeout_s: float = 300.0) -> RequestStatus:
+        """Long-poll until the request is terminal; TimeoutError after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            st = await self.status(request_id, wait_s=max(0.0, min(left, 30.0)))
+            if st.done:
+                return st
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"request {request_id} still {st.status} after {timeout_s}s")
+
+    async def events(
+        self, request_id: str, *, last_event_id: str | None = None
+    ) -> AsyncIterator[StatusEvent]:
+        """Every status change as it happens (SSE); ends after the terminal one."""
+        headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+        async with self._http.stream(
+            "GET",
+            f"/v1/requests/{request_id}/events",
+            headers=headers,
+            timeout=httpx.Timeout(10.0, read=None),
+        ) as resp:
+            if resp.status_code >= 400:
+                await resp.aread()
+                _raise_for(resp)
+            lines: list[str] = []
+            async for line in resp.aiter_lines():
+                if line:
+                    lines.append(line)
+                    continue
+                ev = _parse_sse(lines)
+                lines = []
+                if ev is not None:
+                    yield ev
+
+    async def cancel(self, request_id: str) -> RequestStatus:
+        """Cancel; the answer's status is ``cancelled`` (Conflict if it already finished)."""
+        resp = await self._request("DELETE", f"/v1/requests/{request_id}")
+        return RequestStatus.from_json(resp.json())
+
+
+class SyncEPDClient:
+    """The same client for synchronous code (``httpx.Client``)."""
+
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        *,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        retries: int = 5,
+    ) -> None:
+        self.retries = retries
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"), headers=_headers(token), timeout=timeout_s
+        )
+
+    def __enter__(self) -> SyncEPDClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
+        for attempt in range(self.retries + 1):
+            resp = self._http.request(method, url, **kw)
+            if resp.status_code in (429, 503) and attempt < self.retries:
+                time.sleep(_retry_after(resp, attempt))
+                continue
+            _raise_for(resp)
+            return resp
+        raise AssertionError("unreachable")
+
+    def submit(
+        self,
+        *,
+        prompt: str | None = None,
+        token_ids: Sequence[int] | None = None,
+        images: Sequence[ImageArg] = (),
+        max_tokens: int = 16,
+        cache_salt: str | None = None,
+        deadline_s: float | None = None,
+        metadata: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
+        ignore_eos: bool = False,
+    ) -> str:
+        """See :meth:`EPDClient.submit`."""
+        kw = _submit_parts(
+            prompt, token_ids, images, max_tokens, cache_salt, deadline_s, metadata, ignore_eos
+        )
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return str(
+            self._request("POST", "/v1/requests", headers=headers, **kw).json()["request_id"]
+        )
+
+    def submit_vllm(
+        self, generate_request: Mapping[str, Any], *, idempotency_key: str | None = None
+    ) -> str:
+        """See :meth:`EPDClient.submit_vllm`."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        resp = self._request(
+            "POST", "/v1/vllm/generate", json=dict(generate_request), headers=headers
+        )
+        return str(resp.json()["request_id"])
+
+    def status(self, request_id: str, *, wait_s: float = 0.0) -> RequestStatus:
+        """See :meth:`EPDClient.status`."""
+        params = {"wait": wait_s} if wait_s > 0 else None
+        resp = self._request(
+            "GET",
+            f"/v1/requests/{request_id}",
+            params=params,
+            timeout=httpx.Timeout(30.0 + wait_s + 10),
+        )
+        return RequestStatus.from_json(resp.json())
+
+    def wait(self, request_id: str, timeout_s: float = 300.0) -> RequestStatus:
+        """See :meth:`EPDClient.wait`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            st = self.status(request_id, wait_s=max(0.0, min(left, 30.0)))
+            if st.done:
+                return st
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"request {request_id} still {st.status} after {timeout_s}s")
+
+    def events(self, request_id: str, *, last_event_id: str | None = None) -> Iterator[StatusEvent]:
+        """See :meth:`EPDClient.events`."""
+        headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+        with self._http.stream(
+            "GET",
+            f"/v1/requests/{request_id}/events",
+            headers=headers,
+            timeout=httpx.Timeout(10.0, read=None),
+        ) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                _raise_for(resp)
+            lines: list[str] = []
+            for line in resp.iter_lines():
+                if line:
+                    lines.append(line)
+                    continue
+                ev = _parse_sse(lines)
+                lines = []
+                if ev is not None:
+                    yield ev
+
+    def cancel(self, request_id: str) -> RequestStatus:
+        """See :meth:`EPDClient.cancel`."""
+        return RequestStatus.from_json(self._request("DELETE", f"/v1/requests/{request_id}").json())

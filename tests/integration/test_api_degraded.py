@@ -1,0 +1,154 @@
+"""The API in-process (ASGI) with a dependency down: 503 with Retry-After, never a crash,
+and an open API says so at start-up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from producers.api import create_app
+from runtime.settings import Settings
+from tests.integration.api_stack import free_port
+
+pytestmark = pytest.mark.integration
+
+
+@asynccontextmanager
+async def in_process(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api") as client:
+            yield client
+
+
+def _unavailable(r: httpx.Response, rule: str) -> None:
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "unavailable"
+    assert r.json()["error"]["rule"] == rule
+    assert int(r.headers["Retry-After"]) >= 1
+
+
+async def test_redis_down_is_503_and_open_api_is_announced(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = settings.model_copy(
+        update={
+            "redis_url": f"redis://127.0.0.1:{free_port()}/0",
+            "api_tokens": None,
+            "topic_prefix": "degraded-redis",
+        }
+    )
+    with caplog.at_level(logging.WARNING, logger="epd.api"):
+        async with in_process(dead) as c:
+            # wait for the Kafka connection, so the failure below is Redis's alone
+            for _ in range(100):
+                if c._transport.app.state.api.kafka_ready.is_set():  # type: ignore[attr-defined]
+                    break
+                await asyncio.sleep(0.1)
+            r = await c.post("/v1/requests", json={"prompt": "hi", "max_tokens": 1})
+            _unavailable(r, "redis")
+            _unavailable(await c.get("/v1/requests/abc"), "redis")
+            _unavailable(
+                await c.post(
+                    "/v1/requests",
+                    json={"prompt": "hi"},
+                    headers={"Idempotency-Key": "k1"},
+                ),
+                "redis",
+            )
+            ready = await c.get("/readyz")
+            assert ready.status_code == 503 and ready.json()["checks"]["redis"] != "ok"
+            assert (await c.get("/healthz")).status_code == 200
+    assert "API is OPEN" in caplog.text
+
+
+async def test_kafka_down_is_503_until_it_connects(settings: Settings) -> None:
+    dead = settings.model_copy(
+        update={"kafka_bootstrap": f"127.0.0.1:{free_port()}", "topic_prefix": "degraded-kafka"}
+    )
+    async with in_process(dead) as c:
+        _unavailable(await c.post("/v1/requests", json={"prompt": "hi"}), "kafka")
+        ready = await c.get("/readyz")
+        assert ready.status_code == 503
+        assert ready.json()["checks"]["kafka"] == "not connected"
+        # reads need Redis only
+        assert (await c.get("/v1/requests/unknown")).status_code == 404
+
+
+async def test_encode_backlog_beyond_the_bound_is_429(topic_settings: Settings) -> None:
+    from producers.api.admission import LagMonitor
+    from runtime.kafka import make_consumer, make_producer
+    from schemas.topics import GROUP_ENCODE, Topics
+
+    cfg = topic_settings.model_copy(update={"api_max_encode_lag": 3, "api_tokens": None})
+    topics = Topics(cfg.topic_prefix)
+    producer = make_producer(cfg)
+    await producer.start()
+    try:  # five encode events nobody consumes (no encode worker on this prefix)
+        for i in range(5):
+            await producer.send_and_wait(topics.encode, value=b"x", key=str(i).encode())
+    finally:
+        await producer.stop()
+    consumer = make_consumer(cfg, group_id=GROUP_ENCODE)
+    await consumer.start()
+    try:
+        assert await LagMonitor(cfg, topics).sample(consumer) == 5
+    finally:
+        await consumer.stop()
+
+    async with in_process(cfg) as c:
+        st = c._transport.app.state.api  # type: ignore[attr-defined]
+        for _ in range(200):
+            if st.kafka_ready.is_set() and st.lag.lag is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert st.lag.lag == 5
+        r = await c.post("/v1/requests", json={"prompt": "hi", "max_tokens": 1})
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["rule"] == "admission.encode_lag"
+        assert int(r.headers["Retry-After"]) >= 1
+
+
+async def test_renders_are_bounded_and_never_stall_the_event_loop(
+    topic_settings: Settings,
+) -> None:
+    import base64
+
+    import redis.asyncio as aioredis
+
+    from producers.sample_images import png_bytes, synthetic_image
+
+    cfg = topic_settings.model_copy(update={"api_render_concurrency": 1, "api_tokens": None})
+    img = base64.b64encode(png_bytes(synthetic_image(512, 512, seed=5))).decode()
+    body = {"prompt": "Big <image>", "images": [img], "max_tokens": 1}
+    try:
+        async with in_process(cfg) as c:
+            st = c._transport.app.state.api  # type: ignore[attr-defined]
+            for _ in range(200):
+                if st.kafka_ready.is_set():
+                    break
+                await asyncio.sleep(0.05)
+            await st.render_slots.acquire()  # the one render slot is busy
+            post = asyncio.create_task(c.post("/v1/requests", json=body))
+            await asyncio.sleep(0.5)
+            assert not post.done()  # waits for a slot instead of rendering beside it
+            health = await asyncio.wait_for(c.get("/healthz"), 2)
+            assert health.status_code == 200  # the loop keeps serving meanwhile
+            st.render_slots.release()
+            # the render itself runs in a thread: the loop answers during it too
+            t = asyncio.create_task(c.post("/v1/requests", json={**body, "max_tokens": 2}))
+            pings = [await asyncio.wait_for(c.get("/healthz"), 2) for _ in range(5)]
+            assert all(p.status_code == 200 for p in pings)
+            assert (await post).status_code == 202 and (await t).status_code == 202
+    finally:
+        client = aioredis.Redis.from_url(cfg.redis_url)
+        keys = [k async for k in client.scan_iter(match=f"{cfg.topic_prefix}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()

@@ -1,0 +1,138 @@
+"""Workers honour a cancel (DELETE /v1/requests/{id}): the encode worker skips the item before
+reading or encoding anything, the prefill worker skips compute, the decode loop stops between
+steps. Real broker, real Redis, the tiny model in-process."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from pydantic import SecretStr
+
+from gpu_workers.compute import DecodeStopped, greedy_decode, prefill
+from gpu_workers.encode import EncodeWorker
+from gpu_workers.prefill import PrefillWorker
+from producers.fanout import FanOut
+from producers.render import Renderer
+from producers.sample_images import synthetic_image
+from runtime.kafka import KafkaPublisher, make_producer, read_topic
+from runtime.model import ModelBundle, load_model
+from runtime.settings import Settings
+from runtime.status_store import CancelWatch, StatusStore
+from runtime.stores.redis import RedisStore
+from schemas.codec import decode
+from schemas.types import ResultEvent, SamplingParams
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def bundle() -> ModelBundle:
+    return load_model("tiny", device="cpu")
+
+
+@pytest.fixture
+async def env(topic_settings: Settings) -> AsyncIterator[dict[str, Any]]:
+    ns = f"ec-cancel-{uuid.uuid4().hex[:8]}"
+    cfg = topic_settings.model_copy(
+        update={"ec_namespace": ns, "ec_secret": SecretStr("s"), "store_url": ""}
+    )
+    client = aioredis.Redis.from_url(cfg.redis_url)
+    store = RedisStore(cfg.redis_url)
+    producer = KafkaPublisher(make_producer(cfg))
+    await producer.start()
+    watch = CancelWatch(client, cfg.topic_prefix)
+    await watch.start()
+    try:
+        yield {
+            "cfg": cfg,
+            "store": store,
+            "producer": producer,
+            "watch": watch,
+            "status": StatusStore(client, prefix=cfg.topic_prefix, ttl_s=60),
+        }
+    finally:
+        await watch.close()
+        await producer.stop()
+        await store.close()
+        keys = [k async for k in client.scan_iter(match=f"{cfg.topic_prefix}:*")]
+        keys += [k async for k in client.scan_iter(match=f"{ns}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+async def _results(cfg: Settings, rid: str) -> list[ResultEvent]:
+    recs = await read_topic(cfg, f"{cfg.topic_prefix}.results")
+    return [e for e in (decode(r.value) for r in recs) if e.request_id == rid]
+
+
+async def test_cancelled_request_is_skipped_by_encode_and_prefill(
+    env: dict[str, Any], bundle: ModelBundle
+) -> None:
+    cfg, store = env["cfg"], env["store"]
+    ev = Renderer(bundle, max_image_pixels=4096 * 4096).render(
+        f"req-{uuid.uuid4().hex[:8]}",
+        prompt="Skip <image>",
+        images=[synthetic_image(56, 56, seed=301)],
+        sampling=SamplingParams(max_tokens=4),
+    )
+    plan = await FanOut(cfg, store, bundle.render_info()).plan(ev)
+    await env["status"].cancel(ev.request_id)
+
+    enc = EncodeWorker(cfg, bundle, store, env["producer"], cancel=env["watch"])
+    pre = PrefillWorker(cfg, bundle, store, env["producer"], cancel=env["watch"])
+    try:
+        await enc.handle(plan.encode[0])
+        await pre.handle(plan.prefill)
+    finally:
+        await enc.close()
+        await pre.close()
+    assert enc.skipped_cancelled == 1 and enc.encoder_calls == 0 and enc.items_encoded == 0
+    assert not await store.exists(plan.encode[0].ec_transfer.key)  # nothing was encoded
+    assert pre.cancelled == 1 and pre.completed == 0
+    updates = {(e.stage, e.status) for e in await _results(cfg, ev.request_id)}
+    assert updates == {("encode", "cancelled"), ("prefill", "cancelled")}
+
+
+async def test_same_request_runs_when_not_cancelled(
+    env: dict[str, Any], bundle: ModelBundle
+) -> None:
+    # the control: without a cancel the same workers encode and complete
+    cfg, store = env["cfg"], env["store"]
+    ev = Renderer(bundle, max_image_pixels=4096 * 4096).render(
+        f"req-{uuid.uuid4().hex[:8]}",
+        prompt="Run <image>",
+        images=[synthetic_image(56, 56, seed=302)],
+        sampling=SamplingParams(max_tokens=3),
+    )
+    plan = await FanOut(cfg, store, bundle.render_info()).plan(ev)
+    enc = EncodeWorker(cfg, bundle, store, env["producer"], cancel=env["watch"])
+    pre = PrefillWorker(cfg, bundle, store, env["producer"], cancel=env["watch"])
+    try:
+        await enc.handle(plan.encode[0])
+        await pre.handle(plan.prefill)
+    finally:
+        await enc.close()
+        await pre.close()
+    assert enc.items_encoded == 1 and pre.completed == 1 and pre.cancelled == 0
+    statuses = [e.status for e in await _results(cfg, ev.request_id)]
+    assert statuses[-1] == "completed" and "decoding" in statuses
+
+
+def test_decode_loop_stops_between_steps(bundle: ModelBundle) -> None:
+    state = prefill(bundle, [5, 6, 7, 8], [])
+    asked = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) >= 3
+
+    with pytest.raises(DecodeStopped) as exc:
+        greedy_decode(bundle, state, 50, ignore_eos=True, should_stop=stop)
+    assert len(exc.value.tokens) == 3  # three tokens made, stopped before the fourth step
+    full = greedy_decode(bundle, prefill(bundle, [5, 6, 7, 8], []), 3, ignore_eos=True)
+    assert exc.value.tokens == full  # what was made is exactly the uncancelled prefix

@@ -1,0 +1,151 @@
+"""Pure pieces of the HTTP API: image intake, fingerprints, lag, tenant salts, status views."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+from aiokafka import TopicPartition
+
+from producers.api.admission import consumer_lag
+from producers.api.errors import ApiError
+from producers.api.intake import (
+    check_image_bytes,
+    decode_image_string,
+    parse_json_submit,
+    sniff_image_type,
+)
+from producers.api.state import tenant_salt
+from producers.api.views import iso, status_view
+from producers.sample_images import png_bytes, synthetic_image
+from runtime.settings import Settings
+
+PNG = png_bytes(synthetic_image(28, 28, seed=1))
+LIMIT = 1024 * 1024
+
+
+def _code(exc: pytest.ExceptionInfo[ApiError]) -> tuple[int, str | None]:
+    return exc.value.status, exc.value.rule
+
+
+def test_base64_and_data_urls_decode_to_the_same_bytes() -> None:
+    b64 = base64.b64encode(PNG).decode()
+    assert decode_image_string(b64, 0, LIMIT) == PNG
+    assert decode_image_string(f"data:image/png;base64,{b64}", 0, LIMIT) == PNG
+    wrapped = "\n".join(b64[i : i + 76] for i in range(0, len(b64), 76))  # MIME line breaks
+    assert decode_image_string(wrapped, 0, LIMIT) == PNG
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["/etc/passwd", "./cat.png", "http://example.com/a.png", "file:///etc/hosts", "%%%"],
+)
+def test_paths_and_urls_are_not_images(text: str) -> None:
+    with pytest.raises(ApiError) as e:
+        decode_image_string(text, 3, LIMIT)
+    assert _code(e) == (400, "image.encoding") and e.value.item == 3
+
+
+def test_oversize_is_refused_before_decoding_and_types_are_sniffed() -> None:
+    with pytest.raises(ApiError) as e:
+        decode_image_string("!" * (4 * LIMIT), 0, LIMIT)  # not even base64: size comes first
+    assert _code(e) == (413, "image.size")
+    with pytest.raises(ApiError) as e:
+        decode_image_string("data:image/svg+xml;base64,PHN2Zz4=", 1, LIMIT)
+    assert _code(e) == (415, "image.type") and e.value.item == 1
+    with pytest.raises(ApiError) as e:
+        decode_image_string("data:image/png,rawtext", 0, LIMIT)
+    assert _code(e) == (400, "image.encoding")
+    assert sniff_image_type(PNG) == "image/png"
+    assert sniff_image_type(b"\xff\xd8\xff\xe0rest") == "image/jpeg"
+    assert sniff_image_type(b"GIF89a....") == "image/gif"
+    assert sniff_image_type(b"RIFF\x00\x00\x00\x00WEBPVP8 ") == "image/webp"
+    assert sniff_image_type(b"RIFF\x00\x00\x00\x00WAVEfmt ") is None
+    assert sniff_image_type(b"%!PS-Adobe-3.0 EPSF-3.0") is None
+    with pytest.raises(ApiError) as e:
+        check_image_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n", 2, LIMIT)
+    assert _code(e) == (415, "image.type") and e.value.item == 2
+    with pytest.raises(ApiError) as e:
+        check_image_bytes(PNG, 0, len(PNG) - 1)
+    assert _code(e) == (413, "image.size")
+
+
+def test_fingerprint_is_about_meaning_not_bytes() -> None:
+    s = Settings()
+    b64 = base64.b64encode(PNG).decode()
+    a = parse_json_submit(
+        f'{{"prompt": "<image>", "images": ["{b64}"], "max_tokens": 4}}'.encode(), s
+    )
+    reordered = {"max_tokens": 4, "images": [f"data:image/png;base64,{b64}"], "prompt": "<image>"}
+    b = parse_json_submit(json.dumps(reordered).encode(), s)
+    c = parse_json_submit(
+        f'{{"prompt": "<image>", "images": ["{b64}"], "max_tokens": 5}}'.encode(), s
+    )
+    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+
+
+def test_json_submit_errors_name_the_field() -> None:
+    s = Settings()
+    with pytest.raises(ApiError) as e:
+        parse_json_submit(b"[1, 2]", s)
+    assert _code(e) == (400, "body.json")
+    with pytest.raises(ApiError) as e:
+        parse_json_submit(b'{"prompt": "x", "max_tokens": "many"}', s)
+    assert _code(e) == (422, "request.schema") and e.value.field == "max_tokens"
+    too_many = ",".join(['"x"'] * (s.api_max_images + 1))
+    with pytest.raises(ApiError) as e:
+        parse_json_submit(f'{{"prompt": "x", "images": [{too_many}]}}'.encode(), s)
+    assert _code(e) == (413, "image.count")
+
+
+def test_consumer_lag_counts_unconsumed_events() -> None:
+    a, b = TopicPartition("t", 0), TopicPartition("t", 1)
+    assert consumer_lag({a: 10, b: 5}, {a: 7}) == 3 + 5
+    assert consumer_lag({a: 10}, {a: 12}) == 0
+
+
+def test_tenant_salt_keeps_tenants_apart_whatever_salt_they_send() -> None:
+    assert tenant_salt(None, "s") == "s" and tenant_salt(None, None) is None
+    assert tenant_salt("alice", None) != tenant_salt("bob", None)
+    assert tenant_salt("alice", "x") != tenant_salt("bob", "x")
+    # a tenant cannot pick a salt that lands in another tenant's namespace
+    assert tenant_salt("alice", "y") != tenant_salt("bob", None)
+    assert tenant_salt("mallory", "tenant:bob") != tenant_salt("bob", None)
+    assert tenant_salt("a", "b:c") != tenant_salt("a:b", "c") != tenant_salt("a:b:c", None)
+
+
+def test_status_view_stages_and_items() -> None:
+    rec = {
+        "request_id": "r",
+        "status": "completed",
+        "created_ms": 1_000,
+        "updated_ms": 2_000,
+        "stages": {
+            "api:queued": 1_000,
+            "fanout:encoding": 1_100,
+            "encode:encoding": 1_200,
+            "prefill:prefilling": 1_300,
+            "prefill:decoding": 1_350,
+            "prefill:completed": 1_500,
+        },
+        "stages_last": {"encode:encoding": 1_250},
+        "timings": {"encode.image0": 40.0, "encode.image1": 10.0},
+        "info": {"encoded.aaaaaaaaaaaa": "1"},
+        "render": {"started_ms": 1_000, "finished_ms": 1_050, "ms": 48.0},
+        "items": [
+            {"modality": "image", "index": 0, "mm_hash": "a" * 64},
+            {"modality": "image", "index": 1, "mm_hash": "b" * 64},
+        ],
+        "cached": ["b" * 64],
+        "token_ids": [1, 2],
+        "text": "hi",
+        "error": None,
+    }
+    v = status_view(rec)
+    assert v["created_at"] == iso(1_000) == "1970-01-01T00:00:01.000Z"
+    assert v["stages"]["render"]["ms"] == 48.0
+    assert v["stages"]["encode"] == {"started": iso(1_100), "finished": iso(1_250), "ms": 50.0}
+    assert v["stages"]["prefill"]["ms"] == 50.0 and v["stages"]["decode"]["ms"] == 150.0
+    assert [(i["cache_hit"], i["encoded"]) for i in v["items"]] == [(False, True), (True, True)]
+    assert v["result"] == {"token_ids": [1, 2], "text": "hi"}
