@@ -55,6 +55,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import pydantic
 import torch
 
 from schemas.errors import ValidationError
@@ -196,10 +197,36 @@ def check_ec_key(
         raise ValidationError("ec-key", f"key {key!r} is not {expected!r}", **where)
 
 
+def _is_empty(v: Any) -> bool:
+    sized = isinstance(v, str | bytes | Mapping | list | tuple)
+    return v is None or v is False or (sized and not v)
+
+
+def entry_locates_embedding(entry: Any) -> bool:
+    """Whether an ``ec_transfer_params`` entry carries something a connector can fetch the
+    embedding with: an ECTransfer with a key, or a map with a non-empty value besides its
+    ``mm_hash`` label (our ``key``, a connector's ``transfer_id``...). ``{}``, ``false``,
+    ``null`` or ``{"mm_hash": h}`` alone point nowhere."""
+    if isinstance(entry, ECTransfer):
+        return bool(entry.key)
+    if not isinstance(entry, Mapping):
+        return False
+    return any(k != "mm_hash" and not _is_empty(v) for k, v in entry.items())
+
+
 def check_ec_entry(
     entry: Any, mm_hash: str, config: ValidationConfig, *, modality: str | None, item: int | None
 ) -> None:
-    """Strict checks of one entry: shape, ``mm_hash``, namespace, signature, expiry."""
+    """Strict checks of one entry: non-empty, shape, ``mm_hash``, namespace, signature, expiry."""
+    if not entry_locates_embedding(entry):
+        raise ValidationError(
+            "ec-entry",
+            f"entry for {mm_hash!r} ({type(entry).__name__} {_short(entry)}) carries nothing a "
+            "connector can fetch the embedding with",
+            modality=modality,
+            item=item,
+            field="ec_transfer_params",
+        )
     ec = _as_ec_transfer(entry, mm_hash)
     if ec is None:
         if config.secret is not None:
@@ -245,21 +272,47 @@ def check_ec_entry(
 # Structure
 
 
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_token_ids(token_ids: Sequence[int]) -> None:
-    """Rule ``token-ids``: non-empty, every id a non-negative int."""
+_LAX_INT: pydantic.TypeAdapter[int] = pydantic.TypeAdapter(int)
+
+
+def _as_int(x: Any, lax: bool) -> int | None:
+    """``x`` as an int, or None. ``lax`` is vLLM's reading: its pydantic models coerce ``1.0``,
+    ``True`` and ``"0"`` to ints (lax mode); strict takes only real ints."""
+    if _is_int(x):
+        return int(x)
+    if not lax:
+        return None
+    try:
+        return _LAX_INT.validate_python(x)
+    except pydantic.ValidationError:
+        return None
+
+
+def check_token_ids(token_ids: Sequence[Any], *, lax: bool = False) -> None:
+    """Rule ``token-ids``: non-empty, every id a non-negative int (``lax``: vLLM's coercion)."""
     if not isinstance(token_ids, Sequence) or len(token_ids) == 0:
         raise ValidationError("token-ids", "token_ids must be a non-empty list")
     for i, t in enumerate(token_ids):
-        if not _is_int(t) or t < 0:
+        v = _as_int(t, lax)
+        if v is None or v < 0:
             raise ValidationError("token-ids", f"token_ids[{i}] = {t!r} is not a non-negative int")
 
 
-def check_structure(token_ids: Sequence[int], features: Features) -> None:
-    """Rules ``modality-keys``, ``item-count``, ``placeholder-range``, ``placeholder-overlap``."""
+def check_structure(token_ids: Sequence[Any], features: Features, *, lax: bool = False) -> None:
+    """Rules ``modality-keys``, ``item-count``, ``placeholder-range``, ``placeholder-overlap``.
+
+    ``lax`` is vLLM's reading: ints coerced as its pydantic models do, and ``is_embed`` ignored
+    (vLLM 0.33's ``PlaceholderRangeInfo`` has no such field; pydantic drops unknown keys).
+    """
     modalities = set(features.mm_hashes)
     slots: list[tuple[str, Mapping[str, Any] | None]] = [
         ("mm_placeholders", features.mm_placeholders),
@@ -291,24 +344,29 @@ def check_structure(token_ids: Sequence[int], features: Features) -> None:
     ranges: list[tuple[int, int, str, int]] = []
     for modality, places in features.mm_placeholders.items():
         for i, p in enumerate(places):
-            if not _is_int(p.offset) or p.offset < 0:
+            offset, length = _as_int(p.offset, lax), _as_int(p.length, lax)
+            if offset is None or offset < 0:
                 raise ValidationError(
                     "placeholder-range",
                     f"offset {p.offset!r} must be an int >= 0",
                     modality=modality,
                     item=i,
                 )
-            if not _is_int(p.length) or p.length <= 0:
+            if length is None or length <= 0:
                 raise ValidationError(
                     "placeholder-range",
                     f"length {p.length!r} must be an int > 0",
                     modality=modality,
                     item=i,
                 )
-            if p.is_embed is not None and (
-                not isinstance(p.is_embed, list)
-                or len(p.is_embed) != p.length
-                or not all(isinstance(b, bool) for b in p.is_embed)
+            if (
+                not lax
+                and p.is_embed is not None
+                and (
+                    not isinstance(p.is_embed, list)
+                    or len(p.is_embed) != p.length
+                    or not all(isinstance(b, bool) for b in p.is_embed)
+                )
             ):
                 raise ValidationError(
                     "placeholder-range",
@@ -317,14 +375,14 @@ def check_structure(token_ids: Sequence[int], features: Features) -> None:
                     item=i,
                     field="is_embed",
                 )
-            if p.offset + p.length > n:
+            if offset + length > n:
                 raise ValidationError(
                     "placeholder-range",
-                    f"range [{p.offset}, {p.offset + p.length}) ends past token_ids (length {n})",
+                    f"range [{offset}, {offset + length}) ends past token_ids (length {n})",
                     modality=modality,
                     item=i,
                 )
-            ranges.append((p.offset, p.offset + p.length, modality, i))
+            ranges.append((offset, offset + length, modality, i))
     ranges.sort()
     for (_, end, m0, i0), (start, _, m1, i1) in itertools.pairwise(ranges):
         if start < end:
@@ -417,6 +475,39 @@ def grid_patches(
     return patches, patches // (m * m)
 
 
+def carries_encoder_inputs(modality: str, data: ItemData | None) -> bool:
+    """Whether a ``kwargs_data`` slot is full data: it holds the model's encoder inputs
+    (``pixel_values`` for images...). A slot with only the grid is metadata, not full data:
+    nothing could compute the item's embedding from it. For a modality without a known
+    encoder input, any field that is not a metadata field counts."""
+    if not data:
+        return False
+    name = ENCODER_INPUT_FIELDS.get(modality)
+    if name is not None:
+        return name in data
+    return any(k not in DEFAULT_METADATA_FIELDS for k in data)
+
+
+def _values(v: Any) -> list[Any] | None:
+    return v.reshape(-1).tolist() if isinstance(v, torch.Tensor) else None
+
+
+def check_agreement(modality: str, item: int, full: ItemData | None, meta: ItemData | None) -> None:
+    """A field in both ``kwargs_data`` and ``mm_metadata`` must hold the same values: the
+    encoder would read one grid and M-RoPE the other (same token count, wrong positions)."""
+    for name in sorted(set(full or {}) & set(meta or {})):
+        a, b = _values(full[name]), _values(meta[name])  # type: ignore[index]
+        if a != b:
+            rule = "grid-consistency" if name in GRID_FIELDS.values() else "metadata-consistency"
+            raise ValidationError(
+                rule,
+                f"kwargs_data has {name}={_short(a)}, mm_metadata has {_short(b)}",
+                modality=modality,
+                item=item,
+                field=name,
+            )
+
+
 def _embed_count(p: Any) -> int:
     return sum(1 for b in p.is_embed if b) if p.is_embed is not None else int(p.length)
 
@@ -444,6 +535,7 @@ def check_item_data(
             )
     if full is None and meta is None:
         return
+    check_agreement(modality, item, full, meta)
     merged: dict[str, Any] = {**(full or {}), **(meta or {})}
     for name in config.required_metadata.get(modality, ()):
         if name not in merged:
@@ -505,11 +597,11 @@ def validate_features(
     ``ec_transfer_params`` may be a ``dict[str, ECTransfer]`` (PrefillEvent) or a raw vLLM dict
     in either connector shape.
     """
-    check_token_ids(token_ids)
+    strict = config.mode == "strict"
+    check_token_ids(token_ids, lax=not strict)
     if features is None:
         return
-    check_structure(token_ids, features)
-    strict = config.mode == "strict"
+    check_structure(token_ids, features, lax=not strict)
     for modality, hashes in features.mm_hashes.items():
         for i, mm_hash in enumerate(hashes):
             full = _slot(features.kwargs_data, modality, i)
@@ -524,21 +616,32 @@ def validate_features(
                     )
                 continue
             entry = find_ec_entry(ec_transfer_params, mm_hash)
-            if full is None and entry is None:
-                what = (
-                    "metadata-only item"
-                    if meta is not None
-                    else "item with neither data nor metadata"
-                )
-                raise ValidationError(
-                    "ec-transfer-required",
-                    f"{what} needs an ec_transfer_params entry for mm_hash {mm_hash!r}",
-                    modality=modality,
-                    item=i,
-                )
+            if entry is None:
+                check_item_source(modality, i, mm_hash, full, meta)
             if entry is not None:
                 check_ec_entry(entry, mm_hash, config, modality=modality, item=i)
             check_item_data(modality, i, full, meta, features.mm_placeholders[modality][i], config)
+
+
+def check_item_source(
+    modality: str, item: int, mm_hash: str, full: ItemData | None, meta: ItemData | None
+) -> None:
+    """Rule ``ec-transfer-required`` for an item without an entry: it must carry its encoder
+    inputs, or nothing could produce its embedding (a prefill would wait for it in vain)."""
+    if carries_encoder_inputs(modality, full):
+        return
+    if full is not None:
+        what = f"kwargs_data without encoder inputs (only {sorted(full)})"
+    elif meta is not None:
+        what = "metadata-only item"
+    else:
+        what = "item with neither data nor metadata"
+    raise ValidationError(
+        "ec-transfer-required",
+        f"{what} needs an ec_transfer_params entry for mm_hash {mm_hash!r}",
+        modality=modality,
+        item=item,
+    )
 
 
 def validate_render_slots(features: Features) -> None:
@@ -570,10 +673,10 @@ def validate_render_event(ev: RenderEvent, config: ValidationConfig | None = Non
     for modality, hashes in f.mm_hashes.items():
         for i in range(len(hashes)):
             full = _slot(f.kwargs_data, modality, i)
-            if full is None:
+            if not carries_encoder_inputs(modality, full):
                 raise ValidationError(
                     "render-data-missing",
-                    "render events carry full kwargs_data for every item",
+                    "render events carry full kwargs_data (the encoder inputs) for every item",
                     modality=modality,
                     item=i,
                 )

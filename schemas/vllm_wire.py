@@ -9,17 +9,19 @@ encoder-cache disaggregation, ``ec_transfer_params``. ``features`` is a ``MultiM
 do not model are kept verbatim and written back, so a round trip loses nothing.
 
 One item (``kwargs_data`` / ``mm_metadata`` entry) is standard base64 of one msgpack document,
-the shape vLLM's ``MsgpackEncoder`` gives a ``MultiModalKwargsItem``::
+the shape vLLM 0.33's ``MsgpackEncoder`` gives a ``MultiModalKwargsItem``::
 
     {field_name: {"data": [dtype, shape, ExtType(3, raw little-endian bytes)],
-                  "field": [factory_name, *field_values]}}
+                  "field": [factory_name, {field_name: value, ...}]}}
 
 ``dtype`` is torch's name without the ``torch.`` prefix; ext type 3 is vLLM's
 ``CUSTOM_TYPE_RAW_VIEW`` (inline raw bytes). ``factory_name`` is ``batched``, ``flat`` or
-``shared`` (``MultiModalFieldConfig`` factories) and the values follow the field dataclass's
-field order: ``keep_on_cpu`` (declared on the base class) first, then ``slices, dim`` for
-``flat`` or ``batch_size`` for ``shared``. Slices travel as ``[start, stop, step]``. Newer vLLM
-writes ``[factory_name, {name: value}]`` instead; the decoder accepts both.
+``shared`` (``MultiModalFieldConfig`` factories) and the map holds every field of the field
+dataclass: ``keep_on_cpu``, plus ``slices`` and ``dim`` for ``flat`` or ``batch_size`` for
+``shared`` (vLLM's decoder calls ``factory(modality, **map)``). Slices travel as
+``[start, stop, step]``. Older vLLM wrote the values positionally,
+``[factory_name, *field_values]``; the decoder still reads that, the writer does not (vLLM 0.33
+fails to decode it).
 
 This module has no vLLM dependency: the format is implemented from that description.
 """
@@ -41,7 +43,16 @@ from schemas.errors import CodecError, ValidationError
 from schemas.signing import embedding_key, make_ec_transfer
 from schemas.tensors import tensor_bytes, tensor_from_bytes
 from schemas.types import DTYPE_NAMES, DTYPES, Features, ItemData, PlaceholderRange, now_ms
-from schemas.validator import ValidationConfig, validate_features
+from schemas.validator import (
+    DEFAULT_METADATA_FIELDS,
+    ValidationConfig,
+    carries_encoder_inputs,
+    check_item_source,
+    entry_locates_embedding,
+    find_ec_entry,
+    validate_features,
+)
+from schemas.vllm_rules import check_vllm_request
 
 RAW_VIEW_EXT = 3
 """vLLM's ``CUSTOM_TYPE_RAW_VIEW`` msgpack extension code: inline raw tensor bytes."""
@@ -78,19 +89,19 @@ class FieldSpec:
         return bool(self.values.get("keep_on_cpu", False))
 
     def wire(self) -> list[Any]:
-        """``[factory_name, *field_values]`` in the field dataclass's order."""
+        """``[factory_name, {field_name: value}]``, every field of the field dataclass."""
         if self.factory not in _FACTORY_FIELDS:
             raise CodecError(f"unknown field factory {self.factory!r}; expected {FACTORIES}")
         defaults: dict[str, Any] = {"keep_on_cpu": False, "dim": 0, "batch_size": 1}
-        out: list[Any] = [self.factory]
+        values: dict[str, Any] = {}
         for name in _FACTORY_FIELDS[self.factory]:
             if name in self.values:
-                out.append(self.values[name])
+                values[name] = self.values[name]
             elif name in defaults:
-                out.append(defaults[name])
+                values[name] = defaults[name]
             else:
                 raise CodecError(f"field factory {self.factory!r} needs a {name!r} value")
-        return out
+        return [self.factory, values]
 
 
 def batched(*, keep_on_cpu: bool = False) -> FieldSpec:
@@ -166,6 +177,9 @@ def _decode_tensor(obj: Any, where: tuple[str | None, int | None, str]) -> torch
     if isinstance(obj, bool):
         raise _item_error("field data is a bool, expected a tensor", modality, item, name)
     if isinstance(obj, int):
+        # msgpack carries uint64 too; our tensors are int64 (vLLM keeps a Python int there).
+        if not -(2**63) <= obj < 2**63:
+            raise _item_error(f"scalar {obj} does not fit int64", modality, item, name)
         return torch.tensor(obj, dtype=torch.int64)
     if isinstance(obj, float):
         return torch.tensor(obj, dtype=torch.float64)
@@ -207,7 +221,7 @@ def _decode_tensor(obj: Any, where: tuple[str | None, int | None, str]) -> torch
         )
     try:
         return tensor_from_bytes(dtype, shape, data.data)
-    except CodecError as e:  # pragma: no cover - the checks above catch what it checks
+    except (CodecError, RuntimeError, ValueError, OverflowError) as e:
         raise _item_error(str(e), modality, item, name) from None
 
 
@@ -249,7 +263,7 @@ def decode_item(
         raise _item_error(f"invalid base64: {e}", modality, item) from None
     try:
         doc = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except (msgpack.UnpackException, ValueError, TypeError) as e:
+    except (msgpack.UnpackException, ValueError, TypeError, RecursionError) as e:
         raise _item_error(f"invalid msgpack: {e}", modality, item) from None
     if not isinstance(doc, dict):
         raise _item_error(f"item must be a msgpack map, got {type(doc).__name__}", modality, item)
@@ -436,6 +450,23 @@ def parse_generate_request(obj: Any) -> GenerateRequest:
     )
 
 
+def validate_request_json(obj: Any, config: ValidationConfig) -> None:
+    """The gate for a vLLM ``GenerateRequest`` body; raises ``ValidationError``.
+
+    Both modes first apply vLLM's own acceptance (:func:`schemas.vllm_rules.check_vllm_request`),
+    so ``strict`` never accepts what vLLM refuses; ``strict`` then decodes the items and applies
+    this pipeline's rules. No input raises anything else: a body too deeply nested to walk is a
+    ``request-shape`` rejection.
+    """
+    try:
+        check_vllm_request(obj)
+        if config.mode == "strict":
+            req = parse_generate_request(obj)
+            validate_features(req.token_ids, req.features, req.ec_transfer_params, config)
+    except RecursionError:
+        raise _shape_error("the request is nested too deeply to check") from None
+
+
 def generate_request_to_json(
     req: GenerateRequest, fields: Mapping[str, FieldSpec] | None = None
 ) -> dict[str, Any]:
@@ -477,15 +508,111 @@ def _ec_entry_dict(
 
 
 def _ec_for_item(params: Mapping[str, Any], mm_hash: str) -> dict[str, Any]:
-    """The part of ``params`` that concerns one item, in the shape it was given."""
+    """This item's own entry, in the shape ``params`` gives it (never another item's)."""
     items = params.get("ec_items")
     if isinstance(items, list):
         mine = [e for e in items if isinstance(e, Mapping) and e.get("mm_hash") == mm_hash]
-        if mine:
-            return {**{k: v for k, v in params.items() if k != "ec_items"}, "ec_items": mine}
-    elif mm_hash in params:
-        return {mm_hash: copy.deepcopy(params[mm_hash])}
-    return copy.deepcopy(dict(params))
+        return {**{k: v for k, v in params.items() if k != "ec_items"}, "ec_items": mine}
+    return {mm_hash: copy.deepcopy(params[mm_hash])}
+
+
+def recover_metadata(b64: str, *, modality: str, item: int) -> str | None:
+    """An ``mm_metadata`` item cut from a full ``kwargs_data`` item (renders from before
+    ``mm_metadata`` existed): the fields vLLM's renderer would keep, metadata fields and
+    ``keep_on_cpu`` ones, with their field specs. None when there are none."""
+    tensors, specs = decode_item(b64, modality=modality, item=item)
+    keep = {
+        k: v for k, v in tensors.items() if k in DEFAULT_METADATA_FIELDS or specs[k].keep_on_cpu
+    }
+    return encode_item(keep, {k: specs[k] for k in keep}) if keep else None
+
+
+def _normalized_render(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """A shallow copy whose ``mm_metadata`` names every modality: vLLM 0.33's renderer leaves
+    modalities without metadata out, which its own generate endpoint would refuse."""
+    feats = obj.get("features")
+    out = dict(obj)
+    if isinstance(feats, Mapping) and isinstance(feats.get("mm_metadata"), Mapping):
+        md = dict(feats["mm_metadata"])
+        for modality, hs in (feats.get("mm_hashes") or {}).items():
+            if isinstance(hs, list):
+                md.setdefault(modality, [None] * len(hs))
+        out["features"] = {**feats, "mm_metadata": md}
+    return out
+
+
+@dataclass(slots=True)
+class _Plan:
+    """Where each item of a render goes: encode requests and the prefill's two slots."""
+
+    encode: list[tuple[str, int]] = field(default_factory=list)
+    kwargs: dict[str, list[str | None]] = field(default_factory=dict)
+    meta: dict[str, list[str | None]] = field(default_factory=dict)
+
+
+def _plan_split(
+    req: GenerateRequest, feats: Mapping[str, Any], ec_params: Mapping[str, Any]
+) -> _Plan:
+    """Decide per item. An item goes metadata-only to prefill (and gets one encode request per
+    distinct ``mm_hash``) only when it has its own usable entry and metadata (given, or
+    recovered from its data); an item with encoder inputs but no entry keeps them; an item
+    with neither inputs nor entry cannot get its embedding and the split is refused."""
+    assert req.features is not None
+    plan = _Plan()
+    kwargs_raw: Mapping[str, list[str | None]] = feats.get("kwargs_data") or {}
+    meta_raw: Mapping[str, list[str | None]] = feats.get("mm_metadata") or {}
+    encoded: set[str] = set()
+    for modality, hashes in req.features.mm_hashes.items():
+        kw = kwargs_raw.get(modality) or [None] * len(hashes)
+        md = meta_raw.get(modality) or [None] * len(hashes)
+        plan.kwargs[modality], plan.meta[modality] = [], []
+        for i, h in enumerate(hashes):
+            full = (req.features.kwargs_data or {}).get(modality, [None] * len(hashes))[i]
+            inputs = carries_encoder_inputs(modality, full)
+            entry = find_ec_entry(ec_params, h)
+            usable = entry is not None and entry_locates_embedding(entry)
+            meta = md[i]
+            if usable and meta is None and kw[i] is not None:
+                meta = recover_metadata(kw[i], modality=modality, item=i)  # type: ignore[arg-type]
+            if usable and meta is not None:
+                if inputs and h not in encoded:
+                    encoded.add(h)
+                    plan.encode.append((modality, i))
+                plan.kwargs[modality].append(None)
+            elif inputs or (kw[i] is None and meta is None):
+                # Keeps its encoder inputs (prefill encodes it), or neither: a processor-cache
+                # hit, which vLLM resolves itself.
+                plan.kwargs[modality].append(kw[i])
+            else:
+                why = "no usable entry" if not usable else "no metadata, given or recoverable"
+                raise ValidationError(
+                    "ec-transfer-required",
+                    f"item {h!r} has no encoder inputs and {why} in ec_transfer_params; "
+                    "nothing could produce its embedding",
+                    modality=modality,
+                    item=i,
+                )
+            plan.meta[modality].append(meta)
+    return plan
+
+
+def _check_split_output(encode: list[dict[str, Any]], prefill: dict[str, Any]) -> None:
+    """vLLM must accept every request, and every prefill item must be able to get its
+    embedding from its own ``kwargs_data`` or from its own entry of the prefill's params."""
+    for body in [*encode, prefill]:
+        check_vllm_request(body)
+    req = parse_generate_request(prefill)
+    assert req.features is not None
+    f = req.features
+    for modality, hashes in f.mm_hashes.items():
+        for i, h in enumerate(hashes):
+            full = (f.kwargs_data or {}).get(modality, [None] * len(hashes))[i]
+            meta = (f.mm_metadata or {}).get(modality, [None] * len(hashes))[i]
+            entry = find_ec_entry(req.ec_transfer_params, h)
+            if (entry is None or not entry_locates_embedding(entry)) and (
+                full is not None or meta is not None
+            ):
+                check_item_source(modality, i, h, full, meta)
 
 
 def split_render(
@@ -501,35 +628,25 @@ def split_render(
 ) -> dict[str, Any]:
     """Split a vLLM render response into encode requests and one prefill request.
 
-    - ``encode``: one ``GenerateRequest`` per item with full ``kwargs_data`` (that item alone,
-      ``max_tokens: 1``, its ``ec_transfer_params`` entry).
-    - ``prefill``: every item that has ``mm_metadata`` travels metadata-only (its
-      ``kwargs_data`` slot None); an item without metadata keeps its ``kwargs_data``. The
-      decision is per item. ``mm_metadata`` gets a full-length list for every modality
-      whenever any item has metadata (vLLM 0.33 omits modalities without metadata).
+    Per item (see :func:`_plan_split`): an item with its own ``ec_transfer_params`` entry and
+    metadata (``mm_metadata``, or recovered from ``kwargs_data`` for older renders) travels
+    metadata-only to prefill, and one encode request per distinct ``mm_hash`` carries its
+    ``kwargs_data`` (that item alone, ``max_tokens: 1``, only its own entry). An item without
+    an entry keeps its ``kwargs_data`` in the prefill request; one that has neither encoder
+    inputs nor an entry is refused (rule ``ec-transfer-required``, modality and item named).
+    ``mm_metadata`` gets a full-length list for every modality whenever any item has metadata.
 
     Without ``ec_transfer_params`` an entry per item is generated, keyed by ``mm_hash``, with
-    key ``{namespace}:{model_fingerprint}:{mm_hash}`` and signed when ``secret`` is set.
-    Item strings are passed through byte for byte; they are decoded once to check them.
+    key ``{namespace}:{model_fingerprint}:{mm_hash}`` and signed when ``secret`` is set. The
+    render is checked against vLLM's rules first, and the output is checked again, with the
+    params it will carry. Item strings are passed through byte for byte.
     """
-    req = parse_generate_request(obj)  # validates the shape and every item's encoding
+    check_vllm_request(_normalized_render(obj))
+    req = parse_generate_request(obj)  # our decoder: every item's encoding
     feats = obj.get("features")
     if req.features is None or not isinstance(feats, Mapping):
         raise _shape_error("a render response needs features", fld="features")
-    # vLLM 0.33 leaves modalities without metadata out of mm_metadata; the prefill body fills
-    # their slots below, so check the render as if it already had them.
-    md_slots = req.features.mm_metadata
-    if md_slots is not None:
-        for modality, hs in req.features.mm_hashes.items():
-            md_slots.setdefault(modality, [None] * len(hs))
-    # vLLM's own structural rules (keys, counts, ranges); a render response carries full data.
-    validate_features(
-        req.token_ids, req.features, req.ec_transfer_params or {}, ValidationConfig(mode="vllm")
-    )
-    hashes: dict[str, list[str]] = feats["mm_hashes"]
-    kwargs_raw: dict[str, list[str | None]] = feats.get("kwargs_data") or {}
-    meta_raw: dict[str, list[str | None]] = feats.get("mm_metadata") or {}
-
+    hashes = req.features.mm_hashes
     if ec_transfer_params is None:
         expires = (now if now is not None else now_ms()) + ttl_s * 1000
         ec_params: dict[str, Any] = {
@@ -541,54 +658,39 @@ def split_render(
         }
     else:
         ec_params = copy.deepcopy(dict(ec_transfer_params))
+    plan = _plan_split(req, feats, ec_params)
 
-    base = {k: copy.deepcopy(v) for k, v in obj.items() if k != "features"}
+    base = {k: copy.deepcopy(v) for k, v in obj.items() if k not in ("features",)}
     base.pop("ec_transfer_params", None)
     rid = obj.get("request_id") or "request"
-    any_meta = any(x is not None for items in meta_raw.values() for x in items)
-
     encode: list[dict[str, Any]] = []
-    prefill_kwargs: dict[str, list[str | None]] = {}
-    prefill_meta: dict[str, list[str | None]] = {}
-    for modality, hs in hashes.items():
-        kw = list(kwargs_raw.get(modality) or [None] * len(hs))
-        md = list(meta_raw.get(modality) or [None] * len(hs))
-        placeholders = feats["mm_placeholders"][modality]
-        prefill_kwargs[modality] = []
-        prefill_meta[modality] = []
-        for i, h in enumerate(hs):
-            full = kw[i] if i < len(kw) else None
-            meta = md[i] if i < len(md) else None
-            if full is not None:
-                enc_req = copy.deepcopy(base)
-                enc_req.pop("kv_transfer_params", None)
-                enc_req["request_id"] = f"{rid}-encode-{modality}-{i}"
-                enc_req["features"] = {
-                    "mm_hashes": {modality: [h]},
-                    "mm_placeholders": {modality: [copy.deepcopy(placeholders[i])]},
-                    "kwargs_data": {modality: [full]},
-                    "mm_metadata": None if meta is None else {modality: [meta]},
-                }
-                sp = dict(enc_req.get("sampling_params") or {})
-                sp["max_tokens"] = 1
-                enc_req["sampling_params"] = sp
-                enc_req["ec_transfer_params"] = _ec_for_item(ec_params, h)
-                encode.append(enc_req)
-            # Per item: metadata replaces the heavy inputs only for the item that has it.
-            prefill_kwargs[modality].append(None if meta is not None else full)
-            prefill_meta[modality].append(meta)
+    for modality, i in plan.encode:
+        h = hashes[modality][i]
+        meta = (feats.get("mm_metadata") or {}).get(modality)
+        enc_req = copy.deepcopy(base)
+        enc_req.pop("kv_transfer_params", None)
+        enc_req["request_id"] = f"{rid}-encode-{modality}-{i}"
+        enc_req["features"] = {
+            "mm_hashes": {modality: [h]},
+            "mm_placeholders": {modality: [copy.deepcopy(feats["mm_placeholders"][modality][i])]},
+            "kwargs_data": {modality: [feats["kwargs_data"][modality][i]]},
+            "mm_metadata": None if not meta or meta[i] is None else {modality: [meta[i]]},
+        }
+        enc_req["sampling_params"] = {**(enc_req.get("sampling_params") or {}), "max_tokens": 1}
+        enc_req["ec_transfer_params"] = _ec_for_item(ec_params, h)
+        encode.append(enc_req)
+
+    def any_item(slots: dict[str, list[str | None]]) -> bool:
+        return any(x is not None for items in slots.values() for x in items)
 
     prefill = copy.deepcopy(base)
     prefill["features"] = {
         **{k: copy.deepcopy(v) for k, v in feats.items() if k not in KNOWN_FEATURE_KEYS},
         "mm_hashes": copy.deepcopy(hashes),
         "mm_placeholders": copy.deepcopy(feats["mm_placeholders"]),
-        "kwargs_data": (
-            prefill_kwargs
-            if any(x is not None for items in prefill_kwargs.values() for x in items)
-            else None
-        ),
-        "mm_metadata": prefill_meta if any_meta else None,
+        "kwargs_data": plan.kwargs if any_item(plan.kwargs) else None,
+        "mm_metadata": plan.meta if any_item(plan.meta) else None,
     }
     prefill["ec_transfer_params"] = ec_params
+    _check_split_output(encode, prefill)
     return {"encode": encode, "prefill": prefill}

@@ -9,11 +9,18 @@ from typing import Any
 
 
 def read_json(path: str) -> Any:
-    """JSON from ``path`` (``-`` is stdin); raises ``ValueError``/``OSError`` when unreadable."""
-    if path == "-":
-        return json.loads(sys.stdin.read())
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
+    """JSON from ``path`` (``-`` is stdin); raises ``ValueError``/``OSError`` when unreadable.
+
+    Nesting deeper than the interpreter can parse is a ``ValueError`` too (json raises
+    ``RecursionError`` for it), and so is text that is not UTF-8.
+    """
+    try:
+        if path == "-":
+            return json.loads(sys.stdin.read())
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def format_rejection(e: Any) -> str:
@@ -28,11 +35,23 @@ def format_rejection(e: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit 0 (``ok``) when accepted, 1 when rejected, 2 when the input is not readable JSON."""
+    """Exit 0 (``ok``) when accepted, 1 when rejected, 2 when the input is not readable JSON.
+
+    Every outcome is one line; no input produces a traceback (an unexpected exception would be
+    a validator bug, reported as such with exit 2 so a caller never mistakes it for ``ok``).
+    """
+    try:
+        return _run(args)
+    except Exception as e:  # the last line of defence; tests fuzz that it is never reached
+        print(f"error: validator bug: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     from runtime.settings import get_settings
     from schemas.errors import ValidationError
-    from schemas.validator import ValidationConfig, validate_features
-    from schemas.vllm_wire import parse_generate_request
+    from schemas.validator import ValidationConfig
+    from schemas.vllm_wire import validate_request_json
 
     try:
         obj = read_json(args.file)
@@ -47,8 +66,7 @@ def run(args: argparse.Namespace) -> int:
         namespace=args.namespace,
     )
     try:
-        req = parse_generate_request(obj)
-        validate_features(req.token_ids, req.features, req.ec_transfer_params, config)
+        validate_request_json(obj, config)
     except ValidationError as e:
         print(format_rejection(e), file=sys.stderr)
         return 1

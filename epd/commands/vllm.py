@@ -20,7 +20,21 @@ def _ec_params(text: str | None) -> Any:
 
 
 def run_split(args: argparse.Namespace) -> int:
-    """Print ``{"encode": [...], "prefill": {...}}``; exit 1 on a rejected render, 2 on bad JSON."""
+    """Print ``{"encode": [...], "prefill": {...}}``; exit 1 on a rejected render, 2 on bad JSON.
+
+    One line on stderr for every failure, never a traceback (see ``epd validate``).
+    """
+    try:
+        return _run_split(args)
+    except RecursionError:
+        print("rejected: rule=request-shape: the render is nested too deeply", file=sys.stderr)
+        return 1
+    except Exception as e:  # the last line of defence, as in ``epd validate``
+        print(f"error: split bug: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_split(args: argparse.Namespace) -> int:
     from runtime.settings import get_settings
     from schemas.errors import ValidationError
     from schemas.vllm_wire import split_render

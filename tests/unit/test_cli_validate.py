@@ -138,7 +138,7 @@ def test_split_then_validate_prefill_both_modes(
     assert len(out["encode"]) == 3
     assert all(e["sampling_params"]["max_tokens"] == 1 for e in out["encode"])
     pre = write(tmp_path, "prefill.json", out["prefill"])
-    assert out["prefill"]["features"]["kwargs_data"]["image"] == [None, None]
+    assert out["prefill"]["features"]["kwargs_data"] is None
     for mode in ("strict", "vllm"):
         assert run("validate", "--mode", mode, pre) == 0
     # A different key fails the signature check; so does a tampered entry.
