@@ -641,8 +641,7 @@ def split_render(
     render is checked against vLLM's rules first, and the output is checked again, with the
     params it will carry. Item strings are passed through byte for byte.
     """
-    check_vllm_request(_normalized_render(obj))
-    req = parse_generate_request(obj)  # our decoder: every item's encoding
+    req = parse_generate_request(obj)  # our decoder: the shape and every item's encoding
     feats = obj.get("features")
     if req.features is None or not isinstance(feats, Mapping):
         raise _shape_error("a render response needs features", fld="features")
@@ -658,6 +657,8 @@ def split_render(
         }
     else:
         ec_params = copy.deepcopy(dict(ec_transfer_params))
+    # vLLM's rules on the render as it will be sent on: with the params the requests carry.
+    check_vllm_request({**_normalized_render(obj), "ec_transfer_params": ec_params})
     plan = _plan_split(req, feats, ec_params)
 
     base = {k: copy.deepcopy(v) for k, v in obj.items() if k not in ("features",)}
