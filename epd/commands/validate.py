@@ -23,6 +23,15 @@ def read_json(path: str) -> Any:
         raise ValueError("JSON nested too deeply") from None
 
 
+_CONTROL = {c: f"\\u{c:04x}" for c in (*range(32), 127, 0x85, 0x2028, 0x2029)}
+
+
+def one_line(text: str) -> str:
+    """``text`` with control characters escaped: names taken from the input (a modality key
+    holding a newline) must not break the one-line answer."""
+    return text.translate(_CONTROL)
+
+
 def format_rejection(e: Any) -> str:
     """One stderr line naming the rule, modality, item and field of a ValidationError."""
     parts = [f"rule={e.rule}"]
@@ -31,7 +40,7 @@ def format_rejection(e: Any) -> str:
         for name in ("modality", "item", "field")
         if (v := getattr(e, name)) is not None
     ]
-    return f"rejected: {' '.join(parts)}: {e.detail}"
+    return one_line(f"rejected: {' '.join(parts)}: {e.detail}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except Exception as e:  # the last line of defence; tests fuzz that it is never reached
-        print(f"error: validator bug: {type(e).__name__}: {e}", file=sys.stderr)
+        print(one_line(f"error: validator bug: {type(e).__name__}: {e}"), file=sys.stderr)
         return 2
 
 
@@ -56,7 +65,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         obj = read_json(args.file)
     except (OSError, ValueError) as e:
-        print(f"error: cannot read JSON from {args.file}: {e}", file=sys.stderr)
+        print(one_line(f"error: cannot read JSON from {args.file}: {e}"), file=sys.stderr)
         return 2
     config = ValidationConfig.from_settings(
         get_settings(),

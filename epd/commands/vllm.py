@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from epd.commands.validate import format_rejection, read_json
+from epd.commands.validate import format_rejection, one_line, read_json
 
 
 def _ec_params(text: str | None) -> Any:
@@ -30,7 +30,7 @@ def run_split(args: argparse.Namespace) -> int:
         print("rejected: rule=request-shape: the render is nested too deeply", file=sys.stderr)
         return 1
     except Exception as e:  # the last line of defence, as in ``epd validate``
-        print(f"error: split bug: {type(e).__name__}: {e}", file=sys.stderr)
+        print(one_line(f"error: split bug: {type(e).__name__}: {e}"), file=sys.stderr)
         return 2
 
 
@@ -44,7 +44,7 @@ def _run_split(args: argparse.Namespace) -> int:
         obj = read_json(args.file)
         ec = _ec_params(args.ec_transfer_params)
     except (OSError, ValueError) as e:
-        print(f"error: cannot read JSON: {e}", file=sys.stderr)
+        print(one_line(f"error: cannot read JSON: {e}"), file=sys.stderr)
         return 2
     if ec is not None and not isinstance(ec, dict):
         print("error: --ec-transfer-params must be a JSON object", file=sys.stderr)
