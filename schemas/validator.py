@@ -58,11 +58,17 @@ from typing import Any, Literal
 import pydantic
 import torch
 
+# Re-exported: the gate's public surface stays in one module for its callers.
+from schemas.ec_entries import (
+    check_ec_entry,
+    check_ec_key,
+    entry_locates_embedding,
+    find_ec_entry,
+    short_repr,
+)
 from schemas.errors import ValidationError
-from schemas.signing import verify_ec
 from schemas.types import (
     DTYPES,
-    ECTransfer,
     EncodeEvent,
     Features,
     ItemData,
@@ -73,6 +79,30 @@ from schemas.types import (
 )
 from schemas.types import now_ms as wall_now_ms
 
+__all__ = [
+    "DEFAULT_METADATA_FIELDS",
+    "ENCODER_INPUT_FIELDS",
+    "GRID_FIELDS",
+    "ValidationConfig",
+    "carries_encoder_inputs",
+    "check_agreement",
+    "check_ec_entry",
+    "check_ec_key",
+    "check_item_data",
+    "check_item_source",
+    "check_structure",
+    "check_tensor",
+    "check_token_ids",
+    "entry_locates_embedding",
+    "find_ec_entry",
+    "grid_patches",
+    "validate_encode_event",
+    "validate_features",
+    "validate_prefill_event",
+    "validate_render_event",
+    "validate_render_slots",
+]
+
 Mode = Literal["strict", "vllm"]
 
 DEFAULT_METADATA_FIELDS = frozenset(
@@ -80,7 +110,6 @@ DEFAULT_METADATA_FIELDS = frozenset(
 )
 GRID_FIELDS: dict[str, str] = {"image": "image_grid_thw", "video": "video_grid_thw"}
 ENCODER_INPUT_FIELDS: dict[str, str] = {"image": "pixel_values", "video": "pixel_values_videos"}
-_EC_FIELDS = ("store", "key", "expires_ms", "signature")
 
 
 def _default_required() -> dict[str, tuple[str, ...]]:
@@ -129,152 +158,7 @@ class ValidationConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# ec_transfer_params lookup
-
-
-def find_ec_entry(params: Mapping[str, Any] | None, mm_hash: str) -> Any | None:
-    """The ``ec_transfer_params`` entry for ``mm_hash``, or None.
-
-    Accepts our ``dict[str, ECTransfer]`` and both shapes vLLM connectors use:
-    ``{mm_hash: {...}}`` and ``{"ec_items": [{"mm_hash": ..., ...}, ...]}``.
-    """
-    if not params:
-        return None
-    items = params.get("ec_items")
-    if isinstance(items, list):
-        for e in items:
-            h = (
-                e.mm_hash
-                if isinstance(e, ECTransfer)
-                else (e.get("mm_hash") if isinstance(e, Mapping) else None)
-            )
-            if h == mm_hash:
-                return e
-    if mm_hash in params:
-        return params[mm_hash]
-    return None
-
-
-def _as_ec_transfer(entry: Any, mm_hash: str) -> ECTransfer | None:
-    """An ECTransfer view of an entry, or None when it lacks the fields."""
-    if isinstance(entry, ECTransfer):
-        return entry
-    if isinstance(entry, Mapping) and all(k in entry for k in _EC_FIELDS):
-        try:
-            return ECTransfer(
-                mm_hash=str(entry.get("mm_hash", mm_hash)),
-                store=str(entry["store"]),
-                key=str(entry["key"]),
-                expires_ms=int(entry["expires_ms"]),
-                signature=str(entry["signature"]),
-            )
-        except (TypeError, ValueError):
-            return None
-    return None
-
-
-def check_ec_key(
-    key: str, mm_hash: str, config: ValidationConfig, *, modality: str | None, item: int | None
-) -> None:
-    """Rules ``ec-namespace`` and ``ec-key``: the key is this item's embedding key.
-
-    ``{namespace}:{model_fingerprint}:{mm_hash}`` exactly, so an entry cannot point a worker at
-    another item's (or tenant's, or model's) embeddings, nor at claim-checked encoder inputs.
-    """
-    where: dict[str, Any] = {"modality": modality, "item": item, "field": "ec_transfer_params"}
-    if not key.startswith(f"{config.namespace}:"):
-        raise ValidationError(
-            "ec-namespace", f"key {key!r} is outside namespace {config.namespace!r}", **where
-        )
-    fingerprint = key[len(config.namespace) + 1 :].removesuffix(f":{mm_hash}")
-    if (
-        not key.endswith(f":{mm_hash}")
-        or not fingerprint
-        or ":" in fingerprint
-        or (config.model_fingerprint is not None and fingerprint != config.model_fingerprint)
-    ):
-        expected = f"{config.namespace}:{config.model_fingerprint or '<model>'}:{mm_hash}"
-        raise ValidationError("ec-key", f"key {key!r} is not {expected!r}", **where)
-
-
-def _is_empty(v: Any) -> bool:
-    sized = isinstance(v, str | bytes | Mapping | list | tuple)
-    return v is None or v is False or (sized and not v)
-
-
-def entry_locates_embedding(entry: Any) -> bool:
-    """Whether an ``ec_transfer_params`` entry carries something a connector can fetch the
-    embedding with: an ECTransfer with a key, or a map with a non-empty value besides its
-    ``mm_hash`` label (our ``key``, a connector's ``transfer_id``...). ``{}``, ``false``,
-    ``null`` or ``{"mm_hash": h}`` alone point nowhere."""
-    if isinstance(entry, ECTransfer):
-        return bool(entry.key)
-    if not isinstance(entry, Mapping):
-        return False
-    return any(k != "mm_hash" and not _is_empty(v) for k, v in entry.items())
-
-
-def check_ec_entry(
-    entry: Any, mm_hash: str, config: ValidationConfig, *, modality: str | None, item: int | None
-) -> None:
-    """Strict checks of one entry: non-empty, shape, ``mm_hash``, namespace, signature, expiry."""
-    if not entry_locates_embedding(entry):
-        raise ValidationError(
-            "ec-entry",
-            f"entry for {mm_hash!r} ({type(entry).__name__} {_short(entry)}) carries nothing a "
-            "connector can fetch the embedding with",
-            modality=modality,
-            item=item,
-            field="ec_transfer_params",
-        )
-    ec = _as_ec_transfer(entry, mm_hash)
-    if ec is None:
-        if config.secret is not None:
-            raise ValidationError(
-                "ec-entry",
-                f"entry for {mm_hash!r} must carry {', '.join(_EC_FIELDS)} to be verified",
-                modality=modality,
-                item=item,
-                field="ec_transfer_params",
-            )
-        key = entry.get("key") if isinstance(entry, Mapping) else None
-        if isinstance(key, str):
-            check_ec_key(key, mm_hash, config, modality=modality, item=item)
-        return
-    if ec.mm_hash != mm_hash:
-        raise ValidationError(
-            "ec-entry",
-            f"entry names mm_hash {ec.mm_hash!r}, item has {mm_hash!r}",
-            modality=modality,
-            item=item,
-            field="ec_transfer_params",
-        )
-    check_ec_key(ec.key, mm_hash, config, modality=modality, item=item)
-    if config.secret is not None and not verify_ec(config.secret, ec):
-        raise ValidationError(
-            "ec-signature",
-            f"signature of the entry for {mm_hash!r} does not verify",
-            modality=modality,
-            item=item,
-            field="ec_transfer_params",
-        )
-    if config.now_ms is not None and ec.expires_ms <= config.now_ms():
-        raise ValidationError(
-            "ec-expired",
-            f"entry for {mm_hash!r} expired at {ec.expires_ms}",
-            modality=modality,
-            item=item,
-            field="ec_transfer_params",
-        )
-
-
-# ---------------------------------------------------------------------------------------------
 # Structure
-
-
-def _short(v: Any) -> str:
-    r = repr(v)
-    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def _is_int(x: Any) -> bool:
@@ -501,7 +385,7 @@ def check_agreement(modality: str, item: int, full: ItemData | None, meta: ItemD
             rule = "grid-consistency" if name in GRID_FIELDS.values() else "metadata-consistency"
             raise ValidationError(
                 rule,
-                f"kwargs_data has {name}={_short(a)}, mm_metadata has {_short(b)}",
+                f"kwargs_data has {name}={short_repr(a)}, mm_metadata has {short_repr(b)}",
                 modality=modality,
                 item=item,
                 field=name,

@@ -40,16 +40,10 @@ import msgpack
 import torch
 
 from schemas.errors import CodecError, ValidationError
-from schemas.signing import embedding_key, make_ec_transfer
 from schemas.tensors import tensor_bytes, tensor_from_bytes
-from schemas.types import DTYPE_NAMES, DTYPES, Features, ItemData, PlaceholderRange, now_ms
+from schemas.types import DTYPE_NAMES, DTYPES, Features, ItemData, PlaceholderRange
 from schemas.validator import (
-    DEFAULT_METADATA_FIELDS,
     ValidationConfig,
-    carries_encoder_inputs,
-    check_item_source,
-    entry_locates_embedding,
-    find_ec_entry,
     validate_features,
 )
 from schemas.vllm_rules import check_vllm_request
@@ -284,9 +278,10 @@ def decode_item(
 # Features and GenerateRequest
 
 
-def _shape_error(
+def request_shape_error(
     msg: str, *, modality: str | None = None, item: int | None = None, fld: str | None = None
 ) -> ValidationError:
+    """A ``request-shape`` rejection: a body whose structure is not a ``GenerateRequest``."""
     return ValidationError("request-shape", msg, modality=modality, item=item, field=fld)
 
 
@@ -294,11 +289,13 @@ def _decode_slots(obj: Any, name: str) -> dict[str, list[ItemData | None]] | Non
     if obj is None:
         return None
     if not isinstance(obj, dict):
-        raise _shape_error(f"{name} must be an object or null", fld=name)
+        raise request_shape_error(f"{name} must be an object or null", fld=name)
     out: dict[str, list[ItemData | None]] = {}
     for modality, items in obj.items():
         if not isinstance(items, list):
-            raise _shape_error(f"{name}[{modality!r}] must be a list", modality=modality, fld=name)
+            raise request_shape_error(
+                f"{name}[{modality!r}] must be a list", modality=modality, fld=name
+            )
         decoded: list[ItemData | None] = []
         for i, b64 in enumerate(items):
             if b64 is None:
@@ -313,25 +310,27 @@ def _decode_slots(obj: Any, name: str) -> dict[str, list[ItemData | None]] | Non
 def features_from_json(obj: Mapping[str, Any]) -> Features:
     """A :class:`Features` from vLLM's ``MultiModalFeatures`` JSON (items decoded to tensors)."""
     if not isinstance(obj, Mapping):
-        raise _shape_error("features must be an object", fld="features")
+        raise request_shape_error("features must be an object", fld="features")
     hashes = obj.get("mm_hashes")
     places = obj.get("mm_placeholders")
     if not isinstance(hashes, dict) or not all(
         isinstance(v, list) and all(isinstance(h, str) for h in v) for v in hashes.values()
     ):
-        raise _shape_error("mm_hashes must map modality -> list of strings", fld="mm_hashes")
+        raise request_shape_error("mm_hashes must map modality -> list of strings", fld="mm_hashes")
     if not isinstance(places, dict):
-        raise _shape_error("mm_placeholders must map modality -> list", fld="mm_placeholders")
+        raise request_shape_error(
+            "mm_placeholders must map modality -> list", fld="mm_placeholders"
+        )
     placeholders: dict[str, list[PlaceholderRange]] = {}
     for modality, ranges in places.items():
         if not isinstance(ranges, list):
-            raise _shape_error(
+            raise request_shape_error(
                 "mm_placeholders entry must be a list", modality=modality, fld="mm_placeholders"
             )
         parsed = []
         for i, p in enumerate(ranges):
             if not isinstance(p, dict) or "offset" not in p or "length" not in p:
-                raise _shape_error(
+                raise request_shape_error(
                     "placeholder must be {offset, length[, is_embed]}",
                     modality=modality,
                     item=i,
@@ -418,18 +417,18 @@ def parse_generate_request(obj: Any) -> GenerateRequest:
     ``sampling_params.extra_args.ec_transfer_params`` (where vLLM's engine request reads it).
     """
     if not isinstance(obj, Mapping):
-        raise _shape_error("a GenerateRequest must be a JSON object")
+        raise request_shape_error("a GenerateRequest must be a JSON object")
     token_ids = obj.get("token_ids")
     if not isinstance(token_ids, list):
-        raise _shape_error("token_ids must be a list", fld="token_ids")
+        raise request_shape_error("token_ids must be a list", fld="token_ids")
     sampling = obj.get("sampling_params", {})
     if not isinstance(sampling, dict):
-        raise _shape_error("sampling_params must be an object", fld="sampling_params")
+        raise request_shape_error("sampling_params must be an object", fld="sampling_params")
     ec = obj.get("ec_transfer_params")
     if ec is None and isinstance(sampling.get("extra_args"), dict):
         ec = sampling["extra_args"].get("ec_transfer_params")
     if ec is not None and not isinstance(ec, dict):
-        raise _shape_error("ec_transfer_params must be an object", fld="ec_transfer_params")
+        raise request_shape_error("ec_transfer_params must be an object", fld="ec_transfer_params")
     feats_obj = obj.get("features")
     features = None if feats_obj is None else features_from_json(feats_obj)
     features_extra = (
@@ -464,7 +463,7 @@ def validate_request_json(obj: Any, config: ValidationConfig) -> None:
             req = parse_generate_request(obj)
             validate_features(req.token_ids, req.features, req.ec_transfer_params, config)
     except RecursionError:
-        raise _shape_error("the request is nested too deeply to check") from None
+        raise request_shape_error("the request is nested too deeply to check") from None
 
 
 def generate_request_to_json(
@@ -486,212 +485,3 @@ def generate_request_to_json(
         out["ec_transfer_params"] = copy.deepcopy(req.ec_transfer_params)
     out.update(copy.deepcopy(req.extra))
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Render response -> encode requests + one prefill request
-
-
-def _ec_entry_dict(
-    mm_hash: str, store: str, key: str, expires_ms: int, secret: bytes | None
-) -> dict[str, Any]:
-    ec = make_ec_transfer(
-        mm_hash=mm_hash, store=store, key=key, expires_ms=expires_ms, secret=secret
-    )
-    return {
-        "mm_hash": ec.mm_hash,
-        "store": ec.store,
-        "key": ec.key,
-        "expires_ms": ec.expires_ms,
-        "signature": ec.signature,
-    }
-
-
-def _ec_for_item(params: Mapping[str, Any], mm_hash: str) -> dict[str, Any]:
-    """This item's own entry, in the shape ``params`` gives it (never another item's)."""
-    items = params.get("ec_items")
-    if isinstance(items, list):
-        mine = [e for e in items if isinstance(e, Mapping) and e.get("mm_hash") == mm_hash]
-        return {**{k: v for k, v in params.items() if k != "ec_items"}, "ec_items": mine}
-    return {mm_hash: copy.deepcopy(params[mm_hash])}
-
-
-def recover_metadata(b64: str, *, modality: str, item: int) -> str | None:
-    """An ``mm_metadata`` item cut from a full ``kwargs_data`` item (renders from before
-    ``mm_metadata`` existed): the fields vLLM's renderer would keep, metadata fields and
-    ``keep_on_cpu`` ones, with their field specs. None when there are none."""
-    tensors, specs = decode_item(b64, modality=modality, item=item)
-    keep = {
-        k: v for k, v in tensors.items() if k in DEFAULT_METADATA_FIELDS or specs[k].keep_on_cpu
-    }
-    return encode_item(keep, {k: specs[k] for k in keep}) if keep else None
-
-
-def _normalized_render(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """A shallow copy whose ``mm_metadata`` names every modality: vLLM 0.33's renderer leaves
-    modalities without metadata out, which its own generate endpoint would refuse."""
-    feats = obj.get("features")
-    out = dict(obj)
-    if isinstance(feats, Mapping) and isinstance(feats.get("mm_metadata"), Mapping):
-        md = dict(feats["mm_metadata"])
-        for modality, hs in (feats.get("mm_hashes") or {}).items():
-            if isinstance(hs, list):
-                md.setdefault(modality, [None] * len(hs))
-        out["features"] = {**feats, "mm_metadata": md}
-    return out
-
-
-@dataclass(slots=True)
-class _Plan:
-    """Where each item of a render goes: encode requests and the prefill's two slots."""
-
-    encode: list[tuple[str, int]] = field(default_factory=list)
-    kwargs: dict[str, list[str | None]] = field(default_factory=dict)
-    meta: dict[str, list[str | None]] = field(default_factory=dict)
-
-
-def _plan_split(
-    req: GenerateRequest, feats: Mapping[str, Any], ec_params: Mapping[str, Any]
-) -> _Plan:
-    """Decide per item. An item goes metadata-only to prefill (and gets one encode request per
-    distinct ``mm_hash``) only when it has its own usable entry and metadata (given, or
-    recovered from its data); an item with encoder inputs but no entry keeps them; an item
-    with neither inputs nor entry cannot get its embedding and the split is refused."""
-    assert req.features is not None
-    plan = _Plan()
-    kwargs_raw: Mapping[str, list[str | None]] = feats.get("kwargs_data") or {}
-    meta_raw: Mapping[str, list[str | None]] = feats.get("mm_metadata") or {}
-    encoded: set[str] = set()
-    for modality, hashes in req.features.mm_hashes.items():
-        kw = kwargs_raw.get(modality) or [None] * len(hashes)
-        md = meta_raw.get(modality) or [None] * len(hashes)
-        plan.kwargs[modality], plan.meta[modality] = [], []
-        for i, h in enumerate(hashes):
-            full = (req.features.kwargs_data or {}).get(modality, [None] * len(hashes))[i]
-            inputs = carries_encoder_inputs(modality, full)
-            entry = find_ec_entry(ec_params, h)
-            usable = entry is not None and entry_locates_embedding(entry)
-            meta = md[i]
-            if usable and meta is None and kw[i] is not None:
-                meta = recover_metadata(kw[i], modality=modality, item=i)  # type: ignore[arg-type]
-            if usable and meta is not None:
-                if inputs and h not in encoded:
-                    encoded.add(h)
-                    plan.encode.append((modality, i))
-                plan.kwargs[modality].append(None)
-            elif inputs or (kw[i] is None and meta is None):
-                # Keeps its encoder inputs (prefill encodes it), or neither: a processor-cache
-                # hit, which vLLM resolves itself.
-                plan.kwargs[modality].append(kw[i])
-            else:
-                why = "no usable entry" if not usable else "no metadata, given or recoverable"
-                raise ValidationError(
-                    "ec-transfer-required",
-                    f"item {h!r} has no encoder inputs and {why} in ec_transfer_params; "
-                    "nothing could produce its embedding",
-                    modality=modality,
-                    item=i,
-                )
-            plan.meta[modality].append(meta)
-    return plan
-
-
-def _check_split_output(encode: list[dict[str, Any]], prefill: dict[str, Any]) -> None:
-    """vLLM must accept every request, and every prefill item must be able to get its
-    embedding from its own ``kwargs_data`` or from its own entry of the prefill's params."""
-    for body in [*encode, prefill]:
-        check_vllm_request(body)
-    req = parse_generate_request(prefill)
-    assert req.features is not None
-    f = req.features
-    for modality, hashes in f.mm_hashes.items():
-        for i, h in enumerate(hashes):
-            full = (f.kwargs_data or {}).get(modality, [None] * len(hashes))[i]
-            meta = (f.mm_metadata or {}).get(modality, [None] * len(hashes))[i]
-            entry = find_ec_entry(req.ec_transfer_params, h)
-            if (entry is None or not entry_locates_embedding(entry)) and (
-                full is not None or meta is not None
-            ):
-                check_item_source(modality, i, h, full, meta)
-
-
-def split_render(
-    obj: Mapping[str, Any],
-    ec_transfer_params: Mapping[str, Any] | None = None,
-    *,
-    secret: bytes | None,
-    namespace: str = "ec",
-    store: str = "redis://127.0.0.1:6379/0",
-    model_fingerprint: str = "tiny",
-    ttl_s: int = 600,
-    now: int | None = None,
-) -> dict[str, Any]:
-    """Split a vLLM render response into encode requests and one prefill request.
-
-    Per item (see :func:`_plan_split`): an item with its own ``ec_transfer_params`` entry and
-    metadata (``mm_metadata``, or recovered from ``kwargs_data`` for older renders) travels
-    metadata-only to prefill, and one encode request per distinct ``mm_hash`` carries its
-    ``kwargs_data`` (that item alone, ``max_tokens: 1``, only its own entry). An item without
-    an entry keeps its ``kwargs_data`` in the prefill request; one that has neither encoder
-    inputs nor an entry is refused (rule ``ec-transfer-required``, modality and item named).
-    ``mm_metadata`` gets a full-length list for every modality whenever any item has metadata.
-
-    Without ``ec_transfer_params`` an entry per item is generated, keyed by ``mm_hash``, with
-    key ``{namespace}:{model_fingerprint}:{mm_hash}`` and signed when ``secret`` is set. The
-    render is checked against vLLM's rules first, and the output is checked again, with the
-    params it will carry. Item strings are passed through byte for byte.
-    """
-    req = parse_generate_request(obj)  # our decoder: the shape and every item's encoding
-    feats = obj.get("features")
-    if req.features is None or not isinstance(feats, Mapping):
-        raise _shape_error("a render response needs features", fld="features")
-    hashes = req.features.mm_hashes
-    if ec_transfer_params is None:
-        expires = (now if now is not None else now_ms()) + ttl_s * 1000
-        ec_params: dict[str, Any] = {
-            h: _ec_entry_dict(
-                h, store, embedding_key(namespace, model_fingerprint, h), expires, secret
-            )
-            for hs in hashes.values()
-            for h in hs
-        }
-    else:
-        ec_params = copy.deepcopy(dict(ec_transfer_params))
-    # vLLM's rules on the render as it will be sent on: with the params the requests carry.
-    check_vllm_request({**_normalized_render(obj), "ec_transfer_params": ec_params})
-    plan = _plan_split(req, feats, ec_params)
-
-    base = {k: copy.deepcopy(v) for k, v in obj.items() if k not in ("features",)}
-    base.pop("ec_transfer_params", None)
-    rid = obj.get("request_id") or "request"
-    encode: list[dict[str, Any]] = []
-    for modality, i in plan.encode:
-        h = hashes[modality][i]
-        meta = (feats.get("mm_metadata") or {}).get(modality)
-        enc_req = copy.deepcopy(base)
-        enc_req.pop("kv_transfer_params", None)
-        enc_req["request_id"] = f"{rid}-encode-{modality}-{i}"
-        enc_req["features"] = {
-            "mm_hashes": {modality: [h]},
-            "mm_placeholders": {modality: [copy.deepcopy(feats["mm_placeholders"][modality][i])]},
-            "kwargs_data": {modality: [feats["kwargs_data"][modality][i]]},
-            "mm_metadata": None if not meta or meta[i] is None else {modality: [meta[i]]},
-        }
-        enc_req["sampling_params"] = {**(enc_req.get("sampling_params") or {}), "max_tokens": 1}
-        enc_req["ec_transfer_params"] = _ec_for_item(ec_params, h)
-        encode.append(enc_req)
-
-    def any_item(slots: dict[str, list[str | None]]) -> bool:
-        return any(x is not None for items in slots.values() for x in items)
-
-    prefill = copy.deepcopy(base)
-    prefill["features"] = {
-        **{k: copy.deepcopy(v) for k, v in feats.items() if k not in KNOWN_FEATURE_KEYS},
-        "mm_hashes": copy.deepcopy(hashes),
-        "mm_placeholders": copy.deepcopy(feats["mm_placeholders"]),
-        "kwargs_data": plan.kwargs if any_item(plan.kwargs) else None,
-        "mm_metadata": plan.meta if any_item(plan.meta) else None,
-    }
-    prefill["ec_transfer_params"] = ec_params
-    _check_split_output(encode, prefill)
-    return {"encode": encode, "prefill": prefill}

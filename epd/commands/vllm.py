@@ -37,7 +37,7 @@ def run_split(args: argparse.Namespace) -> int:
 def _run_split(args: argparse.Namespace) -> int:
     from runtime.settings import get_settings
     from schemas.errors import ValidationError
-    from schemas.vllm_wire import split_render
+    from schemas.vllm_split import split_render
 
     settings = get_settings()
     try:

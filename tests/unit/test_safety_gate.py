@@ -27,7 +27,8 @@ from schemas.errors import ValidationError
 from schemas.types import Features, ItemData, PlaceholderRange, RenderEvent
 from schemas.validator import ValidationConfig, validate_features, validate_render_event
 from schemas.vllm_rules import check_vllm_request
-from schemas.vllm_wire import decode_item, encode_item, split_render, validate_request_json
+from schemas.vllm_split import split_render
+from schemas.vllm_wire import decode_item, encode_item, validate_request_json
 from tests.unit.test_vllm_wire import make_render
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,6 +17,7 @@ from schemas.errors import ValidationError
 from schemas.signing import verify_ec
 from schemas.types import DTYPES, ECTransfer
 from schemas.validator import ValidationConfig, validate_features
+from schemas.vllm_split import split_render
 from schemas.vllm_wire import (
     FieldSpec,
     batched,
@@ -27,7 +28,6 @@ from schemas.vllm_wire import (
     flat,
     generate_request_to_json,
     parse_generate_request,
-    split_render,
 )
 
 GOLDEN = Path(__file__).parent / "golden" / "qwen2vl_image_item.b64"
