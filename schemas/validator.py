@@ -6,22 +6,26 @@ below), the modality, the item index and, where one applies, the field.
 Rules (slug: what it rejects):
 
 - ``request-shape``: a vLLM JSON body whose structure is not a ``GenerateRequest`` (raised by
-  :mod:`schemas.vllm_wire` while parsing).
-- ``token-ids``: empty ``token_ids``, or an id that is not a non-negative int.
+  :mod:`schemas.vllm_rules` and :mod:`schemas.vllm_wire` while parsing).
+- ``token-ids``: empty ``token_ids``, or an id that is not a non-negative int (``vllm`` mode
+  coerces ``1.0``, ``true``, ``"0"`` as vLLM's pydantic does).
 - ``modality-keys``: ``mm_placeholders``, ``kwargs_data`` (when not null) or ``mm_metadata``
   (when not null) with modality keys other than those of ``mm_hashes``.
 - ``item-count``: a per-modality list whose length differs from ``mm_hashes[modality]``.
-- ``placeholder-range``: offset < 0, length <= 0, non-int values, an ``is_embed`` mask whose
-  size is not ``length``, or a range that ends past ``token_ids``.
+- ``placeholder-range``: offset < 0, length <= 0, non-int values, a range that ends past
+  ``token_ids``, and (``strict`` only; vLLM 0.33 ignores the field) an ``is_embed`` mask whose
+  size is not ``length``.
 - ``placeholder-overlap``: two ranges (of any modalities) that overlap once sorted by offset;
   touching is fine, as in vLLM.
-- ``ec-transfer-required``: an item that has metadata but no full data and no way to get its
-  embeddings. ``vllm`` mode: the request carries no ``ec_transfer_params`` at all (vLLM's
-  "metadata-only multimodal items require ec_transfer_params"; an item with neither is a
-  processor-cache hit there). ``strict`` mode: there is no entry for the item's ``mm_hash``,
-  and an item with neither full data nor metadata needs one too.
-- ``ec-entry``: a malformed entry (not ECTransfer-shaped while signatures are required, or its
-  ``mm_hash`` differs from the item's).
+- ``ec-transfer-required``: an item that cannot get its embedding. ``vllm`` mode: an item with
+  metadata and no data while the request has no (or an empty) top-level
+  ``ec_transfer_params`` (vLLM's "metadata-only multimodal items require ec_transfer_params";
+  an item with neither is a processor-cache hit there). ``strict`` mode, per item: without
+  its own entry an item must carry its encoder inputs (``pixel_values``...); a ``kwargs_data``
+  slot holding only the grid is not full data.
+- ``ec-entry``: an entry that points nowhere (``{}``, ``false``, ``""``, ``{"mm_hash": h}``
+  alone), one not ECTransfer-shaped while signatures are required, or one whose ``mm_hash``
+  differs from the item's.
 - ``ec-namespace``: an entry key outside ``{namespace}:``.
 - ``ec-key``: an entry key that is not ``{namespace}:{model_fingerprint}:{mm_hash}`` for its
   item (the fingerprint is pinned when the config names one).
@@ -32,19 +36,22 @@ Rules (slug: what it rejects):
 - ``metadata-missing``: an item without a field the model needs (``image_grid_thw`` for
   Qwen2-VL images).
 - ``grid-consistency``: a bad grid (non-integer, non-positive, not a multiple of the merge
-  size), a placeholder whose embedding count is not ``t*h*w / merge**2``, or encoder inputs
-  whose row count is not ``t*h*w``.
+  size), a placeholder whose embedding count is not ``t*h*w / merge**2``, encoder inputs
+  whose row count is not ``t*h*w``, or a grid in ``kwargs_data`` that differs from the one in
+  ``mm_metadata`` (the encoder would read one, M-RoPE the other).
+- ``metadata-consistency``: another metadata field present in both slots with other values.
 - ``encode-inputs``: an encode event without its encoder input field.
 - ``tensor``: a disallowed dtype, a bad shape, a size mismatch, a tensor over the size limit,
-  or an undecodable vLLM item.
+  or an undecodable vLLM item (in ``vllm`` mode: one vLLM's own decoder would fail on).
 - ``tensor-nonfinite``: a floating-point input holding NaN or Inf.
 - ``slots-across-modalities``: (render side) some item has metadata but ``mm_metadata`` lacks a
   full-length list for some modality of ``mm_hashes``.
-- ``render-data-missing``: a render event item without full ``kwargs_data``.
+- ``render-data-missing``: a render event item without its encoder inputs in ``kwargs_data``.
 
-``strict`` applies all rules; ``vllm`` applies exactly the rules vLLM's
-``/inference/v1/generate`` applies (token ids, modality keys, item counts, placeholder ranges and
-overlap, and the request-level EC requirement for metadata-only items).
+``vllm`` applies exactly what vLLM 0.33's ``/inference/v1/generate`` applies (on JSON,
+:func:`schemas.vllm_rules.check_vllm_request`: its field types, cross-field checks and item
+decoding). ``strict`` applies all rules, and on JSON checks vLLM's first, so it never accepts
+what vLLM refuses.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ KW_KINDS = ("full", "grid_only", None)
 ENTRY_KINDS = ("good", "empty", "false", "null", "hash_only", "absent")
 
 
-def _data(modality: str, kind: str | None, *, meta: bool = False) -> ItemData | None:
+def _data(modality: str, kind: str | None, *, meta: bool = False) -> dict[str, Any] | None:
     """Item tensors of one kind; every kind of an item agrees on its grid (4 embeddings)."""
     if kind is None:
         return None

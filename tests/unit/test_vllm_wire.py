@@ -135,7 +135,7 @@ def test_field_specs() -> None:
     assert doc["c"]["field"] == ["batched", {"keep_on_cpu": False}]
 
 
-def _item_b64(doc: dict[str, Any]) -> str:
+def _item_b64(doc: Any) -> str:
     return base64.b64encode(msgpack.packb(doc, use_bin_type=True)).decode()
 
 
