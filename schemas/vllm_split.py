@@ -108,24 +108,28 @@ def _plan_split(
             inputs = carries_encoder_inputs(modality, full)
             entry = find_ec_entry(ec_params, h)
             usable = entry is not None and entry_locates_embedding(entry)
-            meta = md[i]
-            if usable and meta is None and kw[i] is not None:
-                meta = recover_metadata(kw[i], modality=modality, item=i)  # type: ignore[arg-type]
+            raw, meta = kw[i], md[i]
+            if usable and meta is None and raw is not None:
+                meta = recover_metadata(raw, modality=modality, item=i)
             if usable and meta is not None:
                 if inputs and h not in encoded:
                     encoded.add(h)
                     plan.encode.append((modality, i))
                 plan.kwargs[modality].append(None)
-            elif inputs or (kw[i] is None and meta is None):
-                # Keeps its encoder inputs (prefill encodes it), or neither: a processor-cache
-                # hit, which vLLM resolves itself.
-                plan.kwargs[modality].append(kw[i])
+            elif inputs or (raw is None and meta is None):
+                # Keeps its encoder inputs (prefill encodes it), or has neither: a
+                # processor-cache hit, which vLLM resolves itself.
+                plan.kwargs[modality].append(raw)
             else:
-                why = "no usable entry" if not usable else "no metadata, given or recoverable"
+                why = (
+                    f"no usable ec_transfer_params entry for mm_hash {h!r}"
+                    if not usable
+                    else "no metadata, given or recoverable from its data"
+                )
                 raise ValidationError(
                     "ec-transfer-required",
-                    f"item {h!r} has no encoder inputs and {why} in ec_transfer_params; "
-                    "nothing could produce its embedding",
+                    f"item without encoder inputs and with {why}: nothing could produce its "
+                    "embedding",
                     modality=modality,
                     item=i,
                 )
