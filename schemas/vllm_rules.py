@@ -141,8 +141,10 @@ def _check_cache_salt(obj: Mapping[str, Any]) -> None:
 
 
 def _check_packable(value: Any, name: str) -> None:
-    """``serve_tokens`` msgpack-encodes the transfer params first; an int msgpack cannot hold
-    fails there. Iterative, so a deeply nested value cannot exhaust the stack here."""
+    """``serve_tokens`` msgpack-encodes the transfer params first (msgspec); what it cannot
+    encode fails there: an int outside int64/uint64, a string (value or key) that is not valid
+    UTF-8 (JSON can carry a lone surrogate ``"\\ud800"``). Iterative, so a deeply nested value
+    cannot exhaust the stack here."""
     stack = [value]
     while stack:
         v = stack.pop()
@@ -150,10 +152,21 @@ def _check_packable(value: Any, name: str) -> None:
             continue
         if isinstance(v, int) and not _MSGPACK_INT_RANGE[0] <= v <= _MSGPACK_INT_RANGE[1]:
             raise _shape(f"{name} holds an integer msgpack cannot encode", field=name)
+        if isinstance(v, str) and not _utf8(v):
+            raise _shape(f"{name} holds a string that is not valid UTF-8", field=name)
         if isinstance(v, Mapping):
+            stack.extend(v.keys())
             stack.extend(v.values())
         elif isinstance(v, list | tuple):
             stack.extend(v)
+
+
+def _utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _skeleton(f: _Features) -> Features:

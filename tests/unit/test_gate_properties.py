@@ -185,14 +185,17 @@ def test_per_item_rule_matches_reference(spec: Any) -> None:
 
 # --------------------------------------------------------------------------- epd validate fuzz
 
+_ANY_CHAR = st.characters(exclude_categories=())  # lone surrogates too: JSON can carry them
 json_values = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(min_value=-(2**70), max_value=2**70)
     | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=8),
+    | st.text(max_size=8)
+    | st.text(_ANY_CHAR, max_size=3),
     lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(max_size=6) | st.text(_ANY_CHAR, max_size=2), inner, max_size=4)
     ),
     max_leaves=20,
 )

@@ -364,6 +364,10 @@ REJECTED = {
         lambda: request(ec_transfer_params={"img-a": {"x": 2**64}}),
         "request-shape",
     ),
+    "lone surrogate in ec params": (
+        lambda: request(ec_transfer_params={"img-a": {"x": "\ud800"}}),
+        "request-shape",
+    ),
     "content_parts and features": (lambda: request(content_parts=[{"type": "x"}]), "request-shape"),
     "text output without detokenize": (
         lambda: request(output_mode="text", sampling_params={"detokenize": False}),
