@@ -83,6 +83,17 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1 (a merge size of 0 would divide by zero)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def register(subparsers: Any) -> None:
     """Add ``epd validate``."""
     p = subparsers.add_parser(
@@ -100,7 +111,10 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--secret", default=None, help="HMAC key for EC entries (default EPD_EC_SECRET)")
     p.add_argument(
-        "--merge-size", type=int, default=None, help="spatial merge size (default 2, Qwen2-VL)"
+        "--merge-size",
+        type=positive_int,
+        default=None,
+        help="spatial merge size (default 2, Qwen2-VL)",
     )
     p.add_argument("--namespace", default=None, help="embedding key namespace (default 'ec')")
     p.set_defaults(func=run)

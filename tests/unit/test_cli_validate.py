@@ -129,6 +129,18 @@ def test_validate_merge_size_flag(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "rule=grid-consistency" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", ["0", "-2", "x"])
+def test_validate_merge_size_must_be_positive(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str
+) -> None:
+    f = write(tmp_path, "r.json", make_render(omit_empty_modality=False))
+    with pytest.raises(SystemExit) as ei:
+        run("validate", "--merge-size", bad, f)
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert "--merge-size" in err and "Traceback" not in err
+
+
 def test_split_then_validate_prefill_both_modes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
