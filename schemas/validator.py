@@ -386,16 +386,24 @@ def _values(v: Any) -> list[Any] | None:
 def check_agreement(modality: str, item: int, full: ItemData | None, meta: ItemData | None) -> None:
     """A field in both ``kwargs_data`` and ``mm_metadata`` must hold the same values: the
     encoder would read one grid and M-RoPE the other (same token count, wrong positions)."""
+
+    def where(name: str) -> dict[str, Any]:
+        return {"modality": modality, "item": item, "field": name}
+
     for name in sorted(set(full or {}) & set(meta or {})):
         a, b = _values(full[name]), _values(meta[name])  # type: ignore[index]
+        rule = "grid-consistency" if name in GRID_FIELDS.values() else "metadata-consistency"
+        if a is None or b is None:
+            if rule == "grid-consistency":  # both grids must be here to be compared
+                raise ValidationError(
+                    rule, "the grid must travel inline, not as a claim check", **where(name)
+                )
+            continue  # a claim-checked metadata field: its bytes are not here
         if a != b:
-            rule = "grid-consistency" if name in GRID_FIELDS.values() else "metadata-consistency"
             raise ValidationError(
                 rule,
                 f"kwargs_data has {name}={short_repr(a)}, mm_metadata has {short_repr(b)}",
-                modality=modality,
-                item=item,
-                field=name,
+                **where(name),
             )
 
 

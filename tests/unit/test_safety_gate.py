@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from schemas.errors import ValidationError
-from schemas.types import Features, ItemData, PlaceholderRange, RenderEvent
+from schemas.types import Features, ItemData, PlaceholderRange, RenderEvent, TensorRef
 from schemas.validator import ValidationConfig, validate_features, validate_render_event
 from schemas.vllm_rules import check_vllm_request
 from schemas.vllm_split import split_render
@@ -257,6 +257,16 @@ def test_strict_grids_must_agree() -> None:
     assert rejected(validate_features, list(range(40)), _len(f, 16), None, STRICT).rule == (
         "metadata-consistency"
     )
+
+
+def test_strict_grid_in_both_slots_must_be_inline() -> None:
+    ref = TensorRef("redis://x", "ec:blob", "int64", [3], 24, digest="d")
+    f = feats(
+        {"pixel_values": torch.randn(16, 4), "image_grid_thw": ref},
+        {"image_grid_thw": grid(1, 4, 4)},
+    )
+    e = rejected(validate_features, TOKENS, f, None, STRICT)
+    assert (e.rule, e.field) == ("grid-consistency", "image_grid_thw")
 
 
 def _len(f: Features, n: int) -> Features:
