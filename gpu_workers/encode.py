@@ -153,7 +153,10 @@ class EncodeWorker:
         for name, value in ev.data.items():
             if not isinstance(value, TensorRef) or value.store != self.store.url:
                 continue
-            if value.key != claim_key(self.settings.ec_namespace, ev.mm_hash, name):
+            # The signed entry's key ends with the fan-out's own hash, which the claims use too
+            # (it equals mm_hash except for a vLLM render's foreign label).
+            key_hash = ev.ec_transfer.key.rpartition(":")[2]
+            if value.key != claim_key(self.settings.ec_namespace, key_hash, name):
                 continue
             try:
                 await self.store.delete(value.key)
@@ -241,7 +244,7 @@ class EncodeWorker:
             return
         validate_encode_event(ev, self.vconfig)
         key = ev.ec_transfer.key
-        pending = self._inflight.get(ev.mm_hash)
+        pending = self._inflight.get(key)
         while pending is not None:
             # The same item is being encoded right now (by another event of this worker).
             try:
@@ -250,7 +253,7 @@ class EncodeWorker:
                 task = asyncio.current_task()
                 if task is not None and task.cancelling():
                     raise
-                pending = self._inflight.get(ev.mm_hash)  # its owner was cancelled: take over
+                pending = self._inflight.get(key)  # its owner was cancelled: take over
                 continue
             self.cache_hits += 1
             await self._encoded(ev, dtype_name(self.bundle.dtype), [], hit=True, ms=0.0)
@@ -258,7 +261,7 @@ class EncodeWorker:
         pv_name, grid_name = self._fields(ev)
         # Register before the first await, so concurrent events of this item wait on us.
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._inflight[ev.mm_hash] = done
+        self._inflight[key] = done
         try:
             # A hit extends the TTL: the EncodedEvent tells prefill the embedding is there.
             hit = await self.store.touch(key, self.settings.embedding_ttl_s)
@@ -280,7 +283,7 @@ class EncodeWorker:
             done.exception()  # mark retrieved; waiters re-raise their own copy
             raise
         finally:
-            self._inflight.pop(ev.mm_hash, None)
+            self._inflight.pop(key, None)
         # Only now (the embedding is stored) is the claim-checked input garbage: a redelivery of
         # this event finds the embedding (a hit) and never reads the claim again.
         await self._drop_claims(ev)

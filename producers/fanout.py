@@ -99,11 +99,15 @@ class HashedItem:
     """blake3 of each inline tensor's bytes, reused for claim checks."""
 
 
-def hash_items(ev: RenderEvent, hasher: ItemHasher) -> list[HashedItem]:
+def hash_items(
+    ev: RenderEvent, hasher: ItemHasher, *, foreign_labels: bool = False
+) -> list[HashedItem]:
     """Every item of a validated RenderEvent with the fan-out's own hash of it.
 
     Rule ``mm-hash-mismatch``: an item whose ``mm_hash`` is not that hash is refused, naming the
-    item. CPU-bound (digests of inline tensors): run it in a worker thread.
+    item, unless ``foreign_labels`` says the labels come from another renderer (a vLLM render):
+    then they stay labels and only our hash keys the store. CPU-bound (digests of inline
+    tensors): run it in a worker thread.
     """
     out: list[HashedItem] = []
     for modality, index, label in ev.features.items():
@@ -117,7 +121,7 @@ def hash_items(ev: RenderEvent, hasher: ItemHasher) -> list[HashedItem]:
             )
         digests = {n: tensor_digest(v) for n, v in data.items() if isinstance(v, torch.Tensor)}
         key_hash = hasher.item_hash(modality, data, ev.cache_salt, digests=digests)
-        if label != key_hash:
+        if label != key_hash and not foreign_labels:
             raise ValidationError(
                 "mm-hash-mismatch",
                 f"mm_hash {label!r} is not the hash of the item's encoder inputs, processor "
@@ -237,16 +241,20 @@ class FanOut:
             )
         return out
 
-    async def plan(self, ev: RenderEvent) -> FanoutPlan:
-        """Validate a RenderEvent and build its encode and prefill events (claim checks stored)."""
+    async def plan(self, ev: RenderEvent, *, foreign_labels: bool = False) -> FanoutPlan:
+        """Validate a RenderEvent and build its encode and prefill events (claim checks stored).
+
+        ``foreign_labels``: see :func:`hash_items` (the events keep the render's labels)."""
         validate_render_event(ev, self._vconfig)
         f = ev.features
         # Hashing reads every inline tensor's bytes (megabytes): off the event loop.
-        items = _unique(await asyncio.to_thread(hash_items, ev, self.hasher))
+        hashed = await asyncio.to_thread(hash_items, ev, self.hasher, foreign_labels=foreign_labels)
+        items = _unique(hashed)
         check_upstream_refs(items, self.settings.ec_namespace, self.store.url)
+        # One entry per label: with foreign labels two labels may name one content hash.
         params = {
             it.label: self.ec_transfer(ev.request_id, it.label, it.key_hash, ev.deadline_ms)
-            for it in items
+            for it in hashed
         }
         encode: list[EncodeEvent] = []
         cached: list[str] = []
@@ -287,13 +295,13 @@ class FanOut:
         )
         return FanoutPlan(encode=encode, prefill=prefill, cached=cached)
 
-    async def publish(self, ev: RenderEvent) -> FanoutStats:
+    async def publish(self, ev: RenderEvent, *, foreign_labels: bool = False) -> FanoutStats:
         """Plan, then send encode events, the prefill event and a stage update."""
         publisher = self.publisher
         if publisher is None:
             raise RuntimeError("FanOut.publish needs a publisher")
         t0 = now_ms()
-        plan = await self.plan(ev)
+        plan = await self.plan(ev, foreign_labels=foreign_labels)
         # Encode events first (all in flight at once), so an encoder can start while the
         # prefill event is still on its way.
         encode_sizes = await asyncio.gather(

@@ -38,8 +38,8 @@ class Topics:
     def all(self) -> list[str]:
         return [self.render, self.encode, self.prefill, self.encoded, self.results, self.dlq]
 
-
-GROUP_ENCODE = "epd-encode"
-GROUP_PREFILL = "epd-prefill"
-GROUP_RESULTS = "epd-results"
-GROUP_ROUTER = "epd-router"
+    def group(self, stage: str) -> str:
+        """Consumer group of a stage, e.g. ``epd-encode``. The prefix is part of it, so two
+        pipelines sharing one broker never join each other's groups (a shared group would
+        rebalance across both on every join)."""
+        return f"{self.prefix}-{stage}"

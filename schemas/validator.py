@@ -6,22 +6,26 @@ below), the modality, the item index and, where one applies, the field.
 Rules (slug: what it rejects):
 
 - ``request-shape``: a vLLM JSON body whose structure is not a ``GenerateRequest`` (raised by
-  :mod:`schemas.vllm_wire` while parsing).
-- ``token-ids``: empty ``token_ids``, or an id that is not a non-negative int.
+  :mod:`schemas.vllm_rules` and :mod:`schemas.vllm_wire` while parsing).
+- ``token-ids``: empty ``token_ids``, or an id that is not a non-negative int (``vllm`` mode
+  coerces ``1.0``, ``true``, ``"0"`` as vLLM's pydantic does).
 - ``modality-keys``: ``mm_placeholders``, ``kwargs_data`` (when not null) or ``mm_metadata``
   (when not null) with modality keys other than those of ``mm_hashes``.
 - ``item-count``: a per-modality list whose length differs from ``mm_hashes[modality]``.
-- ``placeholder-range``: offset < 0, length <= 0, non-int values, an ``is_embed`` mask whose
-  size is not ``length``, or a range that ends past ``token_ids``.
+- ``placeholder-range``: offset < 0, length <= 0, non-int values, a range that ends past
+  ``token_ids``, and (``strict`` only; vLLM 0.33 ignores the field) an ``is_embed`` mask whose
+  size is not ``length``.
 - ``placeholder-overlap``: two ranges (of any modalities) that overlap once sorted by offset;
   touching is fine, as in vLLM.
-- ``ec-transfer-required``: an item that has metadata but no full data and no way to get its
-  embeddings. ``vllm`` mode: the request carries no ``ec_transfer_params`` at all (vLLM's
-  "metadata-only multimodal items require ec_transfer_params"; an item with neither is a
-  processor-cache hit there). ``strict`` mode: there is no entry for the item's ``mm_hash``,
-  and an item with neither full data nor metadata needs one too.
-- ``ec-entry``: a malformed entry (not ECTransfer-shaped while signatures are required, or its
-  ``mm_hash`` differs from the item's).
+- ``ec-transfer-required``: an item that cannot get its embedding. ``vllm`` mode: an item with
+  metadata and no data while the request has no (or an empty) top-level
+  ``ec_transfer_params`` (vLLM's "metadata-only multimodal items require ec_transfer_params";
+  an item with neither is a processor-cache hit there). ``strict`` mode, per item: without
+  its own entry an item must carry its encoder inputs (``pixel_values``...); a ``kwargs_data``
+  slot holding only the grid is not full data.
+- ``ec-entry``: an entry that points nowhere (``{}``, ``false``, ``""``, ``{"mm_hash": h}``
+  alone), one not ECTransfer-shaped while signatures are required, or one whose ``mm_hash``
+  differs from the item's.
 - ``ec-namespace``: an entry key outside ``{namespace}:``.
 - ``ec-key``: an entry key that is not ``{namespace}:{model_fingerprint}:{mm_hash}`` for its
   item (the fingerprint is pinned when the config names one).
@@ -32,19 +36,22 @@ Rules (slug: what it rejects):
 - ``metadata-missing``: an item without a field the model needs (``image_grid_thw`` for
   Qwen2-VL images).
 - ``grid-consistency``: a bad grid (non-integer, non-positive, not a multiple of the merge
-  size), a placeholder whose embedding count is not ``t*h*w / merge**2``, or encoder inputs
-  whose row count is not ``t*h*w``.
+  size), a placeholder whose embedding count is not ``t*h*w / merge**2``, encoder inputs
+  whose row count is not ``t*h*w``, or a grid in ``kwargs_data`` that differs from the one in
+  ``mm_metadata`` (the encoder would read one, M-RoPE the other).
+- ``metadata-consistency``: another metadata field present in both slots with other values.
 - ``encode-inputs``: an encode event without its encoder input field.
 - ``tensor``: a disallowed dtype, a bad shape, a size mismatch, a tensor over the size limit,
-  or an undecodable vLLM item.
+  or an undecodable vLLM item (in ``vllm`` mode: one vLLM's own decoder would fail on).
 - ``tensor-nonfinite``: a floating-point input holding NaN or Inf.
 - ``slots-across-modalities``: (render side) some item has metadata but ``mm_metadata`` lacks a
   full-length list for some modality of ``mm_hashes``.
-- ``render-data-missing``: a render event item without full ``kwargs_data``.
+- ``render-data-missing``: a render event item without its encoder inputs in ``kwargs_data``.
 
-``strict`` applies all rules; ``vllm`` applies exactly the rules vLLM's
-``/inference/v1/generate`` applies (token ids, modality keys, item counts, placeholder ranges and
-overlap, and the request-level EC requirement for metadata-only items).
+``vllm`` applies exactly what vLLM 0.33's ``/inference/v1/generate`` applies (on JSON,
+:func:`schemas.vllm_rules.check_vllm_request`: its field types, cross-field checks and item
+decoding). ``strict`` applies all rules, and on JSON checks vLLM's first, so it never accepts
+what vLLM refuses.
 """
 
 from __future__ import annotations
@@ -55,14 +62,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import pydantic
 import torch
 
+# Re-exported: the gate's public surface stays in one module for its callers.
+from schemas.ec_entries import (
+    check_ec_entry,
+    check_ec_key,
+    entry_locates_embedding,
+    find_ec_entry,
+    short_repr,
+)
 from schemas.errors import ValidationError
 from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT, METADATA_FIELDS, REQUIRED_METADATA
-from schemas.signing import verify_ec
 from schemas.types import (
     DTYPES,
-    ECTransfer,
     EncodeEvent,
     Features,
     ItemData,
@@ -73,12 +87,35 @@ from schemas.types import (
 )
 from schemas.types import now_ms as wall_now_ms
 
+__all__ = [
+    "DEFAULT_METADATA_FIELDS",
+    "ENCODER_INPUT_FIELDS",
+    "GRID_FIELDS",
+    "ValidationConfig",
+    "carries_encoder_inputs",
+    "check_agreement",
+    "check_ec_entry",
+    "check_ec_key",
+    "check_item_data",
+    "check_item_source",
+    "check_structure",
+    "check_tensor",
+    "check_token_ids",
+    "entry_locates_embedding",
+    "find_ec_entry",
+    "grid_patches",
+    "validate_encode_event",
+    "validate_features",
+    "validate_prefill_event",
+    "validate_render_event",
+    "validate_render_slots",
+]
+
 Mode = Literal["strict", "vllm"]
 
 # From the one modality-field table (schemas/modalities.py).
 DEFAULT_METADATA_FIELDS = METADATA_FIELDS
 ENCODER_INPUT_FIELDS = MAIN_ENCODER_INPUT
-_EC_FIELDS = ("store", "key", "expires_ms", "signature")
 
 
 def _default_required() -> dict[str, tuple[str, ...]]:
@@ -127,128 +164,6 @@ class ValidationConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# ec_transfer_params lookup
-
-
-def find_ec_entry(params: Mapping[str, Any] | None, mm_hash: str) -> Any | None:
-    """The ``ec_transfer_params`` entry for ``mm_hash``, or None.
-
-    Accepts our ``dict[str, ECTransfer]`` and both shapes vLLM connectors use:
-    ``{mm_hash: {...}}`` and ``{"ec_items": [{"mm_hash": ..., ...}, ...]}``.
-    """
-    if not params:
-        return None
-    items = params.get("ec_items")
-    if isinstance(items, list):
-        for e in items:
-            h = (
-                e.mm_hash
-                if isinstance(e, ECTransfer)
-                else (e.get("mm_hash") if isinstance(e, Mapping) else None)
-            )
-            if h == mm_hash:
-                return e
-    if mm_hash in params:
-        return params[mm_hash]
-    return None
-
-
-def _as_ec_transfer(entry: Any, mm_hash: str) -> ECTransfer | None:
-    """An ECTransfer view of an entry, or None when it lacks the fields."""
-    if isinstance(entry, ECTransfer):
-        return entry
-    if isinstance(entry, Mapping) and all(k in entry for k in _EC_FIELDS):
-        try:
-            return ECTransfer(
-                mm_hash=str(entry.get("mm_hash", mm_hash)),
-                store=str(entry["store"]),
-                key=str(entry["key"]),
-                expires_ms=int(entry["expires_ms"]),
-                signature=str(entry["signature"]),
-            )
-        except (TypeError, ValueError):
-            return None
-    return None
-
-
-def check_ec_key(
-    key: str, mm_hash: str, config: ValidationConfig, *, modality: str | None, item: int | None
-) -> None:
-    """Rules ``ec-namespace`` and ``ec-key``: the key is this item's embedding key.
-
-    ``{namespace}:{model_fingerprint}:{mm_hash}`` exactly, so an entry cannot point a worker at
-    another item's (or tenant's, or model's) embeddings, nor at claim-checked encoder inputs.
-    """
-    where: dict[str, Any] = {"modality": modality, "item": item, "field": "ec_transfer_params"}
-    if not key.startswith(f"{config.namespace}:"):
-        raise ValidationError(
-            "ec-namespace", f"key {key!r} is outside namespace {config.namespace!r}", **where
-        )
-    fingerprint = key[len(config.namespace) + 1 :].removesuffix(f":{mm_hash}")
-    if (
-        not key.endswith(f":{mm_hash}")
-        or not fingerprint
-        or ":" in fingerprint
-        or (config.model_fingerprint is not None and fingerprint != config.model_fingerprint)
-    ):
-        expected = f"{config.namespace}:{config.model_fingerprint or '<model>'}:{mm_hash}"
-        raise ValidationError("ec-key", f"key {key!r} is not {expected!r}", **where)
-
-
-def check_ec_entry(
-    entry: Any,
-    mm_hash: str,
-    config: ValidationConfig,
-    *,
-    modality: str | None,
-    item: int | None,
-    request_id: str | None = None,
-) -> None:
-    """Strict checks of one entry: shape, ``mm_hash``, namespace, signature, expiry.
-
-    ``request_id``: the request of the event that carries the entry; signatures bind it."""
-    ec = _as_ec_transfer(entry, mm_hash)
-    if ec is None:
-        if config.secret is not None:
-            raise ValidationError(
-                "ec-entry",
-                f"entry for {mm_hash!r} must carry {', '.join(_EC_FIELDS)} to be verified",
-                modality=modality,
-                item=item,
-                field="ec_transfer_params",
-            )
-        key = entry.get("key") if isinstance(entry, Mapping) else None
-        if isinstance(key, str):
-            check_ec_key(key, mm_hash, config, modality=modality, item=item)
-        return
-    if ec.mm_hash != mm_hash:
-        raise ValidationError(
-            "ec-entry",
-            f"entry names mm_hash {ec.mm_hash!r}, item has {mm_hash!r}",
-            modality=modality,
-            item=item,
-            field="ec_transfer_params",
-        )
-    check_ec_key(ec.key, mm_hash, config, modality=modality, item=item)
-    if config.secret is not None and not verify_ec(config.secret, ec, request_id=request_id):
-        raise ValidationError(
-            "ec-signature",
-            f"signature of the entry for {mm_hash!r} does not verify",
-            modality=modality,
-            item=item,
-            field="ec_transfer_params",
-        )
-    if config.now_ms is not None and ec.expires_ms <= config.now_ms():
-        raise ValidationError(
-            "ec-expired",
-            f"entry for {mm_hash!r} expired at {ec.expires_ms}",
-            modality=modality,
-            item=item,
-            field="ec_transfer_params",
-        )
-
-
-# ---------------------------------------------------------------------------------------------
 # Structure
 
 
@@ -256,17 +171,38 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_token_ids(token_ids: Sequence[int]) -> None:
-    """Rule ``token-ids``: non-empty, every id a non-negative int."""
+_LAX_INT: pydantic.TypeAdapter[int] = pydantic.TypeAdapter(int)
+
+
+def _as_int(x: Any, lax: bool) -> int | None:
+    """``x`` as an int, or None. ``lax`` is vLLM's reading: its pydantic models coerce ``1.0``,
+    ``True`` and ``"0"`` to ints (lax mode); strict takes only real ints."""
+    if _is_int(x):
+        return int(x)
+    if not lax:
+        return None
+    try:
+        return _LAX_INT.validate_python(x)
+    except pydantic.ValidationError:
+        return None
+
+
+def check_token_ids(token_ids: Sequence[Any], *, lax: bool = False) -> None:
+    """Rule ``token-ids``: non-empty, every id a non-negative int (``lax``: vLLM's coercion)."""
     if not isinstance(token_ids, Sequence) or len(token_ids) == 0:
         raise ValidationError("token-ids", "token_ids must be a non-empty list")
     for i, t in enumerate(token_ids):
-        if not _is_int(t) or t < 0:
+        v = _as_int(t, lax)
+        if v is None or v < 0:
             raise ValidationError("token-ids", f"token_ids[{i}] = {t!r} is not a non-negative int")
 
 
-def check_structure(token_ids: Sequence[int], features: Features) -> None:
-    """Rules ``modality-keys``, ``item-count``, ``placeholder-range``, ``placeholder-overlap``."""
+def check_structure(token_ids: Sequence[Any], features: Features, *, lax: bool = False) -> None:
+    """Rules ``modality-keys``, ``item-count``, ``placeholder-range``, ``placeholder-overlap``.
+
+    ``lax`` is vLLM's reading: ints coerced as its pydantic models do, and ``is_embed`` ignored
+    (vLLM 0.33's ``PlaceholderRangeInfo`` has no such field; pydantic drops unknown keys).
+    """
     modalities = set(features.mm_hashes)
     slots: list[tuple[str, Mapping[str, Any] | None]] = [
         ("mm_placeholders", features.mm_placeholders),
@@ -298,24 +234,29 @@ def check_structure(token_ids: Sequence[int], features: Features) -> None:
     ranges: list[tuple[int, int, str, int]] = []
     for modality, places in features.mm_placeholders.items():
         for i, p in enumerate(places):
-            if not _is_int(p.offset) or p.offset < 0:
+            offset, length = _as_int(p.offset, lax), _as_int(p.length, lax)
+            if offset is None or offset < 0:
                 raise ValidationError(
                     "placeholder-range",
                     f"offset {p.offset!r} must be an int >= 0",
                     modality=modality,
                     item=i,
                 )
-            if not _is_int(p.length) or p.length <= 0:
+            if length is None or length <= 0:
                 raise ValidationError(
                     "placeholder-range",
                     f"length {p.length!r} must be an int > 0",
                     modality=modality,
                     item=i,
                 )
-            if p.is_embed is not None and (
-                not isinstance(p.is_embed, list)
-                or len(p.is_embed) != p.length
-                or not all(isinstance(b, bool) for b in p.is_embed)
+            if (
+                not lax
+                and p.is_embed is not None
+                and (
+                    not isinstance(p.is_embed, list)
+                    or len(p.is_embed) != p.length
+                    or not all(isinstance(b, bool) for b in p.is_embed)
+                )
             ):
                 raise ValidationError(
                     "placeholder-range",
@@ -324,14 +265,14 @@ def check_structure(token_ids: Sequence[int], features: Features) -> None:
                     item=i,
                     field="is_embed",
                 )
-            if p.offset + p.length > n:
+            if offset + length > n:
                 raise ValidationError(
                     "placeholder-range",
-                    f"range [{p.offset}, {p.offset + p.length}) ends past token_ids (length {n})",
+                    f"range [{offset}, {offset + length}) ends past token_ids (length {n})",
                     modality=modality,
                     item=i,
                 )
-            ranges.append((p.offset, p.offset + p.length, modality, i))
+            ranges.append((offset, offset + length, modality, i))
     ranges.sort()
     for (_, end, m0, i0), (start, _, m1, i1) in itertools.pairwise(ranges):
         if start < end:
@@ -424,6 +365,47 @@ def grid_patches(
     return patches, patches // (m * m)
 
 
+def carries_encoder_inputs(modality: str, data: ItemData | None) -> bool:
+    """Whether a ``kwargs_data`` slot is full data: it holds the model's encoder inputs
+    (``pixel_values`` for images...). A slot with only the grid is metadata, not full data:
+    nothing could compute the item's embedding from it. For a modality without a known
+    encoder input, any field that is not a metadata field counts."""
+    if not data:
+        return False
+    name = ENCODER_INPUT_FIELDS.get(modality)
+    if name is not None:
+        return name in data
+    return any(k not in DEFAULT_METADATA_FIELDS for k in data)
+
+
+def _values(v: Any) -> list[Any] | None:
+    return v.reshape(-1).tolist() if isinstance(v, torch.Tensor) else None
+
+
+def check_agreement(modality: str, item: int, full: ItemData | None, meta: ItemData | None) -> None:
+    """A field in both ``kwargs_data`` and ``mm_metadata`` must hold the same values: the
+    encoder would read one grid and M-RoPE the other (same token count, wrong positions)."""
+
+    def where(name: str) -> dict[str, Any]:
+        return {"modality": modality, "item": item, "field": name}
+
+    for name in sorted(set(full or {}) & set(meta or {})):
+        a, b = _values(full[name]), _values(meta[name])  # type: ignore[index]
+        rule = "grid-consistency" if name in GRID_FIELDS.values() else "metadata-consistency"
+        if a is None or b is None:
+            if rule == "grid-consistency":  # both grids must be here to be compared
+                raise ValidationError(
+                    rule, "the grid must travel inline, not as a claim check", **where(name)
+                )
+            continue  # a claim-checked metadata field: its bytes are not here
+        if a != b:
+            raise ValidationError(
+                rule,
+                f"kwargs_data has {name}={short_repr(a)}, mm_metadata has {short_repr(b)}",
+                **where(name),
+            )
+
+
 def _embed_count(p: Any) -> int:
     return sum(1 for b in p.is_embed if b) if p.is_embed is not None else int(p.length)
 
@@ -451,6 +433,7 @@ def check_item_data(
             )
     if full is None and meta is None:
         return
+    check_agreement(modality, item, full, meta)
     merged: dict[str, Any] = {**(full or {}), **(meta or {})}
     for name in config.required_metadata.get(modality, ()):
         if name not in merged:
@@ -514,11 +497,11 @@ def validate_features(
     ``ec_transfer_params`` may be a ``dict[str, ECTransfer]`` (PrefillEvent) or a raw vLLM dict
     in either connector shape.
     """
-    check_token_ids(token_ids)
+    strict = config.mode == "strict"
+    check_token_ids(token_ids, lax=not strict)
     if features is None:
         return
-    check_structure(token_ids, features)
-    strict = config.mode == "strict"
+    check_structure(token_ids, features, lax=not strict)
     for modality, hashes in features.mm_hashes.items():
         for i, mm_hash in enumerate(hashes):
             full = _slot(features.kwargs_data, modality, i)
@@ -533,23 +516,34 @@ def validate_features(
                     )
                 continue
             entry = find_ec_entry(ec_transfer_params, mm_hash)
-            if full is None and entry is None:
-                what = (
-                    "metadata-only item"
-                    if meta is not None
-                    else "item with neither data nor metadata"
-                )
-                raise ValidationError(
-                    "ec-transfer-required",
-                    f"{what} needs an ec_transfer_params entry for mm_hash {mm_hash!r}",
-                    modality=modality,
-                    item=i,
-                )
+            if entry is None:
+                check_item_source(modality, i, mm_hash, full, meta)
             if entry is not None:
                 check_ec_entry(
                     entry, mm_hash, config, modality=modality, item=i, request_id=request_id
                 )
             check_item_data(modality, i, full, meta, features.mm_placeholders[modality][i], config)
+
+
+def check_item_source(
+    modality: str, item: int, mm_hash: str, full: ItemData | None, meta: ItemData | None
+) -> None:
+    """Rule ``ec-transfer-required`` for an item without an entry: it must carry its encoder
+    inputs, or nothing could produce its embedding (a prefill would wait for it in vain)."""
+    if carries_encoder_inputs(modality, full):
+        return
+    if full is not None:
+        what = f"kwargs_data without encoder inputs (only {sorted(full)})"
+    elif meta is not None:
+        what = "metadata-only item"
+    else:
+        what = "item with neither data nor metadata"
+    raise ValidationError(
+        "ec-transfer-required",
+        f"{what} needs an ec_transfer_params entry for mm_hash {mm_hash!r}",
+        modality=modality,
+        item=item,
+    )
 
 
 def validate_render_slots(features: Features) -> None:
@@ -581,10 +575,10 @@ def validate_render_event(ev: RenderEvent, config: ValidationConfig | None = Non
     for modality, hashes in f.mm_hashes.items():
         for i in range(len(hashes)):
             full = _slot(f.kwargs_data, modality, i)
-            if full is None:
+            if not carries_encoder_inputs(modality, full):
                 raise ValidationError(
                     "render-data-missing",
-                    "render events carry full kwargs_data for every item",
+                    "render events carry full kwargs_data (the encoder inputs) for every item",
                     modality=modality,
                     item=i,
                 )

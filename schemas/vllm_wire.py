@@ -9,17 +9,19 @@ encoder-cache disaggregation, ``ec_transfer_params``. ``features`` is a ``MultiM
 do not model are kept verbatim and written back, so a round trip loses nothing.
 
 One item (``kwargs_data`` / ``mm_metadata`` entry) is standard base64 of one msgpack document,
-the shape vLLM's ``MsgpackEncoder`` gives a ``MultiModalKwargsItem``::
+the shape vLLM 0.33's ``MsgpackEncoder`` gives a ``MultiModalKwargsItem``::
 
     {field_name: {"data": [dtype, shape, ExtType(3, raw little-endian bytes)],
-                  "field": [factory_name, *field_values]}}
+                  "field": [factory_name, {field_name: value, ...}]}}
 
 ``dtype`` is torch's name without the ``torch.`` prefix; ext type 3 is vLLM's
 ``CUSTOM_TYPE_RAW_VIEW`` (inline raw bytes). ``factory_name`` is ``batched``, ``flat`` or
-``shared`` (``MultiModalFieldConfig`` factories) and the values follow the field dataclass's
-field order: ``keep_on_cpu`` (declared on the base class) first, then ``slices, dim`` for
-``flat`` or ``batch_size`` for ``shared``. Slices travel as ``[start, stop, step]``. Newer vLLM
-writes ``[factory_name, {name: value}]`` instead; the decoder accepts both.
+``shared`` (``MultiModalFieldConfig`` factories) and the map holds every field of the field
+dataclass: ``keep_on_cpu``, plus ``slices`` and ``dim`` for ``flat`` or ``batch_size`` for
+``shared`` (vLLM's decoder calls ``factory(modality, **map)``). Slices travel as
+``[start, stop, step]``. Older vLLM wrote the values positionally,
+``[factory_name, *field_values]``; the decoder still reads that, the writer does not (vLLM 0.33
+fails to decode it).
 
 This module has no vLLM dependency: the format is implemented from that description.
 """
@@ -39,10 +41,13 @@ import torch
 
 from schemas.errors import CodecError, ValidationError
 from schemas.modalities import ENCODER_INPUT_FIELDS, METADATA_FIELDS
-from schemas.signing import embedding_key, make_ec_transfer
 from schemas.tensors import tensor_bytes, tensor_from_bytes
-from schemas.types import DTYPE_NAMES, DTYPES, Features, ItemData, PlaceholderRange, now_ms
-from schemas.validator import ValidationConfig, validate_features
+from schemas.types import DTYPE_NAMES, DTYPES, Features, ItemData, PlaceholderRange
+from schemas.validator import (
+    ValidationConfig,
+    validate_features,
+)
+from schemas.vllm_rules import check_vllm_request
 
 RAW_VIEW_EXT = 3
 """vLLM's ``CUSTOM_TYPE_RAW_VIEW`` msgpack extension code: inline raw tensor bytes."""
@@ -79,19 +84,19 @@ class FieldSpec:
         return bool(self.values.get("keep_on_cpu", False))
 
     def wire(self) -> list[Any]:
-        """``[factory_name, *field_values]`` in the field dataclass's order."""
+        """``[factory_name, {field_name: value}]``, every field of the field dataclass."""
         if self.factory not in _FACTORY_FIELDS:
             raise CodecError(f"unknown field factory {self.factory!r}; expected {FACTORIES}")
         defaults: dict[str, Any] = {"keep_on_cpu": False, "dim": 0, "batch_size": 1}
-        out: list[Any] = [self.factory]
+        values: dict[str, Any] = {}
         for name in _FACTORY_FIELDS[self.factory]:
             if name in self.values:
-                out.append(self.values[name])
+                values[name] = self.values[name]
             elif name in defaults:
-                out.append(defaults[name])
+                values[name] = defaults[name]
             else:
                 raise CodecError(f"field factory {self.factory!r} needs a {name!r} value")
-        return out
+        return [self.factory, values]
 
 
 def batched(*, keep_on_cpu: bool = False) -> FieldSpec:
@@ -164,6 +169,9 @@ def _decode_tensor(obj: Any, where: tuple[str | None, int | None, str]) -> torch
     if isinstance(obj, bool):
         raise _item_error("field data is a bool, expected a tensor", modality, item, name)
     if isinstance(obj, int):
+        # msgpack carries uint64 too; our tensors are int64 (vLLM keeps a Python int there).
+        if not -(2**63) <= obj < 2**63:
+            raise _item_error(f"scalar {obj} does not fit int64", modality, item, name)
         return torch.tensor(obj, dtype=torch.int64)
     if isinstance(obj, float):
         return torch.tensor(obj, dtype=torch.float64)
@@ -205,7 +213,7 @@ def _decode_tensor(obj: Any, where: tuple[str | None, int | None, str]) -> torch
         )
     try:
         return tensor_from_bytes(dtype, shape, data.data)
-    except CodecError as e:  # pragma: no cover - the checks above catch what it checks
+    except (CodecError, RuntimeError, ValueError, OverflowError) as e:
         raise _item_error(str(e), modality, item, name) from None
 
 
@@ -247,7 +255,7 @@ def decode_item(
         raise _item_error(f"invalid base64: {e}", modality, item) from None
     try:
         doc = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except (msgpack.UnpackException, ValueError, TypeError) as e:
+    except (msgpack.UnpackException, ValueError, TypeError, RecursionError) as e:
         raise _item_error(f"invalid msgpack: {e}", modality, item) from None
     if not isinstance(doc, dict):
         raise _item_error(f"item must be a msgpack map, got {type(doc).__name__}", modality, item)
@@ -268,9 +276,10 @@ def decode_item(
 # Features and GenerateRequest
 
 
-def _shape_error(
+def request_shape_error(
     msg: str, *, modality: str | None = None, item: int | None = None, fld: str | None = None
 ) -> ValidationError:
+    """A ``request-shape`` rejection: a body whose structure is not a ``GenerateRequest``."""
     return ValidationError("request-shape", msg, modality=modality, item=item, field=fld)
 
 
@@ -278,11 +287,13 @@ def _decode_slots(obj: Any, name: str) -> dict[str, list[ItemData | None]] | Non
     if obj is None:
         return None
     if not isinstance(obj, dict):
-        raise _shape_error(f"{name} must be an object or null", fld=name)
+        raise request_shape_error(f"{name} must be an object or null", fld=name)
     out: dict[str, list[ItemData | None]] = {}
     for modality, items in obj.items():
         if not isinstance(items, list):
-            raise _shape_error(f"{name}[{modality!r}] must be a list", modality=modality, fld=name)
+            raise request_shape_error(
+                f"{name}[{modality!r}] must be a list", modality=modality, fld=name
+            )
         decoded: list[ItemData | None] = []
         for i, b64 in enumerate(items):
             if b64 is None:
@@ -297,25 +308,27 @@ def _decode_slots(obj: Any, name: str) -> dict[str, list[ItemData | None]] | Non
 def features_from_json(obj: Mapping[str, Any]) -> Features:
     """A :class:`Features` from vLLM's ``MultiModalFeatures`` JSON (items decoded to tensors)."""
     if not isinstance(obj, Mapping):
-        raise _shape_error("features must be an object", fld="features")
+        raise request_shape_error("features must be an object", fld="features")
     hashes = obj.get("mm_hashes")
     places = obj.get("mm_placeholders")
     if not isinstance(hashes, dict) or not all(
         isinstance(v, list) and all(isinstance(h, str) for h in v) for v in hashes.values()
     ):
-        raise _shape_error("mm_hashes must map modality -> list of strings", fld="mm_hashes")
+        raise request_shape_error("mm_hashes must map modality -> list of strings", fld="mm_hashes")
     if not isinstance(places, dict):
-        raise _shape_error("mm_placeholders must map modality -> list", fld="mm_placeholders")
+        raise request_shape_error(
+            "mm_placeholders must map modality -> list", fld="mm_placeholders"
+        )
     placeholders: dict[str, list[PlaceholderRange]] = {}
     for modality, ranges in places.items():
         if not isinstance(ranges, list):
-            raise _shape_error(
+            raise request_shape_error(
                 "mm_placeholders entry must be a list", modality=modality, fld="mm_placeholders"
             )
         parsed = []
         for i, p in enumerate(ranges):
             if not isinstance(p, dict) or "offset" not in p or "length" not in p:
-                raise _shape_error(
+                raise request_shape_error(
                     "placeholder must be {offset, length[, is_embed]}",
                     modality=modality,
                     item=i,
@@ -402,18 +415,18 @@ def parse_generate_request(obj: Any) -> GenerateRequest:
     ``sampling_params.extra_args.ec_transfer_params`` (where vLLM's engine request reads it).
     """
     if not isinstance(obj, Mapping):
-        raise _shape_error("a GenerateRequest must be a JSON object")
+        raise request_shape_error("a GenerateRequest must be a JSON object")
     token_ids = obj.get("token_ids")
     if not isinstance(token_ids, list):
-        raise _shape_error("token_ids must be a list", fld="token_ids")
+        raise request_shape_error("token_ids must be a list", fld="token_ids")
     sampling = obj.get("sampling_params", {})
     if not isinstance(sampling, dict):
-        raise _shape_error("sampling_params must be an object", fld="sampling_params")
+        raise request_shape_error("sampling_params must be an object", fld="sampling_params")
     ec = obj.get("ec_transfer_params")
     if ec is None and isinstance(sampling.get("extra_args"), dict):
         ec = sampling["extra_args"].get("ec_transfer_params")
     if ec is not None and not isinstance(ec, dict):
-        raise _shape_error("ec_transfer_params must be an object", fld="ec_transfer_params")
+        raise request_shape_error("ec_transfer_params must be an object", fld="ec_transfer_params")
     feats_obj = obj.get("features")
     features = None if feats_obj is None else features_from_json(feats_obj)
     features_extra = (
@@ -432,6 +445,23 @@ def parse_generate_request(obj: Any) -> GenerateRequest:
         extra={k: copy.deepcopy(v) for k, v in obj.items() if k not in KNOWN_REQUEST_KEYS},
         features_extra=features_extra,
     )
+
+
+def validate_request_json(obj: Any, config: ValidationConfig) -> None:
+    """The gate for a vLLM ``GenerateRequest`` body; raises ``ValidationError``.
+
+    Both modes first apply vLLM's own acceptance (:func:`schemas.vllm_rules.check_vllm_request`),
+    so ``strict`` never accepts what vLLM refuses; ``strict`` then decodes the items and applies
+    this pipeline's rules. No input raises anything else: a body too deeply nested to walk is a
+    ``request-shape`` rejection.
+    """
+    try:
+        check_vllm_request(obj)
+        if config.mode == "strict":
+            req = parse_generate_request(obj)
+            validate_features(req.token_ids, req.features, req.ec_transfer_params, config)
+    except RecursionError:
+        raise request_shape_error("the request is nested too deeply to check") from None
 
 
 def generate_request_to_json(
@@ -453,140 +483,3 @@ def generate_request_to_json(
         out["ec_transfer_params"] = copy.deepcopy(req.ec_transfer_params)
     out.update(copy.deepcopy(req.extra))
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Render response -> encode requests + one prefill request
-
-
-def _ec_entry_dict(
-    mm_hash: str, store: str, key: str, expires_ms: int, secret: bytes | None
-) -> dict[str, Any]:
-    ec = make_ec_transfer(
-        mm_hash=mm_hash, store=store, key=key, expires_ms=expires_ms, secret=secret
-    )
-    return {
-        "mm_hash": ec.mm_hash,
-        "store": ec.store,
-        "key": ec.key,
-        "expires_ms": ec.expires_ms,
-        "signature": ec.signature,
-    }
-
-
-def _ec_for_item(params: Mapping[str, Any], mm_hash: str) -> dict[str, Any]:
-    """The part of ``params`` that concerns one item, in the shape it was given."""
-    items = params.get("ec_items")
-    if isinstance(items, list):
-        mine = [e for e in items if isinstance(e, Mapping) and e.get("mm_hash") == mm_hash]
-        if mine:
-            return {**{k: v for k, v in params.items() if k != "ec_items"}, "ec_items": mine}
-    elif mm_hash in params:
-        return {mm_hash: copy.deepcopy(params[mm_hash])}
-    return copy.deepcopy(dict(params))
-
-
-def split_render(
-    obj: Mapping[str, Any],
-    ec_transfer_params: Mapping[str, Any] | None = None,
-    *,
-    secret: bytes | None,
-    namespace: str = "ec",
-    store: str = "redis://127.0.0.1:6379/0",
-    model_fingerprint: str = "tiny",
-    ttl_s: int = 600,
-    now: int | None = None,
-) -> dict[str, Any]:
-    """Split a vLLM render response into encode requests and one prefill request.
-
-    - ``encode``: one ``GenerateRequest`` per item with full ``kwargs_data`` (that item alone,
-      ``max_tokens: 1``, its ``ec_transfer_params`` entry).
-    - ``prefill``: every item that has ``mm_metadata`` travels metadata-only (its
-      ``kwargs_data`` slot None); an item without metadata keeps its ``kwargs_data``. The
-      decision is per item. ``mm_metadata`` gets a full-length list for every modality
-      whenever any item has metadata (vLLM 0.33 omits modalities without metadata).
-
-    Without ``ec_transfer_params`` an entry per item is generated, keyed by ``mm_hash``, with
-    key ``{namespace}:{model_fingerprint}:{mm_hash}`` and signed when ``secret`` is set.
-    Item strings are passed through byte for byte; they are decoded once to check them.
-    """
-    req = parse_generate_request(obj)  # validates the shape and every item's encoding
-    feats = obj.get("features")
-    if req.features is None or not isinstance(feats, Mapping):
-        raise _shape_error("a render response needs features", fld="features")
-    # vLLM 0.33 leaves modalities without metadata out of mm_metadata; the prefill body fills
-    # their slots below, so check the render as if it already had them.
-    md_slots = req.features.mm_metadata
-    if md_slots is not None:
-        for modality, hs in req.features.mm_hashes.items():
-            md_slots.setdefault(modality, [None] * len(hs))
-    # vLLM's own structural rules (keys, counts, ranges); a render response carries full data.
-    validate_features(
-        req.token_ids, req.features, req.ec_transfer_params or {}, ValidationConfig(mode="vllm")
-    )
-    hashes: dict[str, list[str]] = feats["mm_hashes"]
-    kwargs_raw: dict[str, list[str | None]] = feats.get("kwargs_data") or {}
-    meta_raw: dict[str, list[str | None]] = feats.get("mm_metadata") or {}
-
-    if ec_transfer_params is None:
-        expires = (now if now is not None else now_ms()) + ttl_s * 1000
-        ec_params: dict[str, Any] = {
-            h: _ec_entry_dict(
-                h, store, embedding_key(namespace, model_fingerprint, h), expires, secret
-            )
-            for hs in hashes.values()
-            for h in hs
-        }
-    else:
-        ec_params = copy.deepcopy(dict(ec_transfer_params))
-
-    base = {k: copy.deepcopy(v) for k, v in obj.items() if k != "features"}
-    base.pop("ec_transfer_params", None)
-    rid = obj.get("request_id") or "request"
-    any_meta = any(x is not None for items in meta_raw.values() for x in items)
-
-    encode: list[dict[str, Any]] = []
-    prefill_kwargs: dict[str, list[str | None]] = {}
-    prefill_meta: dict[str, list[str | None]] = {}
-    for modality, hs in hashes.items():
-        kw = list(kwargs_raw.get(modality) or [None] * len(hs))
-        md = list(meta_raw.get(modality) or [None] * len(hs))
-        placeholders = feats["mm_placeholders"][modality]
-        prefill_kwargs[modality] = []
-        prefill_meta[modality] = []
-        for i, h in enumerate(hs):
-            full = kw[i] if i < len(kw) else None
-            meta = md[i] if i < len(md) else None
-            if full is not None:
-                enc_req = copy.deepcopy(base)
-                enc_req.pop("kv_transfer_params", None)
-                enc_req["request_id"] = f"{rid}-encode-{modality}-{i}"
-                enc_req["features"] = {
-                    "mm_hashes": {modality: [h]},
-                    "mm_placeholders": {modality: [copy.deepcopy(placeholders[i])]},
-                    "kwargs_data": {modality: [full]},
-                    "mm_metadata": None if meta is None else {modality: [meta]},
-                }
-                sp = dict(enc_req.get("sampling_params") or {})
-                sp["max_tokens"] = 1
-                enc_req["sampling_params"] = sp
-                enc_req["ec_transfer_params"] = _ec_for_item(ec_params, h)
-                encode.append(enc_req)
-            # Per item: metadata replaces the heavy inputs only for the item that has it.
-            prefill_kwargs[modality].append(None if meta is not None else full)
-            prefill_meta[modality].append(meta)
-
-    prefill = copy.deepcopy(base)
-    prefill["features"] = {
-        **{k: copy.deepcopy(v) for k, v in feats.items() if k not in KNOWN_FEATURE_KEYS},
-        "mm_hashes": copy.deepcopy(hashes),
-        "mm_placeholders": copy.deepcopy(feats["mm_placeholders"]),
-        "kwargs_data": (
-            prefill_kwargs
-            if any(x is not None for items in prefill_kwargs.values() for x in items)
-            else None
-        ),
-        "mm_metadata": prefill_meta if any_meta else None,
-    }
-    prefill["ec_transfer_params"] = ec_params
-    return {"encode": encode, "prefill": prefill}

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from epd.commands.validate import format_rejection, read_json
+from epd.commands.validate import format_rejection, one_line, read_json
 
 
 def _ec_params(text: str | None) -> Any:
@@ -20,17 +20,31 @@ def _ec_params(text: str | None) -> Any:
 
 
 def run_split(args: argparse.Namespace) -> int:
-    """Print ``{"encode": [...], "prefill": {...}}``; exit 1 on a rejected render, 2 on bad JSON."""
+    """Print ``{"encode": [...], "prefill": {...}}``; exit 1 on a rejected render, 2 on bad JSON.
+
+    One line on stderr for every failure, never a traceback (see ``epd validate``).
+    """
+    try:
+        return _run_split(args)
+    except RecursionError:
+        print("rejected: rule=request-shape: the render is nested too deeply", file=sys.stderr)
+        return 1
+    except Exception as e:  # the last line of defence, as in ``epd validate``
+        print(one_line(f"error: split bug: {type(e).__name__}: {e}"), file=sys.stderr)
+        return 2
+
+
+def _run_split(args: argparse.Namespace) -> int:
     from runtime.settings import get_settings
     from schemas.errors import ValidationError
-    from schemas.vllm_wire import split_render
+    from schemas.vllm_split import split_render
 
     settings = get_settings()
     try:
         obj = read_json(args.file)
         ec = _ec_params(args.ec_transfer_params)
     except (OSError, ValueError) as e:
-        print(f"error: cannot read JSON: {e}", file=sys.stderr)
+        print(one_line(f"error: cannot read JSON: {e}"), file=sys.stderr)
         return 2
     if ec is not None and not isinstance(ec, dict):
         print("error: --ec-transfer-params must be a JSON object", file=sys.stderr)

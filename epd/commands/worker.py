@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from schemas.topics import GROUP_ENCODE, GROUP_PREFILL, GROUP_RESULTS, GROUP_ROUTER, Topics
+from schemas.topics import Topics
 
 if TYPE_CHECKING:
     from runtime.kafka import KafkaPublisher
@@ -140,6 +140,7 @@ class Stage:
     help: str
     topics: Callable[[Topics], list[str]]
     group: str
+    """The stage name in its consumer group id (``Topics.group``: ``{prefix}-{stage}``)."""
     build: Callable[[StageContext], Awaitable[Handler]]
     report_as: str | None
     """Stage name on the ``rejected``/``failed`` status of a dead-lettered request; None: none."""
@@ -154,7 +155,7 @@ STAGES: dict[str, Stage] = {
             "encode",
             "vision tower on encoder inputs, embeddings into the store",
             lambda t: [t.encode],
-            GROUP_ENCODE,
+            "encode",
             _build_encode,
             report_as="encode",
             keyed_by_request=False,
@@ -163,7 +164,7 @@ STAGES: dict[str, Stage] = {
             "prefill",
             "wait for embeddings, splice, prefill and decode",
             lambda t: [t.prefill],
-            GROUP_PREFILL,
+            "prefill",
             _build_prefill,
             report_as="prefill",
             keyed_by_request=True,
@@ -172,7 +173,7 @@ STAGES: dict[str, Stage] = {
             "results",
             "fold stage updates and per-item encode records into status records",
             lambda t: [t.results, t.encoded],
-            GROUP_RESULTS,
+            "results",
             _build_results,
             report_as=None,
             keyed_by_request=True,
@@ -181,7 +182,7 @@ STAGES: dict[str, Stage] = {
             "router",
             "fan RenderEvents from external renderers out to encode and prefill",
             lambda t: [t.render],
-            GROUP_ROUTER,
+            "router",
             _build_router,
             report_as="fanout",
             keyed_by_request=True,
@@ -300,7 +301,7 @@ async def run_worker(
             settings,
             ConsumerConfig(
                 topics=stage.topics(topics),
-                group_id=stage.group,
+                group_id=topics.group(stage.group),
                 dlq_topic=topics.dlq,
                 max_in_flight=settings.max_in_flight,
                 max_attempts=settings.max_attempts,
@@ -310,7 +311,12 @@ async def run_worker(
             on_dead_letter=reporter,
             registry=REGISTRY,  # served by --metrics-port
         )
-        log.info("%s: consuming %s as group %s", ctx.worker_id, stage.topics(topics), stage.group)
+        log.info(
+            "%s: consuming %s as group %s",
+            ctx.worker_id,
+            stage.topics(topics),
+            topics.group(stage.group),
+        )
         await loop.start()
         announce = None
         if ready is not None:

@@ -15,7 +15,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from runtime.kafka import make_consumer
 from runtime.settings import Settings
-from schemas.topics import GROUP_ENCODE, Topics
+from schemas.topics import Topics
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,7 @@ class LagMonitor:
     def __init__(self, settings: Settings, topics: Topics, interval_s: float = 1.0) -> None:
         self.settings = settings
         self.topic = topics.encode
+        self.group = topics.group("encode")
         self.interval_s = interval_s
         self.lag: int | None = None
         self.sampled_at = 0.0
@@ -69,7 +70,7 @@ class LagMonitor:
             while True:
                 try:
                     if consumer is None:
-                        consumer = make_consumer(self.settings, group_id=GROUP_ENCODE)
+                        consumer = make_consumer(self.settings, group_id=self.group)
                         await consumer.start()
                     self.lag = await self.sample(consumer)
                     self.sampled_at = time.monotonic()

@@ -56,6 +56,7 @@ from runtime.kafka import KafkaPublisher
 from runtime.redis_client import redis_client
 from runtime.settings import Settings
 from runtime.status_store import StatusNotifier, StatusStore
+from runtime.tracing import TRACEPARENT, current_carrier, new_traceparent, stage_span, trace_id_of
 from schemas.errors import ValidationError
 from schemas.topics import Topics
 from schemas.types import (
@@ -361,8 +362,12 @@ def create_app(settings: Settings) -> FastAPI:
         render: Callable[[str], Awaitable[RenderEvent]],
         *,
         metadata: dict[str, str] | None,
+        foreign_labels: bool = False,
     ) -> JSONResponse:
-        """Admission, idempotency, render and fan-out shared by both submit routes."""
+        """Admission, idempotency, render and fan-out shared by both submit routes.
+
+        ``foreign_labels``: the items' ``mm_hash`` come from another renderer (vLLM); they stay
+        as labels while the fan-out keys the store by its own hash."""
         idem_key = request.headers.get("idempotency-key")
         rid = uuid.uuid4().hex
         if idem_key is not None:
@@ -399,7 +404,12 @@ def create_app(settings: Settings) -> FastAPI:
             raise
         # From here the work runs to its end even if the client goes away: a request is either
         # fully enqueued or forgotten, never half-enqueued.
-        task = asyncio.create_task(enqueue(st, rid, tenant, render, metadata))
+        traceparent = request.headers.get(TRACEPARENT)
+        if trace_id_of(traceparent) is None:
+            traceparent = new_traceparent()  # absent or malformed: this request starts a trace
+        task = asyncio.create_task(
+            enqueue(st, rid, tenant, render, metadata, foreign_labels, traceparent or "")
+        )
         st.tasks.add(task)
         task.add_done_callback(st.tasks.discard)
         try:
@@ -421,6 +431,19 @@ def create_app(settings: Settings) -> FastAPI:
         tenant: str | None,
         render: Callable[[str], Awaitable[RenderEvent]],
         metadata: dict[str, str] | None,
+        foreign_labels: bool,
+        traceparent: str,
+    ) -> FanoutStats:
+        with stage_span("api", {TRACEPARENT: traceparent}, request_id=rid):
+            return await _enqueue_traced(st, rid, tenant, render, metadata, foreign_labels)
+
+    async def _enqueue_traced(
+        st: ApiState,
+        rid: str,
+        tenant: str | None,
+        render: Callable[[str], Awaitable[RenderEvent]],
+        metadata: dict[str, str] | None,
+        foreign_labels: bool,
     ) -> FanoutStats:
         created = False
         try:
@@ -442,7 +465,8 @@ def create_app(settings: Settings) -> FastAPI:
                     ],
                 },
             )
-            stats = await st.fanout.publish(ev)
+            ev.trace.update(current_carrier())  # the request's trace travels with its events
+            stats = await st.fanout.publish(ev, foreign_labels=foreign_labels)
         except ValidationError as exc:
             metrics.requests.labels("rejected").inc()
             await _forget(st, rid, created)
@@ -602,7 +626,9 @@ def create_app(settings: Settings) -> FastAPI:
             )
 
         meta = {"vllm_request_id": str(req.request_id)} if req.request_id else None
-        return await accept(st, request, tenant, fingerprint, render, metadata=meta)
+        return await accept(
+            st, request, tenant, fingerprint, render, metadata=meta, foreign_labels=True
+        )
 
     # -------------------------------------------------------------------------- status
 

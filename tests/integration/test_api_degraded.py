@@ -84,7 +84,7 @@ async def test_kafka_down_is_503_until_it_connects(settings: Settings) -> None:
 async def test_encode_backlog_beyond_the_bound_is_429(topic_settings: Settings) -> None:
     from producers.api.admission import LagMonitor
     from runtime.kafka import make_consumer, make_producer
-    from schemas.topics import GROUP_ENCODE, Topics
+    from schemas.topics import Topics
 
     cfg = topic_settings.model_copy(update={"api_max_encode_lag": 3, "api_tokens": None})
     topics = Topics(cfg.topic_prefix)
@@ -95,7 +95,7 @@ async def test_encode_backlog_beyond_the_bound_is_429(topic_settings: Settings) 
             await producer.send_and_wait(topics.encode, value=b"x", key=str(i).encode())
     finally:
         await producer.stop()
-    consumer = make_consumer(cfg, group_id=GROUP_ENCODE)
+    consumer = make_consumer(cfg, group_id=topics.group("encode"))
     await consumer.start()
     try:
         assert await LagMonitor(cfg, topics).sample(consumer) == 5

@@ -129,6 +129,18 @@ def test_validate_merge_size_flag(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "rule=grid-consistency" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", ["0", "-2", "x"])
+def test_validate_merge_size_must_be_positive(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str
+) -> None:
+    f = write(tmp_path, "r.json", make_render(omit_empty_modality=False))
+    with pytest.raises(SystemExit) as ei:
+        run("validate", "--merge-size", bad, f)
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert "--merge-size" in err and "Traceback" not in err
+
+
 def test_split_then_validate_prefill_both_modes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -138,7 +150,7 @@ def test_split_then_validate_prefill_both_modes(
     assert len(out["encode"]) == 3
     assert all(e["sampling_params"]["max_tokens"] == 1 for e in out["encode"])
     pre = write(tmp_path, "prefill.json", out["prefill"])
-    assert out["prefill"]["features"]["kwargs_data"]["image"] == [None, None]
+    assert out["prefill"]["features"]["kwargs_data"] is None
     for mode in ("strict", "vllm"):
         assert run("validate", "--mode", mode, pre) == 0
     # A different key fails the signature check; so does a tampered entry.
@@ -148,9 +160,14 @@ def test_split_then_validate_prefill_both_modes(
     tampered["ec_transfer_params"]["img-a"]["key"] = "ec:other-model:img-a"
     assert run("validate", write(tmp_path, "t.json", tampered)) == 1
     assert "rule=ec-signature" in capsys.readouterr().err
-    # Pointing an item at another item's embeddings is refused before the signature matters.
+    # Pointing an item at another item's embeddings: the signature binds label and key.
     tampered["ec_transfer_params"]["img-a"]["key"] = "ec:tiny:img-b"
     assert run("validate", write(tmp_path, "t2.json", tampered)) == 1
+    assert "rule=ec-signature modality=image item=0" in capsys.readouterr().err
+    # Unsigned, the key's hash must be the item's own label.
+    monkeypatch.delenv("EPD_EC_SECRET")
+    get_settings.cache_clear()
+    assert run("validate", write(tmp_path, "t3.json", tampered)) == 1
     assert "rule=ec-key modality=image item=0" in capsys.readouterr().err
 
 

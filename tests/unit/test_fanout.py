@@ -227,8 +227,8 @@ async def test_tampering_breaks_the_signature(
         assert not verify_ec(secret, bad, request_id=rid), bad
 
     # The prefill gate refuses forged entries (naming the item), not just verify_ec: a key
-    # re-pointed at another item fails the key layout, one for another model the signature.
-    for bad, rule in ((forged[0], "ec-key"), (forged[1], "ec-signature")):
+    # re-pointed at another item or another model fails the signature that binds it.
+    for bad, rule in ((forged[0], "ec-signature"), (forged[1], "ec-signature")):
         params = dict(plan.prefill.ec_transfer_params)
         params[h0] = bad
         bad_event = dataclasses.replace(plan.prefill, ec_transfer_params=params)

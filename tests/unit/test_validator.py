@@ -106,9 +106,16 @@ TOKENS = list(range(40))
 
 
 @pytest.mark.parametrize("cfg", [STRICT, VLLM])
-@pytest.mark.parametrize("bad", [[], [1, -1, 2], [1, True], [1, "2"], [1.0]])
+@pytest.mark.parametrize("bad", [[], [1, -1, 2], [1, 1.5], [1, "x"], [None], [1, "-1"]])
 def test_token_ids_rejected(cfg: ValidationConfig, bad: list[Any]) -> None:
     reject("token-ids", bad, None, None, cfg)
+
+
+@pytest.mark.parametrize("coercible", [[1, True], [1, "2"], [1.0], [" 3 "]])
+def test_token_ids_vllm_coerces_like_pydantic_strict_does_not(coercible: list[Any]) -> None:
+    """Defect 5: vLLM's pydantic lax mode reads 1.0, true and "0" as ints; strict does not."""
+    validate_features(coercible, None, None, VLLM)
+    reject("token-ids", coercible, None, None, STRICT)
 
 
 @pytest.mark.parametrize("cfg", [STRICT, VLLM])
@@ -158,16 +165,27 @@ def test_item_count(cfg: ValidationConfig, slot: str) -> None:
     assert e.field == slot
 
 
-@pytest.mark.parametrize("cfg", [STRICT, VLLM])
 @pytest.mark.parametrize(
-    ("offset", "length", "is_embed"),
-    [(-1, 4, None), (0, 0, None), (38, 4, None), (True, 4, None), (2, 4, [True, False])],
+    ("offset", "length", "is_embed", "vllm_rejects"),
+    [
+        (-1, 4, None, True),
+        (0, 0, None, True),
+        (38, 4, None, True),
+        (2, 1.5, None, True),
+        (True, 4, None, False),  # vLLM's pydantic reads true as 1
+        ("2", 4.0, None, False),
+        (2, 4, [True, False], False),  # vLLM 0.33 drops is_embed: no such field there
+    ],
 )
-def test_placeholder_range(cfg: ValidationConfig, offset: Any, length: int, is_embed: Any) -> None:
+def test_placeholder_range(offset: Any, length: Any, is_embed: Any, vllm_rejects: bool) -> None:
     f = feats({"image": [(0, 4, image_full(), None), (2, 4, image_full(), None)]})
     f.mm_placeholders["image"][0] = PlaceholderRange(20, 4)
     f.mm_placeholders["image"][1] = PlaceholderRange(offset, length, is_embed)
-    reject("placeholder-range", TOKENS, f, None, cfg, modality="image", item=1)
+    reject("placeholder-range", TOKENS, f, None, STRICT, modality="image", item=1)
+    if vllm_rejects:
+        reject("placeholder-range", TOKENS, f, None, VLLM, modality="image", item=1)
+    else:
+        validate_features(TOKENS, f, None, VLLM)
 
 
 @pytest.mark.parametrize("cfg", [STRICT, VLLM])
@@ -240,9 +258,11 @@ def test_strict_entry_must_match_the_item_hash() -> None:
 
 def test_strict_finds_entry_in_ec_items_shape() -> None:
     f = feats({"image": [(2, 4, None, image_meta()), (8, 4, None, image_meta())]})
-    params = {"ec_items": [{"mm_hash": "image-h1"}, {"mm_hash": "image-h0"}]}
+    params = {
+        "ec_items": [{"mm_hash": "image-h1", "tid": "1"}, {"mm_hash": "image-h0", "tid": "0"}]
+    }
     validate_features(TOKENS, f, params, STRICT)
-    params = {"ec_items": [{"mm_hash": "image-h0"}]}
+    params = {"ec_items": [{"mm_hash": "image-h0", "tid": "0"}]}
     reject("ec-transfer-required", TOKENS, f, params, STRICT, modality="image", item=1)
 
 
@@ -436,7 +456,19 @@ def test_entry_key_must_be_this_items_embedding_key(key: str) -> None:
     for secret in (None, SECRET):
         entries = ec_for(f, secret)
         entries["image-h0"].key = key
-        reject("ec-key", TOKENS, f, entries, ValidationConfig(secret=secret), item=0)
+        # Signed, a key whose hash is not the label is the fan-out's own content hash (a vLLM
+        # render's foreign label): allowed in form, so a tampered one fails on its signature.
+        rule = "ec-signature" if secret and key == "ec:fp:someone-else" else "ec-key"
+        reject(rule, TOKENS, f, entries, ValidationConfig(secret=secret), item=0)
+
+
+def test_signed_entry_may_key_a_foreign_label_by_our_own_hash() -> None:
+    """A vLLM render's label stays the label; the signed key names the fan-out's own hash."""
+    f = feats({"image": [(2, 4, None, image_meta())]})
+    entries = ec_for(f, SECRET, key="ec:fp:" + "a" * 64)
+    validate_features(TOKENS, f, entries, ValidationConfig(secret=SECRET))
+    unsigned = ec_for(f, None, key="ec:fp:" + "a" * 64)
+    reject("ec-key", TOKENS, f, unsigned, ValidationConfig(), item=0)
 
 
 def test_pinned_model_fingerprint() -> None:

@@ -17,6 +17,7 @@ from schemas.errors import ValidationError
 from schemas.signing import verify_ec
 from schemas.types import DTYPES, ECTransfer
 from schemas.validator import ValidationConfig, validate_features
+from schemas.vllm_split import split_render
 from schemas.vllm_wire import (
     FieldSpec,
     batched,
@@ -27,7 +28,6 @@ from schemas.vllm_wire import (
     flat,
     generate_request_to_json,
     parse_generate_request,
-    split_render,
 )
 
 GOLDEN = Path(__file__).parent / "golden" / "qwen2vl_image_item.b64"
@@ -106,11 +106,12 @@ def test_golden_layout_read_with_plain_msgpack() -> None:
         for v in range(-4, 8)
     )
     assert ext.data == want
-    assert pv["field"] == ["flat", False, [[0, 4, None]], 0]
+    # vLLM 0.33's layout: [factory, {every field of the field dataclass}]
+    assert pv["field"] == ["flat", {"keep_on_cpu": False, "slices": [[0, 4, None]], "dim": 0}]
     grid = doc["image_grid_thw"]
     assert grid["data"][0:2] == ["int64", [3]]
     assert grid["data"][2].data == struct.pack("<3q", 1, 2, 2)
-    assert grid["field"] == ["batched", True]
+    assert grid["field"] == ["batched", {"keep_on_cpu": True}]
 
 
 def test_field_specs() -> None:
@@ -126,12 +127,15 @@ def test_field_specs() -> None:
             )
         )
     )
-    assert doc["a"]["field"] == ["flat", True, [[[None, None, None], [0, 6, None]]], 1]
-    assert doc["b"]["field"] == ["shared", False, 3]
-    assert doc["c"]["field"] == ["batched", False]
+    assert doc["a"]["field"] == [
+        "flat",
+        {"keep_on_cpu": True, "slices": [[[None, None, None], [0, 6, None]]], "dim": 1},
+    ]
+    assert doc["b"]["field"] == ["shared", {"keep_on_cpu": False, "batch_size": 3}]
+    assert doc["c"]["field"] == ["batched", {"keep_on_cpu": False}]
 
 
-def _item_b64(doc: dict[str, Any]) -> str:
+def _item_b64(doc: Any) -> str:
     return base64.b64encode(msgpack.packb(doc, use_bin_type=True)).decode()
 
 
@@ -356,15 +360,14 @@ def test_split_image_metadata_video_full() -> None:
 
     pre = out["prefill"]
     f = pre["features"]
-    # Per item: images travel metadata-only, the video (no metadata) keeps its data.
-    assert f["kwargs_data"] == {
-        "image": [None, None],
-        "video": render["features"]["kwargs_data"]["video"],
-    }
-    assert f["mm_metadata"] == {
-        "image": render["features"]["mm_metadata"]["image"],
-        "video": [None],
-    }
+    # Every item has an entry: all travel metadata-only. The video had no mm_metadata (a
+    # render from before it existed): its grid is recovered from its kwargs_data.
+    assert f["kwargs_data"] is None
+    assert f["mm_metadata"]["image"] == render["features"]["mm_metadata"]["image"]
+    (video_meta,) = f["mm_metadata"]["video"]
+    tensors, specs = decode_item(video_meta)
+    assert list(tensors) == ["video_grid_thw"] and tensors["video_grid_thw"].tolist() == [2, 4, 4]
+    assert specs["video_grid_thw"].keep_on_cpu
     assert pre["request_id"] == "req-1" and pre["kv_transfer_params"] == {"do_remote_decode": True}
     assert pre["sampling_params"]["max_tokens"] == 8
     ec = pre["ec_transfer_params"]
@@ -377,7 +380,8 @@ def test_split_image_metadata_video_full() -> None:
     _validate_json(pre, ValidationConfig(mode="vllm"))
     # The images' heavy inputs appear nowhere in the prefill body.
     body = json.dumps(pre)
-    assert all(b64 not in body for b64 in render["features"]["kwargs_data"]["image"])
+    for items in render["features"]["kwargs_data"].values():
+        assert all(b64 not in body for b64 in items)
 
 
 def test_split_prefill_is_unsafe_without_its_ec_params() -> None:
@@ -413,14 +417,16 @@ def test_split_with_given_ec_items() -> None:
     _validate_json(out["prefill"], ValidationConfig(mode="vllm"))
 
 
-def test_split_without_any_metadata_keeps_all_data() -> None:
+def test_split_recovers_metadata_of_renders_without_mm_metadata() -> None:
     render = make_render(image_meta=False)
     out = split_render(render, secret=None, now=0)
     f = out["prefill"]["features"]
-    assert f["mm_metadata"] is None
-    assert f["kwargs_data"] == render["features"]["kwargs_data"]
+    assert f["kwargs_data"] is None
+    grids = [decode_item(b64)[0] for m in ("image", "video") for b64 in f["mm_metadata"][m]]
+    assert [list(g) for g in grids] == [["image_grid_thw"]] * 2 + [["video_grid_thw"]]
     assert len(out["encode"]) == 3
     _validate_json(out["prefill"], ValidationConfig())
+    _validate_json(out["prefill"], ValidationConfig(mode="vllm"))
 
 
 def test_split_unsigned_entries_without_secret() -> None:
