@@ -10,6 +10,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from schemas import defaults
+
 SIGNING_WORKERS = frozenset({"encode", "prefill", "router"})
 """Workers that sign or verify ``ec_transfer_params``."""
 PLACEHOLDER_SECRETS = frozenset({"change-me", "changeme", "secret", "password", "test"})
@@ -42,7 +44,7 @@ class Settings(BaseSettings):
         description="longest a fetch waits for data; Kafka answers as soon as data arrives, "
         "Tansu only when the wait ends, so keep it short there",
     )
-    topic_prefix: str = "epd"
+    topic_prefix: str = defaults.TOPIC_PREFIX
     topic_partitions: int = 4
     max_message_bytes: int = Field(16 * 1024 * 1024, description="broker and producer message cap")
     compression: Literal["none", "gzip", "lz4", "zstd"] = Field(
@@ -55,7 +57,7 @@ class Settings(BaseSettings):
     )
 
     # Redis (status records; also the default embedding store)
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = defaults.REDIS_URL
     redis_max_connections: int = Field(
         64,
         ge=1,
@@ -69,7 +71,7 @@ class Settings(BaseSettings):
 
     # Embedding store and claim checks
     store_url: str = Field("", description="embedding store URI; empty means EPD_REDIS_URL")
-    embedding_ttl_s: int = 600
+    embedding_ttl_s: int = defaults.EMBEDDING_TTL_S
     embedding_wait_s: float = Field(
         60.0,
         description="longest a prefill worker waits for a request's embeddings (the request's "
@@ -87,7 +89,9 @@ class Settings(BaseSettings):
 
     # Safety
     ec_secret: SecretStr | None = Field(None, description="HMAC key for ec_transfer_params")
-    ec_namespace: str = Field("ec", description="embedding keys must live under this prefix")
+    ec_namespace: str = Field(
+        defaults.EC_NAMESPACE, description="embedding keys must live under this prefix"
+    )
     validation_mode: Literal["strict", "vllm"] = "strict"
     spatial_merge_size: int = 2
     max_tensor_bytes: int = 256 * 1024 * 1024
@@ -109,7 +113,7 @@ class Settings(BaseSettings):
     )
 
     # Model
-    model: str = Field("tiny", description="'tiny' or a local checkpoint path")
+    model: str = Field(defaults.TINY_MODEL, description="'tiny' or a local checkpoint path")
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
 
     # Logs

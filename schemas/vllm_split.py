@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemas import defaults
 from schemas.ec_entries import entry_locates_embedding, find_ec_entry
 from schemas.errors import ValidationError
 from schemas.signing import embedding_key, make_ec_transfer
@@ -161,10 +162,10 @@ def split_render(
     ec_transfer_params: Mapping[str, Any] | None = None,
     *,
     secret: bytes | None,
-    namespace: str = "ec",
-    store: str = "redis://127.0.0.1:6379/0",
-    model_fingerprint: str = "tiny",
-    ttl_s: int = 600,
+    namespace: str = defaults.EC_NAMESPACE,
+    store: str = defaults.REDIS_URL,
+    model_fingerprint: str = defaults.TINY_MODEL,
+    ttl_s: int = defaults.EMBEDDING_TTL_S,
     now: int | None = None,
 ) -> dict[str, Any]:
     """Split a vLLM render response into encode requests and one prefill request.

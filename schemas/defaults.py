@@ -1,0 +1,13 @@
+"""Default values that both the settings (runtime floor) and contract-level tools need.
+
+Written once here: ``runtime.settings.Settings`` uses them as its defaults, and so do tools of
+the contract floor that run without settings (``schemas.vllm_split.split_render``).
+"""
+
+from __future__ import annotations
+
+TOPIC_PREFIX = "epd"
+REDIS_URL = "redis://127.0.0.1:6379/0"
+EC_NAMESPACE = "ec"
+EMBEDDING_TTL_S = 600
+TINY_MODEL = "tiny"
