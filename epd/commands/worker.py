@@ -234,6 +234,10 @@ def run(args: argparse.Namespace) -> int:
         json.dump({"kind": args.kind, "settings": settings.describe()}, sys.stdout, sort_keys=True)
         sys.stdout.write("\n")
         return 0
+    from runtime.model import model_family
+
+    # Refuse an unsupported model family before joining any group (ModelLoadError: exit 2).
+    model_family(settings.model)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
