@@ -67,7 +67,10 @@ class Settings(BaseSettings):
     max_image_pixels: int = 4096 * 4096
 
     # Model
-    model: str = Field("tiny", description="'tiny' or a local checkpoint path")
+    model: str = Field(
+        "tiny",
+        description="a tiny spec (tiny, tiny-qwen2.5-vl, tiny-qwen3-vl) or a local checkpoint path",
+    )
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
 
     # Consumers
