@@ -38,6 +38,8 @@ from transformers import (
     Qwen2VLImageProcessorPil,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
 )
 
 from runtime.errors import ModelLoadError
@@ -77,6 +79,9 @@ FAMILY_CLASSES: dict[str, FamilyClasses] = {
     ),
     "qwen3_vl": FamilyClasses(
         Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    ),
+    "qwen3_vl_moe": FamilyClasses(
+        Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, Qwen2VLImageProcessorPil
     ),
 }
 if set(FAMILY_CLASSES) != set(FAMILIES):
@@ -258,23 +263,44 @@ def _tiny_qwen2_5_vl() -> Qwen2_5_VLConfig:
     )
 
 
+_TINY_QWEN3_VISION = {
+    "depth": 3,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "out_hidden_size": 64,
+    "num_heads": 2,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "num_position_embeddings": 64,
+    "deepstack_visual_indexes": [0, 1],
+}
+
+
 def _tiny_qwen3_vl() -> Qwen3VLConfig:
     """3 vision blocks with deepstack taps after blocks 0 and 1 (so the first two LLM layers
     receive visual features), learned 8x8 position grid, patch 16; interleaved M-RoPE."""
     return Qwen3VLConfig(
         text_config=_tiny_text(16, [4, 2, 2], head_dim=16),
-        vision_config={
-            "depth": 3,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "out_hidden_size": 64,
-            "num_heads": 2,
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "num_position_embeddings": 64,
-            "deepstack_visual_indexes": [0, 1],
-        },
+        vision_config=dict(_TINY_QWEN3_VISION),
+        **_tiny_top(),
+    )
+
+
+def _tiny_qwen3_vl_moe() -> Qwen3VLMoeConfig:
+    """Qwen3-VL's tiny vision tower and a mixture-of-experts text model: 4 experts, 2 per token,
+    in every layer."""
+    return Qwen3VLMoeConfig(
+        text_config=_tiny_text(
+            16,
+            [4, 2, 2],
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            decoder_sparse_step=1,
+        ),
+        vision_config=dict(_TINY_QWEN3_VISION),
         **_tiny_top(),
     )
 
@@ -283,9 +309,10 @@ _TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "qwen2_vl": _tiny_qwen2_vl,
     "qwen2_5_vl": _tiny_qwen2_5_vl,
     "qwen3_vl": _tiny_qwen3_vl,
+    "qwen3_vl_moe": _tiny_qwen3_vl_moe,
 }
 # Small images keep the tiny models cheap: 4 patches up to 256 patches.
-_TINY_PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
+_TINY_PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}
 
 
 def tiny_config(model_type: str = "qwen2_vl") -> Any:
@@ -313,8 +340,9 @@ def _seed_weights(model: torch.nn.Module, seed: int) -> None:
                 # Larger than the usual 0.02 so the random model has peaked, position-sensitive
                 # logits: greedy parity then really tests the rope positions.
                 fan_in = p.shape[-1] if p.ndim > 1 else p.shape[0]
-                if p.ndim > 2:  # the conv patch embedding: fan-in is all input dims
+                if p.ndim > 3:  # the conv patch embedding: fan-in is all input dims
                     fan_in = int(torch.tensor(p.shape[1:]).prod())
+                # 3-d: fused expert weights (experts, out, in); fan-in is the last dim.
                 vals = torch.randn(p.shape, generator=gen) * (1.0 / fan_in**0.5)
             p.copy_(vals.to(p.dtype))
 
@@ -560,6 +588,7 @@ def describe(bundle: ModelBundle) -> dict[str, Any]:
     """A JSON-friendly summary (for logs and ``/healthz``)."""
     return {
         "model": bundle.model_name,
+        "family": bundle.family.model_type,
         "fingerprint": bundle.fingerprint,
         "device": str(bundle.device),
         "dtype": str(bundle.dtype).removeprefix("torch."),

@@ -10,6 +10,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from schemas.families import MODEL_HELP
+
 
 class Settings(BaseSettings):
     """Every knob of the pipeline. Read from the environment with the ``EPD_`` prefix."""
@@ -67,10 +69,7 @@ class Settings(BaseSettings):
     max_image_pixels: int = 4096 * 4096
 
     # Model
-    model: str = Field(
-        "tiny",
-        description="a tiny spec (tiny, tiny-qwen2.5-vl, tiny-qwen3-vl) or a local checkpoint path",
-    )
+    model: str = Field("tiny", description=MODEL_HELP)
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
 
     # Consumers

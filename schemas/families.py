@@ -130,6 +130,16 @@ FAMILIES: dict[str, ModelFamily] = {
             "store entry; interleaved M-RoPE; video frames separated by timestamps"
         ),
     ),
+    "qwen3_vl_moe": ModelFamily(
+        model_type="qwen3_vl_moe",
+        display_name="Qwen3-VL-MoE",
+        tiny_spec="tiny-qwen3-vl-moe",
+        metadata={"image": ("image_grid_thw",), "video": ("video_grid_thw",)},
+        rope_args=_GRIDS,
+        encoder_outputs=(EMBEDS, DEEPSTACK),
+        video_frames_per_run=1,
+        notes="Qwen3-VL with a mixture-of-experts language model (e.g. Qwen3-VL-30B-A3B)",
+    ),
 }
 
 TINY_SPECS: dict[str, str] = {f.tiny_spec: k for k, f in FAMILIES.items()}
@@ -137,6 +147,13 @@ TINY_SPECS["tiny-qwen2-vl"] = "qwen2_vl"  # the explicit name of the default tin
 """``--model`` values that build a tiny model -> the family's ``model_type``."""
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
+
+MODEL_HELP = (
+    "a tiny seeded model ("
+    + ", ".join(f"{f.tiny_spec}: {f.display_name}" for f in FAMILIES.values())
+    + ") or a local checkpoint directory of a supported family"
+)
+"""The ``--model`` help text of every command."""
 
 
 class UnsupportedModelType(ValueError):

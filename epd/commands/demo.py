@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from schemas.families import MODEL_HELP
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
@@ -22,10 +24,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help=(
-            "'tiny' (Qwen2-VL, default), 'tiny-qwen2.5-vl', 'tiny-qwen3-vl' or a local "
-            "checkpoint of a supported family"
-        ),
+        help=f"{MODEL_HELP} (default: EPD_MODEL, tiny)",
     )
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for all requests")

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from schemas.families import MODEL_HELP
+
 if TYPE_CHECKING:
     from epd.local_pipeline import LocalRun
     from runtime.model import ModelBundle
@@ -25,8 +27,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="a tiny spec (tiny, tiny-qwen2.5-vl, tiny-qwen3-vl) or a local checkpoint "
-        "(default EPD_MODEL)",
+        help=f"{MODEL_HELP} (default: EPD_MODEL, tiny)",
     )
     p.add_argument(
         "--external",

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from schemas.families import MODEL_HELP
 from schemas.topics import GROUP_ENCODE, GROUP_PREFILL, GROUP_RESULTS, GROUP_ROUTER, Topics
 
 if TYPE_CHECKING:
@@ -190,7 +191,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         + " ".join(f"{s.kind}: {s.help}." for s in STAGES.values()),
     )
     p.add_argument("kind", choices=KINDS)
-    p.add_argument("--model", help="'tiny' or a local checkpoint path (default: EPD_MODEL)")
+    p.add_argument("--model", help=f"{MODEL_HELP} (default: EPD_MODEL)")
     p.add_argument("--store", help="embedding store URI (default: EPD_STORE_URL or EPD_REDIS_URL)")
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N (default: EPD_DEVICE)")
     p.add_argument(

@@ -54,7 +54,7 @@ from schemas.types import (
 )
 
 MAX_TOKENS = 10
-SPECS = [f.tiny_spec for f in FAMILIES.values()]  # tiny, tiny-qwen2.5-vl, tiny-qwen3-vl
+SPECS = [f.tiny_spec for f in FAMILIES.values()]  # tiny, tiny-qwen2.5-vl, tiny-qwen3-vl(-moe)
 
 
 @cache
@@ -291,7 +291,7 @@ def save_tiny(spec: str, path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("spec", ["tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+@pytest.mark.parametrize("spec", ["tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe"])
 def test_checkpoint_of_each_family_loads_offline(spec: str, tmp_path: Path) -> None:
     """A saved tiny checkpoint loads through ``load_model(PATH)`` as its own family and
     generates the tiny model's tokens from the disaggregated path."""
