@@ -19,7 +19,7 @@ import torch
 
 from gpu_workers.batcher import MicroBatcher
 from gpu_workers.compute import EncoderOutput, encode_items
-from gpu_workers.entries import store_outputs
+from gpu_workers.entries import store_outputs, worker_validation
 from runtime.kafka import ResultReporter
 from runtime.model import vision_config
 from runtime.settings import Settings
@@ -31,11 +31,7 @@ from schemas.modalities import MAIN_ENCODER_INPUT as ENCODER_INPUT_FIELDS
 from schemas.tensors import dtype_name, tensor_from_bytes
 from schemas.topics import Topics
 from schemas.types import EncodedEvent, EncodeEvent, ErrorInfo, TensorRef, now_ms
-from schemas.validator import (
-    ValidationConfig,
-    check_tensor,
-    validate_encode_event,
-)
+from schemas.validator import check_tensor, validate_encode_event
 
 if TYPE_CHECKING:
     from runtime.model import ModelBundle
@@ -66,13 +62,7 @@ class EncodeWorker:
         self.publisher = publisher
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"encode@{socket.gethostname()}"
-        self.vconfig = ValidationConfig.for_worker(
-            settings,
-            bundle.fingerprint,
-            # The family's own metadata fields and merge size (schemas/families.py).
-            metadata_fields=bundle.family.metadata_fields,
-            merge_size=bundle.merge_size,
-        )
+        self.vconfig = worker_validation(settings, bundle)
         self.report = ResultReporter(publisher, self.topics.results, "encode", self.worker_id)
         self.batcher: MicroBatcher[Job, EncoderOutput] = MicroBatcher(
             self._compute, max_cost=settings.encode_batch_patches

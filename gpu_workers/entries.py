@@ -18,9 +18,24 @@ from schemas.errors import ComputeError, ValidationError
 from schemas.families import EMBEDS, ModelFamily
 from schemas.modalities import GRID_FIELDS
 from schemas.types import Features
+from schemas.validator import ValidationConfig
 
 if TYPE_CHECKING:
+    from runtime.model import ModelBundle
+    from runtime.settings import Settings
     from runtime.stores.base import EmbeddingStore
+
+
+def worker_validation(settings: Settings, bundle: ModelBundle) -> ValidationConfig:
+    """The encode/prefill gate for ``bundle``: strict, keys pinned to its fingerprint, and its
+    family's own metadata fields and merge size (a Qwen2-VL worker refuses Qwen2.5-VL's
+    ``second_per_grid_ts`` by rule ``metadata-field`` instead of ignoring it)."""
+    return ValidationConfig.for_worker(
+        settings,
+        bundle.fingerprint,
+        metadata_fields=bundle.family.metadata_fields,
+        merge_size=bundle.merge_size,
+    )
 
 
 async def store_outputs(

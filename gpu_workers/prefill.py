@@ -15,13 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from gpu_workers.compute import generate_from_embeddings
-from gpu_workers.entries import fetch_outputs, items_from_features
+from gpu_workers.entries import fetch_outputs, items_from_features, worker_validation
 from runtime.kafka import ResultReporter
 from runtime.settings import Settings
 from runtime.stores.base import StoreTimeout
 from schemas.topics import Topics
 from schemas.types import ErrorInfo, PrefillEvent, now_ms
-from schemas.validator import ValidationConfig, validate_prefill_event
+from schemas.validator import validate_prefill_event
 
 if TYPE_CHECKING:
     from runtime.model import ModelBundle
@@ -51,13 +51,7 @@ class PrefillWorker:
         self.publisher = publisher
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"prefill@{socket.gethostname()}"
-        self.vconfig = ValidationConfig.for_worker(
-            settings,
-            bundle.fingerprint,
-            # The family's own metadata fields and merge size (schemas/families.py).
-            metadata_fields=bundle.family.metadata_fields,
-            merge_size=bundle.merge_size,
-        )
+        self.vconfig = worker_validation(settings, bundle)
         self.report = ResultReporter(publisher, self.topics.results, "prefill", self.worker_id)
         self.embedding_wait_s = (
             settings.embedding_wait_s if embedding_wait_s is None else embedding_wait_s

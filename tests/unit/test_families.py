@@ -27,6 +27,7 @@ from epd.cli import main as epd_main
 from gpu_workers.compute import (
     ComputeError,
     ItemEmbedding,
+    encode_images,
     encode_items,
     generate_from_embeddings,
     generate_monolithic,
@@ -238,13 +239,16 @@ def test_qwen3_vl_deepstack_is_part_of_the_item() -> None:
     missing = [ItemEmbedding(**{**_fields(items[0]), "deepstack": None}), items[1]]
     with pytest.raises(ComputeError, match="deepstack"):
         generate_from_embeddings(bundle, ids, missing, 1)
-    # A deepstack-less family refuses deepstack features rather than ignoring them.
-    q2 = bundle_of("tiny")
+    # Main embeddings alone are refused for a deepstack family...
     with pytest.raises(ComputeError, match="use encode_items"):
-        from gpu_workers.compute import encode_images
-
         encode_images(bundle, [(pv[: int(grid[0].prod())], grid[0])])
-    assert q2.family.encoder_outputs == (EMBEDS,)
+    # ...and a family without deepstack refuses features rather than ignoring them.
+    q2 = bundle_of("tiny")
+    ev2 = renderer_of("tiny").render("q2", prompt="<image>", images=[rand_image(56, 56, 13)])
+    (plain,) = image_items(q2, ev2)
+    plain.deepstack = torch.zeros(2, plain.length, 64)
+    with pytest.raises(ComputeError, match="has no deepstack"):
+        generate_from_embeddings(q2, ev2.token_ids, [plain], 1)
 
 
 def _fields(it: ItemEmbedding) -> dict:
@@ -490,9 +494,21 @@ async def test_prefill_of_one_family_rejects_another_familys_event(
     assert info.value.rule == "ec-key"
     assert worker.completed == 0
 
-    # Qwen2.5-VL's video timing is not a metadata field of Qwen2-VL: named, not ignored.
+    # Qwen2.5-VL's video timing is not a metadata field of Qwen2-VL: rule named, not ignored.
+    base = renderer_of("tiny").render("t", prompt="<image>", images=[rand_image(84, 84, 3)])
+    event, _ = with_video("tiny", base)
+    event.features.mm_metadata["video"][0]["second_per_grid_ts"] = torch.tensor([1.5])
+    pub.records.clear()
+    await fanout.publish(event)
+    (prefill_ev,) = pub.events(topics.prefill)
     q2 = PrefillWorker(settings, bundle_of("tiny"), store, pub, worker_id="p2")
     try:
-        assert "second_per_grid_ts" not in q2.vconfig.metadata_fields
+        with pytest.raises(ValidationError) as info:
+            await q2.handle(prefill_ev)
     finally:
         await q2.close()
+    assert (info.value.rule, info.value.modality, info.value.field) == (
+        "metadata-field",
+        "video",
+        "second_per_grid_ts",
+    )
