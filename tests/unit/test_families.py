@@ -329,6 +329,13 @@ def test_unsupported_or_broken_checkpoints_are_refused(tmp_path: Path, capsys) -
         load_render_info(str(other))
     with pytest.raises(ModelLoadError, match="llava"):
         load_model(str(other), device="cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        model_family(str(tmp_path / "empty"))
+    (other / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        model_family(str(other))
+    (other / "config.json").write_text(json.dumps({"model_type": "llava"}))
 
     # The CLI: one line and exit code 2, before any service or worker starts.
     for argv in (["worker", "encode", "--model", str(other)], ["demo", "--model", str(other)]):
