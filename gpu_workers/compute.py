@@ -239,7 +239,7 @@ def _check_items(bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[
     return ordered
 
 
-def _rope_value(bundle: ModelBundle, it: ItemEmbedding, name: str, default: float | None):
+def _rope_value(it: ItemEmbedding, name: str, default: float | None) -> torch.Tensor:
     """One item's value of a non-grid ``get_rope_index`` argument (a positive finite scalar)."""
     raw = it.metadata.get(name)
     if raw is None:
@@ -267,9 +267,7 @@ def rope_arguments(bundle: ModelBundle, items: Sequence[ItemEmbedding]) -> dict[
         if arg.field == GRID_FIELDS.get(arg.modality):
             out[arg.name] = torch.stack([grid_row(it.grid_thw) for it in mine])
         else:
-            out[arg.name] = torch.stack(
-                [_rope_value(bundle, it, arg.field, arg.default) for it in mine]
-            )
+            out[arg.name] = torch.stack([_rope_value(it, arg.field, arg.default) for it in mine])
     return out
 
 

@@ -136,6 +136,8 @@ class Stage:
     """Whether the record key is the request id (for reporting undecodable records)."""
     signs_or_checks_ec: bool = True
     """Whether the stage signs or checks ``ec_transfer_params`` (needs EPD_EC_SECRET)."""
+    uses_model: bool = True
+    """Whether the stage loads the model (or its render info): checked at start-up."""
 
 
 STAGES: dict[str, Stage] = {
@@ -168,6 +170,7 @@ STAGES: dict[str, Stage] = {
             report_as=None,
             keyed_by_request=True,
             signs_or_checks_ec=False,
+            uses_model=False,
         ),
         Stage(
             "router",
@@ -235,10 +238,11 @@ def run(args: argparse.Namespace) -> int:
         json.dump({"kind": args.kind, "settings": settings.describe()}, sys.stdout, sort_keys=True)
         sys.stdout.write("\n")
         return 0
-    from runtime.model import model_family
+    if STAGES[args.kind].uses_model:
+        from runtime.model import model_family
 
-    # Refuse an unsupported model family before joining any group (ModelLoadError: exit 2).
-    model_family(settings.model)
+        # Refuse an unsupported model family before joining any group (ModelLoadError: exit 2).
+        model_family(settings.model)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

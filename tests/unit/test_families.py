@@ -10,6 +10,7 @@ prefill workers.
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 import uuid
@@ -38,7 +39,14 @@ from gpu_workers.encode import EncodeWorker
 from gpu_workers.prefill import PrefillWorker
 from producers.fanout import build_fanout
 from producers.render import Renderer, monolithic_inputs
-from runtime.model import ModelBundle, ModelLoadError, load_model, load_render_info, model_family
+from runtime.model import (
+    FAMILY_CLASSES,
+    ModelBundle,
+    ModelLoadError,
+    load_model,
+    load_render_info,
+    model_family,
+)
 from runtime.publisher import InMemoryPublisher
 from runtime.settings import Settings
 from runtime.stores.redis import RedisStore
@@ -264,6 +272,23 @@ def test_qwen3_vl_video_runs_are_one_temporal_row() -> None:
     item = item_embedding("video", 2, n, out, {"video_grid_thw": vgrid})
     with pytest.raises(ComputeError, match="temporal grid row"):
         generate_from_embeddings(bundle, ids, [item], 1)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_family_table_matches_the_model(spec: str) -> None:
+    """The table's facts hold for the transformers model: merge size, placeholder token ids,
+    get_rope_index accepts every rope argument, deepstack iff the vision tower has taps."""
+    bundle = bundle_of(spec)
+    fam = bundle.family
+    assert fam.tiny_spec == spec and type(bundle.model) is FAMILY_CLASSES[fam.model_type].model
+    assert bundle.merge_size == fam.default_merge_size
+    tok = bundle.tokenizer
+    assert tok.convert_tokens_to_ids(fam.placeholder_tokens["image"]) == bundle.image_token_id
+    assert tok.convert_tokens_to_ids(fam.placeholder_tokens["video"]) == bundle.video_token_id
+    params = inspect.signature(bundle.model.model.get_rope_index).parameters
+    assert all(a.name in params for a in fam.rope_args)
+    taps = getattr(bundle.config.vision_config, "deepstack_visual_indexes", None)
+    assert fam.has_deepstack == bool(taps)
 
 
 # ---------------------------------------------------------------------------------------------
