@@ -146,8 +146,6 @@ TINY_SPECS: dict[str, str] = {f.tiny_spec: k for k, f in FAMILIES.items()}
 TINY_SPECS["tiny-qwen2-vl"] = "qwen2_vl"  # the explicit name of the default tiny model
 """``--model`` values that build a tiny model -> the family's ``model_type``."""
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
-
 MODEL_HELP = (
     "a tiny seeded model ("
     + ", ".join(f"{f.tiny_spec}: {f.display_name}" for f in FAMILIES.values())
