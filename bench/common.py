@@ -162,6 +162,7 @@ def render_info() -> Any:
 
     from runtime.model import RenderInfo
     from runtime.tokenizer import EOS_TOKEN, TINY_VOCAB_SIZE, build_tiny_tokenizer
+    from schemas.families import FAMILIES
 
     tok = build_tiny_tokenizer()
 
@@ -173,6 +174,7 @@ def render_info() -> Any:
 
     return RenderInfo(
         model_name=MODEL_NAME,
+        family=FAMILIES["qwen2_vl"],
         fingerprint=MODEL_FINGERPRINT,
         image_processor=Qwen2VLImageProcessorPil(
             patch_size=QWEN2VL_PROCESSOR["patch_size"],

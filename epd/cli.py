@@ -7,6 +7,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from runtime.errors import ModelLoadError
+
 # Each module exposes ``register(subparsers)``, adding parsers whose default ``func(args) -> int``
 # runs the command. Modules keep heavy imports (torch, transformers) inside their functions so
 # ``epd --help`` stays fast.
@@ -48,6 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except ModelLoadError as exc:
+        # A model that cannot be served (unsupported family, missing checkpoint) is the user's
+        # input, not a crash: one line naming the problem, exit code 2.
+        print(f"epd: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -3,29 +3,40 @@
 These functions are synchronous and hold no locks; callers run them in worker threads. They use
 ``torch.inference_mode`` so no autograd state is kept.
 
-Parity contract: ``generate_from_embeddings`` over embeddings from ``encode_images`` (encoded in
-any grouping) yields exactly the tokens of ``generate_monolithic`` (``model.generate``) for the
-same prompt and pixels. The two things that must match the monolithic path are the M-RoPE
-positions (``get_rope_index`` with ``mm_token_type_ids``) and the decode-step position
-``prompt_len + step + rope_delta`` on all three axes.
+Parity contract: ``generate_from_embeddings`` over encoder outputs from ``encode_items`` (encoded
+in any grouping) yields exactly the tokens of ``generate_monolithic`` (``model.generate``) for the
+same prompt and pixels, for every family of :mod:`schemas.families`. What must match the
+monolithic path: the M-RoPE positions (``get_rope_index`` with ``mm_token_type_ids`` and the
+family's extra arguments, e.g. Qwen2.5-VL's ``second_per_grid_ts``), the decode-step position
+``prompt_len + step + rope_delta`` on all three axes, and for Qwen3-VL the deepstack features
+added to the first LLM layers at the visual positions (``visual_pos_masks``).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from runtime.model import ModelBundle, text_config
+from runtime.model import ModelBundle, text_config, vision_config
 from schemas.errors import ComputeError
+from schemas.families import DEEPSTACK, EMBEDS
+from schemas.modalities import GRID_FIELDS, MODALITIES
 from schemas.types import now_ms
 
-# mm_token_type_ids values understood by Qwen2-VL's get_rope_index.
-TOKEN_TYPE = {"text": 0, "image": 1, "video": 2}
+# mm_token_type_ids values understood by every family's get_rope_index (0 is text).
+TOKEN_TYPE = {"text": 0} | {
+    m: f.token_type for m, f in MODALITIES.items() if f.token_type is not None
+}
+
+EncoderOutput = dict[str, torch.Tensor]
+"""One item's encoder outputs, named as the family's ``encoder_outputs`` (``embeds`` and, for
+Qwen3-VL, ``deepstack``)."""
 
 
 @dataclass(slots=True)
@@ -37,6 +48,10 @@ class ItemEmbedding:
     length: int
     embeds: torch.Tensor  # (length, hidden)
     grid_thw: torch.Tensor  # (3,) or (1, 3), int
+    deepstack: torch.Tensor | None = None
+    """(layers, length, hidden): Qwen3-VL's deepstack features of this item."""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    """The item's other metadata the positions read (e.g. ``second_per_grid_ts``)."""
 
 
 def grid_row(grid_thw: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -59,21 +74,23 @@ def tokens_for_grid(grid_thw: torch.Tensor | Sequence[int], merge_size: int) -> 
 # encode
 
 
-def encode_images(
+def encode_items(
     bundle: ModelBundle,
     items: Sequence[tuple[torch.Tensor, torch.Tensor]],
     *,
     to_cpu: bool = True,
-) -> list[torch.Tensor]:
-    """Run the vision tower ONCE over several images of any sizes; one embedding per item.
+) -> list[EncoderOutput]:
+    """Run the vision tower ONCE over several images of any sizes; the outputs of each item.
 
     ``items``: ``(pixel_values (patches, C*T*P*P), image_grid_thw (3,) or (1, 3))`` per image,
     straight from the processor. The pixel rows are concatenated, the grids stacked, and the
     merged output split by ``t*h*w / merge²`` rows per item. The same function encodes video
     items (same tower, ``pixel_values_videos`` / ``video_grid_thw``).
 
-    Returns tensors of shape ``(tokens, hidden)`` in the model dtype, on CPU when ``to_cpu``
-    (for Redis/shm stores) or left on the model device (for a ``cuda://`` store).
+    Each item gets the family's ``encoder_outputs``: ``embeds (tokens, hidden)`` and, for
+    Qwen3-VL, ``deepstack (layers, tokens, hidden)`` (the deepstack mergers' outputs, split by the
+    same rows). Model dtype; on CPU when ``to_cpu`` (for Redis/shm stores) or left on the model
+    device.
     """
     if not items:
         return []
@@ -95,10 +112,51 @@ def encode_images(
             raise ComputeError(
                 f"vision tower returned {merged.shape[0]} rows, expected {sum(splits)}"
             )
-        parts = torch.split(merged, splits)
-        if to_cpu:
-            return [p.to("cpu").clone() for p in parts]
-        return [p.clone() for p in parts]
+        named: dict[str, tuple[torch.Tensor, ...]] = {EMBEDS: torch.split(merged, splits)}
+        if bundle.family.has_deepstack:
+            # (layers, rows, hidden): one tensor per item keeps the store entry to two tensors.
+            stacked = torch.stack(list(out.deepstack_features))
+            named[DEEPSTACK] = torch.split(stacked, splits, dim=1)
+        move = (lambda t: t.to("cpu").clone()) if to_cpu else (lambda t: t.clone())
+        return [{name: move(parts[i]) for name, parts in named.items()} for i in range(len(items))]
+
+
+def encode_images(
+    bundle: ModelBundle,
+    items: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    to_cpu: bool = True,
+) -> list[torch.Tensor]:
+    """The main embedding of each item (``encode_items`` without the names), for families whose
+    encoder yields nothing else; a deepstack family must use ``encode_items``."""
+    if bundle.family.encoder_outputs != (EMBEDS,):
+        raise ComputeError(
+            f"{bundle.family.display_name} items have encoder outputs "
+            f"{list(bundle.family.encoder_outputs)}; use encode_items"
+        )
+    return [o[EMBEDS] for o in encode_items(bundle, items, to_cpu=to_cpu)]
+
+
+def item_embedding(
+    modality: str,
+    offset: int,
+    length: int,
+    outputs: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, Any],
+) -> ItemEmbedding:
+    """An ``ItemEmbedding`` from an item's encoder outputs and its ``mm_metadata`` entry."""
+    grid_name = GRID_FIELDS.get(modality)
+    if grid_name is None or metadata.get(grid_name) is None:
+        raise ComputeError(f"{modality} item has no {grid_name or 'grid'} for its positions")
+    return ItemEmbedding(
+        modality=modality,
+        offset=offset,
+        length=length,
+        embeds=outputs[EMBEDS],
+        grid_thw=metadata[grid_name],
+        deepstack=outputs.get(DEEPSTACK),
+        metadata={k: v for k, v in metadata.items() if k != grid_name},
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,8 +208,14 @@ def _cache_kwarg(module: torch.nn.Module) -> str:
 
 
 def _check_items(bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]):
+    fam = bundle.family
     hidden = text_config(bundle.config).hidden_size
-    pad_ids = {"image": bundle.image_token_id, "video": bundle.video_token_id}
+    pad_ids = {
+        m: i
+        for m, i in (("image", bundle.image_token_id), ("video", bundle.video_token_id))
+        if m in fam.modalities
+    }
+    layers = len(vision_config(bundle.config).deepstack_visual_indexes) if fam.has_deepstack else 0
     n = len(token_ids)
     ordered = sorted(items, key=lambda it: it.offset)
     prev_end = -1
@@ -180,6 +244,28 @@ def _check_items(bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[
             raise ComputeError(
                 f"item {idx}: embeddings shape {tuple(it.embeds.shape)} != ({it.length}, {hidden})"
             )
+        if fam.has_deepstack:
+            want_ds = (layers, it.length, hidden)
+            if it.deepstack is None or tuple(it.deepstack.shape) != want_ds:
+                got = None if it.deepstack is None else tuple(it.deepstack.shape)
+                raise ComputeError(
+                    f"item {idx}: {fam.display_name} needs deepstack features of shape "
+                    f"{want_ds}, got {got}"
+                )
+        elif it.deepstack is not None:
+            raise ComputeError(f"item {idx}: {fam.display_name} has no deepstack features")
+        frames = int(grid_row(it.grid_thw)[0])
+        if (
+            it.modality == "video"
+            and fam.video_frames_per_run
+            and frames > fam.video_frames_per_run
+        ):
+            # Qwen3-VL's positions treat each run of video pads as one frame group; more temporal
+            # rows need the processor's per-frame timestamp text between them.
+            raise ComputeError(
+                f"item {idx}: {fam.display_name} video placeholders hold "
+                f"{fam.video_frames_per_run} temporal grid row(s) per run, grid has {frames}"
+            )
         run = token_ids[it.offset : it.offset + it.length]
         if any(t != pad_ids[it.modality] for t in run):
             raise ComputeError(
@@ -189,27 +275,71 @@ def _check_items(bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[
     return ordered
 
 
+def _rope_value(it: ItemEmbedding, name: str, default: float | None) -> torch.Tensor:
+    """One item's value of a non-grid ``get_rope_index`` argument (a positive finite scalar)."""
+    raw = it.metadata.get(name)
+    if raw is None:
+        if default is None:
+            raise ComputeError(f"{it.modality} item at {it.offset} lacks {name!r}")
+        return torch.tensor(float(default))
+    v = torch.as_tensor(raw).reshape(-1)
+    if v.numel() != 1 or v.dtype == torch.bool:
+        raise ComputeError(f"{name} must be one number per item, got shape {list(v.shape)}")
+    x = float(v[0])
+    if not math.isfinite(x) or x <= 0:
+        raise ComputeError(f"{name} must be positive and finite, got {x}")
+    return v[0].float()
+
+
+def rope_arguments(bundle: ModelBundle, items: Sequence[ItemEmbedding]) -> dict[str, torch.Tensor]:
+    """The family's ``get_rope_index`` keyword arguments, stacked over items in offset order
+    (the order get_rope_index consumes them in)."""
+    ordered = sorted(items, key=lambda it: it.offset)
+    out: dict[str, torch.Tensor] = {}
+    for arg in bundle.family.rope_args:
+        mine = [it for it in ordered if it.modality == arg.modality]
+        if not mine:
+            continue
+        if arg.field == GRID_FIELDS.get(arg.modality):
+            out[arg.name] = torch.stack([grid_row(it.grid_thw) for it in mine])
+        else:
+            out[arg.name] = torch.stack([_rope_value(it, arg.field, arg.default) for it in mine])
+    return out
+
+
 def mrope_positions(
     bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]
 ) -> tuple[torch.Tensor, int]:
-    """M-RoPE position ids ``(3, 1, L)`` and the rope delta, from the grids via get_rope_index."""
+    """M-RoPE position ids ``(3, 1, L)`` and the rope delta, via the family's get_rope_index."""
     ordered = sorted(items, key=lambda it: it.offset)
     ids = torch.tensor([list(token_ids)], dtype=torch.long)
     types = torch.zeros_like(ids, dtype=torch.int32)
     for it in ordered:
         types[0, it.offset : it.offset + it.length] = TOKEN_TYPE[it.modality]
-    img = [grid_row(it.grid_thw) for it in ordered if it.modality == "image"]
-    vid = [grid_row(it.grid_thw) for it in ordered if it.modality == "video"]
-    if not img and not vid:
+    if not ordered:
         pos = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
         return pos, 0
     position_ids, deltas = bundle.model.model.get_rope_index(
-        ids,
-        mm_token_type_ids=types,
-        image_grid_thw=torch.stack(img) if img else None,
-        video_grid_thw=torch.stack(vid) if vid else None,
+        ids, mm_token_type_ids=types, **rope_arguments(bundle, ordered)
     )
     return position_ids, int(deltas.reshape(-1)[0])
+
+
+def deepstack_inputs(
+    bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]
+) -> dict[str, Any]:
+    """Qwen3-VL's extra language-model inputs: ``visual_pos_masks (1, L)`` over every item's
+    placeholder and, per deepstack layer, the items' features concatenated in position order
+    (the rows the mask selects, in sequence order). Empty for other families or no items."""
+    if not bundle.family.has_deepstack or not items:
+        return {}
+    ordered = sorted(items, key=lambda it: it.offset)
+    mask = torch.zeros((1, len(token_ids)), dtype=torch.bool, device=bundle.device)
+    for it in ordered:
+        mask[0, it.offset : it.offset + it.length] = True
+    feats = torch.cat([it.deepstack for it in ordered if it.deepstack is not None], dim=1)
+    feats = feats.to(device=bundle.device, dtype=bundle.dtype)
+    return {"visual_pos_masks": mask, "deepstack_visual_embeds": list(feats.unbind(0))}
 
 
 def splice_embeddings(
@@ -247,7 +377,8 @@ class DecodeStopped(Exception):
 def prefill(
     bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]
 ) -> Prefilled:
-    """Splice the embeddings, compute M-RoPE positions and run the prompt through the LM."""
+    """Splice the embeddings, compute M-RoPE positions and run the prompt through the LM (with
+    the deepstack features at the visual positions, for Qwen3-VL)."""
     if not token_ids:
         raise ComputeError("token_ids is empty")
     check_token_range(bundle, token_ids)
@@ -266,6 +397,7 @@ def prefill(
             position_ids=position_ids.to(bundle.device),
             use_cache=True,
             **{_cache_kwarg(lm): kv},
+            **deepstack_inputs(bundle, token_ids, ordered),
         )
         logits = bundle.model.lm_head(out.last_hidden_state[:, -1, :])[0].float()
     return Prefilled(cache=kv, logits=logits, prompt_len=len(token_ids), rope_delta=delta)
@@ -369,8 +501,15 @@ def generate_monolithic(
     max_tokens: int,
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
+    *,
+    pixel_values_videos: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
 ) -> list[int]:
     """The oracle: ``model.generate`` on raw pixels in one process, greedy; new tokens only.
+
+    Video items (all of them, concatenated in offset order) go in ``pixel_values_videos`` /
+    ``video_grid_thw``, with Qwen2.5-VL's ``second_per_grid_ts`` (one per video) when given.
 
     Not for concurrent use on one bundle: ``generate`` caches ``rope_deltas`` on the model.
 
@@ -397,6 +536,12 @@ def generate_monolithic(
     if pixel_values is not None:
         kwargs["pixel_values"] = pixel_values.to(bundle.device)
         kwargs["image_grid_thw"] = torch.as_tensor(image_grid_thw).reshape(-1, 3).to(bundle.device)
+    if pixel_values_videos is not None:
+        kwargs["pixel_values_videos"] = pixel_values_videos.to(bundle.device)
+        grid = torch.as_tensor(video_grid_thw).reshape(-1, 3).to(bundle.device)
+        kwargs["video_grid_thw"] = grid
+        if second_per_grid_ts is not None:
+            kwargs["second_per_grid_ts"] = torch.as_tensor(second_per_grid_ts).reshape(-1)
     with torch.inference_mode():
         out = bundle.model.generate(**kwargs)
     new = out[0, ids.shape[1] :].tolist()

@@ -18,23 +18,21 @@ import blake3
 import torch
 
 from gpu_workers.batcher import MicroBatcher
-from gpu_workers.compute import encode_images
+from gpu_workers.compute import EncoderOutput, encode_items
+from gpu_workers.entries import store_outputs, worker_validation
 from runtime.kafka import ResultReporter
 from runtime.model import vision_config
 from runtime.settings import Settings
 from runtime.stores.base import StoreError, StoreKeyMissing
 from schemas.errors import ValidationError
+from schemas.families import EMBEDS
 from schemas.modalities import GRID_FIELDS
 from schemas.modalities import MAIN_ENCODER_INPUT as ENCODER_INPUT_FIELDS
 from schemas.signing import claim_key
 from schemas.tensors import dtype_name, tensor_from_bytes
 from schemas.topics import Topics
 from schemas.types import EncodedEvent, EncodeEvent, ErrorInfo, TensorRef, now_ms
-from schemas.validator import (
-    ValidationConfig,
-    check_tensor,
-    validate_encode_event,
-)
+from schemas.validator import check_tensor, validate_encode_event
 
 if TYPE_CHECKING:
     from runtime.model import ModelBundle
@@ -69,9 +67,9 @@ class EncodeWorker:
         self.publisher = publisher
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"encode@{socket.gethostname()}"
-        self.vconfig = ValidationConfig.for_worker(settings, bundle.fingerprint)
+        self.vconfig = worker_validation(settings, bundle)
         self.report = ResultReporter(publisher, self.topics.results, "encode", self.worker_id)
-        self.batcher: MicroBatcher[Job, torch.Tensor] = MicroBatcher(
+        self.batcher: MicroBatcher[Job, EncoderOutput] = MicroBatcher(
             self._compute, max_cost=settings.encode_batch_patches
         )
         self._inflight: dict[str, asyncio.Future[None]] = {}
@@ -86,8 +84,8 @@ class EncodeWorker:
         """Vision-tower calls made so far (one per micro-batch)."""
         return self.batcher.batches
 
-    def _compute(self, jobs: Sequence[Job]) -> list[torch.Tensor]:
-        return encode_images(self.bundle, jobs)
+    def _compute(self, jobs: Sequence[Job]) -> list[EncoderOutput]:
+        return encode_items(self.bundle, jobs)
 
     async def close(self) -> None:
         await self.batcher.close()
@@ -187,7 +185,7 @@ class EncodeWorker:
     def _fields(self, ev: EncodeEvent) -> tuple[str, str]:
         pv_name = ENCODER_INPUT_FIELDS.get(ev.modality)
         grid_name = GRID_FIELDS.get(ev.modality)
-        if pv_name is None or grid_name is None:
+        if pv_name is None or grid_name is None or ev.modality not in self.bundle.family.modalities:
             raise ValidationError(
                 "encode-inputs",
                 f"modality {ev.modality!r} has no vision encoder here; supported: "
@@ -270,8 +268,12 @@ class EncodeWorker:
                 pixels = await self._tensor(ev.data[pv_name], pv_name, ev)
                 grid = await self._tensor(ev.data[grid_name], grid_name, ev)
                 self._check_patch_width(pixels, pv_name, ev)
-                emb = await self.batcher.submit((pixels, grid), cost=int(pixels.shape[0]))
-                await self.store.put(key, emb, self.settings.embedding_ttl_s)
+                out = await self.batcher.submit((pixels, grid), cost=int(pixels.shape[0]))
+                # One entry per item: the embedding and any other outputs (deepstack) together.
+                await store_outputs(
+                    self.store, key, out, self.bundle.family, self.settings.embedding_ttl_s
+                )
+                emb = out[EMBEDS]
                 ms = (time.perf_counter() - t0) * 1000
                 self.items_encoded += 1
             done.set_result(None)

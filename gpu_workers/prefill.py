@@ -22,21 +22,20 @@ from typing import TYPE_CHECKING
 from gpu_workers.compute import (
     DeadlineExceeded,
     DecodeStopped,
-    ItemEmbedding,
     Prefilled,
     context_length,
     greedy_decode,
     prefill,
     vocab_size,
 )
+from gpu_workers.entries import fetch_outputs, items_from_features, worker_validation
 from runtime.kafka import ResultReporter
 from runtime.settings import Settings
 from runtime.stores.base import StoreTimeout
 from schemas.errors import ValidationError
-from schemas.modalities import GRID_FIELDS
 from schemas.topics import Topics
 from schemas.types import ErrorInfo, PrefillEvent, now_ms
-from schemas.validator import ValidationConfig, validate_prefill_event
+from schemas.validator import validate_prefill_event
 
 if TYPE_CHECKING:
     from runtime.model import ModelBundle
@@ -126,7 +125,7 @@ class PrefillWorker:
         self.publisher = publisher
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"prefill@{socket.gethostname()}"
-        self.vconfig = ValidationConfig.for_worker(settings, bundle.fingerprint)
+        self.vconfig = worker_validation(settings, bundle)
         self.bounds = Bounds.for_model(settings, bundle)
         self.report = ResultReporter(publisher, self.topics.results, "prefill", self.worker_id)
         self.embedding_wait_s = (
@@ -141,33 +140,6 @@ class PrefillWorker:
 
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-    def _items(self, ev: PrefillEvent, embeds: dict[str, object]) -> list[ItemEmbedding]:
-        items = []
-        meta = ev.features.mm_metadata or {}
-        for modality, index, mm_hash in ev.features.items():
-            ph = ev.features.mm_placeholders[modality][index]
-            grid_field = GRID_FIELDS.get(modality)
-            item_meta = meta.get(modality, [None] * (index + 1))[index] or {}
-            grid = item_meta.get(grid_field) if grid_field else None
-            if grid is None:
-                raise ValidationError(
-                    "metadata-missing",
-                    f"{grid_field or 'grid'} is needed for M-RoPE positions",
-                    modality=modality,
-                    item=index,
-                )
-            items.append(
-                ItemEmbedding(
-                    modality=modality,
-                    offset=ph.offset,
-                    length=ph.length,
-                    embeds=embeds[mm_hash],  # type: ignore[arg-type]
-                    grid_thw=grid,  # type: ignore[arg-type]
-                )
-            )
-        items.sort(key=lambda it: it.offset)
-        return items
 
     async def handle(self, ev: PrefillEvent) -> None:
         """Run one request to completion (or to a clear failure)."""
@@ -215,9 +187,10 @@ class PrefillWorker:
                 ),
             )
             return
-        tensors = await self.store.get_many(list(keys.values()))
+        # Each entry holds all of an item's encoder outputs (embedding, deepstack features).
+        outputs = await fetch_outputs(self.store, list(keys.values()), self.bundle.family)
         wait_ms = (time.perf_counter() - t_wait) * 1000
-        items = self._items(ev, dict(zip(keys, tensors, strict=True)))
+        items = items_from_features(ev.features, dict(zip(keys, outputs, strict=True)))
         if await self._cancelled(ev.request_id, "before compute"):
             return
         t_compute = time.perf_counter()

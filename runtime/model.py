@@ -1,4 +1,9 @@
-"""Qwen2-VL model loading: ``tiny`` (seeded random weights, CPU-friendly) or a local checkpoint.
+"""Model loading for every supported family (:mod:`schemas.families`): a tiny seeded spec
+(``tiny``, ``tiny-qwen2.5-vl``, ``tiny-qwen3-vl``: random weights, CPU-friendly) or a local
+checkpoint of a supported ``model_type`` (offline). Any other ``model_type`` is refused with a
+:class:`ModelLoadError` listing the supported ones.
+
+``FAMILY_CLASSES`` maps each ``model_type`` to its transformers classes; nothing else names them.
 
 ``load_model`` returns a ``ModelBundle`` holding the transformers model, the PIL image processor
 (no torchvision needed), the tokenizer, the special token ids and a content fingerprint. The
@@ -14,31 +19,73 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import blake3
 import torch
 from transformers import (
     AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerBase,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
 )
 
+from runtime.errors import ModelLoadError
 from runtime.tokenizer import BYTE_VOCAB, EOS_TOKEN, SPECIAL_TOKENS, build_tiny_tokenizer
+from schemas.families import (
+    FAMILIES,
+    TINY_SPECS,
+    ModelFamily,
+    UnsupportedModelType,
+    family,
+)
 
 TINY = "tiny"
 TINY_SEED = 20240917
-# Small images keep the tiny model cheap: 56x56 (4 patches) up to 224x224 (256 patches).
-TINY_MIN_PIXELS = 56 * 56
-TINY_MAX_PIXELS = 224 * 224
 
 
-class ModelLoadError(RuntimeError):
-    """A model spec that cannot be loaded (missing path, wrong architecture, bad device)."""
+__all__ = ["FAMILY_CLASSES", "ModelBundle", "ModelLoadError", "RenderInfo", "load_model"]
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyClasses:
+    """The transformers classes of one model family."""
+
+    config: type[PretrainedConfig]
+    model: type[PreTrainedModel]
+    image_processor: type[Qwen2VLImageProcessorPil]
+
+
+# All three families use the Qwen2-VL patching rules (the PIL processor needs no torchvision);
+# Qwen3-VL's checkpoints only change the patch size (16) and the normalisation.
+FAMILY_CLASSES: dict[str, FamilyClasses] = {
+    "qwen2_vl": FamilyClasses(
+        Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    ),
+    "qwen2_5_vl": FamilyClasses(
+        Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    ),
+    "qwen3_vl": FamilyClasses(
+        Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    ),
+    "qwen3_vl_moe": FamilyClasses(
+        Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, Qwen2VLImageProcessorPil
+    ),
+}
+if set(FAMILY_CLASSES) != set(FAMILIES):
+    raise AssertionError("FAMILY_CLASSES and schemas.families.FAMILIES must list the same types")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +93,7 @@ class RenderInfo:
     """Everything the renderer needs; no weights."""
 
     model_name: str
+    family: ModelFamily
     fingerprint: str
     image_processor: Qwen2VLImageProcessorPil
     tokenizer: PreTrainedTokenizerBase
@@ -60,13 +108,14 @@ class RenderInfo:
 
 @dataclass(slots=True)
 class ModelBundle:
-    """A loaded Qwen2-VL model with its processor, tokenizer and identity."""
+    """A loaded model of a supported family with its processor, tokenizer and identity."""
 
     model_name: str
-    model: Qwen2VLForConditionalGeneration
+    family: ModelFamily
+    model: Any  # the family's *ForConditionalGeneration (FAMILY_CLASSES)
     image_processor: Qwen2VLImageProcessorPil
     tokenizer: PreTrainedTokenizerBase
-    config: Qwen2VLConfig
+    config: Any  # the family's config class
     device: torch.device
     dtype: torch.dtype
     fingerprint: str
@@ -81,6 +130,7 @@ class ModelBundle:
         """The renderer's view of this bundle."""
         return RenderInfo(
             model_name=self.model_name,
+            family=self.family,
             fingerprint=self.fingerprint,
             image_processor=self.image_processor,
             tokenizer=self.tokenizer,
@@ -94,12 +144,12 @@ class ModelBundle:
         )
 
 
-def text_config(cfg: Qwen2VLConfig) -> Any:
+def text_config(cfg: Any) -> Any:
     """The text sub-config (typed loosely: transformers annotates it as dict | config | None)."""
     return cfg.text_config
 
 
-def vision_config(cfg: Qwen2VLConfig) -> Any:
+def vision_config(cfg: Any) -> Any:
     """The vision sub-config."""
     return cfg.vision_config
 
@@ -128,32 +178,55 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------------------------
-# tiny model
+# tiny models
 
 
-def tiny_config() -> Qwen2VLConfig:
-    """A small Qwen2-VL config: 2 vision blocks, 2 text layers, hidden 64, byte-level vocab."""
-    ids = {t: BYTE_VOCAB + i for i, t in enumerate(SPECIAL_TOKENS)}
-    head_dim = 16  # text: hidden 64 / 4 heads; M-RoPE sections must sum to head_dim / 2
-    cfg = Qwen2VLConfig(
-        text_config={
-            "vocab_size": BYTE_VOCAB + len(SPECIAL_TOKENS),
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-6,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [2, 3, 3],
-            },
-            "bos_token_id": ids[EOS_TOKEN],
-            "eos_token_id": ids[EOS_TOKEN],
-            "pad_token_id": ids[EOS_TOKEN],
+def _tiny_ids() -> dict[str, int]:
+    return {t: BYTE_VOCAB + i for i, t in enumerate(SPECIAL_TOKENS)}
+
+
+def _tiny_text(rope_dim: int, mrope_section: list[int], **extra: Any) -> dict[str, Any]:
+    """The tiny text config shared by the families: 2 layers, hidden 64, byte-level vocab."""
+    ids = _tiny_ids()
+    if sum(mrope_section) != rope_dim // 2:
+        raise ModelLoadError("tiny config: mrope_section must sum to head_dim / 2")
+    return {
+        "vocab_size": BYTE_VOCAB + len(SPECIAL_TOKENS),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": mrope_section,
         },
+        "bos_token_id": ids[EOS_TOKEN],
+        "eos_token_id": ids[EOS_TOKEN],
+        "pad_token_id": ids[EOS_TOKEN],
+        **extra,
+    }
+
+
+def _tiny_top() -> dict[str, Any]:
+    ids = _tiny_ids()
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "tie_word_embeddings": False,
+    }
+
+
+def _tiny_qwen2_vl() -> Qwen2VLConfig:
+    """2 vision blocks (full attention), 2 text layers, hidden 64."""
+    return Qwen2VLConfig(
+        # text: hidden 64 / 4 heads = head_dim 16; M-RoPE sections sum to head_dim / 2
+        text_config=_tiny_text(16, [2, 3, 3]),
         vision_config={
             "depth": 2,
             "embed_dim": 32,  # 2 heads of 16: the axial vision rope needs head_dim % 4 == 0
@@ -164,15 +237,87 @@ def tiny_config() -> Qwen2VLConfig:
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
         },
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
+        **_tiny_top(),
     )
-    if sum(text_config(cfg).rope_parameters["mrope_section"]) != head_dim // 2:
-        raise ModelLoadError("tiny config: mrope_section must sum to head_dim / 2")
-    return cfg
+
+
+def _tiny_qwen2_5_vl() -> Qwen2_5_VLConfig:
+    """Qwen2-VL's sizes plus window attention: block 0 attends within 56x56-pixel windows (2x2
+    merged tokens), block 1 is a full-attention block; any image above 56x56 spans windows."""
+    return Qwen2_5_VLConfig(
+        text_config=_tiny_text(16, [2, 3, 3]),
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": 64,
+            "num_heads": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+            "tokens_per_second": 2,
+        },
+        **_tiny_top(),
+    )
+
+
+_TINY_QWEN3_VISION = {
+    "depth": 3,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "out_hidden_size": 64,
+    "num_heads": 2,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "num_position_embeddings": 64,
+    "deepstack_visual_indexes": [0, 1],
+}
+
+
+def _tiny_qwen3_vl() -> Qwen3VLConfig:
+    """3 vision blocks with deepstack taps after blocks 0 and 1 (so the first two LLM layers
+    receive visual features), learned 8x8 position grid, patch 16; interleaved M-RoPE."""
+    return Qwen3VLConfig(
+        text_config=_tiny_text(16, [4, 2, 2], head_dim=16),
+        vision_config=dict(_TINY_QWEN3_VISION),
+        **_tiny_top(),
+    )
+
+
+def _tiny_qwen3_vl_moe() -> Qwen3VLMoeConfig:
+    """Qwen3-VL's tiny vision tower and a mixture-of-experts text model: 4 experts, 2 per token,
+    in every layer."""
+    return Qwen3VLMoeConfig(
+        text_config=_tiny_text(
+            16,
+            [4, 2, 2],
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            decoder_sparse_step=1,
+        ),
+        vision_config=dict(_TINY_QWEN3_VISION),
+        **_tiny_top(),
+    )
+
+
+_TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+    "qwen2_vl": _tiny_qwen2_vl,
+    "qwen2_5_vl": _tiny_qwen2_5_vl,
+    "qwen3_vl": _tiny_qwen3_vl,
+    "qwen3_vl_moe": _tiny_qwen3_vl_moe,
+}
+# Small images keep the tiny models cheap: 4 patches up to 256 patches.
+_TINY_PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}
+
+
+def tiny_config(model_type: str = "qwen2_vl") -> Any:
+    """The seeded tiny config of a family (``model_type``)."""
+    return _TINY_CONFIGS[model_type]()
 
 
 def _seed_weights(model: torch.nn.Module, seed: int) -> None:
@@ -195,27 +340,30 @@ def _seed_weights(model: torch.nn.Module, seed: int) -> None:
                 # Larger than the usual 0.02 so the random model has peaked, position-sensitive
                 # logits: greedy parity then really tests the rope positions.
                 fan_in = p.shape[-1] if p.ndim > 1 else p.shape[0]
-                if p.ndim > 2:  # the conv patch embedding: fan-in is all input dims
+                if p.ndim > 3:  # the conv patch embedding: fan-in is all input dims
                     fan_in = int(torch.tensor(p.shape[1:]).prod())
+                # 3-d: fused expert weights (experts, out, in); fan-in is the last dim.
                 vals = torch.randn(p.shape, generator=gen) * (1.0 / fan_in**0.5)
             p.copy_(vals.to(p.dtype))
 
 
-def _build_tiny_model() -> tuple[Qwen2VLForConditionalGeneration, Qwen2VLConfig]:
-    cfg = tiny_config()
+def _build_tiny_model(model_type: str = "qwen2_vl") -> tuple[Any, Any]:
+    cfg = tiny_config(model_type)
     cfg._attn_implementation = "sdpa"
-    model = Qwen2VLForConditionalGeneration(cfg)
+    model = FAMILY_CLASSES[model_type].model(cfg)
     model.float()
     _seed_weights(model, TINY_SEED)
     return model, cfg
 
 
-def tiny_image_processor() -> Qwen2VLImageProcessorPil:
-    """The tiny model's processor: patch 14, merge 2, temporal 2, 56x56..224x224 pixels."""
+def tiny_image_processor(model_type: str = "qwen2_vl") -> Qwen2VLImageProcessorPil:
+    """A tiny model's processor: merge 2, temporal 2, 2x2 to 16x16 patches per image."""
+    patch = _TINY_PATCH[model_type]
+    unit = patch * 2  # one merged token
     return Qwen2VLImageProcessorPil(
-        min_pixels=TINY_MIN_PIXELS,
-        max_pixels=TINY_MAX_PIXELS,
-        patch_size=14,
+        min_pixels=(2 * unit) ** 2,
+        max_pixels=(8 * unit) ** 2,
+        patch_size=patch,
         merge_size=2,
         temporal_patch_size=2,
     )
@@ -225,7 +373,7 @@ def tiny_image_processor() -> Qwen2VLImageProcessorPil:
 # fingerprints
 
 
-def _config_bytes(cfg: Qwen2VLConfig) -> bytes:
+def _config_bytes(cfg: Any) -> bytes:
     d = cfg.to_dict()
     # Runtime choices that do not change the function the weights compute.
     for k in ("_attn_implementation_autoset", "transformers_version", "dtype", "torch_dtype"):
@@ -233,7 +381,7 @@ def _config_bytes(cfg: Qwen2VLConfig) -> bytes:
     return json.dumps(d, sort_keys=True, default=str).encode()
 
 
-def state_dict_fingerprint(model: torch.nn.Module, cfg: Qwen2VLConfig) -> str:
+def state_dict_fingerprint(model: torch.nn.Module, cfg: Any) -> str:
     """blake3 over the config and every tensor (name, dtype, shape, bytes), in name order."""
     h = blake3.blake3()
     h.update(b"epd-model-v1\0")
@@ -269,7 +417,7 @@ def checkpoint_fingerprint(path: Path) -> str:
 # loading
 
 
-def _special_ids(tokenizer: PreTrainedTokenizerBase, cfg: Qwen2VLConfig) -> dict[str, int]:
+def _special_ids(tokenizer: PreTrainedTokenizerBase, cfg: Any) -> dict[str, int]:
     eos = tokenizer.eos_token_id
     if eos is None:
         eos = text_config(cfg).eos_token_id
@@ -286,7 +434,7 @@ def _special_ids(tokenizer: PreTrainedTokenizerBase, cfg: Qwen2VLConfig) -> dict
     }
 
 
-def _check_processor(proc: Qwen2VLImageProcessorPil, cfg: Qwen2VLConfig) -> int:
+def _check_processor(proc: Qwen2VLImageProcessorPil, cfg: Any) -> int:
     vc = vision_config(cfg)
     if (proc.patch_size, proc.merge_size, proc.temporal_patch_size) != (
         vc.patch_size,
@@ -304,89 +452,134 @@ def _check_processor(proc: Qwen2VLImageProcessorPil, cfg: Qwen2VLConfig) -> int:
 def _checkpoint_dir(spec: str) -> Path:
     path = Path(spec).expanduser()
     if not path.is_dir():
-        raise ModelLoadError(f"model {spec!r} is neither 'tiny' nor a local checkpoint directory")
+        raise ModelLoadError(
+            f"model {spec!r} is neither a tiny spec ({', '.join(sorted(TINY_SPECS))}) nor a "
+            "local checkpoint directory"
+        )
     return path
+
+
+def model_family(spec: str) -> ModelFamily:
+    """The family ``spec`` names, from its tiny name or its checkpoint's ``config.json``.
+
+    Cheap (reads one JSON file, loads no weights): the CLI calls it at start-up so an
+    unsupported checkpoint is refused with the list of supported ``model_type`` values before
+    anything else starts.
+    """
+    if spec in TINY_SPECS:
+        return FAMILIES[TINY_SPECS[spec]]
+    path = _checkpoint_dir(spec)
+    cfg_file = path / "config.json"
+    try:
+        model_type = json.loads(cfg_file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelLoadError(f"cannot read {cfg_file}: {e}") from None
+    if not isinstance(model_type, str):
+        raise ModelLoadError(f"{cfg_file} names no model_type")
+    try:
+        return family(model_type)
+    except UnsupportedModelType as e:
+        raise ModelLoadError(f"checkpoint {path}: {e}") from None
+
+
+@dataclass(slots=True)
+class _Loaded:
+    family: ModelFamily
+    name: str
+    config: Any
+    tokenizer: PreTrainedTokenizerBase
+    processor: Qwen2VLImageProcessorPil
+    fingerprint: str
+    model: Any = None
+
+
+def _load(spec: str, *, weights: bool, dtype: torch.dtype) -> _Loaded:
+    """The pieces of ``spec``; ``weights``: also the model (checkpoints: in ``dtype``)."""
+    fam = model_family(spec)
+    classes = FAMILY_CLASSES[fam.model_type]
+    if spec in TINY_SPECS:
+        # Rebuilt even for render info: the fingerprint is over the weights (cheap here).
+        model, cfg = _build_tiny_model(fam.model_type)
+        fp = state_dict_fingerprint(model, cfg)  # before any cast: device-independent identity
+        return _Loaded(
+            fam,
+            spec if spec != "tiny-qwen2-vl" else TINY,
+            cfg,
+            build_tiny_tokenizer(),
+            tiny_image_processor(fam.model_type),
+            fp,
+            model,
+        )
+    path = _checkpoint_dir(spec)
+    what = f"{fam.display_name} checkpoint {path}"
+    # Any failure inside transformers (missing or mismatched weights, bad config values) is a
+    # load error naming the checkpoint, never a traceback from deep inside the library.
+    try:
+        cfg = classes.config.from_pretrained(path, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        proc = classes.image_processor.from_pretrained(path, local_files_only=True)
+        model = None
+        if weights:
+            model = classes.model.from_pretrained(
+                path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+            )
+            cfg = model.config
+    except Exception as e:  # see above: every failure is a load error
+        raise ModelLoadError(f"cannot load {what}: {type(e).__name__}: {e}") from e
+    return _Loaded(fam, str(path), cfg, tok, proc, checkpoint_fingerprint(path), model)
 
 
 def load_render_info(spec: str = TINY) -> RenderInfo:
     """Processor, tokenizer, ids and fingerprint for ``spec`` without placing weights on a device.
 
-    For ``tiny`` the random weights are rebuilt on CPU (cheap) to compute the fingerprint.
+    For a tiny spec the random weights are rebuilt on CPU (cheap) to compute the fingerprint.
     """
-    if spec == TINY:
-        model, cfg = _build_tiny_model()
-        tok: PreTrainedTokenizerBase = build_tiny_tokenizer()
-        proc = tiny_image_processor()
-        fp = state_dict_fingerprint(model, cfg)
-        name = TINY
-    else:
-        path = _checkpoint_dir(spec)
-        cfg = Qwen2VLConfig.from_pretrained(path, local_files_only=True)
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        proc = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
-        fp = checkpoint_fingerprint(path)
-        name = str(path)
+    ld = _load(spec, weights=False, dtype=torch.float32)
     return RenderInfo(
-        model_name=name,
-        fingerprint=fp,
-        image_processor=proc,
-        tokenizer=tok,
-        merge_size=_check_processor(proc, cfg),
-        vocab_size=int(text_config(cfg).vocab_size),
-        **_special_ids(tok, cfg),
+        model_name=ld.name,
+        family=ld.family,
+        fingerprint=ld.fingerprint,
+        image_processor=ld.processor,
+        tokenizer=ld.tokenizer,
+        merge_size=_check_processor(ld.processor, ld.config),
+        vocab_size=int(text_config(ld.config).vocab_size),
+        **_special_ids(ld.tokenizer, ld.config),
     )
 
 
 def load_model(
     spec: str = TINY, *, device: str | torch.device = "auto", dtype: torch.dtype | None = None
 ) -> ModelBundle:
-    """Load ``tiny`` (seeded random weights) or a local Qwen2-VL checkpoint directory (offline).
+    """Load a tiny spec (seeded random weights) or a local checkpoint directory (offline) of a
+    supported family; :class:`ModelLoadError` for anything else.
 
-    ``device``: None reads ``EPD_DEVICE`` ("auto": CUDA when present, else CPU). ``dtype``: None
-    means bf16 on GPU, fp32 on CPU.
+    ``device``: "auto" means CUDA when present, else CPU. ``dtype``: None means bf16 on GPU,
+    fp32 on CPU.
     """
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     dt = dtype or default_dtype(dev)
-    tok: PreTrainedTokenizerBase
-    if spec == TINY:
-        model, cfg = _build_tiny_model()
-        fp = state_dict_fingerprint(model, cfg)  # before the cast: device-independent identity
-        tok = build_tiny_tokenizer()
-        proc = tiny_image_processor()
-        name = TINY
-    else:
-        path = _checkpoint_dir(spec)
-        fp = checkpoint_fingerprint(path)
-        try:
-            model = Qwen2VLForConditionalGeneration.from_pretrained(
-                path, dtype=dt, local_files_only=True, attn_implementation="sdpa"
-            )
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot load Qwen2-VL checkpoint {path}: {e}") from e
-        cfg = model.config
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        proc = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
-        name = str(path)
+    ld = _load(spec, weights=True, dtype=dt)
     # transformers' decorated .to() confuses mypy; it returns the model itself.
-    model = cast(Qwen2VLForConditionalGeneration, model.to(device=dev, dtype=dt))  # type: ignore[call-arg]
+    model = ld.model.to(device=dev, dtype=dt)
     model.eval()
-    ids = _special_ids(tok, cfg)
+    ids = _special_ids(ld.tokenizer, ld.config)
     # generate() reads its defaults from here. A real checkpoint keeps its own eos list (the
     # oracle passes stop ids explicitly anyway); pad must be set to silence generate's warning.
-    if spec == TINY:
+    if spec in TINY_SPECS:
         model.generation_config.eos_token_id = ids["eos_token_id"]
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = ids["eos_token_id"]
     return ModelBundle(
-        model_name=name,
+        model_name=ld.name,
+        family=ld.family,
         model=model,
-        image_processor=proc,
-        tokenizer=tok,
-        config=cfg,
+        image_processor=ld.processor,
+        tokenizer=ld.tokenizer,
+        config=ld.config,
         device=dev,
         dtype=dt,
-        fingerprint=fp,
-        merge_size=_check_processor(proc, cfg),
+        fingerprint=ld.fingerprint,
+        merge_size=_check_processor(ld.processor, ld.config),
         **ids,
     )
 
@@ -395,6 +588,7 @@ def describe(bundle: ModelBundle) -> dict[str, Any]:
     """A JSON-friendly summary (for logs and ``/healthz``)."""
     return {
         "model": bundle.model_name,
+        "family": bundle.family.model_type,
         "fingerprint": bundle.fingerprint,
         "device": str(bundle.device),
         "dtype": str(bundle.dtype).removeprefix("torch."),

@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from schemas import defaults
+from schemas.families import MODEL_HELP
 
 SIGNING_WORKERS = frozenset({"encode", "prefill", "router"})
 """Workers that sign or verify ``ec_transfer_params``."""
@@ -113,7 +114,7 @@ class Settings(BaseSettings):
     )
 
     # Model
-    model: str = Field(defaults.TINY_MODEL, description="'tiny' or a local checkpoint path")
+    model: str = Field(defaults.TINY_MODEL, description=MODEL_HELP)
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
 
     # Logs

@@ -8,6 +8,9 @@ M-RoPE positions) and the vLLM wire (which fields are ``keep_on_cpu`` batched vs
 The split follows vLLM's rule for ``mm_metadata``: an item's *metadata* is its placeholder
 metadata and keep-on-CPU fields (the grids, video timing); everything the vision tower consumes is
 an *encoder input* and travels only on the encode topic.
+
+Which of these fields a given model family uses (and how) is the family table's business:
+:mod:`schemas.families`.
 """
 
 from __future__ import annotations

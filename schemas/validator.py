@@ -156,11 +156,16 @@ class ValidationConfig:
         return cls(**values)
 
     @classmethod
-    def for_worker(cls, settings: Any, model_fingerprint: str) -> ValidationConfig:
+    def for_worker(
+        cls, settings: Any, model_fingerprint: str, **model_facts: Any
+    ) -> ValidationConfig:
         """The gate of an encode or prefill worker: strict whatever ``EPD_VALIDATION_MODE``
         says (``vllm`` is for the vLLM-facing gate), with entry keys pinned to the worker's own
-        model, so two models never share embeddings."""
-        return cls.from_settings(settings, mode="strict", model_fingerprint=model_fingerprint)
+        model, so two models never share embeddings. ``model_facts``: what the loaded model
+        dictates (its family's ``metadata_fields``, its ``merge_size``)."""
+        return cls.from_settings(
+            settings, mode="strict", model_fingerprint=model_fingerprint, **model_facts
+        )
 
 
 # ---------------------------------------------------------------------------------------------

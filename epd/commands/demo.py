@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from schemas.families import MODEL_HELP
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
@@ -19,7 +21,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="run encode/prefill/results workers and a handful of image requests end to end",
     )
     p.add_argument("--json", action="store_true", help="print only the summary, as JSON")
-    p.add_argument("--model", default=None, help="'tiny' (default) or a local checkpoint path")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"{MODEL_HELP} (default: EPD_MODEL, tiny)",
+    )
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for all requests")
     p.set_defaults(func=run)
@@ -70,9 +76,18 @@ def _progress(done: int, total: int, enabled: bool) -> None:
         sys.stderr.write("\n")
 
 
+def _check_model(spec: str | None) -> None:
+    """Refuse an unsupported model (ModelLoadError: exit 2) before any service or worker starts."""
+    from runtime.model import model_family
+    from runtime.settings import Settings
+
+    model_family(spec or Settings().model)
+
+
 def run(args: argparse.Namespace) -> int:
     from epd import services
 
+    _check_model(args.model)
     quiet = args.json
     state_dir = services.state_dir()
     with services.running(state_dir) as state:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from schemas.families import MODEL_HELP
+
 if TYPE_CHECKING:
     from epd.local_pipeline import LocalRun
     from runtime.model import ModelBundle
@@ -22,7 +24,11 @@ if TYPE_CHECKING:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("verify", help="check pipeline tokens against the monolithic model")
-    p.add_argument("--model", default=None, help="'tiny' or a local checkpoint (default EPD_MODEL)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"{MODEL_HELP} (default: EPD_MODEL, tiny)",
+    )
     p.add_argument(
         "--external",
         action="store_true",
@@ -137,9 +143,18 @@ async def verify_cases(
     return results
 
 
+def _check_model(spec: str | None) -> None:
+    """Refuse an unsupported model (ModelLoadError: exit 2) before any service or worker starts."""
+    from runtime.model import model_family
+    from runtime.settings import Settings
+
+    model_family(spec or Settings().model)
+
+
 def run(args: argparse.Namespace) -> int:
     from epd import services
 
+    _check_model(args.model)
     if args.external:
         return asyncio.run(_verify(args, services.state_dir()))
     with services.running(services.state_dir()) as state:

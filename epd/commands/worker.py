@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from schemas.families import MODEL_HELP
 from schemas.topics import Topics
 
 if TYPE_CHECKING:
@@ -146,6 +147,8 @@ class Stage:
     """Stage name on the ``rejected``/``failed`` status of a dead-lettered request; None: none."""
     keyed_by_request: bool
     """Whether the record key is the request id (for reporting undecodable records)."""
+    uses_model: bool = True
+    """Whether the stage loads the model (or its render info): checked at start-up."""
 
 
 STAGES: dict[str, Stage] = {
@@ -177,6 +180,7 @@ STAGES: dict[str, Stage] = {
             _build_results,
             report_as=None,
             keyed_by_request=True,
+            uses_model=False,
         ),
         Stage(
             "router",
@@ -200,7 +204,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         + " ".join(f"{s.kind}: {s.help}." for s in STAGES.values()),
     )
     p.add_argument("kind", choices=KINDS)
-    p.add_argument("--model", help="'tiny' or a local checkpoint path (default: EPD_MODEL)")
+    p.add_argument("--model", help=f"{MODEL_HELP} (default: EPD_MODEL)")
     p.add_argument("--store", help="embedding store URI (default: EPD_STORE_URL or EPD_REDIS_URL)")
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N (default: EPD_DEVICE)")
     p.add_argument(
@@ -244,6 +248,11 @@ def run(args: argparse.Namespace) -> int:
         json.dump({"kind": args.kind, "settings": settings.describe()}, sys.stdout, sort_keys=True)
         sys.stdout.write("\n")
         return 0
+    if STAGES[args.kind].uses_model:
+        from runtime.model import model_family
+
+        # Refuse an unsupported model family before joining any group (ModelLoadError: exit 2).
+        model_family(settings.model)
     from runtime.logs import configure_logging
 
     configure_logging(args.log_level, settings.log_format)

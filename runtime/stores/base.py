@@ -9,6 +9,10 @@ the tensor's raw little-endian C-order bytes, so a reader needs nothing but the 
     magic "EPDT" | version u8 | dtype-name length u8 | ndim u16 | expires_ms i64 |
     dtype name (ascii) | shape (ndim x i64) | zero padding to a multiple of 64 | data
 
+An entry of several named tensors (an item's encoder outputs: Qwen3-VL's embedding plus its
+deepstack features) is one value too, so it has one key, one TTL and one readiness signal; see
+:func:`pack_tensors` for its layout and its digest.
+
 The data starts on a 64-byte boundary of the blob so a view over it (``torch.frombuffer`` over an
 ``mmap``) is aligned for every dtype. ``expires_ms`` is wall-clock epoch milliseconds, 0 for none;
 Redis expires keys itself (its blobs carry 0); shm keeps the expiry in the file's mtime, which its
@@ -21,9 +25,10 @@ import abc
 import mmap
 import struct
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import blake3
 import torch
 
 from schemas.errors import CodecError
@@ -139,6 +144,26 @@ class EmbeddingStore(abc.ABC):
         if t.numel() == 0:
             return b""
         return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+    async def put_tensors(
+        self, key: str, tensors: Mapping[str, torch.Tensor], ttl_s: float | None = None
+    ) -> None:
+        """Store several named tensors as ONE entry (one key, one TTL, one digest over all of
+        them); read back with :meth:`get_tensors`. Waiters wake once, when all are there."""
+        await self.put_bytes(key, memoryview(pack_tensors(tensors)), ttl_s)
+
+    async def get_tensors(self, key: str) -> dict[str, torch.Tensor]:
+        """The named tensors of a :meth:`put_tensors` entry, digest checked.
+
+        Raises :class:`StoreKeyMissing` when absent and :class:`StoreCorrupt` when the value is
+        not such an entry or its digest does not match.
+        """
+        return unpack_tensors(_uint8_view(await self.get(key)), key)
+
+    async def get_tensors_many(self, keys: Sequence[str]) -> list[dict[str, torch.Tensor]]:
+        """:meth:`get_tensors` for several keys (one round trip where the backend batches)."""
+        values = await self.get_many(keys)
+        return [unpack_tensors(_uint8_view(v), k) for k, v in zip(keys, values, strict=True)]
 
     async def close(self) -> None:  # noqa: B027 - optional hook, most stores need it
         """Release connections, watches and background tasks. Idempotent."""
@@ -258,3 +283,100 @@ def tensor_from_blob(blob: Blob, header: BlobHeader) -> torch.Tensor:
 def missing_of(keys: Iterable[str], present: Iterable[bool]) -> list[str]:
     """Keys whose flag in ``present`` is false (helper for ``wait`` implementations)."""
     return [k for k, ok in zip(keys, present, strict=True) if not ok]
+
+
+# --- multi-tensor entries --------------------------------------------------------------------
+
+MULTI_MAGIC = b"EPDM"
+MULTI_VERSION = 1
+_MULTI_HEAD = struct.Struct("<4sBxH32s")  # magic, version, pad, count, blake3 digest
+_MULTI_ITEM = struct.Struct("<HBBQ")  # name length, dtype-name length, ndim, data bytes
+MULTI_MAX_TENSORS = 64
+
+
+def _align(n: int) -> int:
+    return n + (-n % ALIGN)
+
+
+def pack_tensors(tensors: Mapping[str, torch.Tensor]) -> bytearray:
+    """One blob holding several named tensors (the value of a multi-tensor entry)::
+
+        magic "EPDM" | version u8 | pad u8 | count u16 | blake3 digest (32 bytes) |
+        per tensor, in the given order:
+            name length u16 | dtype-name length u8 | ndim u8 | data bytes u64 |
+            name (utf-8) | dtype name (ascii) | shape (ndim x i64) |
+            zero padding to a multiple of 64 | little-endian C-order data
+
+    The digest covers everything after it, so a reader detects any torn or foreign value.
+    Every tensor's data starts on a 64-byte boundary of the blob (aligned views on read).
+    """
+    if not tensors:
+        raise ValueError("a multi-tensor entry needs at least one tensor")
+    if len(tensors) > MULTI_MAX_TENSORS:
+        raise ValueError(f"{len(tensors)} tensors; a multi-tensor entry holds at most 64")
+    parts: list[tuple[bytes, memoryview]] = []
+    size = _MULTI_HEAD.size
+    for name, t in tensors.items():
+        nm = name.encode()
+        dt = dtype_name(t.dtype).encode("ascii")
+        data = tensor_view(t)
+        head = _MULTI_ITEM.pack(len(nm), len(dt), t.dim(), data.nbytes) + nm + dt
+        head += struct.pack(f"<{t.dim()}q", *t.shape)
+        parts.append((head, data))
+        size = _align(size + len(head)) + data.nbytes
+    out = bytearray(size)
+    pos = _MULTI_HEAD.size
+    for head, data in parts:
+        out[pos : pos + len(head)] = head
+        pos = _align(pos + len(head))
+        out[pos : pos + data.nbytes] = data
+        pos += data.nbytes
+    digest = blake3.blake3(memoryview(out)[_MULTI_HEAD.size :]).digest()
+    _MULTI_HEAD.pack_into(out, 0, MULTI_MAGIC, MULTI_VERSION, len(parts), digest)
+    return out
+
+
+def _uint8_view(t: torch.Tensor) -> memoryview:
+    if t.dtype != torch.uint8 or t.dim() != 1:
+        return memoryview(b"")  # not a packed entry: unpack_tensors names the key
+    return tensor_view(t)
+
+
+def unpack_tensors(blob: Blob, key: str = "?") -> dict[str, torch.Tensor]:
+    """The named tensors of a :func:`pack_tensors` blob, viewing it without copying.
+
+    Raises :class:`StoreCorrupt` naming the key for anything else: a single-tensor value, a
+    truncated blob, a digest mismatch.
+    """
+    buf = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob.cast("B")
+    if len(buf) < _MULTI_HEAD.size:
+        raise StoreCorrupt(f"store value for {key!r} is not a multi-tensor entry")
+    magic, version, count, digest = _MULTI_HEAD.unpack_from(buf, 0)
+    if magic != MULTI_MAGIC:
+        raise StoreCorrupt(f"store value for {key!r} is not a multi-tensor entry")
+    if version != MULTI_VERSION:
+        raise StoreCorrupt(f"multi-tensor entry {key!r} has unsupported version {version}")
+    if blake3.blake3(buf[_MULTI_HEAD.size :]).digest() != digest:
+        raise StoreCorrupt(f"multi-tensor entry {key!r} fails its digest check")
+    out: dict[str, torch.Tensor] = {}
+    pos = _MULTI_HEAD.size
+    try:
+        for _ in range(count):
+            name_len, dt_len, ndim, nbytes = _MULTI_ITEM.unpack_from(buf, pos)
+            pos += _MULTI_ITEM.size
+            name = bytes(buf[pos : pos + name_len]).decode()
+            pos += name_len
+            dt = bytes(buf[pos : pos + dt_len]).decode("ascii")
+            pos += dt_len
+            shape = list(struct.unpack_from(f"<{ndim}q", buf, pos))
+            pos = _align(pos + 8 * ndim)
+            if nbytes != nbytes_of(dt, shape) or pos + nbytes > len(buf):
+                raise StoreCorrupt(f"multi-tensor entry {key!r}: tensor {name!r} is truncated")
+            header = BlobHeader(dt, shape, 0, pos)
+            out[name] = tensor_from_blob(buf[: pos + nbytes], header)
+            pos += nbytes
+    except (struct.error, UnicodeDecodeError, CodecError) as exc:
+        raise StoreCorrupt(f"multi-tensor entry {key!r} is malformed: {exc}") from None
+    if pos != len(buf):
+        raise StoreCorrupt(f"multi-tensor entry {key!r} has {len(buf) - pos} trailing bytes")
+    return out

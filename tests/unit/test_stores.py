@@ -31,6 +31,7 @@ from runtime.stores import (
     StoreUnavailable,
     open_store,
 )
+from runtime.stores.base import pack_tensors, unpack_tensors
 from runtime.stores.redis import RedisStore
 from runtime.stores.shm import ShmStore, key_filename
 
@@ -116,6 +117,60 @@ async def test_get_many_and_bytes(store: EmbeddingStore) -> None:
     with pytest.raises(StoreKeyMissing) as info:
         await store.get_many(["a", "nope-1", "b", "nope-2"])
     assert info.value.keys == ["nope-1", "nope-2"]
+
+
+async def test_multi_tensor_entry_round_trip(store: EmbeddingStore) -> None:
+    """Several named tensors (an item's embedding + deepstack features) are ONE entry: one key,
+    one wait, one TTL; every dtype, shape and name comes back, in order."""
+    entry = {
+        "embeds": TENSORS["bf16"],
+        "deepstack": torch.randn(3, 7, 16).to(torch.bfloat16),
+        "int": TENSORS["int64"],
+        "empty": TENSORS["empty"],
+        "noncontig": TENSORS["noncontig"],
+    }
+    waiter = asyncio.create_task(store.wait(["item"], timeout_s=5))
+    await asyncio.sleep(0.05)
+    await store.put_tensors("item", entry, ttl_s=60)
+    await waiter
+    got = await store.get_tensors("item")
+    assert list(got) == list(entry)
+    for name, t in entry.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape
+        assert torch.equal(got[name], t), name
+    await store.put_tensors("other", {"embeds": TENSORS["fp32"]})
+    a, b = await store.get_tensors_many(["item", "other"])
+    assert torch.equal(a["deepstack"], entry["deepstack"])
+    assert torch.equal(b["embeds"], TENSORS["fp32"])
+    assert await store.touch("item", 30)
+    with pytest.raises(StoreKeyMissing) as info:
+        await store.get_tensors_many(["item", "gone"])
+    assert info.value.keys == ["gone"]
+
+
+async def test_multi_tensor_entry_refuses_other_values(store: EmbeddingStore) -> None:
+    """A single-tensor value, or a packed entry with one flipped byte, is StoreCorrupt."""
+    await store.put("single", TENSORS["fp32"])
+    with pytest.raises(StoreCorrupt, match="not a multi-tensor entry"):
+        await store.get_tensors("single")
+    blob = pack_tensors({"embeds": TENSORS["fp32"], "deepstack": TENSORS["fp32"] * 2})
+    blob[-1] ^= 0x01
+    await store.put_bytes("torn", blob)
+    with pytest.raises(StoreCorrupt, match="digest"):
+        await store.get_tensors("torn")
+    with pytest.raises(StoreKeyMissing):
+        await store.get_tensors("absent")
+
+
+def test_pack_tensors_layout_limits() -> None:
+    with pytest.raises(ValueError):
+        pack_tensors({})
+    blob = pack_tensors({"a": torch.arange(5, dtype=torch.int16)})
+    assert bytes(blob[:4]) == b"EPDM"
+    with pytest.raises(StoreCorrupt, match="digest"):
+        unpack_tensors(blob[:-2])
+    got = unpack_tensors(blob)
+    assert torch.equal(got["a"], torch.arange(5, dtype=torch.int16))
 
 
 async def test_missing_key(store: EmbeddingStore) -> None:
