@@ -29,6 +29,11 @@ class Settings(BaseSettings):
         "Tansu only when the wait ends, so keep it short there",
     )
     topic_prefix: str = "epd"
+    group_suffix: str = Field(
+        "",
+        description="appended to every consumer group id; isolates runs that share a broker "
+        "(groups are per broker, not per topic prefix)",
+    )
     topic_partitions: int = 4
     max_message_bytes: int = Field(16 * 1024 * 1024, description="broker and producer message cap")
     compression: Literal["none", "gzip", "lz4", "zstd"] = Field(

@@ -201,7 +201,7 @@ async def run_worker(
             settings,
             ConsumerConfig(
                 topics=[topic],
-                group_id=group,
+                group_id=group + settings.group_suffix,
                 dlq_topic=topics.dlq,
                 max_in_flight=settings.max_in_flight,
                 max_attempts=settings.max_attempts,

@@ -69,7 +69,9 @@ class LagMonitor:
             while True:
                 try:
                     if consumer is None:
-                        consumer = make_consumer(self.settings, group_id=GROUP_ENCODE)
+                        consumer = make_consumer(
+                            self.settings, group_id=GROUP_ENCODE + self.settings.group_suffix
+                        )
                         await consumer.start()
                     self.lag = await self.sample(consumer)
                     self.sampled_at = time.monotonic()

@@ -104,6 +104,9 @@ def isolated(settings: Settings) -> Settings:
     return settings.model_copy(
         update={
             "topic_prefix": f"api-{run_id}",
+            # Consumer groups are per broker: a run of its own never rebalances with (or waits
+            # on) workers of other runs sharing the broker.
+            "group_suffix": f"-{run_id}",
             "ec_namespace": f"ec-{run_id}",
             "ec_secret": SecretStr(secrets.token_hex(16)),
         }
@@ -122,6 +125,7 @@ def api_stack(settings: Settings, log_dir: Path) -> Iterator[ApiStack]:
     env = worker_env(settings)
     env.update(
         {
+            "EPD_GROUP_SUFFIX": settings.group_suffix,
             "EPD_API_TOKENS": API_TOKENS,
             "EPD_API_MAX_BODY_BYTES": str(4 * 1024 * 1024),
             "EPD_API_MAX_IMAGE_BYTES": str(2 * 1024 * 1024),

@@ -86,7 +86,9 @@ async def test_encode_backlog_beyond_the_bound_is_429(topic_settings: Settings) 
     from runtime.kafka import make_consumer, make_producer
     from schemas.topics import GROUP_ENCODE, Topics
 
-    cfg = topic_settings.model_copy(update={"api_max_encode_lag": 3, "api_tokens": None})
+    cfg = topic_settings.model_copy(
+        update={"api_max_encode_lag": 3, "api_tokens": None, "group_suffix": "-lag-test"}
+    )
     topics = Topics(cfg.topic_prefix)
     producer = make_producer(cfg)
     await producer.start()
@@ -95,7 +97,7 @@ async def test_encode_backlog_beyond_the_bound_is_429(topic_settings: Settings) 
             await producer.send_and_wait(topics.encode, value=b"x", key=str(i).encode())
     finally:
         await producer.stop()
-    consumer = make_consumer(cfg, group_id=GROUP_ENCODE)
+    consumer = make_consumer(cfg, group_id=GROUP_ENCODE + cfg.group_suffix)
     await consumer.start()
     try:
         assert await LagMonitor(cfg, topics).sample(consumer) == 5
