@@ -251,11 +251,11 @@ class StatusStore:
 
     async def in_flight_by_status(self, limit: int = 10000) -> dict[str, int]:
         """Unfinished requests counted by status (one MGET of at most ``limit`` records)."""
-        ids = await self.client.zrange(self.inflight_key, 0, limit - 1)
+        ids: list[Any] = await self.client.zrange(self.inflight_key, 0, limit - 1)
         if not ids:
             return {}
         raws = await self.client.mget(
-            [self.key(i.decode() if isinstance(i, bytes) else i) for i in ids]
+            [self.key(i.decode() if isinstance(i, bytes) else str(i)) for i in ids]
         )
         counts: dict[str, int] = {}
         for raw in raws:
