@@ -126,6 +126,7 @@ def worker_env(settings: Settings) -> dict[str, str]:
         "EPD_REDIS_URL": settings.redis_url,
         "EPD_STORE_URL": settings.store_url,
         "EPD_TOPIC_PREFIX": settings.topic_prefix,
+        "EPD_GROUP_SUFFIX": settings.group_suffix,
         "EPD_MODEL": settings.model,
         "EPD_DEVICE": settings.device,
         "EPD_INLINE_LIMIT_BYTES": str(settings.inline_limit_bytes),
@@ -180,6 +181,7 @@ async def local_pipeline(
         settings = settings.model_copy(
             update={
                 "topic_prefix": f"{settings.topic_prefix}-{run_id}",
+                "group_suffix": f"{settings.group_suffix}-{run_id}",
                 "ec_namespace": f"{settings.ec_namespace}-{run_id}",
                 "ec_secret": SecretStr(secrets.token_hex(16)),
             }
