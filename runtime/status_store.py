@@ -251,7 +251,7 @@ class StatusStore:
 
     async def in_flight_by_status(self, limit: int = 10000) -> dict[str, int]:
         """Unfinished requests counted by status (one MGET of at most ``limit`` records)."""
-        ids = await self.client.zrange(self.inflight_key, 0, limit - 1)
+        ids: list[Any] = await self.client.zrange(self.inflight_key, 0, limit - 1)
         if not ids:
             return {}
         names = [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
