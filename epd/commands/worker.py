@@ -78,11 +78,14 @@ class StageContext:
         return bundle
 
 
-async def _build_encode(ctx: StageContext) -> Handler:
+async def _build_gpu_worker(ctx: StageContext, kind: str) -> Handler:
+    """An encode or prefill worker: the model, the store, the publisher and a cancel watch."""
     from gpu_workers.encode import EncodeWorker
+    from gpu_workers.prefill import PrefillWorker
 
+    worker_cls = EncodeWorker if kind == "encode" else PrefillWorker
     store = ctx.open_store()
-    w = EncodeWorker(
+    w = worker_cls(
         ctx.settings,
         await ctx.load_model(),
         store,
@@ -93,23 +96,14 @@ async def _build_encode(ctx: StageContext) -> Handler:
     )
     ctx.closers.append(w.close)
     return w.handle
+
+
+async def _build_encode(ctx: StageContext) -> Handler:
+    return await _build_gpu_worker(ctx, "encode")
 
 
 async def _build_prefill(ctx: StageContext) -> Handler:
-    from gpu_workers.prefill import PrefillWorker
-
-    store = ctx.open_store()
-    w = PrefillWorker(
-        ctx.settings,
-        await ctx.load_model(),
-        store,
-        ctx.publisher,
-        topics=ctx.topics,
-        worker_id=ctx.worker_id,
-        cancel=await ctx.cancel_watch(),
-    )
-    ctx.closers.append(w.close)
-    return w.handle
+    return await _build_gpu_worker(ctx, "prefill")
 
 
 async def _build_results(ctx: StageContext) -> Handler:

@@ -149,3 +149,13 @@ def test_status_view_stages_and_items() -> None:
     assert v["stages"]["prefill"]["ms"] == 50.0 and v["stages"]["decode"]["ms"] == 150.0
     assert [(i["cache_hit"], i["encoded"]) for i in v["items"]] == [(False, True), (True, True)]
     assert v["result"] == {"token_ids": [1, 2], "text": "hi"}
+
+
+def test_api_statuses_are_the_pipelines_statuses() -> None:
+    """The API's status literal and the event contract's status table name the same set."""
+    from typing import get_args
+
+    from producers.api.models import Status
+    from schemas.types import STATUSES
+
+    assert set(get_args(Status)) == set(STATUSES)
