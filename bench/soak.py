@@ -485,6 +485,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     duration = args.seconds if args.seconds is not None else args.minutes * 60
     if duration <= 0 or args.rps <= 0:
         p.error("--minutes/--seconds and --rps must be positive")
+    if args.interval_s is not None and args.interval_s <= 0:
+        p.error("--interval-s must be positive")
+    if args.warmup_s is not None and args.warmup_s < 0:
+        p.error("--warmup-s must not be negative")
     for name in ("repeat_fraction", "large_fraction"):
         if not 0 <= getattr(args, name) <= 1:
             p.error(f"--{name.replace('_', '-')} must be between 0 and 1")
@@ -498,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parse_args(argv)
     d = args.duration_s
-    interval = args.interval_s or (60.0 if d >= 360 else d / 6)
+    interval = args.interval_s if args.interval_s is not None else (60.0 if d >= 360 else d / 6)
     warmup = args.warmup_s if args.warmup_s is not None else (60.0 if d >= 240 else d / 4)
     env = Settings()
     db_url = _redis_db_url(args.redis_url or env.redis_url)

@@ -140,6 +140,8 @@ def test_growth_verdicts() -> None:
         (["--minutes", "0"], "must be positive"),
         (["--rps", "-1"], "must be positive"),
         (["--repeat-fraction", "1.5"], "--repeat-fraction must be between 0 and 1"),
+        (["--interval-s", "0"], "--interval-s must be positive"),
+        (["--warmup-s", "-1"], "--warmup-s must not be negative"),
     ],
 )
 def test_bad_options_are_refused(
