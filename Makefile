@@ -4,6 +4,7 @@
 #   make test      the full suite; services from tests/services.py (env, testcontainers or embedded)
 #   make demo      the end-to-end demo on local services
 #   make bench     the side-by-side benchmarks
+#   make soak      the pipeline under steady load, memory per minute (MINUTES=5 RPS=2)
 #   make up/down   the production-like docker compose stack (Apache Kafka, Redis, services)
 #
 # Variables: PYTHON (>= 3.11, default python3), VENV (.venv), TORCH_SPEC (torch==2.13.0, the CPU
@@ -18,6 +19,9 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?= -q -ra --durations=10
 DEMO_ARGS ?=
 BENCH_ARGS ?=
+MINUTES ?= 5
+RPS ?= 2
+SOAK_ARGS ?=
 STATE_DIR ?= .epd
 
 VPY := $(VENV)/bin/python
@@ -25,7 +29,7 @@ EPD := $(VENV)/bin/epd
 STAMP := $(VENV)/.epd-installed
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 
-.PHONY: help install test test-unit demo bench up down services services-down dockerd dockerd-stop \
+.PHONY: help install test test-unit demo bench soak up down services services-down dockerd dockerd-stop \
 	lint imports fmt clean
 
 help:
@@ -63,6 +67,10 @@ demo: install
 
 bench: install
 	$(EPD) services run -- $(VPY) -m bench $(BENCH_ARGS)
+
+# Summary JSON on stdout, one line per interval on stderr (see bench/soak.py).
+soak: install
+	$(EPD) services run -- $(VPY) -m bench.soak --minutes $(MINUTES) --rps $(RPS) $(SOAK_ARGS)
 
 # Local services only (Tansu + Redis), left running: eval "$$(.venv/bin/epd env)" to use them.
 services: install

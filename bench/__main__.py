@@ -1,5 +1,8 @@
 """``python -m bench [NAME ...] [--quick] [--out DIR] [--check]``: run benchmarks, print JSON.
 
+``python -m bench soak [OPTIONS]`` runs the soak instead (``bench/soak.py``; not a budgeted
+benchmark, so it is never part of the default selection).
+
 stdout gets one JSON document: ``machine`` facts, the run ``options``, one key per benchmark
 (its numbers, its ``budget`` from DESIGN.md and ``meets_budget``) and a ``summary``. Progress
 goes to stderr. The same document is written to ``DIR/results.json`` with a headroom chart
@@ -78,6 +81,11 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["soak"]:
+        from bench.soak import main as soak_main
+
+        return soak_main(argv[1:])
     args = parse_args(argv)
     names = args.names or list(BENCHMARKS)
     report: dict[str, Any] = {
