@@ -19,7 +19,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -469,3 +469,55 @@ class CancelWatch:
 
 
 CancelCheck = Callable[[str], Awaitable[bool]]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestState:
+    """What a worker reads of a request's status record before (re)doing its work."""
+
+    status: str | None
+    """The record's status; None when there is no record (never made, expired, or wiped)."""
+    encoded: frozenset[str]
+    """Items (``mm_hash[:12]``) the encode stage stored or found cached, per the record."""
+    records_since_ms: int | None = None
+    """Only when there is no record: a time (epoch ms, Redis clock) before which the Redis
+    holding the records had not started, so a request created earlier had a record that is
+    gone. Errs early (the server reports its uptime in whole seconds)."""
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+def encoded_items(info: dict[str, Any]) -> frozenset[str]:
+    """The short hashes a record's ``info`` marks ``encoded`` or ``cache_hit``."""
+    return frozenset(
+        k.removeprefix("encoded.")
+        for k, v in info.items()
+        if k.startswith("encoded.") and v in ("encoded", "cache_hit")
+    )
+
+
+class RequestReader:
+    """Reads :class:`RequestState` for workers (prefill: replay skip, lost-embedding check)."""
+
+    def __init__(self, status: StatusStore) -> None:
+        self.status = status
+
+    async def __call__(self, request_id: str) -> RequestState | None:
+        """The request's state, or None when Redis cannot be read (the caller cannot tell)."""
+        try:
+            rec = await self.status.get(request_id)
+            if rec is not None:
+                return RequestState(rec["status"], encoded_items(rec.get("info") or {}))
+            info: Any = await self.status.client.info("server")
+            now_s, now_us = await self.status.client.time()
+            now = int(now_s) * 1000 + int(now_us) // 1000
+            since = now - (int(info["uptime_in_seconds"]) + 1) * 1000
+            return RequestState(None, frozenset(), since)
+        except (RedisError, OSError, KeyError, ValueError) as exc:
+            log.warning("cannot read the state of %s: %r", request_id, exc)
+            return None
+
+
+RequestStateReader = Callable[[str], Awaitable[RequestState | None]]

@@ -61,6 +61,17 @@ class StageContext:
         self.closers.extend([client.aclose, watch.close])
         return watch
 
+    def request_state(self) -> Any:
+        """Reads a request's status record (skip replays, tell a lost embedding)."""
+        from runtime.redis_client import redis_client
+        from runtime.status_store import RequestReader, StatusStore
+
+        client = redis_client(self.settings)
+        self.closers.append(client.aclose)
+        return RequestReader(
+            StatusStore(client, prefix=self.settings.topic_prefix, ttl_s=self.settings.status_ttl_s)
+        )
+
     async def load_model(self) -> Any:
         """The model on the configured device (in a thread: loading takes seconds)."""
         from runtime.model import load_model
@@ -107,6 +118,7 @@ async def _build_prefill(ctx: StageContext) -> Handler:
         topics=ctx.topics,
         worker_id=ctx.worker_id,
         cancel=await ctx.cancel_watch(),
+        request_state=ctx.request_state(),
     )
     ctx.closers.append(w.close)
     return w.handle
