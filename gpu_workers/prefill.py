@@ -106,16 +106,17 @@ def embeddings_lost(missing: list[str], state: RequestState | None, created_ms: 
     """Of the ``missing`` item hashes, those whose embedding cannot come any more.
 
     An item the record says was encoded (or a cache hit) and is no longer in the store is lost
-    (Redis evicted it, or the store restarted empty while the records survived). A request with
-    no record at all, created before the Redis holding the records started, lost its record with
-    a Redis restart: everything of it kept in that Redis (embeddings, claim-checked inputs) is
-    gone too, so each missing item is lost. ``state`` None (Redis unreadable) decides nothing.
+    (Redis evicted it, or the store restarted empty while the records survived). A request
+    created before the Redis holding the records last started, whose record holds nothing from
+    before that start, lost its record in a restart: everything of it kept in that Redis
+    (embeddings, claim-checked inputs) is gone too, so each missing item is lost. ``state``
+    None (Redis unreadable) decides nothing.
     """
     if state is None:
         return []
-    if state.status is None:
-        since = state.records_since_ms
-        return list(missing) if since is not None and created_ms < since else []
+    since = state.records_since_ms
+    if state.wiped and since is not None and created_ms < since:
+        return list(missing)
     return [h for h in missing if h[:12] in state.encoded]
 
 
@@ -198,14 +199,14 @@ class PrefillWorker:
         if ev.deadline_ms is not None:
             timeout = max(0.0, min(timeout, (ev.deadline_ms - now_ms()) / 1000))
         t_wait = time.perf_counter()
-        if await self._lost(ev, keys, record):
+        if await self._lost(ev, keys):
             return
         try:
             await self.store.wait(list(keys.values()), timeout)
         except StoreUnavailable:
             # Redis went away under the wait. If it came back without the embeddings, say so
             # now rather than after a retry's full wait; otherwise the consume loop retries.
-            if await self._lost(ev, keys, None):
+            if await self._lost(ev, keys):
                 return
             raise
         except StoreTimeout as exc:
@@ -292,11 +293,9 @@ class PrefillWorker:
             },
         )
 
-    async def _lost(
-        self, ev: PrefillEvent, keys: dict[str, str], state: RequestState | None
-    ) -> bool:
+    async def _lost(self, ev: PrefillEvent, keys: dict[str, str]) -> bool:
         """True (and reported ``failed``/``embedding-lost``) when an embedding the request
-        needs cannot come any more. ``state`` None: read it (only if something is missing)."""
+        needs cannot come any more (the record is read only when something is missing)."""
         if self.request_state is None:
             return False
         try:
@@ -306,8 +305,7 @@ class PrefillWorker:
         missing = [h for h, ok in zip(keys, present, strict=True) if not ok]
         if not missing:
             return False
-        if state is None or state.status is not None:
-            state = await self.request_state(ev.request_id)  # fresh: it may say encoded now
+        state = await self.request_state(ev.request_id, since=True)
         lost = embeddings_lost(missing, state, ev.created_ms)
         if not lost:
             return False

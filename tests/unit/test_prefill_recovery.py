@@ -34,11 +34,25 @@ def test_a_missing_item_the_record_says_was_encoded_is_lost() -> None:
     assert embeddings_lost([B], state, created_ms=1_000) == []  # B may still be encoding
 
 
-def test_no_record_is_a_loss_only_for_a_request_older_than_the_redis() -> None:
+def test_a_record_wiped_by_a_restart_loses_every_missing_item() -> None:
     wiped = RequestState(None, frozenset(), records_since_ms=5_000)
     assert embeddings_lost([A, B], wiped, created_ms=4_000) == [A, B]
+    # Remade after the restart from later updates only: still wiped.
+    remade = RequestState("prefilling", frozenset(), oldest_ms=6_000, records_since_ms=5_000)
+    assert remade.wiped
+    assert embeddings_lost([A], remade, created_ms=4_000) == [A]
+
+
+def test_no_loss_is_inferred_for_a_new_request_or_a_surviving_record() -> None:
+    wiped = RequestState(None, frozenset(), records_since_ms=5_000)
     # Created after Redis (re)started: its record may simply not be written yet.
     assert embeddings_lost([A], wiped, created_ms=5_000) == []
+    # The record kept updates from before the start (a Redis with persistence): B is still
+    # being encoded, not lost.
+    kept = RequestState("prefilling", frozenset(), oldest_ms=4_500, records_since_ms=5_000)
+    assert not kept.wiped
+    assert embeddings_lost([B], kept, created_ms=4_000) == []
+    # Not asked when Redis started: nothing is inferred from a missing record.
     assert embeddings_lost([A], RequestState(None, frozenset()), created_ms=1) == []
 
 
