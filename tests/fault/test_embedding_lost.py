@@ -150,6 +150,9 @@ async def test_requests_whose_embeddings_vanished_fail_promptly_as_embedding_los
         err = evs[0].error
         assert err is not None and err.code == "embedding-lost"
         assert (err.modality, err.item) == ("image", 0)
+        # The record went with Redis; the one rebuilt from the updates after it says the same.
+        rec = await run.submitter.wait(rid, timeout_s=30)
+        assert (rec["status"], rec["error"]["code"]) == ("failed", "embedding-lost"), rec
 
     # New requests after the restart go through.
     fresh = [await _submit(run, 720 + i, salt) for i in range(2)]
