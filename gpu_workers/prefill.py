@@ -318,8 +318,8 @@ class PrefillWorker:
             "failed",
             error=ErrorInfo(
                 "embedding-lost",
-                f"embeddings for {len(lost)} item(s) were stored and are gone from the store "
-                "(evicted, or Redis restarted empty); they cannot arrive any more: "
+                f"embeddings for {len(lost)} item(s) are gone from the store and cannot arrive "
+                "any more (evicted after they were stored, or lost with a Redis restart): "
                 + ", ".join(h[:16] for h in lost),
                 modality=modality,
                 item=index,
