@@ -388,6 +388,9 @@ def _redis_url_with_port(url: str, port: int) -> str:
 
 def _port_bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As the servers bind (SO_REUSEADDR): a port whose last owner just stopped, with
+        # connections left in TIME_WAIT, is free for them, so a restart keeps its address.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

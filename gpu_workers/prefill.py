@@ -31,7 +31,7 @@ from gpu_workers.compute import (
 from gpu_workers.entries import fetch_outputs, items_from_features, worker_validation
 from runtime.kafka import ResultReporter
 from runtime.settings import Settings
-from runtime.stores.base import StoreTimeout
+from runtime.stores.base import StoreTimeout, StoreUnavailable
 from schemas.errors import ValidationError
 from schemas.topics import Topics
 from schemas.types import ErrorInfo, PrefillEvent, now_ms
@@ -40,7 +40,7 @@ from schemas.validator import validate_prefill_event
 if TYPE_CHECKING:
     from runtime.model import ModelBundle
     from runtime.publisher import Publisher
-    from runtime.status_store import CancelWatch
+    from runtime.status_store import CancelWatch, RequestState, RequestStateReader
     from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,24 @@ def check_bounds(ev: PrefillEvent, bounds: Bounds) -> None:
         )
 
 
+def embeddings_lost(missing: list[str], state: RequestState | None, created_ms: int) -> list[str]:
+    """Of the ``missing`` item hashes, those whose embedding cannot come any more.
+
+    An item the record says was encoded (or a cache hit) and is no longer in the store is lost
+    (Redis evicted it, or the store restarted empty while the records survived). A request
+    created before the Redis holding the records last started, whose record holds nothing from
+    before that start, lost its record in a restart: everything of it kept in that Redis
+    (embeddings, claim-checked inputs) is gone too, so each missing item is lost. ``state``
+    None (Redis unreadable) decides nothing.
+    """
+    if state is None:
+        return []
+    since = state.records_since_ms
+    if state.wiped and since is not None and created_ms < since:
+        return list(missing)
+    return [h for h in missing if h[:12] in state.encoded]
+
+
 class PrefillWorker:
     """Handles PrefillEvents; plug :meth:`handle` into a ConsumeLoop."""
 
@@ -116,9 +134,15 @@ class PrefillWorker:
         worker_id: str | None = None,
         embedding_wait_s: float | None = None,
         cancel: CancelWatch | None = None,
+        request_state: RequestStateReader | None = None,
     ) -> None:
         """``cancel``: asked before the embedding wait, before compute and between decode
-        steps; a cancelled request is reported ``cancelled`` and its work is skipped."""
+        steps; a cancelled request is reported ``cancelled`` and its work is skipped.
+
+        ``request_state``: reads the request's status record. A request whose record is
+        already terminal (a redelivered event) is skipped without a word; and when an embedding
+        is missing, it tells a lost one (reported ``failed``, ``embedding-lost``) from one still
+        coming (waited for)."""
         self.settings = settings
         self.bundle = bundle
         self.store = store
@@ -132,11 +156,14 @@ class PrefillWorker:
             settings.embedding_wait_s if embedding_wait_s is None else embedding_wait_s
         )
         self.cancel = cancel
+        self.request_state = request_state
         # One compute thread: the model is shared, and CPU/GPU work does not speed up by
         # interleaving requests inside one process.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="epd-prefill")
         self.completed = 0
         self.cancelled = 0
+        self.skipped = 0
+        self.lost = 0
 
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -144,6 +171,13 @@ class PrefillWorker:
     async def handle(self, ev: PrefillEvent) -> None:
         """Run one request to completion (or to a clear failure)."""
         started = now_ms()
+        record = await self.request_state(ev.request_id) if self.request_state else None
+        if record is not None and record.terminal:
+            # A redelivery (crash before the offset commit, rebalance): the outcome is out
+            # already, and a second terminal event would only be folded away downstream.
+            self.skipped += 1
+            log.info("%s: %s is already %s; skipped", self.worker_id, ev.request_id, record.status)
+            return
         # The deadline comes first: the fan-out caps ec_transfer expiry at the deadline, so a late
         # event would otherwise fail validation as ec-expired (rejected) instead of expiring.
         # Nothing is read or run on this path.
@@ -165,8 +199,16 @@ class PrefillWorker:
         if ev.deadline_ms is not None:
             timeout = max(0.0, min(timeout, (ev.deadline_ms - now_ms()) / 1000))
         t_wait = time.perf_counter()
+        if await self._lost(ev, keys):
+            return
         try:
             await self.store.wait(list(keys.values()), timeout)
+        except StoreUnavailable:
+            # Redis went away under the wait. If it came back without the embeddings, say so
+            # now rather than after a retry's full wait; otherwise the consume loop retries.
+            if await self._lost(ev, keys):
+                return
+            raise
         except StoreTimeout as exc:
             missing_keys = set(exc.missing)
             missing = [h for h, k in keys.items() if k in missing_keys]
@@ -250,6 +292,40 @@ class PrefillWorker:
                 "total": float(now_ms() - ev.created_ms),
             },
         )
+
+    async def _lost(self, ev: PrefillEvent, keys: dict[str, str]) -> bool:
+        """True (and reported ``failed``/``embedding-lost``) when an embedding the request
+        needs cannot come any more (the record is read only when something is missing)."""
+        if self.request_state is None:
+            return False
+        try:
+            present = await asyncio.gather(*(self.store.exists(k) for k in keys.values()))
+        except StoreUnavailable:
+            return False  # cannot tell; the wait (or its retry) decides
+        missing = [h for h, ok in zip(keys, present, strict=True) if not ok]
+        if not missing:
+            return False
+        state = await self.request_state(ev.request_id, since=True)
+        lost = embeddings_lost(missing, state, ev.created_ms)
+        if not lost:
+            return False
+        modality, index = next(
+            ((m, i) for m, i, h in ev.features.items() if h in lost), (None, None)
+        )
+        self.lost += 1
+        await self.report(
+            ev.request_id,
+            "failed",
+            error=ErrorInfo(
+                "embedding-lost",
+                f"embeddings for {len(lost)} item(s) are gone from the store and cannot arrive "
+                "any more (evicted after they were stored, or lost with a Redis restart): "
+                + ", ".join(h[:16] for h in lost),
+                modality=modality,
+                item=index,
+            ),
+        )
+        return True
 
     async def _cancelled(self, request_id: str, where: str) -> bool:
         """True (and reported) when the request was cancelled: its work is skipped."""

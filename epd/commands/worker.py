@@ -61,6 +61,17 @@ class StageContext:
         self.closers.extend([client.aclose, watch.close])
         return watch
 
+    def request_state(self) -> Any:
+        """Reads a request's status record (skip replays, tell a lost embedding)."""
+        from runtime.redis_client import redis_client
+        from runtime.status_store import RequestReader, StatusStore
+
+        client = redis_client(self.settings)
+        self.closers.append(client.aclose)
+        return RequestReader(
+            StatusStore(client, prefix=self.settings.topic_prefix, ttl_s=self.settings.status_ttl_s)
+        )
+
     async def load_model(self) -> Any:
         """The model on the configured device (in a thread: loading takes seconds)."""
         from runtime.model import load_model
@@ -78,7 +89,7 @@ class StageContext:
         return bundle
 
 
-async def _build_gpu_worker(ctx: StageContext, kind: str) -> Handler:
+async def _build_gpu_worker(ctx: StageContext, kind: str, **extra: Any) -> Handler:
     """An encode or prefill worker: the model, the store, the publisher and a cancel watch."""
     from gpu_workers.encode import EncodeWorker
     from gpu_workers.prefill import PrefillWorker
@@ -93,6 +104,7 @@ async def _build_gpu_worker(ctx: StageContext, kind: str) -> Handler:
         topics=ctx.topics,
         worker_id=ctx.worker_id,
         cancel=await ctx.cancel_watch(),
+        **extra,
     )
     ctx.closers.append(w.close)
     return w.handle
@@ -103,7 +115,9 @@ async def _build_encode(ctx: StageContext) -> Handler:
 
 
 async def _build_prefill(ctx: StageContext) -> Handler:
-    return await _build_gpu_worker(ctx, "prefill")
+    # Prefill reads the request's status record: replays of a finished request are skipped,
+    # and a lost embedding ends the request at once (embedding-lost) instead of a long wait.
+    return await _build_gpu_worker(ctx, "prefill", request_state=ctx.request_state())
 
 
 async def _build_results(ctx: StageContext) -> Handler:

@@ -658,3 +658,112 @@ async def test_prefill_stops_at_the_deadline_between_decode_steps(
     done = results[-1]
     assert done.error is not None and done.error.code == "expired"
     assert done.token_ids is not None and len(done.token_ids) == 3 < MAX_TOKENS
+
+
+# ------------------------------------------------------------------ replays and lost embeddings
+
+
+@pytest.fixture
+async def status(cfg: Settings, namespace: str) -> AsyncIterator[Any]:
+    """A status store on the test DB under this test's namespace (its keys deleted after)."""
+    import redis.asyncio as aioredis
+
+    from runtime.status_store import StatusStore
+
+    client = aioredis.Redis.from_url(cfg.redis_url)
+    try:
+        yield StatusStore(client, prefix=namespace, ttl_s=600)
+    finally:
+        keys = [k async for k in client.scan_iter(match=f"{namespace}:*", count=500)]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+async def fold_into(status: Any, cfg: Settings, request_id: str) -> None:
+    """Fold everything produced for ``request_id`` into its record, as the collector does."""
+    from consumers.results import encoded_update
+
+    topics = Topics(cfg.topic_prefix)
+    for ev in await produced(cfg, topics.encoded):
+        if ev.request_id == request_id:
+            await status.apply(encoded_update(ev))
+    for ev in await produced(cfg, topics.results):
+        if ev.request_id == request_id:
+            await status.apply(ev)
+
+
+async def test_a_replayed_prefill_event_is_skipped_once_the_request_is_terminal(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    encoder: EncodeWorker,
+    producer: KafkaPublisher,
+    status: Any,
+) -> None:
+    from runtime.status_store import RequestReader
+
+    ev = render(renderer, (61,))
+    p = await plan(cfg, store, bundle, ev)
+    await encoder.handle(wire(p.encode[0]))
+    prefill = PrefillWorker(
+        cfg,
+        bundle,
+        store,
+        producer,
+        worker_id="prefill-replay",
+        request_state=RequestReader(status),
+    )
+    try:
+        await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
+        await fold_into(status, cfg, ev.request_id)
+        assert (await status.get(ev.request_id))["status"] == "completed"
+        # The same event again, as a redelivery after a crash before the commit would bring it.
+        await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
+    finally:
+        await prefill.close()
+    assert (prefill.completed, prefill.skipped) == (1, 1)
+    results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
+    assert [r.status for r in results] == ["prefilling", "decoding", "completed"]
+
+
+async def test_an_evicted_embedding_fails_the_request_at_once_as_embedding_lost(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    encoder: EncodeWorker,
+    producer: KafkaPublisher,
+    status: Any,
+) -> None:
+    from runtime.status_store import RequestReader
+
+    ev = render(renderer, (71, 72))
+    p = await plan(cfg, store, bundle, ev)
+    await asyncio.gather(*(encoder.handle(wire(e)) for e in p.encode))
+    await fold_into(status, cfg, ev.request_id)  # the record says both items are encoded
+    lost = ev.features.mm_hashes["image"][1]
+    await store.delete(p.prefill.ec_transfer_params[lost].key)  # as an eviction would
+    # A wait far beyond the guard: only telling the loss apart ends this in time.
+    prefill = PrefillWorker(
+        cfg,
+        bundle,
+        store,
+        producer,
+        embedding_wait_s=HANG_GUARD_S * 2,
+        request_state=RequestReader(status),
+    )
+    t0 = asyncio.get_running_loop().time()
+    try:
+        await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
+    finally:
+        await prefill.close()
+    assert asyncio.get_running_loop().time() - t0 < 10
+    assert (prefill.completed, prefill.lost) == (0, 1)
+    results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
+    assert [r.status for r in results] == ["prefilling", "failed"]
+    err = results[-1].error
+    assert err is not None and err.code == "embedding-lost"
+    assert (err.modality, err.item) == ("image", 1)
+    assert lost[:16] in err.message
