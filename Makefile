@@ -16,7 +16,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-PYTEST_ARGS ?= -q -ra --durations=10
+# Normal verbosity: the header says where the services come from (tests/services.py).
+PYTEST_ARGS ?= -ra --durations=10
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 MINUTES ?= 5

@@ -57,7 +57,6 @@ def test_services(
         ts = test_services_mod.provide(tmp_path_factory.mktemp("services"))
     except (test_services_mod.ServicesUnavailable, services.ServiceError) as exc:
         pytest.fail(f"cannot provide Kafka/Redis for the tests: {exc}", pytrace=False)
-    print(f"\nservices: {ts.description}")
     try:
         yield ts
     finally:
