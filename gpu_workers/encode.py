@@ -20,6 +20,7 @@ import torch
 from gpu_workers.batcher import MicroBatcher
 from gpu_workers.compute import EncoderOutput, encode_items
 from gpu_workers.entries import store_outputs, worker_validation
+from gpu_workers.metrics import encode_metrics
 from runtime.kafka import ResultReporter
 from runtime.model import vision_config
 from runtime.settings import Settings
@@ -35,6 +36,8 @@ from schemas.types import EncodedEvent, EncodeEvent, ErrorInfo, TensorRef, now_m
 from schemas.validator import check_tensor, validate_encode_event
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from runtime.model import ModelBundle
     from runtime.publisher import Publisher
     from runtime.status_store import CancelWatch
@@ -58,6 +61,7 @@ class EncodeWorker:
         topics: Topics | None = None,
         worker_id: str | None = None,
         cancel: CancelWatch | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         """``cancel``: asked before anything is read or encoded; a cancelled request's item
         is skipped (and reported ``cancelled``)."""
@@ -77,6 +81,7 @@ class EncodeWorker:
         self.items_encoded = 0
         self.claims_deleted = 0
         self.cancel = cancel
+        self.metrics = encode_metrics(registry)  # the worker's /metrics (None: private series)
         self.skipped_cancelled = 0
 
     @property
@@ -114,6 +119,7 @@ class EncodeWorker:
             )
         try:
             raw = await self.store.get_bytes(value.key)
+            self.metrics.bytes_in.inc(len(raw))
         except StoreKeyMissing:
             # The fan-out stores the input before it sends the event: missing means expired.
             # Retrying cannot bring it back, so this is permanent (DLQ), not transient.
@@ -254,6 +260,7 @@ class EncodeWorker:
                 pending = self._inflight.get(key)  # its owner was cancelled: take over
                 continue
             self.cache_hits += 1
+            self.metrics.items.labels("hit").inc()
             await self._encoded(ev, dtype_name(self.bundle.dtype), [], hit=True, ms=0.0)
             return
         pv_name, grid_name = self._fields(ev)
@@ -276,6 +283,8 @@ class EncodeWorker:
                 emb = out[EMBEDS]
                 ms = (time.perf_counter() - t0) * 1000
                 self.items_encoded += 1
+                self.metrics.items.labels("miss").inc()
+                self.metrics.bytes_out.inc(sum(t.numel() * t.element_size() for t in out.values()))
             done.set_result(None)
         except asyncio.CancelledError:
             done.cancel()  # waiters take over instead of failing
@@ -291,6 +300,7 @@ class EncodeWorker:
         await self._drop_claims(ev)
         if hit:
             self.cache_hits += 1
+            self.metrics.items.labels("hit").inc()
             await self._encoded(ev, dtype_name(self.bundle.dtype), [], hit=True, ms=0.0)
             return
         await self._encoded(ev, dtype_name(emb.dtype), list(emb.shape), hit=False, ms=ms)

@@ -111,7 +111,10 @@ async def _build_gpu_worker(ctx: StageContext, kind: str, **extra: Any) -> Handl
 
 
 async def _build_encode(ctx: StageContext) -> Handler:
-    return await _build_gpu_worker(ctx, "encode")
+    from prometheus_client import REGISTRY
+
+    # Encoder-cache hit ratio and bytes in/out, on the same /metrics as the consume loop's.
+    return await _build_gpu_worker(ctx, "encode", registry=REGISTRY)
 
 
 async def _build_prefill(ctx: StageContext) -> Handler:

@@ -767,3 +767,32 @@ async def test_an_evicted_embedding_fails_the_request_at_once_as_embedding_lost(
     assert err is not None and err.code == "embedding-lost"
     assert (err.modality, err.item) == ("image", 1)
     assert lost[:16] in err.message
+
+
+async def test_encode_metrics_count_hits_misses_and_bytes(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    producer: KafkaPublisher,
+) -> None:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    worker = EncodeWorker(cfg, bundle, store, producer, registry=registry)
+    try:
+        # 84x56 and 112x112: 24 and 64 patch rows, both above the 64 KiB inline limit, so both
+        # are claim-checked and read from the store.
+        p = await plan(cfg, store, bundle, render(renderer, (171, 172)))
+        for enc in p.encode:
+            await worker.handle(wire(enc))
+        await worker.handle(wire(p.encode[1]))  # the same item again: a store hit
+    finally:
+        await worker.close()
+    count = registry.get_sample_value
+    assert count("epd_encode_items_total", {"outcome": "miss"}) == 2
+    assert count("epd_encode_items_total", {"outcome": "hit"}) == 1
+    assert count("epd_encode_bytes_in_total") == (24 + 64) * 1176 * 4  # each read once
+    embs = [await store.get(e.ec_transfer.key) for e in p.encode]
+    out_bytes = sum(e.numel() * e.element_size() for e in embs)
+    assert count("epd_encode_bytes_out_total") == out_bytes
