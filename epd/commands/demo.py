@@ -177,6 +177,17 @@ async def _demo(args: argparse.Namespace, quiet: bool, state_dir: Path) -> int:
     summary["prefill_bytes_saved_ratio"] = round(
         summary["bytes_if_prefill_carried_kwargs_data"] / max(summary["bytes_prefill_topic"], 1), 1
     )
+    # What went wrong, per request, so `--json` output explains a non-zero exit on its own.
+    summary["not_completed"] = [
+        {
+            "name": r.name,
+            "request_id": r.extra.get("request_id"),
+            "status": (r.result or {}).get("status", "timeout"),
+            "error": (r.result or {}).get("error") or r.error,
+        }
+        for r in reqs
+        if r not in completed
+    ]
     if quiet:
         print(json.dumps(summary, indent=2))
     else:
@@ -197,5 +208,7 @@ async def _demo(args: argparse.Namespace, quiet: bool, state_dir: Path) -> int:
         print("Summary")
         width = max(len(k) for k in summary)
         for k, v in summary.items():
+            if k == "not_completed":
+                continue  # the per-request lines above already say what happened
             print(f"  {k:<{width}}  {v:,}" if isinstance(v, int) else f"  {k:<{width}}  {v}")
     return 0 if len(completed) == len(reqs) else 1

@@ -43,5 +43,6 @@ def test_demo_runs_on_tiny_qwen3_vl(settings: Settings, tmp_path: Path) -> None:
     proc = epd(tmp_path, "demo", "--model", "tiny-qwen3-vl", "--json", "--max-tokens", "6")
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     summary = json.loads(proc.stdout)
-    assert summary["completed"] == summary["requests"] > 0
+    assert summary["completed"] == summary["requests"] > 0, summary["not_completed"]
+    assert summary["not_completed"] == []
     assert summary["encoder_cache_hits"] >= 1  # the repeated image's entry (with deepstack)
