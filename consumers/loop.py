@@ -34,7 +34,6 @@ import contextlib
 import logging
 import signal
 import time
-import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +45,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from consumers.commits import CommitTracker
 from consumers.retry import Poison, Transient, backoff_delay, default_is_transient, error_info
 from runtime.kafka import event_headers, make_consumer, make_producer
+from runtime.metrics import per_registry
 from runtime.settings import Settings
 from runtime.tracing import carrier_of, stage_span
 from schemas import codec
@@ -166,18 +166,9 @@ class _Metrics:
         )
 
 
-# One metric set per registry, so several loops (encode + prefill in one process) share series
-# without colliding; a loop without a registry gets private, unregistered metrics.
-_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, _Metrics] = weakref.WeakKeyDictionary()
-
-
 def _metrics_for(registry: CollectorRegistry | None) -> _Metrics:
-    if registry is None:
-        return _Metrics(None)
-    m = _METRICS.get(registry)
-    if m is None:
-        m = _METRICS[registry] = _Metrics(registry)
-    return m
+    # One set per registry: several loops (encode + prefill in one process) share series.
+    return per_registry(_Metrics, registry)
 
 
 class _Abandoned(Exception):

@@ -7,9 +7,9 @@ process registry its ``--metrics-port`` serves; tests get private, unregistered 
 
 from __future__ import annotations
 
-import weakref
-
 from prometheus_client import CollectorRegistry, Counter
+
+from runtime.metrics import per_registry
 
 
 class EncodeMetrics:
@@ -32,16 +32,6 @@ class EncodeMetrics:
         )
 
 
-_BY_REGISTRY: weakref.WeakKeyDictionary[CollectorRegistry, EncodeMetrics] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def encode_metrics(registry: CollectorRegistry | None) -> EncodeMetrics:
     """The encode series of ``registry`` (created once per registry), or private ones."""
-    if registry is None:
-        return EncodeMetrics(None)
-    m = _BY_REGISTRY.get(registry)
-    if m is None:
-        m = _BY_REGISTRY[registry] = EncodeMetrics(registry)
-    return m
+    return per_registry(EncodeMetrics, registry)

@@ -101,13 +101,7 @@ async def ensure_topics(
 
 async def send_event(producer: AIOKafkaProducer, topic: str, key: str | None, event: Event) -> None:
     """Encode and send one event, waiting for the broker's acknowledgement."""
-    value = get_codec().encode(event)
-    await producer.send_and_wait(
-        topic,
-        value=value,
-        key=key.encode() if key is not None else None,
-        headers=event_headers(event),
-    )
+    await KafkaPublisher(producer).send(topic, key, event)
 
 
 class KafkaPublisher:
