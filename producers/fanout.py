@@ -296,16 +296,25 @@ class FanOut:
         return FanoutPlan(encode=encode, prefill=prefill, cached=cached)
 
     async def publish(self, ev: RenderEvent, *, foreign_labels: bool = False) -> FanoutStats:
-        """Plan, then send encode events, the prefill event and a stage update."""
+        """Plan, then send the encode events with the stage update, then the prefill event."""
         publisher = self.publisher
         if publisher is None:
             raise RuntimeError("FanOut.publish needs a publisher")
         t0 = now_ms()
         plan = await self.plan(ev, foreign_labels=foreign_labels)
-        # Encode events first (all in flight at once), so an encoder can start while the
-        # prefill event is still on its way.
-        encode_sizes = await asyncio.gather(
-            *(publisher.send(self.topics.encode, enc.mm_hash, enc) for enc in plan.encode)
+        # The request's "encoding" (or, all cached, "prefilling") status is acknowledged before
+        # the prefill event is sent: a prefill worker can only report "prefilling" after it has
+        # the event, so the results partition always holds the statuses in their real order and
+        # a client streaming events never misses one. It travels with the encode events (all in
+        # flight at once, so an encoder can start while the prefill event is on its way).
+        report = ResultReporter(publisher, self.topics.results, "fanout")(
+            ev.request_id,
+            "encoding" if plan.encode else "prefilling",
+            timings={"fanout": float(now_ms() - t0)},
+            info={"encode_events": str(len(plan.encode)), "cache_hits": str(len(plan.cached))},
+        )
+        *encode_sizes, _ = await asyncio.gather(
+            *(publisher.send(self.topics.encode, enc.mm_hash, enc) for enc in plan.encode), report
         )
         prefill_bytes = await publisher.send(self.topics.prefill, ev.request_id, plan.prefill)
         stats = FanoutStats(
@@ -315,17 +324,6 @@ class FanOut:
             prefill_bytes=prefill_bytes,
             kwargs_bytes=kwargs_bytes(ev.features),
             cached=list(plan.cached),
-        )
-        await ResultReporter(publisher, self.topics.results, "fanout")(
-            ev.request_id,
-            "encoding" if plan.encode else "prefilling",
-            timings={"fanout": float(now_ms() - t0)},
-            info={
-                "encode_events": str(stats.encode_events),
-                "cache_hits": str(stats.cache_hits),
-                "encode_bytes": str(stats.encode_bytes),
-                "prefill_bytes": str(stats.prefill_bytes),
-            },
         )
         return stats
 
