@@ -214,11 +214,12 @@ async def local_pipeline(
     try:
         await publisher.start()
         info = await asyncio.to_thread(load_render_info, settings.model)
+        status = StatusStore(client, prefix=settings.topic_prefix, ttl_s=settings.status_ttl_s)
         submitter = Submitter(
             settings,
             Renderer(info, max_image_pixels=settings.max_image_pixels),
-            build_fanout(settings, store, info, publisher),
-            StatusStore(client, prefix=settings.topic_prefix, ttl_s=settings.status_ttl_s),
+            build_fanout(settings, store, info, publisher, record=status.apply),
+            status,
         )
         if workers is not None:
             await workers.wait_ready()

@@ -29,7 +29,7 @@ from gpu_workers.compute import (
     vocab_size,
 )
 from gpu_workers.entries import fetch_outputs, items_from_features, worker_validation
-from runtime.kafka import ResultReporter
+from runtime.kafka import ResultReporter, StatusWriter
 from runtime.settings import Settings
 from runtime.stores.base import StoreTimeout, StoreUnavailable
 from schemas.errors import ValidationError
@@ -135,6 +135,7 @@ class PrefillWorker:
         embedding_wait_s: float | None = None,
         cancel: CancelWatch | None = None,
         request_state: RequestStateReader | None = None,
+        record: StatusWriter | None = None,
     ) -> None:
         """``cancel``: asked before the embedding wait, before compute and between decode
         steps; a cancelled request is reported ``cancelled`` and its work is skipped.
@@ -142,7 +143,10 @@ class PrefillWorker:
         ``request_state``: reads the request's status record. A request whose record is
         already terminal (a redelivered event) is skipped without a word; and when an embedding
         is missing, it tells a lost one (reported ``failed``, ``embedding-lost``) from one still
-        coming (waited for)."""
+        coming (waited for).
+
+        ``record`` (``StatusStore.apply``): every update is also written to the request's
+        status record directly (the results topic stays the durable record)."""
         self.settings = settings
         self.bundle = bundle
         self.store = store
@@ -151,7 +155,9 @@ class PrefillWorker:
         self.worker_id = worker_id or f"prefill@{socket.gethostname()}"
         self.vconfig = worker_validation(settings, bundle)
         self.bounds = Bounds.for_model(settings, bundle)
-        self.report = ResultReporter(publisher, self.topics.results, "prefill", self.worker_id)
+        self.report = ResultReporter(
+            publisher, self.topics.results, "prefill", self.worker_id, record=record
+        )
         self.embedding_wait_s = (
             settings.embedding_wait_s if embedding_wait_s is None else embedding_wait_s
         )

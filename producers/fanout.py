@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.kafka import ResultReporter
+from runtime.kafka import ResultReporter, StatusWriter
 from runtime.publisher import Publisher
 from runtime.settings import Settings
 from schemas.errors import ValidationError
@@ -176,10 +176,12 @@ class FanOut:
         *,
         publisher: Publisher | None = None,
         topics: Topics | None = None,
+        record: StatusWriter | None = None,
     ) -> None:
         """``info``: the model's ``RenderInfo`` (no weights): its fingerprint and processor config
         go into the hash the store is keyed by. Without a ``publisher`` the fan-out can only
-        :meth:`plan` (benchmarks, tests)."""
+        :meth:`plan` (benchmarks, tests). ``record`` (``StatusStore.apply``): the fan-out's
+        status update is also written to the request's record directly (see ResultReporter)."""
         self.settings = settings
         self.store = store
         self.info = info
@@ -187,6 +189,7 @@ class FanOut:
         self.hasher = ItemHasher.for_processor(info.fingerprint, info.image_processor.to_dict())
         self.publisher = publisher
         self.topics = topics or Topics(settings.topic_prefix)
+        self.record = record
         self._secret = settings.secret_bytes()
         # Structure only: scanning megabytes of pixels for NaN/Inf here would dominate the
         # cache-hit path; the encode worker checks values when it reads them.
@@ -307,14 +310,17 @@ class FanOut:
         # the event, so the results partition always holds the statuses in their real order and
         # a client streaming events never misses one. It travels with the encode events (all in
         # flight at once, so an encoder can start while the prefill event is on its way).
-        report = ResultReporter(publisher, self.topics.results, "fanout")(
+        report = ResultReporter(publisher, self.topics.results, "fanout", record=self.record)(
             ev.request_id,
             "encoding" if plan.encode else "prefilling",
             timings={"fanout": float(now_ms() - t0)},
             info={"encode_events": str(len(plan.encode)), "cache_hits": str(len(plan.cached))},
         )
-        *encode_sizes, _ = await asyncio.gather(
-            *(publisher.send(self.topics.encode, enc.mm_hash, enc) for enc in plan.encode), report
+        _, encode_sizes = await asyncio.gather(
+            report,
+            asyncio.gather(
+                *(publisher.send(self.topics.encode, enc.mm_hash, enc) for enc in plan.encode)
+            ),
         )
         prefill_bytes = await publisher.send(self.topics.prefill, ev.request_id, plan.prefill)
         stats = FanoutStats(
@@ -329,15 +335,24 @@ class FanOut:
 
 
 def build_fanout(
-    settings: Settings, store: EmbeddingStore, info: RenderInfo, publisher: Publisher
+    settings: Settings,
+    store: EmbeddingStore,
+    info: RenderInfo,
+    publisher: Publisher,
+    *,
+    record: StatusWriter | None = None,
 ) -> FanOut:
-    """The one place a publishing FanOut is assembled (router, Submitter, demo, verify)."""
+    """The one place a publishing FanOut is assembled (router, Submitter, demo, verify).
+
+    ``record``: write the fan-out's status update through to the status record (pass
+    ``StatusStore.apply`` wherever the status store is at hand)."""
     return FanOut(
         settings,
         store,
         info,
         publisher=publisher,
         topics=Topics(settings.topic_prefix),
+        record=record,
     )
 
 

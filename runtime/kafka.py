@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -197,6 +197,10 @@ async def read_topic(settings: Settings, topic: str, *, timeout_s: float = 30.0)
         await consumer.stop()
 
 
+StatusWriter = Callable[[ResultEvent], Awaitable[object]]
+"""Folds one update into the request's status record (``StatusStore.apply``)."""
+
+
 class ResultReporter:
     """Sends one stage's ResultEvents (status updates and outcomes) to the results topic.
 
@@ -205,20 +209,36 @@ class ResultReporter:
     topic is at-least-once: a worker that crashes before committing sends its updates again).
     It is the same pair the status record dedupes by: one id per stage outcome of a request,
     however many times that outcome is sent.
+
+    ``record`` (write-through, e.g. ``StatusStore.apply``): each update is also folded into the
+    request's status record directly, beside the send, so a client polling the record sees it
+    without waiting for the results collector's hop. The topic stays the durable record: the
+    collector folds the same update later as a duplicate, and a failed direct write (Redis
+    away) is only logged.
     """
 
     RESULT_ID_HEADER = "epd-result-id"
+    WRITE_THROUGH_TIMEOUT_S = 2.0
 
     @staticmethod
     def result_id(request_id: str, stage: str, status: str) -> str:
         """The stable id of one (request, stage, status) update."""
         return f"{request_id}:{stage}:{status}"
 
-    def __init__(self, publisher: Publisher, results_topic: str, stage: str, worker: str = ""):
+    def __init__(
+        self,
+        publisher: Publisher,
+        results_topic: str,
+        stage: str,
+        worker: str = "",
+        *,
+        record: StatusWriter | None = None,
+    ):
         self.publisher = publisher
         self.topic = results_topic
         self.stage = stage
         self.worker = worker
+        self.record = record
 
     async def __call__(
         self,
@@ -237,19 +257,36 @@ class ResultReporter:
         trace_id = current_trace_id()
         if trace_id is not None:
             info.setdefault("trace_id", trace_id)  # the request's trace, on its status record
-        await self.publisher.send(
-            self.topic,
-            request_id,
-            ResultEvent(
-                request_id=request_id,
-                stage=self.stage,
-                status=status,
-                token_ids=token_ids,
-                text=text,
-                error=error,
-                timings=timings or {},
-                info=info,
-                worker=self.worker,
-            ),
-            headers=[(self.RESULT_ID_HEADER, rid.encode())],
+        event = ResultEvent(
+            request_id=request_id,
+            stage=self.stage,
+            status=status,
+            token_ids=token_ids,
+            text=text,
+            error=error,
+            timings=timings or {},
+            info=info,
+            worker=self.worker,
         )
+        send = self.publisher.send(
+            self.topic, request_id, event, headers=[(self.RESULT_ID_HEADER, rid.encode())]
+        )
+        if self.record is None:
+            await send
+            return
+        # Both must be done before the caller goes on: the caller's next update (or the event
+        # it publishes next) must not overtake this one in the record.
+        await asyncio.gather(send, self._write_through(event))
+
+    async def _write_through(self, event: ResultEvent) -> None:
+        assert self.record is not None
+        try:
+            # Bounded: a frozen Redis must not hold the stage up; the topic carries the update.
+            await asyncio.wait_for(self.record(event), self.WRITE_THROUGH_TIMEOUT_S)
+        except Exception as exc:  # any failure: the results topic still carries the update
+            log.warning(
+                "status write-through of %s %s failed (%r); the results topic carries it",
+                event.request_id,
+                event.status,
+                exc,
+            )

@@ -61,15 +61,15 @@ class StageContext:
         self.closers.extend([client.aclose, watch.close])
         return watch
 
-    def request_state(self) -> Any:
-        """Reads a request's status record (skip replays, tell a lost embedding)."""
+    def status_store(self) -> Any:
+        """The requests' status records (a Redis client closed when the worker stops)."""
         from runtime.redis_client import redis_client
-        from runtime.status_store import RequestReader, StatusStore
+        from runtime.status_store import StatusStore
 
         client = redis_client(self.settings)
         self.closers.append(client.aclose)
-        return RequestReader(
-            StatusStore(client, prefix=self.settings.topic_prefix, ttl_s=self.settings.status_ttl_s)
+        return StatusStore(
+            client, prefix=self.settings.topic_prefix, ttl_s=self.settings.status_ttl_s
         )
 
     async def load_model(self) -> Any:
@@ -118,20 +118,22 @@ async def _build_encode(ctx: StageContext) -> Handler:
 
 
 async def _build_prefill(ctx: StageContext) -> Handler:
+    from runtime.status_store import RequestReader
+
     # Prefill reads the request's status record: replays of a finished request are skipped,
     # and a lost embedding ends the request at once (embedding-lost) instead of a long wait.
-    return await _build_gpu_worker(ctx, "prefill", request_state=ctx.request_state())
+    # It also writes its updates through to the record, so the client does not wait for the
+    # results collector's hop to see the outcome.
+    status = ctx.status_store()
+    return await _build_gpu_worker(
+        ctx, "prefill", request_state=RequestReader(status), record=status.apply
+    )
 
 
 async def _build_results(ctx: StageContext) -> Handler:
     from consumers.results import ResultsCollector
-    from runtime.redis_client import redis_client
-    from runtime.status_store import StatusStore
 
-    client = redis_client(ctx.settings)
-    ctx.closers.append(client.aclose)
-    status = StatusStore(client, prefix=ctx.settings.topic_prefix, ttl_s=ctx.settings.status_ttl_s)
-    return ResultsCollector(status).handle
+    return ResultsCollector(ctx.status_store()).handle
 
 
 async def _build_router(ctx: StageContext) -> Handler:
@@ -141,7 +143,8 @@ async def _build_router(ctx: StageContext) -> Handler:
 
     store = ctx.open_store()
     info = await asyncio.to_thread(load_render_info, ctx.settings.model)
-    return RenderRouter(build_fanout(ctx.settings, store, info, ctx.publisher)).handle
+    fanout = build_fanout(ctx.settings, store, info, ctx.publisher, record=ctx.status_store().apply)
+    return RenderRouter(fanout).handle
 
 
 @dataclass(frozen=True)

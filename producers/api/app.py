@@ -111,7 +111,7 @@ def create_app(settings: Settings) -> FastAPI:
                 client, settings.topic_prefix, settings.api_idempotency_ttl_s
             ),
             renderer=Renderer(info, max_image_pixels=settings.max_image_pixels),
-            fanout=build_fanout(settings, store, info, publisher),
+            fanout=build_fanout(settings, store, info, publisher, record=status.apply),
             lag=LagMonitor(settings, topics),
             tenants=tenants,
             render_slots=asyncio.Semaphore(max(1, settings.api_render_concurrency)),
