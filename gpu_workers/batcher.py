@@ -3,6 +3,10 @@
 Handlers ``submit`` one item and await its result. A single drain task takes whatever is
 queued (up to a patch budget), runs the compute function once in a worker thread, and resolves
 each item's future with its slice. Nothing here knows about Kafka or models.
+
+Lingering: a batch waits for more items only while a handler has said one is on its way
+(:meth:`MicroBatcher.on_the_way`, e.g. while it fetches the item's inputs), and at most
+``linger_s``. A lone request never pays a timer; a burst still shares one call.
 """
 
 from __future__ import annotations
@@ -10,13 +14,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+
+# Set inside ``on_the_way``: this task's next submit is the item announced there.
+_announced: ContextVar[bool] = ContextVar("epd_batcher_announced", default=False)
 
 
 @dataclass(slots=True)
@@ -43,23 +51,60 @@ class MicroBatcher(Generic[In, Out]):
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="epd-encode")
         self._queue: asyncio.Queue[_Pending[In, Out]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+        self._coming = 0  # items announced by on_the_way and not submitted (or given up) yet
+        self._arrival = asyncio.Event()
         self.batches = 0
         """Number of compute calls made so far."""
         self.items = 0
+
+    @contextlib.contextmanager
+    def on_the_way(self) -> Iterator[None]:
+        """Announce that this task will ``submit`` an item soon (it is fetching its inputs):
+        a batch being formed may wait for it, up to ``linger_s``. Leaving the block without
+        submitting (a failure) withdraws the announcement."""
+        self._coming += 1
+        token = _announced.set(True)
+        try:
+            yield
+        finally:
+            if _announced.get():
+                self._withdraw()
+            _announced.reset(token)
+
+    def _withdraw(self) -> None:
+        _announced.set(False)
+        self._coming -= 1
+        self._arrival.set()
 
     async def submit(self, item: In, cost: int) -> Out:
         """Queue one item and wait for its result (exceptions of the batch propagate)."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._drain(), name="epd-batcher")
         fut: asyncio.Future[Out] = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Pending(item, cost, fut))
+        self._queue.put_nowait(_Pending(item, cost, fut))
+        if _announced.get():
+            self._withdraw()  # the announced item is here
         return await fut
+
+    async def _linger(self) -> None:
+        """Wait (at most ``linger_s``) while announced items are still on their way."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._linger_s
+        while self._coming > 0:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self._arrival.clear()
+            try:
+                await asyncio.wait_for(self._arrival.wait(), remaining)
+            except TimeoutError:
+                return
 
     async def _next_batch(self, backlog: deque[_Pending[In, Out]]) -> list[_Pending[In, Out]]:
         if not backlog:
             backlog.append(await self._queue.get())
-            if self._linger_s > 0 and self._queue.empty():
-                await asyncio.sleep(self._linger_s)  # let concurrent submitters join this batch
+            if self._linger_s > 0:
+                await self._linger()  # let announced submitters join this batch
         while not self._queue.empty():
             backlog.append(self._queue.get_nowait())
         # Always take the head (an item over budget runs alone); keep submission order.

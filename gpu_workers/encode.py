@@ -272,10 +272,12 @@ class EncodeWorker:
             hit = await self.store.touch(key, self.settings.embedding_ttl_s)
             if not hit:
                 t0 = time.perf_counter()
-                pixels = await self._tensor(ev.data[pv_name], pv_name, ev)
-                grid = await self._tensor(ev.data[grid_name], grid_name, ev)
-                self._check_patch_width(pixels, pv_name, ev)
-                out = await self.batcher.submit((pixels, grid), cost=int(pixels.shape[0]))
+                # A batch being formed waits for this item while its inputs are fetched.
+                with self.batcher.on_the_way():
+                    pixels = await self._tensor(ev.data[pv_name], pv_name, ev)
+                    grid = await self._tensor(ev.data[grid_name], grid_name, ev)
+                    self._check_patch_width(pixels, pv_name, ev)
+                    out = await self.batcher.submit((pixels, grid), cost=int(pixels.shape[0]))
                 # One entry per item: the embedding and any other outputs (deepstack) together.
                 await store_outputs(
                     self.store, key, out, self.bundle.family, self.settings.embedding_ttl_s

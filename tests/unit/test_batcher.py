@@ -115,3 +115,50 @@ async def test_close_releases_every_submitter() -> None:
     _, pending = await asyncio.wait(waiters, timeout=2)
     assert not pending, "a submitter was left waiting after close()"
     assert all(w.cancelled() for w in waiters)
+
+
+async def test_a_lone_item_does_not_wait_for_the_linger() -> None:
+    b: MicroBatcher[int, int] = MicroBatcher(lambda xs: list(xs), max_cost=100, linger_s=30.0)
+    # nothing else announced: the 30 s linger is never waited for
+    assert await asyncio.wait_for(b.submit(7, cost=1), 5.0) == 7
+    await b.close()
+
+
+async def test_announced_items_join_the_batch_being_formed() -> None:
+    calls: list[list[int]] = []
+
+    def compute(items: Sequence[int]) -> list[int]:
+        calls.append(list(items))
+        return list(items)
+
+    b: MicroBatcher[int, int] = MicroBatcher(compute, max_cost=100, linger_s=30.0)
+
+    async def handler(i: int, fetch_s: float) -> int:
+        with b.on_the_way():
+            await asyncio.sleep(fetch_s)  # fetching its inputs
+            return await b.submit(i, cost=1)
+
+    out = await asyncio.wait_for(
+        asyncio.gather(handler(0, 0.0), handler(1, 0.05), handler(2, 0.1)), 10.0
+    )
+    await b.close()
+    assert out == [0, 1, 2] and calls == [[0, 1, 2]]
+
+
+async def test_a_withdrawn_announcement_ends_the_linger() -> None:
+    b: MicroBatcher[int, int] = MicroBatcher(lambda xs: list(xs), max_cost=100, linger_s=30.0)
+
+    async def failing() -> None:
+        with b.on_the_way():
+            await asyncio.sleep(0.05)
+            raise ValueError("bad input")
+
+    async def lone() -> int:
+        await asyncio.sleep(0.01)
+        return await b.submit(5, cost=1)
+
+    results = await asyncio.wait_for(
+        asyncio.gather(failing(), lone(), return_exceptions=True), 10.0
+    )
+    await b.close()
+    assert isinstance(results[0], ValueError) and results[1] == 5
