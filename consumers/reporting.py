@@ -16,6 +16,14 @@ if TYPE_CHECKING:
 REJECTION_CODES = frozenset({"validation", "undecodable", "rejected", "compute"})
 
 
+def _status_of(code: str) -> str:
+    """The terminal status a dead letter's code stands for."""
+    if code in REJECTION_CODES:
+        return "rejected"
+    # The deadline passed while the store or broker was down: it expired, nothing failed.
+    return "expired" if code == "expired" else "failed"
+
+
 def request_id_of(ce: ConsumedEvent, keyed_by_request: bool) -> str | None:
     """The request a consumed record belongs to, from the decoded event or the record key."""
     rid = getattr(ce.event, "request_id", None)
@@ -35,7 +43,7 @@ def dead_letter_reporter(
             return
         await ResultReporter(publisher, topics.results, stage)(
             rid,
-            "rejected" if info.code in REJECTION_CODES else "failed",
+            _status_of(info.code),
             error=info,
             info={"dlq": f"{ce.topic}[{ce.partition}]@{ce.offset}"},
         )
