@@ -15,7 +15,8 @@ A worker supplies an async handler for one decoded event; :class:`ConsumeLoop` d
   outage (:func:`~consumers.retry.default_is_infrastructure`) for ``transient_retry_s`` seconds
   from its first occurrence (never past the event's ``deadline_ms``), so a Redis restart of a few
   seconds sends nothing valid to the DLQ; any other error up to ``max_attempts`` tries.
-* **Dead letters.** Undecodable bytes, a permanent error (``Poison``, ``ValidationError``,
+* **Dead letters.** A record over ``max_message_bytes`` (code ``oversize``, never decoded),
+  undecodable bytes, a permanent error (``Poison``, ``ValidationError``,
   ``CodecError``) or a transient one that exhausted its attempts is published to the DLQ topic as
   a ``DeadLetter`` carrying the original topic/partition/offset/key/value/headers plus the error,
   with ``epd-error-*`` Kafka headers; then its offset counts as done and the loop moves on.
@@ -475,19 +476,34 @@ class ConsumeLoop:
             event=None,
             timestamp_ms=rec.timestamp,
         )
+        limit = self.settings.max_message_bytes
         try:
-            try:
-                ce.event = self._decode(ce.value)
-            except Exception as exc:
-                await self._dead_letter(ce, error_info(exc, code="undecodable"), attempts=0)
+            if len(ce.value) > limit:
+                # Kafka hands out a batch larger than the fetch limit rather than stall, so an
+                # oversize record (another producer's, a broker without the topic cap) arrives
+                # anyway. Refuse it unread: the limit is what every stage sizes its memory by.
+                info = ErrorInfo(
+                    "oversize",
+                    f"record of {len(ce.value)} bytes exceeds EPD_MAX_MESSAGE_BYTES={limit}",
+                    field="value",
+                )
+                await self._dead_letter(ce, info, attempts=0)
             else:
-                carrier = carrier_of(getattr(ce.event, "trace", None), ce.headers)
-                rid = getattr(ce.event, "request_id", None)
-                with stage_span(self.config.group_id, carrier, request_id=rid or ce.key_str):
-                    await self._run_handler(ce)
+                await self._decode_and_handle(ce)
         except _Abandoned:
             return
         self._tracker.done(tp, rec.offset, epoch)
+
+    async def _decode_and_handle(self, ce: ConsumedEvent) -> None:
+        try:
+            ce.event = self._decode(ce.value)
+        except Exception as exc:
+            await self._dead_letter(ce, error_info(exc, code="undecodable"), attempts=0)
+            return
+        carrier = carrier_of(getattr(ce.event, "trace", None), ce.headers)
+        rid = getattr(ce.event, "request_id", None)
+        with stage_span(self.config.group_id, carrier, request_id=rid or ce.key_str):
+            await self._run_handler(ce)
 
     async def _run_handler(self, ce: ConsumedEvent) -> None:
         group = self.config.group_id

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from runtime.publisher import Publisher
 
 # Codes that mean "this input is bad" (rejected) rather than "we failed to process it".
-REJECTION_CODES = frozenset({"validation", "undecodable", "rejected", "compute"})
+REJECTION_CODES = frozenset({"validation", "undecodable", "oversize", "rejected", "compute"})
 
 
 def _status_of(code: str) -> str:

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from aiokafka.errors import MessageSizeTooLargeError
 
 from epd.local_pipeline import LocalRun, local_pipeline
 from producers.sample_images import synthetic_image
-from runtime.kafka import read_topic, send_event
+from runtime.kafka import make_producer, read_topic, send_event
 from runtime.settings import Settings
 from schemas.codec import decode, get_codec
 from schemas.types import (
@@ -30,6 +31,7 @@ from schemas.types import (
     RenderEvent,
     ResultEvent,
     SamplingParams,
+    TensorRef,
 )
 from tests import services as layer
 
@@ -40,6 +42,7 @@ WAIT_S = 180.0
 DOWN_S = 5.0
 """How long the Redis faults last (a restart or a freeze of a few seconds)."""
 WAIT_OUTAGE_S = 60.0
+MAX_MESSAGE_BYTES = 2 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,10 @@ async def pipeline(
     settings: Settings, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[LocalRun]:
     log_dir: Path = tmp_path_factory.mktemp("fault-logs")
-    async with local_pipeline(settings, spawn_workers=True, log_dir=log_dir, kinds=KINDS) as run:
+    # A small message cap, so the poison test's oversize record stays a few MB (Tansu keeps
+    # every byte in RAM); valid traffic here is well under it.
+    cfg = settings.model_copy(update={"max_message_bytes": MAX_MESSAGE_BYTES})
+    async with local_pipeline(cfg, spawn_workers=True, log_dir=log_dir, kinds=KINDS) as run:
         yield run
 
 
@@ -297,7 +303,6 @@ async def test_poison_records_land_in_the_dlq_and_valid_traffic_finishes(
 ) -> None:
     run = pipeline
     prefix = run.settings.topic_prefix
-    producer = run.publisher.producer
     codec = get_codec()
     salt = uuid.uuid4().hex
 
@@ -311,6 +316,27 @@ async def test_poison_records_land_in_the_dlq_and_valid_traffic_finishes(
     nan_pixels = pixels.clone()
     nan_pixels[0, 0] = float("nan")
     short_pixels = pixels[:-4].clone()  # fewer patch rows than the grid says
+    grid = enc.data["image_grid_thw"]
+    assert isinstance(grid, torch.Tensor)
+    # A claim check declaring ~1.4 GB of pixels (over EPD_MAX_TENSOR_BYTES, 256 MB): refused
+    # from the declaration, before the store is read or memory is sized by it.
+    huge = TensorRef(
+        store=run.settings.embedding_store_url,
+        key=f"{run.settings.ec_namespace}:huge-{uuid.uuid4().hex[:8]}",
+        dtype="float32",
+        shape=[300_000, pixels.shape[1]],
+        nbytes=300_000 * pixels.shape[1] * 4,
+        digest="0" * 64,
+    )
+    # A well-formed encode event of ~4.8 MB (1024 patches inline): valid in every other way,
+    # but over the pipeline's EPD_MAX_MESSAGE_BYTES. The broker may refuse it (Apache Kafka
+    # applies the topic's max.message.bytes); Tansu takes it, and consumers receive it anyway.
+    big_grid = torch.tensor([[1, 32, 32]], dtype=grid.dtype)
+    big_pixels = torch.rand(1024, pixels.shape[1], dtype=pixels.dtype)
+    oversize = codec.encode(
+        dataclasses.replace(enc, data={"pixel_values": big_pixels, "image_grid_thw": big_grid})
+    )
+    assert len(oversize) > run.settings.max_message_bytes
 
     tag = uuid.uuid4().hex[:8]
     poison: list[tuple[str, str, bytes, str]] = [  # (topic, key, value, expected code or rule)
@@ -335,18 +361,37 @@ async def test_poison_records_land_in_the_dlq_and_valid_traffic_finishes(
             codec.encode(dataclasses.replace(plan.prefill, ec_transfer_params={})),
             "ec-transfer-required",
         ),
+        (
+            f"{prefix}.encode",
+            f"huge-{tag}",
+            codec.encode(dataclasses.replace(enc, data={**enc.data, "pixel_values": huge})),
+            "tensor",
+        ),
+        (f"{prefix}.encode", f"oversize-{tag}", oversize, "oversize"),
         (f"{prefix}.prefill", f"pbytes-{tag}", os.urandom(200), "undecodable"),
         (f"{prefix}.render", f"rbytes-{tag}", os.urandom(100), "undecodable"),
     ]
 
+    # The pipeline's producers are capped at EPD_MAX_MESSAGE_BYTES: a bigger one for the poison.
+    big_producer = make_producer(run.settings, max_request_size=4 * len(oversize))
+    await big_producer.start()
+    refused: list[str] = []
+
     async def fault() -> None:
         for topic, key, value, _ in poison:
-            await producer.send_and_wait(topic, value=value, key=key.encode())
+            try:
+                await big_producer.send_and_wait(topic, value=value, key=key.encode())
+            except MessageSizeTooLargeError:
+                refused.append(key)  # the broker enforces the cap itself: nothing to consume
 
-    ids = await stream(run, 6, every_s=0.1, fault_after=2, fault=fault)
+    try:
+        ids = await stream(run, 6, every_s=0.1, fault_after=2, fault=fault)
+    finally:
+        await big_producer.stop()
+
     got = await outcomes(run, ids)
 
-    expected = {key: want for _, key, _, want in poison}
+    expected = {key: want for _, key, _, want in poison if key not in refused}
     found: dict[str, str] = {}
     deadline = time.monotonic() + 60
     while set(found) != set(expected) and time.monotonic() < deadline:
@@ -356,7 +401,15 @@ async def test_poison_records_land_in_the_dlq_and_valid_traffic_finishes(
             if key in expected:
                 found[key] = letter.error.rule or letter.error.code
         await asyncio.sleep(0.5)
-    fig = figures("poison records", ids, got, poison=len(poison), in_dlq=len(found))
+    fig = figures(
+        "poison records",
+        ids,
+        got,
+        poison=len(poison),
+        in_dlq=len(found),
+        refused_by_broker=len(refused),
+        dlq_rules=sorted(set(found.values())),
+    )
     assert fig["completed"] == fig["sent"], fig
     assert found == expected
     assert run.workers is not None

@@ -517,6 +517,34 @@ async def test_oversized_dead_letter_drops_the_payload(settings: Settings) -> No
     assert headers["epd-error-value-dropped"] == str(len(big)).encode()
 
 
+async def test_a_record_over_the_message_cap_is_dead_lettered_unread(settings: Settings) -> None:
+    src, dlq = await _topics(settings)
+    await _produce(settings, src, ["before", "after"])
+    small = settings.model_copy(update={"max_message_bytes": 8192})
+    producer = make_producer(settings, max_request_size=1 << 20)
+    await producer.start()
+    try:  # a valid event, just bigger than the consumer's cap: the broker hands it out anyway
+        padded = ResultEvent("big", "test", "completed", text="x" * 20000)
+        await send_event(producer, src, "big", padded)
+    finally:
+        await producer.stop()
+    await _produce(settings, src, ["last"])
+    seen: list[str] = []
+
+    async def handler(ce: ConsumedEvent) -> None:
+        seen.append(ce.event.request_id)
+
+    loop = ConsumeLoop(small, _config(src, dlq), handler)
+    task = _run(loop)
+    await _until(lambda: len(seen) == 3 and loop.dead_lettered == 1, "DLQ + the others")
+    await loop.stop()
+    await task
+    assert seen == ["before", "after", "last"]
+    [(letter, headers)] = await _read_dlq(settings, dlq, 1)
+    assert (letter.offset, letter.error.code, letter.error.field) == (2, "oversize", "value")
+    assert headers["epd-error-code"] == b"oversize"
+
+
 async def test_metrics_registry_and_sigterm(settings: Settings) -> None:
     src, dlq = await _topics(settings)
     await _produce(settings, src, ["one", "two"])
