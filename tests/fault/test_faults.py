@@ -91,10 +91,11 @@ async def stream(
     every_s: float,
     fault_after: int,
     fault: Callable[[], Awaitable[None]],
+    render_only: bool = False,
 ) -> list[str]:
     """Send ``n`` requests, one every ``every_s`` (alternately through the Submitter's fan-out and
-    through the render topic and the router), running ``fault`` after ``fault_after`` of them
-    while the rest keep coming. Returns the request ids."""
+    through the render topic and the router; ``render_only``: all through the router), running
+    ``fault`` after ``fault_after`` of them while the rest keep coming. Returns the request ids."""
     salt = uuid.uuid4().hex
     sent: list[str] = []
     fault_task: asyncio.Task[None] | None = None
@@ -102,7 +103,7 @@ async def stream(
         if i == fault_after:
             fault_task = asyncio.create_task(fault())
         ev = await _render(run, 500 + i, salt)
-        if i % 2:
+        if i % 2 and not render_only:
             await run.submitter.submit_rendered(ev)
         else:
             topic = f"{run.settings.topic_prefix}.render"
