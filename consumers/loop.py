@@ -11,8 +11,12 @@ A worker supplies an async handler for one decoded event; :class:`ConsumeLoop` d
   group membership stays alive) and resumes when a slot frees. Records a poll returns beyond the
   free slots are given back with ``seek``, never dropped.
 * **Retries.** A transient failure (see :func:`~consumers.retry.default_is_transient`) is retried
-  with jittered exponential backoff up to ``max_attempts`` times in total.
-* **Dead letters.** Undecodable bytes, a permanent error (``Poison``, ``ValidationError``,
+  with jittered exponential backoff (:class:`~consumers.retry.RetryPolicy`): a store or broker
+  outage (:func:`~consumers.retry.default_is_infrastructure`) for ``transient_retry_s`` seconds
+  from its first occurrence (never past the event's ``deadline_ms``), so a Redis restart of a few
+  seconds sends nothing valid to the DLQ; any other error up to ``max_attempts`` tries.
+* **Dead letters.** A record over ``max_message_bytes`` (code ``oversize``, never decoded),
+  undecodable bytes, a permanent error (``Poison``, ``ValidationError``,
   ``CodecError``) or a transient one that exhausted its attempts is published to the DLQ topic as
   a ``DeadLetter`` carrying the original topic/partition/offset/key/value/headers plus the error,
   with ``epd-error-*`` Kafka headers; then its offset counts as done and the loop moves on.
@@ -43,13 +47,21 @@ from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from consumers.commits import CommitTracker
-from consumers.retry import Poison, Transient, backoff_delay, default_is_transient, error_info
+from consumers.retry import (
+    Poison,
+    RetryPolicy,
+    Transient,
+    backoff_delay,
+    default_is_infrastructure,
+    default_is_transient,
+    error_info,
+)
 from runtime.kafka import event_headers, make_consumer, make_producer
 from runtime.metrics import per_registry
 from runtime.settings import Settings
 from runtime.tracing import carrier_of, stage_span
 from schemas import codec
-from schemas.types import DeadLetter, ErrorInfo
+from schemas.types import DeadLetter, ErrorInfo, now_ms
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +114,10 @@ class ConsumerConfig:
     max_attempts: int = 3
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 5.0
+    transient_retry_s: float = 30.0
+    """Time budget for store/broker outages (retried however many tries it takes)."""
+    transient_backoff_max_s: float = 2.0
+    """Longest pause between tries during an outage: work resumes this soon after it ends."""
     commit_interval_s: float = 0.5
     commit_timeout_s: float = 10.0
     """Bound on one commit (and on closing the clients): a dead coordinator must not hang us."""
@@ -118,6 +134,18 @@ class ConsumerConfig:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.transient_retry_s < 0:
+            raise ValueError(f"transient_retry_s must be >= 0, got {self.transient_retry_s}")
+
+    def retry_policy(self) -> RetryPolicy:
+        """The retry budget these settings describe."""
+        return RetryPolicy(
+            max_attempts=self.max_attempts,
+            backoff_initial_s=self.backoff_initial_s,
+            backoff_max_s=self.backoff_max_s,
+            transient_retry_s=self.transient_retry_s,
+            transient_backoff_max_s=self.transient_backoff_max_s,
+        )
 
 
 class _Metrics:
@@ -166,6 +194,12 @@ class _Metrics:
         )
 
 
+def _deadline_left_s(event: Any) -> float | None:
+    """Seconds until ``event``'s ``deadline_ms`` (negative once past; None if it has none)."""
+    deadline = getattr(event, "deadline_ms", None)
+    return (deadline - now_ms()) / 1000 if isinstance(deadline, int) else None
+
+
 def _metrics_for(registry: CollectorRegistry | None) -> _Metrics:
     # One set per registry: several loops (encode + prefill in one process) share series.
     return per_registry(_Metrics, registry)
@@ -206,6 +240,7 @@ class ConsumeLoop:
         decode: Callable[[bytes], Any] = codec.decode,
         producer: AIOKafkaProducer | None = None,
         is_transient: Callable[[BaseException], bool] = default_is_transient,
+        is_infrastructure: Callable[[BaseException], bool] = default_is_infrastructure,
         on_dead_letter: DeadLetterHook | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
@@ -216,6 +251,8 @@ class ConsumeLoop:
         self._producer = producer
         self._own_producer = producer is None
         self._is_transient = is_transient
+        self._is_infrastructure = is_infrastructure
+        self._policy = config.retry_policy()
         self._on_dead_letter = on_dead_letter
         self._metrics = _metrics_for(registry)
         self._consumer: AIOKafkaConsumer | None = None
@@ -439,23 +476,42 @@ class ConsumeLoop:
             event=None,
             timestamp_ms=rec.timestamp,
         )
+        limit = self.settings.max_message_bytes
         try:
-            try:
-                ce.event = self._decode(ce.value)
-            except Exception as exc:
-                await self._dead_letter(ce, error_info(exc, code="undecodable"), attempts=0)
+            if len(ce.value) > limit:
+                # Kafka hands out a batch larger than the fetch limit rather than stall, so an
+                # oversize record (another producer's, a broker without the topic cap) arrives
+                # anyway. Refuse it unread: the limit is what every stage sizes its memory by.
+                info = ErrorInfo(
+                    "oversize",
+                    f"record of {len(ce.value)} bytes exceeds EPD_MAX_MESSAGE_BYTES={limit}",
+                    field="value",
+                )
+                await self._dead_letter(ce, info, attempts=0)
             else:
-                carrier = carrier_of(getattr(ce.event, "trace", None), ce.headers)
-                rid = getattr(ce.event, "request_id", None)
-                with stage_span(self.config.group_id, carrier, request_id=rid or ce.key_str):
-                    await self._run_handler(ce)
+                await self._decode_and_handle(ce)
         except _Abandoned:
             return
         self._tracker.done(tp, rec.offset, epoch)
 
+    async def _decode_and_handle(self, ce: ConsumedEvent) -> None:
+        try:
+            ce.event = self._decode(ce.value)
+        except Exception as exc:
+            await self._dead_letter(ce, error_info(exc, code="undecodable"), attempts=0)
+            return
+        carrier = carrier_of(getattr(ce.event, "trace", None), ce.headers)
+        rid = getattr(ce.event, "request_id", None)
+        with stage_span(self.config.group_id, carrier, request_id=rid or ce.key_str):
+            await self._run_handler(ce)
+
     async def _run_handler(self, ce: ConsumedEvent) -> None:
         group = self.config.group_id
-        for attempt in range(1, self.config.max_attempts + 1):
+        handler_failures = infra_failures = 0
+        outage_began: float | None = None
+        attempt = 0
+        while True:
+            attempt += 1
             ce.attempt = attempt
             started = time.perf_counter()
             failure: Exception
@@ -486,27 +542,41 @@ class ConsumeLoop:
                 )
                 return
             self._metrics.handler_seconds.labels(group).observe(time.perf_counter() - started)
-            if not self._is_transient(failure):
-                await self._dead_letter(ce, error_info(failure), attempts=attempt)
-                return
-            if attempt >= self.config.max_attempts:
-                info = error_info(failure, code="retries_exhausted")
-                await self._dead_letter(ce, info, attempts=attempt)
+            permanent = not self._is_transient(failure)
+            infrastructure = not permanent and self._is_infrastructure(failure)
+            if infrastructure:
+                infra_failures += 1
+                if outage_began is None:
+                    outage_began = time.monotonic()
+            elif not permanent:
+                handler_failures += 1
+            decision = self._policy.decide(
+                permanent=permanent,
+                infrastructure=infrastructure,
+                handler_failures=handler_failures,
+                infra_failures=infra_failures,
+                outage_s=time.monotonic() - outage_began if outage_began is not None else 0.0,
+                deadline_left_s=_deadline_left_s(ce.event),
+            )
+            if not decision.retry:
+                await self._dead_letter(
+                    ce, error_info(failure, code=decision.code), attempts=attempt
+                )
                 return
             self.retried += 1
             self._metrics.retried.labels(group).inc()
-            delay = backoff_delay(attempt, self.config.backoff_initial_s, self.config.backoff_max_s)
             log.info(
-                "%s: %s[%d]@%d attempt %d failed (%r); retrying in %.2fs",
+                "%s: %s[%d]@%d attempt %d failed (%s%r); retrying in %.2fs",
                 group,
                 ce.topic,
                 ce.partition,
                 ce.offset,
                 attempt,
+                "outage: " if infrastructure else "",
                 failure,
-                delay,
+                decision.delay_s,
             )
-            await self._sleep_unless_stopping(delay)
+            await self._sleep_unless_stopping(decision.delay_s)
 
     async def _sleep_unless_stopping(self, delay: float) -> None:
         """Back off; raise :class:`_Abandoned` if a stop is requested meanwhile."""

@@ -13,7 +13,15 @@ if TYPE_CHECKING:
     from runtime.publisher import Publisher
 
 # Codes that mean "this input is bad" (rejected) rather than "we failed to process it".
-REJECTION_CODES = frozenset({"validation", "undecodable", "rejected", "compute"})
+REJECTION_CODES = frozenset({"validation", "undecodable", "oversize", "rejected", "compute"})
+
+
+def _status_of(code: str) -> str:
+    """The terminal status a dead letter's code stands for."""
+    if code in REJECTION_CODES:
+        return "rejected"
+    # The deadline passed while the store or broker was down: it expired, nothing failed.
+    return "expired" if code == "expired" else "failed"
 
 
 def request_id_of(ce: ConsumedEvent, keyed_by_request: bool) -> str | None:
@@ -35,7 +43,7 @@ def dead_letter_reporter(
             return
         await ResultReporter(publisher, topics.results, stage)(
             rid,
-            "rejected" if info.code in REJECTION_CODES else "failed",
+            _status_of(info.code),
             error=info,
             info={"dlq": f"{ce.topic}[{ce.partition}]@{ce.offset}"},
         )

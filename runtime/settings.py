@@ -124,7 +124,17 @@ class Settings(BaseSettings):
 
     # Consumers
     max_in_flight: int = 64
-    max_attempts: int = 3
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        description="tries of an event whose handler fails (not counting store/broker outages)",
+    )
+    transient_retry_s: float = Field(
+        30.0,
+        ge=0,
+        description="how long an event is retried while the store or the broker is unreachable "
+        "(capped by the event's deadline); only then is it dead-lettered as retries_exhausted",
+    )
     encode_batch_patches: int = Field(16384, description="patch budget of one vision-tower call")
     dlq_replay_ttl_s: int = Field(
         30 * 86400,

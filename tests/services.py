@@ -18,7 +18,8 @@ applied only when the broker is Tansu.
 
 Faults (``ServiceHandle.pause``/``unpause``/``restart``) are done to what this layer started:
 ``docker pause``/``restart`` in container mode, SIGSTOP/SIGCONT and a restart of the process in
-embedded mode. In ``env`` mode the services are not ours, so fault tests skip.
+embedded mode; ``restart(down_s)`` keeps the service down (refusing connections) that long.
+In ``env`` mode the services are not ours, so fault tests skip.
 """
 
 from __future__ import annotations
@@ -166,7 +167,8 @@ class ServiceHandle:
     address: str
     pause: Callable[[], None] | None = None
     unpause: Callable[[], None] | None = None
-    restart: Callable[[], None] | None = None
+    restart: Callable[..., None] | None = None
+    """``restart(down_s=0.0)``: stop it, keep it down ``down_s`` seconds, start it (empty)."""
 
     @property
     def controllable(self) -> bool:
@@ -300,8 +302,13 @@ def _kafka_container_args(image: str, port: int, tansu: bool) -> tuple[list[str]
 
 
 def _container_handle(name: str, address: str, wrapped: Any, ready: Callable[[], bool]) -> Any:
-    def restart() -> None:
-        wrapped.restart(timeout=5)
+    def restart(down_s: float = 0.0) -> None:
+        if down_s > 0:
+            wrapped.stop(timeout=5)
+            time.sleep(down_s)
+            wrapped.start()
+        else:
+            wrapped.restart(timeout=5)
         if not services.wait_until(ready, READY_TIMEOUT_S, alive=lambda: True):
             raise ServicesUnavailable(f"{name} did not come back after a restart")
 
@@ -368,9 +375,10 @@ def _process_handle(
         if pid is not None:
             os.kill(pid, sig)
 
-    def restart() -> None:
+    def restart(down_s: float = 0.0) -> None:
         old = current["rec"]
         services.stop_process(old.pid, old.command)
+        time.sleep(down_s)
         current["rec"] = start()
 
     handle = ServiceHandle(

@@ -328,6 +328,7 @@ async def run_worker(
                 dlq_topic=topics.dlq,
                 max_in_flight=settings.max_in_flight,
                 max_attempts=settings.max_attempts,
+                transient_retry_s=settings.transient_retry_s,
             ),
             on_event,
             producer=publisher.producer,

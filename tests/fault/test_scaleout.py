@@ -1,10 +1,12 @@
-"""Scale-out on the real pipeline: two encode and two prefill workers sharing partitions.
+"""Scale-out on the real pipeline: two workers of every kind sharing partitions.
 
-One pipeline (broker, Redis, six worker processes) serves the whole module, in file order:
-the work is shared, a burst far beyond what the workers do at once drains without loss or
-duplicates, then one encode worker and (next test) one prefill worker are killed with SIGKILL
-mid-stream and NOT restarted: the survivor of each group must take over the dead worker's
-partitions once the session timeout expires, and every request must still finish. The kill
+One pipeline (broker, Redis, eight worker processes: two results collectors, two encode, two
+prefill, two routers) serves the whole module, in file order: the work is shared, a burst far
+beyond what the workers do at once drains without loss or duplicates, then one worker of each
+kind in turn (encode, prefill, results, router) is killed with SIGKILL mid-stream and NOT
+restarted: the survivor of its group must take over the dead worker's partitions once the
+session timeout expires, and every request must still finish with exactly one terminal status
+(a killed results collector's uncommitted records are folded again by the survivor). The kill
 tests come last because they leave the pipeline with fewer workers.
 
 Each test prints its figures (sent, completed, lost, duplicated, worker RSS before/after) and
@@ -31,11 +33,13 @@ from runtime.kafka import read_topic
 from runtime.settings import Settings
 from schemas.codec import get_codec
 from schemas.types import TERMINAL_STATUSES, ResultEvent, SamplingParams
-from tests.fault.test_faults import figures, stream, worker_rss
+from tests.fault.test_faults import dead_letters_of, figures, stream, worker_rss
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-KINDS = ("results", "encode", "encode", "prefill", "prefill", "router")
+KINDS = ("results", "results", "encode", "encode", "prefill", "prefill", "router", "router")
+TOPIC_OF = {"encode": "encode", "prefill": "prefill", "results": "results", "router": "render"}
+"""The topic whose partitions each kind's consumer group shares."""
 WAIT_S = 90.0
 """Longest any request may take to finish (a rebalance after a kill takes the session timeout,
 6 s on Tansu, plus the join)."""
@@ -220,13 +224,13 @@ async def test_burst_of_60_at_once_completes_without_duplicates(pipeline: LocalR
     assert fig["no_outcome_in_topic"] == 0, fig
 
 
-@pytest.mark.parametrize("kind", ["encode", "prefill"])
+@pytest.mark.parametrize("kind", ["encode", "prefill", "results", "router"])
 async def test_kill_9_one_of_two_workers_mid_stream_survivor_takes_over(
     pipeline: LocalRun, kind: str
 ) -> None:
     run = pipeline
     assert run.workers is not None
-    topic = f"{run.settings.topic_prefix}.{kind}"
+    topic = f"{run.settings.topic_prefix}.{TOPIC_OF[kind]}"
     dead = {i for i, (_, proc, _) in enumerate(run.workers.procs) if proc.poll() is not None}
     victim, survivor = run.workers.indices(kind)
     before = worker_rss(run)
@@ -244,9 +248,14 @@ async def test_kill_9_one_of_two_workers_mid_stream_survivor_takes_over(
 
     # ~5 s of steady traffic: most of it arrives after the kill, while the dead worker's
     # partitions are orphaned (until the session timeout) and then reassigned.
-    ids = await stream(run, 20, every_s=0.25, fault_after=4, fault=fault)
+    # All through the render topic when the router is the victim, so its orphaned partitions
+    # surely get records (half the traffic would leave a ~1% chance they get none).
+    ids = await stream(
+        run, 20, every_s=0.25, fault_after=4, fault=fault, render_only=kind == "router"
+    )
     got = await asyncio.wait_for(outcomes(run, ids), WAIT_S + 30)
     dup = await duplicates(run, ids, got)
+    letters = await dead_letters_of(run, ids)
     taken_over = {po for po in handled(run, survivor, topic) - survivor_before if po[0] in orphaned}
     fig = figures(
         f"kill -9 one of two {kind} workers, no restart",
@@ -258,14 +267,16 @@ async def test_kill_9_one_of_two_workers_mid_stream_survivor_takes_over(
         orphaned_partitions=sorted(orphaned),
         survivor_partitions=sorted(last_assignment(run, survivor, topic)),
         taken_over_records=len(taken_over),
+        in_dlq=len(letters),
         rss_before=before,
         rss_after=worker_rss(run),
     )
     others_alive(run, dead | {victim})
     assert fig["completed"] == fig["sent"], fig
     assert fig["duplicated"] == 0, fig
+    assert fig["in_dlq"] == 0, fig
     # The survivor now owns every partition of the topic: the dead worker's share moved to it.
     assert last_assignment(run, survivor, topic) == set(range(run.settings.topic_partitions)), fig
-    # ...and handled records there (about 14 requests sent after the kill all missing the two
-    # orphaned partitions is a 2**-14 chance).
+    # ...and handled records there (about 14 requests sent after the kill, each with several
+    # records for the results topic, all missing the two orphaned partitions is a 2**-14 chance).
     assert fig["taken_over_records"] > 0, fig

@@ -382,7 +382,14 @@ async def test_retry_abandoned_on_stop_is_not_committed(settings: Settings) -> N
         tried.set()
         raise TimeoutError("store wait timed out")
 
-    cfg = _config(src, dlq, max_attempts=5, backoff_initial_s=30, backoff_max_s=30)
+    cfg = _config(
+        src,
+        dlq,
+        max_attempts=5,
+        backoff_initial_s=30,
+        backoff_max_s=30,
+        transient_backoff_max_s=30,  # a TimeoutError is an outage: its pauses have their own cap
+    )
     loop = ConsumeLoop(settings, cfg, handler)
     task = _run(loop)
     await asyncio.wait_for(tried.wait(), 60)
@@ -390,6 +397,53 @@ async def test_retry_abandoned_on_stop_is_not_committed(settings: Settings) -> N
     await task
     assert loop.dead_lettered == 0
     assert await _committed(settings, loop.config.group_id, TopicPartition(src, 0)) is None
+
+
+async def test_a_store_outage_longer_than_the_attempts_is_outlived(settings: Settings) -> None:
+    """A store down for ~1.5 s: far more than max_attempts=2 tries at 10-50 ms apart, but well
+    inside transient_retry_s, so the record completes and nothing goes to the DLQ. A handler
+    error on the record after it still uses up its two attempts. Then the store goes down for
+    good and the loop is stopped mid-outage: that record's offset stays uncommitted."""
+    src, dlq = await _topics(settings)
+    await _produce(settings, src, ["outage", "bug", "down"])
+    loop_time = asyncio.get_running_loop().time
+    outage_until: list[float] = []  # set at the first try (the group join takes a while)
+    tries: dict[str, int] = {}
+    done: list[str] = []
+
+    async def handler(ce: ConsumedEvent) -> None:
+        rid = ce.event.request_id
+        tries[rid] = tries.get(rid, 0) + 1
+        if not outage_until:
+            outage_until.append(loop_time() + 1.5)
+        if rid == "outage" and loop_time() < outage_until[0]:
+            raise StoreUnavailable("redis store: Connection refused")
+        if rid == "bug":
+            raise RuntimeError("a handler bug, not an outage")
+        if rid == "down":
+            raise StoreUnavailable("redis store: Connection refused")
+        done.append(rid)
+
+    cfg = _config(
+        src,
+        dlq,
+        max_attempts=2,
+        transient_retry_s=30,
+        transient_backoff_max_s=0.05,
+        max_in_flight=1,
+    )
+    loop = ConsumeLoop(settings, cfg, handler)
+    task = _run(loop)
+    await _until(lambda: done == ["outage"] and loop.dead_lettered == 1, "outage outlived")
+    await _until(lambda: tries.get("down", 0) >= 3, "the next outage being retried")
+    await loop.stop()
+    await task
+    assert tries["outage"] > cfg.max_attempts, tries
+    assert tries["bug"] == cfg.max_attempts, tries
+    [(letter, _)] = await _read_dlq(settings, dlq, 1)
+    assert (letter.offset, letter.error.code, letter.attempts) == (1, "retries_exhausted", 2)
+    # "outage" and "bug" are done; "down" was abandoned at stop: committed up to it, not past it.
+    assert await _committed(settings, cfg.group_id, TopicPartition(src, 0)) == 2
 
 
 async def test_rebalance_hands_over_partitions_without_loss(settings: Settings) -> None:
@@ -461,6 +515,34 @@ async def test_oversized_dead_letter_drops_the_payload(settings: Settings) -> No
     [(letter, headers)] = await _read_dlq(settings, dlq, 1)
     assert (letter.offset, letter.value) == (0, b"")
     assert headers["epd-error-value-dropped"] == str(len(big)).encode()
+
+
+async def test_a_record_over_the_message_cap_is_dead_lettered_unread(settings: Settings) -> None:
+    src, dlq = await _topics(settings)
+    await _produce(settings, src, ["before", "after"])
+    small = settings.model_copy(update={"max_message_bytes": 8192})
+    producer = make_producer(settings, max_request_size=1 << 20)
+    await producer.start()
+    try:  # a valid event, just bigger than the consumer's cap: the broker hands it out anyway
+        padded = ResultEvent("big", "test", "completed", text="x" * 20000)
+        await send_event(producer, src, "big", padded)
+    finally:
+        await producer.stop()
+    await _produce(settings, src, ["last"])
+    seen: list[str] = []
+
+    async def handler(ce: ConsumedEvent) -> None:
+        seen.append(ce.event.request_id)
+
+    loop = ConsumeLoop(small, _config(src, dlq), handler)
+    task = _run(loop)
+    await _until(lambda: len(seen) == 3 and loop.dead_lettered == 1, "DLQ + the others")
+    await loop.stop()
+    await task
+    assert seen == ["before", "after", "last"]
+    [(letter, headers)] = await _read_dlq(settings, dlq, 1)
+    assert (letter.offset, letter.error.code, letter.error.field) == (2, "oversize", "value")
+    assert headers["epd-error-code"] == b"oversize"
 
 
 async def test_metrics_registry_and_sigterm(settings: Settings) -> None:
