@@ -221,25 +221,48 @@ def is_animation(data: bytes) -> bool:
 def _pil_errors(index: int) -> Iterator[None]:
     try:
         yield
+    except VideoError:
+        raise
     except Image.DecompressionBombError as e:
         raise _err("render.video_too_large", f"decompression bomb refused: {e}", index) from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:
         raise _err("render.video_unreadable", f"cannot decode animation: {e}", index) from None
 
 
+def webp_durations(data: bytes) -> list[int]:
+    """Per-frame durations (ms) of an animated WebP, from its ANMF chunk headers (no decoding:
+    Pillow reports a WebP frame's duration only after decoding it). Empty for a still WebP."""
+    out: list[int] = []
+    pos = 12  # "RIFF" size "WEBP"
+    while pos + 8 <= len(data):
+        kind, size = data[pos : pos + 4], int.from_bytes(data[pos + 4 : pos + 8], "little")
+        if kind == b"ANMF" and size >= 16:
+            out.append(int.from_bytes(data[pos + 20 : pos + 23], "little"))
+        pos += 8 + size + (size & 1)
+    return out
+
+
+def _durations_ms(img: Image.Image, data: bytes, total: int) -> list[float]:
+    if img.format == "WEBP":
+        raw: list[float] = [float(d) for d in webp_durations(data)] or [0.0] * total
+    else:
+        raw = []
+        for k in range(total):  # GIF: each frame's delay is read when seeking to it
+            img.seek(k)
+            raw.append(float(img.info.get("duration") or 0.0))
+    # Browsers show a 0 ms frame for 100 ms; use that rate too.
+    return [d or 100.0 for d in raw[:total]]
+
+
 def clip_from_animation(data: bytes, limits: VideoLimits, index: int = 0) -> VideoClip:
-    """Sample an animated GIF/WebP; size and frame count are checked before frames decode."""
+    """Sample an animated GIF/WebP; size, frame count and duration are checked before any
+    frame's pixels are kept."""
     with _pil_errors(index):
         img = Image.open(io.BytesIO(data), formats=ANIMATION_FORMATS)
         _check_size(*img.size, limits, index)
         total = int(getattr(img, "n_frames", 1))
         _check_count(total, limits, index)
-        durations_ms = []
-        for k in range(total):
-            img.seek(k)
-            # Browsers show a 0 ms GIF frame for 100 ms; use that rate too.
-            durations_ms.append(float(img.info.get("duration") or 100.0))
-        seconds = sum(durations_ms) / 1000.0
+        seconds = sum(_durations_ms(img, data, total)) / 1000.0
         _check_duration(seconds, limits, index)
         native = total / seconds if seconds > 0 else limits.fps
         keep = sample_indices(total, native, limits)
@@ -380,7 +403,7 @@ def clip_from_file(data: bytes, limits: VideoLimits, index: int = 0) -> VideoCli
     if decoded == 0:
         raise _err("render.video_empty", "the video stream decodes to no frames", index)
     fps = header.fps or limits.fps
-    return VideoClip(frames, len(frames) / max(expected, 1) * fps, decoded, "file")
+    return VideoClip(frames, len(frames) / max(expected, 1) * fps, expected, "file")
 
 
 # ---------------------------------------------------------------------------------------------
