@@ -67,8 +67,9 @@ class CaseResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def builtin_cases() -> list[Case]:
-    """Single, two sizes, repeated, non-square, image first and image last."""
+def builtin_cases(video: bool = True) -> list[Case]:
+    """Single, two sizes, repeated, non-square, image first and image last; then (``video``)
+    the video cases."""
     from producers.sample_images import synthetic_image
 
     a = synthetic_image(112, 112, seed=11)
@@ -83,7 +84,7 @@ def builtin_cases() -> list[Case]:
         Case("non-square image", "What is in <image>?", [synthetic_image(70, 182, seed=14)]),
         Case("image at the start", "<image> is what?", [synthetic_image(98, 98, seed=15)]),
         Case("image at the end", "Look at <image>", [synthetic_image(126, 84, seed=16)]),
-        *video_cases(),
+        *(video_cases() if video else []),
     ]
 
 
@@ -203,7 +204,11 @@ async def _verify(args: argparse.Namespace, state_dir: Path) -> int:
 
     settings = Settings(**({"model": args.model} if args.model else {}))
     own = args.images or args.videos
-    cases = file_cases(args.images, args.videos) if own else builtin_cases()
+    from runtime.model import model_family
+
+    # Qwen3-VL video prompts need per-frame timestamps, which the renderer does not lay out.
+    video = model_family(settings.model).video_frames_per_run is None
+    cases = file_cases(args.images, args.videos) if own else builtin_cases(video)
     bundle_task = asyncio.create_task(
         asyncio.to_thread(load_model, settings.model, device=settings.device)
     )
