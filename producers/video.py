@@ -156,10 +156,32 @@ def _check_count(frames: int, limits: VideoLimits, index: int) -> None:
 # frame lists
 
 
+FRAME_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+"""PIL decoders a frame given as encoded bytes may reach (its first frame is used)."""
+
+
+def _open_frames(frames: list[Any], index: int) -> list[Any]:
+    """Frames given as encoded image bytes, opened lazily: header read, pixels not decoded, so
+    sizes are checked before any frame decodes."""
+    out = []
+    for k, f in enumerate(frames):
+        if isinstance(f, bytes | bytearray | memoryview):
+            try:
+                f = Image.open(io.BytesIO(bytes(f)), formats=FRAME_FORMATS)
+            except (OSError, ValueError, SyntaxError, EOFError) as e:
+                msg = f"frame {k}: not an image in an accepted format ({e})"
+                raise _err("render.video_frames", msg, index) from None
+        out.append(f)
+    return out
+
+
 def _frame_image(f: Any, k: int, index: int) -> Image.Image:
     if isinstance(f, Image.Image):
-        f.load()
-        return f.convert("RGB") if f.mode != "RGB" else f
+        try:
+            f.load()
+            return f.convert("RGB") if f.mode != "RGB" else f
+        except (OSError, ValueError, SyntaxError, EOFError) as e:
+            raise _err("render.video_frames", f"frame {k}: cannot decode: {e}", index) from None
     if isinstance(f, np.ndarray):
         if f.dtype != np.uint8 or f.ndim != 3 or f.shape[2] != 3:
             raise _err(
@@ -185,7 +207,7 @@ def _frame_size(f: Any) -> tuple[int, int]:
 
 def clip_from_frames(src: VideoFrames, limits: VideoLimits, index: int = 0) -> VideoClip:
     """Sample a caller's frame list; every frame must have the first frame's size."""
-    frames = list(src.frames)
+    frames = _open_frames(list(src.frames), index)
     if not frames:
         raise _err("render.video_empty", "the frame list is empty", index)
     _check_count(len(frames), limits, index)

@@ -350,6 +350,7 @@ def create_app(settings: Settings) -> FastAPI:
                 prompt=inp.prompt,
                 token_ids=inp.token_ids,
                 images=inp.images,
+                videos=inp.videos,
                 sampling=SamplingParams(
                     max_tokens=inp.max_tokens, temperature=0.0, ignore_eos=inp.ignore_eos
                 ),
