@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -34,7 +35,7 @@ def encode_video(
 
     buf = io.BytesIO()
     with av.open(buf, "w", format=container) as out:
-        stream = out.add_stream(codec, rate=fps)
+        stream: Any = out.add_stream(codec, rate=fps)
         stream.width, stream.height = frames[0].size
         stream.pix_fmt = "yuv420p"
         if time_base is not None:

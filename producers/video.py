@@ -84,7 +84,8 @@ class VideoFrames:
     """Frames a caller already has, with the rate they were taken at (None: ``EPD_VIDEO_FPS``,
     i.e. already sampled)."""
 
-    frames: Sequence[Image.Image | np.ndarray]
+    frames: Sequence[Any]
+    """PIL images, ``(H, W, 3)`` uint8 arrays or encoded frame images (bytes)."""
     fps: float | None = None
 
 
@@ -444,7 +445,7 @@ def load_video(
         try:
             src = src.read_bytes()
         except OSError as e:
-            raise _err("render.video_unreadable", f"cannot read {src}: {e}", index) from None
+            raise _err("render.video_unreadable", f"cannot read the file: {e}", index) from None
     if not isinstance(src, bytes | bytearray | memoryview):
         raise _err(
             "render.video_type",

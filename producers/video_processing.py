@@ -68,7 +68,10 @@ class VideoProcessorConfig:
 def _size(proc: Any) -> tuple[int, int]:
     size = proc.size
     get = size.get if isinstance(size, dict) else lambda k: getattr(size, k, None)
-    return int(get("shortest_edge")), int(get("longest_edge"))
+    lo, hi = get("shortest_edge"), get("longest_edge")
+    if lo is None or hi is None:
+        raise ValueError(f"processor size needs shortest_edge and longest_edge, got {size}")
+    return int(lo), int(hi)
 
 
 def config_from_image_processor(proc: Any) -> VideoProcessorConfig:
@@ -121,9 +124,9 @@ def _normalised(frame: Image.Image, rh: int, rw: int, cfg: VideoProcessorConfig)
         img = img.resize((rw, rh), resample=Image.Resampling.BICUBIC)
     # Rescale in float64, then float32 for the normalisation: the image processor's arithmetic,
     # so a still frame gives the image processor's values bit for bit.
-    x = (np.asarray(img, dtype=np.float64) * cfg.rescale_factor).astype(np.float32)
-    x = (x - np.asarray(cfg.mean, np.float32)) / np.asarray(cfg.std, np.float32)
-    return x.transpose(2, 0, 1)  # (C, H, W)
+    x: np.ndarray = (np.asarray(img, dtype=np.float64) * cfg.rescale_factor).astype(np.float32)
+    y: np.ndarray = (x - np.asarray(cfg.mean, np.float32)) / np.asarray(cfg.std, np.float32)
+    return y.transpose(2, 0, 1)  # (C, H, W)
 
 
 def process_video(
@@ -134,7 +137,7 @@ def process_video(
         raise ValueError("a video needs at least one frame")
     w, h = frames[0].size
     rh, rw = frame_size(w, h, cfg)
-    x = np.stack([_normalised(f, rh, rw, cfg) for f in frames])  # (F, C, H, W)
+    x: np.ndarray = np.stack([_normalised(f, rh, rw, cfg) for f in frames])  # (F, C, H, W)
     tps, ps, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
     if pad := -len(frames) % tps:
         x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])

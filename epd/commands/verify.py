@@ -152,7 +152,15 @@ async def verify_cases(
         videos = monolithic_video_inputs(ev)
         return await asyncio.to_thread(
             lambda: generate_monolithic(
-                bundle, ids, pv, grid, max_tokens, ignore_eos=True, **videos
+                bundle,
+                ids,
+                pv,
+                grid,
+                max_tokens,
+                ignore_eos=True,
+                pixel_values_videos=videos.get("pixel_values_videos"),
+                video_grid_thw=videos.get("video_grid_thw"),
+                second_per_grid_ts=videos.get("second_per_grid_ts"),
             )
         )
 

@@ -109,7 +109,8 @@ def decode_videos(raw: list[Any], settings: Any) -> list[bytes | list[bytes]]:
             continue
         if len(item) > settings.video_max_source_frames:
             raise _too_large("frame list", len(item), settings.video_max_source_frames, i)
-        frames, left = [], limit
+        frames: list[bytes] = []
+        left = limit
         for text in item:
             data = _decode(text, i, left, IMAGE_TYPES, "video frames")
             if sniff_image_type(data) is None:
