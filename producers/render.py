@@ -1,10 +1,13 @@
-"""Render: a prompt (text or token ids) plus images -> one ``RenderEvent``.
+"""Render: a prompt (text or token ids) plus images and videos -> one ``RenderEvent``.
 
 Each image is decoded (with size limits checked before any pixel is decompressed), run through
 the Qwen2-VL image processor, and spliced into the prompt as ``<|vision_start|>`` + N x
 ``<|image_pad|>`` + ``<|vision_end|>`` with N = t*h*w / merge². The event's ``Features`` carry,
 per item: a content hash, the placeholder range, the full processor output (``kwargs_data``) and
 the light metadata prefill needs (``mm_metadata``: ``image_grid_thw``).
+
+Videos (:mod:`producers.video_items`) are laid out the same way with ``<|video_pad|>``; images
+and videos mix in one prompt in any order (``<image>`` / ``<video>`` markers).
 
 Processing is CPU-bound; async callers use ``render_async``, which runs it in a worker thread.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +26,8 @@ from typing import Any
 import torch
 from PIL import Image
 
+from producers.video import VideoInput, VideoLimits
+from producers.video_items import VideoItems
 from runtime.model import ModelBundle, RenderInfo
 from schemas.errors import ValidationError
 from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT
@@ -37,6 +43,9 @@ from schemas.types import (
 IMAGE_MARKER = "<image>"
 # What the Qwen2-VL chat template emits for one image; accepted as an alias of the marker.
 QWEN_IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_MARKER = "<video>"
+QWEN_VIDEO_BLOCK = "<|vision_start|><|video_pad|><|vision_end|>"
+_MARKERS = re.compile(f"({re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)})")
 
 VISION_TOKENS = (
     "<|vision_start|>",
@@ -127,6 +136,9 @@ class Renderer:
         max_image_pixels: int,
         max_images: int = 64,
         allow_file_paths: bool = False,
+        video_limits: VideoLimits | None = None,
+        max_tensor_bytes: int = 256 * 1024 * 1024,
+        max_video_bytes: int | None = None,
     ) -> None:
         """``info``: a ``RenderInfo`` (no weights) or a loaded ``ModelBundle``.
 
@@ -136,11 +148,21 @@ class Renderer:
         ``allow_file_paths``: read a ``str`` image as a file path. Off by default, because
         strings often come from users (an HTTP body); a ``pathlib.Path`` is always read as a
         file, since the caller built it to name one.
+
+        ``video_limits``, ``max_tensor_bytes``, ``max_video_bytes``: see
+        :class:`producers.video_items.VideoItems` (``VideoLimits.from_settings`` gives the
+        ``EPD_VIDEO_*`` settings).
         """
         self.info = info.render_info() if isinstance(info, ModelBundle) else info
         self.max_image_pixels = int(max_image_pixels)
         self.max_images = max_images
         self.allow_file_paths = allow_file_paths
+        self.videos = VideoItems(
+            self.info,
+            video_limits,
+            max_tensor_bytes=max_tensor_bytes,
+            max_file_bytes=max_video_bytes,
+        )
         self.hasher = ItemHasher.for_processor(
             self.info.fingerprint, self.info.image_processor.to_dict()
         )
@@ -221,28 +243,42 @@ class Renderer:
     def _text_ids(self, text: str) -> list[int]:
         return list(self.info.tokenizer.encode(text, add_special_tokens=False))
 
-    def _prompt_segments(self, prompt: str, n_images: int) -> list[list[int]]:
-        """Token ids of the text between image markers (n_images + 1 segments)."""
-        text = prompt.replace(QWEN_IMAGE_BLOCK, IMAGE_MARKER)
+    def _prompt_segments(
+        self, prompt: str, n_images: int, n_videos: int = 0
+    ) -> tuple[list[list[int]], list[str]]:
+        """Token ids of the text between markers (one more than the markers) and the modality of
+        each marker, in prompt order."""
+        text = prompt.replace(QWEN_IMAGE_BLOCK, IMAGE_MARKER).replace(
+            QWEN_VIDEO_BLOCK, VIDEO_MARKER
+        )
         for s in self._reserved:
             if s in text:
                 raise RenderError(
                     "render.reserved_token",
-                    f"prompt contains the reserved token {s!r}; mark images with {IMAGE_MARKER!r}",
+                    f"prompt contains the reserved token {s!r}; mark images with "
+                    f"{IMAGE_MARKER!r} and videos with {VIDEO_MARKER!r}",
                     field="prompt",
                 )
-        parts = text.split(IMAGE_MARKER)
-        if len(parts) - 1 != n_images:
-            raise RenderError(
-                "render.marker_count",
-                f"prompt has {len(parts) - 1} {IMAGE_MARKER!r} markers but {n_images} images "
-                "were given",
-                field="prompt",
-            )
-        return [self._text_ids(p) for p in parts]
+        parts = _MARKERS.split(text)
+        kinds = ["image" if m == IMAGE_MARKER else "video" for m in parts[1::2]]
+        for kind, marker, given in (
+            ("image", IMAGE_MARKER, n_images),
+            ("video", VIDEO_MARKER, n_videos),
+        ):
+            if kinds.count(kind) != given:
+                raise RenderError(
+                    "render.marker_count",
+                    f"prompt has {kinds.count(kind)} {marker!r} markers but {given} {kind}s "
+                    "were given",
+                    field="prompt",
+                )
+        return [self._text_ids(p) for p in parts[0::2]], kinds
 
-    def _token_segments(self, token_ids: Sequence[int], n_images: int) -> list[list[int]]:
-        """Split token ids at each single ``<|image_pad|>``, dropping a vision_start/end wrap."""
+    def _token_segments(
+        self, token_ids: Sequence[int], n_images: int, n_videos: int = 0
+    ) -> tuple[list[list[int]], list[str]]:
+        """Split token ids at each single ``<|image_pad|>`` / ``<|video_pad|>``, dropping a
+        vision_start/end wrap; also the modality of each mark, in order."""
         info = self.info
         ids = [int(t) for t in token_ids]
         bad = [t for t in ids if t < 0 or t >= info.vocab_size]
@@ -252,18 +288,17 @@ class Renderer:
                 f"token ids must be in [0, {info.vocab_size}); got {bad[:5]}",
                 field="token_ids",
             )
-        if info.video_token_id in ids:
-            raise RenderError(
-                "render.token_ids", "video items are not supported yet", field="token_ids"
-            )
-        marks = [i for i, t in enumerate(ids) if t == info.image_token_id]
-        if len(marks) != n_images:
-            raise RenderError(
-                "render.marker_count",
-                f"token_ids have {len(marks)} image pad tokens but {n_images} images were given "
-                "(mark each image with one <|image_pad|>)",
-                field="token_ids",
-            )
+        pads = {info.image_token_id: "image", info.video_token_id: "video"}
+        marks = [i for i, t in enumerate(ids) if t in pads]
+        kinds = [pads[ids[i]] for i in marks]
+        for kind, given in (("image", n_images), ("video", n_videos)):
+            if kinds.count(kind) != given:
+                raise RenderError(
+                    "render.marker_count",
+                    f"token_ids have {kinds.count(kind)} {kind} pad tokens but {given} {kind}s "
+                    f"were given (mark each {kind} with one <|{kind}_pad|>)",
+                    field="token_ids",
+                )
         segments: list[list[int]] = []
         start = 0
         for m in marks:
@@ -279,10 +314,10 @@ class Renderer:
             if info.vision_start_id in seg or info.vision_end_id in seg:
                 raise RenderError(
                     "render.token_ids",
-                    "vision start/end tokens must wrap an image pad token",
+                    "vision start/end tokens must wrap an image or video pad token",
                     field="token_ids",
                 )
-        return segments
+        return segments, kinds
 
     # ------------------------------------------------------------------ render
 
@@ -293,13 +328,16 @@ class Renderer:
         prompt: str | None = None,
         token_ids: Sequence[int] | None = None,
         images: Sequence[ImageInput] = (),
+        videos: Sequence[VideoInput] = (),
         cache_salt: str | None = None,
         sampling: SamplingParams | None = None,
         deadline_ms: int | None = None,
         trace: dict[str, str] | None = None,
     ) -> RenderEvent:
-        """Render one request. Give exactly one of ``prompt`` (``<image>`` marks each image)
-        or ``token_ids`` (one ``<|image_pad|>`` marks each image). Raises ``RenderError``.
+        """Render one request. Give exactly one of ``prompt`` (``<image>`` marks each image,
+        ``<video>`` each video) or ``token_ids`` (one ``<|image_pad|>`` / ``<|video_pad|>``
+        marks each). Images and videos pair with their markers in order. Raises
+        ``RenderError`` (``VideoError`` for a video, a ``ValidationError`` too).
         """
         if (prompt is None) == (token_ids is None):
             raise RenderError("render.prompt", "give exactly one of prompt or token_ids")
@@ -310,31 +348,48 @@ class Renderer:
                 f"{len(images)} images; the limit is {self.max_images}",
                 modality="image",
             )
+        videos = list(videos)
+        if len(videos) > self.max_images:
+            raise RenderError(
+                "render.too_many_videos",
+                f"{len(videos)} videos; the limit is {self.max_images}",
+                modality="video",
+            )
         if prompt is not None:
-            segments = self._prompt_segments(prompt, len(images))
+            segments, kinds = self._prompt_segments(prompt, len(images), len(videos))
         else:
-            segments = self._token_segments(token_ids or [], len(images))
+            segments, kinds = self._token_segments(token_ids or [], len(images), len(videos))
 
         info = self.info
+        pad_id = {"image": info.image_token_id, "video": info.video_token_id}
+        sources: dict[str, list[Any]] = {"image": images, "video": videos}
+        seen = {"image": 0, "video": 0}
         ids: list[int] = list(segments[0])
         items: list[_Item] = []
-        for i, src in enumerate(images):
-            pv, grid = self.process_image(self.load_image(src, i), i)
+        for k, kind in enumerate(kinds):
+            i = seen[kind]
+            seen[kind] += 1
+            if kind == "image":
+                pv, grid = self.process_image(self.load_image(sources[kind][i], i), i)
+                data: ItemData = {MAIN_ENCODER_INPUT["image"]: pv, GRID_FIELDS["image"]: grid}
+                meta: ItemData = {GRID_FIELDS["image"]: grid}
+            else:
+                video = self.videos.render(sources[kind][i], i)
+                data, meta, grid = video.data, video.metadata, video.grid
             n = _placeholder_count(grid, info.merge_size)
             ids.append(info.vision_start_id)
             offset = len(ids)
-            ids.extend([info.image_token_id] * n)
+            ids.extend([pad_id[kind]] * n)
             ids.append(info.vision_end_id)
-            ids.extend(segments[i + 1])
-            data: ItemData = {MAIN_ENCODER_INPUT["image"]: pv, GRID_FIELDS["image"]: grid}
+            ids.extend(segments[k + 1])
             items.append(
                 _Item(
-                    modality="image",
-                    mm_hash=self.mm_hash("image", data, cache_salt),
+                    modality=kind,
+                    mm_hash=self.mm_hash(kind, data, cache_salt),
                     offset=offset,
                     length=n,
                     data=data,
-                    metadata={GRID_FIELDS["image"]: grid},
+                    metadata=meta,
                 )
             )
         if not ids:
@@ -362,28 +417,48 @@ def monolithic_inputs(
 
     Image items are concatenated in placeholder (offset) order, which is the order
     ``model.generate`` assigns image features to pad-token runs. Needs inline tensors.
+    Videos: :func:`monolithic_video_inputs`.
     """
-    f = event.features
-    ranges = f.mm_placeholders.get("image", [])
-    if not ranges:
+    got = _stacked(event, "image", ("pixel_values", "image_grid_thw"))
+    if not got:
         return list(event.token_ids), None, None
-    if f.kwargs_data is None or "image" not in f.kwargs_data:
-        raise RenderError("render.monolithic", "the event carries no image kwargs_data")
-    data = f.kwargs_data["image"]
+    return list(event.token_ids), got["pixel_values"], got["image_grid_thw"]
+
+
+def monolithic_video_inputs(event: RenderEvent) -> dict[str, torch.Tensor]:
+    """``model.generate`` keyword arguments of the event's videos (``pixel_values_videos``,
+    ``video_grid_thw`` and, when the items carry it, ``second_per_grid_ts``) in offset order;
+    empty without videos. Needs inline tensors."""
+    fields: tuple[str, ...] = ("pixel_values_videos", "video_grid_thw")
+    data = (event.features.kwargs_data or {}).get("video") or []
+    if data and all(d is not None and "second_per_grid_ts" in d for d in data):
+        fields = (*fields, "second_per_grid_ts")
+    return _stacked(event, "video", fields)
+
+
+def _stacked(event: RenderEvent, modality: str, fields: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The items' ``fields`` concatenated in offset order (grids as ``(n, 3)`` rows)."""
+    f = event.features
+    ranges = f.mm_placeholders.get(modality, [])
+    if not ranges:
+        return {}
+    if f.kwargs_data is None or modality not in f.kwargs_data:
+        raise RenderError("render.monolithic", f"the event carries no {modality} kwargs_data")
+    data = f.kwargs_data[modality]
     order = sorted(range(len(ranges)), key=lambda i: ranges[i].offset)
-    pvs, grids = [], []
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in fields}
     for i in order:
         item = data[i]
         if item is None:
-            raise RenderError("render.monolithic", "item has no data", modality="image", item=i)
-        pv, grid = item.get("pixel_values"), item.get("image_grid_thw")
-        if not isinstance(pv, torch.Tensor) or not isinstance(grid, torch.Tensor):
-            raise RenderError(
-                "render.monolithic",
-                "pixel_values and image_grid_thw must be inline tensors",
-                modality="image",
-                item=i,
-            )
-        pvs.append(pv)
-        grids.append(grid.reshape(1, 3))
-    return list(event.token_ids), torch.cat(pvs), torch.cat(grids)
+            raise RenderError("render.monolithic", "item has no data", modality=modality, item=i)
+        for name in fields:
+            t = item.get(name)
+            if not isinstance(t, torch.Tensor):
+                raise RenderError(
+                    "render.monolithic",
+                    f"{', '.join(fields)} must be inline tensors",
+                    modality=modality,
+                    item=i,
+                )
+            parts[name].append(t.reshape(1, 3) if name == GRID_FIELDS[modality] else t)
+    return {name: torch.cat(ts) for name, ts in parts.items()}

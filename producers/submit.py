@@ -13,6 +13,7 @@ from typing import Any
 
 from producers.fanout import FanOut, FanoutStats
 from producers.render import ImageInput, Renderer
+from producers.video import VideoInput
 from runtime.settings import Settings
 from runtime.status_store import StatusStore
 from runtime.tracing import TRACEPARENT, new_traceparent, stage_span, trace_id_of
@@ -53,6 +54,7 @@ class Submitter:
         prompt: str | None = None,
         token_ids: Sequence[int] | None = None,
         images: Sequence[ImageInput] = (),
+        videos: Sequence[VideoInput] = (),
         sampling: SamplingParams | None = None,
         cache_salt: str | None = None,
         deadline_ms: int | None = None,
@@ -65,6 +67,7 @@ class Submitter:
             prompt=prompt,
             token_ids=token_ids,
             images=images,
+            videos=videos,
             sampling=sampling,
             cache_salt=cache_salt,
             deadline_ms=deadline_ms,

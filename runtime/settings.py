@@ -117,6 +117,18 @@ class Settings(BaseSettings):
     model: str = Field(defaults.TINY_MODEL, description=MODEL_HELP)
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
 
+    # Video (renderer): frame sampling as the Qwen2-VL video processor does it, and the limits
+    # checked from a file's headers before any frame is decoded.
+    video_fps: float = Field(2.0, gt=0, description="frames sampled per second of video")
+    video_max_frames: int = Field(64, ge=1, description="frames kept per video after sampling")
+    video_max_duration_s: float = Field(600.0, gt=0, description="longest video, in seconds")
+    video_max_source_frames: int = Field(
+        36_000, ge=1, description="frames the decoder may read from one video file"
+    )
+    video_max_frame_pixels: int = Field(
+        3840 * 2160, ge=1, description="width*height of one source video frame"
+    )
+
     # Logs
     log_format: Literal["json", "text"] = Field(
         "json", description="worker log lines: JSON objects (with request_id and trace_id) or text"
@@ -164,6 +176,12 @@ class Settings(BaseSettings):
     api_idempotency_ttl_s: int = Field(86400, description="lifetime of an Idempotency-Key")
     api_max_wait_s: float = Field(60.0, description="longest ?wait= long-poll")
     api_retry_after_s: int = Field(1, description="Retry-After of 429 and 503 answers")
+    api_max_videos: int = Field(4, description="videos per request")
+    api_max_video_bytes: int = Field(
+        16 * 1024 * 1024,
+        description="largest encoded video (file bytes, or all of one video's frame images "
+        "together); base64 makes it 4/3 larger in a JSON body (EPD_API_MAX_BODY_BYTES)",
+    )
 
     @property
     def embedding_store_url(self) -> str:

@@ -1,8 +1,9 @@
 """``epd verify``: the pipeline's tokens must equal one-process ``model.generate`` tokens.
 
-Runs a set of image requests through the disaggregated pipeline (encode worker -> store ->
-prefill worker) and through ``model.generate(input_ids, pixel_values, image_grid_thw,
-mm_token_type_ids)`` in this process, greedy, and compares token ids. Exit 0 only when all match.
+Runs a set of image and video requests through the disaggregated pipeline (encode worker ->
+store -> prefill worker) and through ``model.generate(input_ids, pixel_values, image_grid_thw,
+pixel_values_videos, video_grid_thw, mm_token_type_ids)`` in this process, greedy, and compares
+token ids. Exit 0 only when all match.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import asyncio
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +37,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="use the workers already running at EPD_KAFKA_BOOTSTRAP instead of starting some",
     )
     p.add_argument("--images", nargs="*", type=Path, default=[], help="your own image files")
+    p.add_argument(
+        "--videos", nargs="*", type=Path, default=[], help="your own video files (MP4/WebM/MKV/GIF)"
+    )
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", action="store_true", help="print results as JSON")
@@ -48,6 +53,7 @@ class Case:
     name: str
     prompt: str
     images: list[Any]
+    videos: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -61,8 +67,9 @@ class CaseResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def builtin_cases() -> list[Case]:
-    """Single, two sizes, repeated, non-square, image first and image last."""
+def builtin_cases(video: bool = True) -> list[Case]:
+    """Single, two sizes, repeated, non-square, image first and image last; then (``video``)
+    the video cases."""
     from producers.sample_images import synthetic_image
 
     a = synthetic_image(112, 112, seed=11)
@@ -77,12 +84,37 @@ def builtin_cases() -> list[Case]:
         Case("non-square image", "What is in <image>?", [synthetic_image(70, 182, seed=14)]),
         Case("image at the start", "<image> is what?", [synthetic_image(98, 98, seed=15)]),
         Case("image at the end", "Look at <image>", [synthetic_image(126, 84, seed=16)]),
+        *(video_cases() if video else []),
     ]
 
 
-def file_cases(paths: list[Path]) -> list[Case]:
-    """One case per file, plus one prompt with the first two together."""
+def video_cases() -> list[Case]:
+    """Video alone (an MP4 file), video + image (a frame list), two videos (MP4 and GIF)."""
+    from producers.sample_images import synthetic_image
+    from producers.sample_videos import encode_animation, synthetic_frames, synthetic_mp4
+
+    mp4 = synthetic_mp4(12, 96, 64, fps=6, seed=21)
+    return [
+        Case("video alone", "What happens in <video>?", [], [mp4]),
+        Case(
+            "video + image",
+            "Is <image> in <video>?",
+            [synthetic_image(84, 84, seed=22)],
+            [synthetic_frames(6, 112, 56, seed=23)],
+        ),
+        Case(
+            "two videos",
+            "Compare <video> with <video>.",
+            [],
+            [mp4, encode_animation(synthetic_frames(5, 56, 84, seed=24))],
+        ),
+    ]
+
+
+def file_cases(paths: list[Path], videos: Sequence[Path] = ()) -> list[Case]:
+    """One case per file, plus one prompt with the first two images together."""
     cases = [Case(p.name, "Describe <image>.", [p.read_bytes()]) for p in paths]
+    cases += [Case(p.name, "Describe <video>.", [], [p.read_bytes()]) for p in videos]
     if len(paths) >= 2:
         cases.append(
             Case(
@@ -104,21 +136,32 @@ async def verify_cases(
 ) -> list[CaseResult]:
     """Submit every case (sequentially, so repeats hit the cache) and compare with the oracle."""
     from gpu_workers.compute import generate_monolithic
-    from producers.render import monolithic_inputs
+    from producers.render import monolithic_inputs, monolithic_video_inputs
     from schemas.types import SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     events = []
     for case in cases:
         ev, _ = await run.submitter.submit(
-            prompt=case.prompt, images=case.images, sampling=sampling
+            prompt=case.prompt, images=case.images, videos=case.videos, sampling=sampling
         )
         events.append(ev)
 
     async def oracle(ev: Any) -> list[int]:
         ids, pv, grid = monolithic_inputs(ev)
+        videos = monolithic_video_inputs(ev)
         return await asyncio.to_thread(
-            generate_monolithic, bundle, ids, pv, grid, max_tokens, ignore_eos=True
+            lambda: generate_monolithic(
+                bundle,
+                ids,
+                pv,
+                grid,
+                max_tokens,
+                ignore_eos=True,
+                pixel_values_videos=videos.get("pixel_values_videos"),
+                video_grid_thw=videos.get("video_grid_thw"),
+                second_per_grid_ts=videos.get("second_per_grid_ts"),
+            )
         )
 
     results = []
@@ -168,7 +211,12 @@ async def _verify(args: argparse.Namespace, state_dir: Path) -> int:
     from runtime.settings import Settings
 
     settings = Settings(**({"model": args.model} if args.model else {}))
-    cases = file_cases(args.images) if args.images else builtin_cases()
+    own = args.images or args.videos
+    from runtime.model import model_family
+
+    # Qwen3-VL video prompts need per-frame timestamps, which the renderer does not lay out.
+    video = model_family(settings.model).video_frames_per_run is None
+    cases = file_cases(args.images, args.videos) if own else builtin_cases(video)
     bundle_task = asyncio.create_task(
         asyncio.to_thread(load_model, settings.model, device=settings.device)
     )

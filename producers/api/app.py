@@ -52,6 +52,7 @@ from producers.api.state import ApiState, Metrics, connect_kafka, tenant_salt
 from producers.api.views import status_view
 from producers.fanout import FanoutStats, build_fanout
 from producers.render import Renderer
+from producers.video_items import video_options
 from runtime.kafka import KafkaPublisher
 from runtime.redis_client import redis_client
 from runtime.settings import Settings
@@ -110,7 +111,11 @@ def create_app(settings: Settings) -> FastAPI:
             idempotency=IdempotencyStore(
                 client, settings.topic_prefix, settings.api_idempotency_ttl_s
             ),
-            renderer=Renderer(info, max_image_pixels=settings.max_image_pixels),
+            renderer=Renderer(
+                info,
+                max_image_pixels=settings.max_image_pixels,
+                **video_options(settings, max_video_bytes=settings.api_max_video_bytes),
+            ),
             fanout=build_fanout(settings, store, info, publisher, record=status.apply),
             lag=LagMonitor(settings, topics),
             tenants=tenants,
@@ -345,6 +350,7 @@ def create_app(settings: Settings) -> FastAPI:
                 prompt=inp.prompt,
                 token_ids=inp.token_ids,
                 images=inp.images,
+                videos=inp.videos,
                 sampling=SamplingParams(
                     max_tokens=inp.max_tokens, temperature=0.0, ignore_eos=inp.ignore_eos
                 ),

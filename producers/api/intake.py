@@ -48,6 +48,7 @@ class SubmitInput:
     deadline_s: float | None
     metadata: dict[str, str] | None
     image_types: list[str] = field(default_factory=list)
+    videos: list[bytes | list[bytes]] = field(default_factory=list)
 
     def fingerprint(self) -> str:
         """A digest of the request's meaning (not its bytes: multipart boundaries and base64
@@ -70,6 +71,10 @@ class SubmitInput:
         )
         for img in self.images:
             h.update(hashlib.sha256(img).digest())
+        for k, video in enumerate(self.videos):
+            h.update(f"\0video{k}:".encode())
+            for part in [video] if isinstance(video, bytes) else video:
+                h.update(hashlib.sha256(part).digest())
         return h.hexdigest()
 
 
@@ -242,7 +247,12 @@ def parse_json_submit(body: bytes, settings: Any) -> SubmitInput:
         data = decode_image_string(text, i, settings.api_max_image_bytes)
         types.append(check_image_bytes(data, i, settings.api_max_image_bytes))
         images.append(data)
-    return _from_model(req, images, types)
+    inp = _from_model(req, images, types)
+    if req.videos:
+        from producers.api.video_intake import decode_videos  # it imports this module
+
+        inp.videos = decode_videos(req.videos, settings)
+    return inp
 
 
 async def parse_multipart_submit(request: Request, settings: Any) -> SubmitInput:

@@ -26,10 +26,12 @@ EXAMPLE_PNG_B64 = (
 
 
 class SubmitRequest(BaseModel):
-    """A generation request: a prompt (``<image>`` marks each image) or token ids, plus images.
+    """A generation request: a prompt (``<image>`` marks each image, ``<video>`` each video) or
+    token ids, plus images and videos (JSON bodies only for videos).
 
     Images are base64 strings or ``data:image/...;base64,`` URLs: data, never file paths or
-    URLs. Decoding is greedy (``temperature`` 0).
+    URLs; videos likewise (``data:video/mp4;base64,...``) or lists of frame images. Decoding
+    is greedy (``temperature`` 0).
     """
 
     model_config = ConfigDict(
@@ -45,12 +47,23 @@ class SubmitRequest(BaseModel):
         },
     )
 
-    prompt: str | None = Field(None, max_length=65536, description="text; <image> per image")
+    prompt: str | None = Field(
+        None, max_length=65536, description="text; <image> per image, <video> per video"
+    )
     token_ids: list[int] | None = Field(
         None, max_length=65536, description="prompt token ids; one <|image_pad|> per image"
     )
     images: list[str] = Field(
         default_factory=list, max_length=64, description="base64 or data: URL per image"
+    )
+    videos: list[str | list[str]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="per video (<video> in the prompt, one <|video_pad|> in token_ids): a "
+        "base64 or data: URL of an MP4/MOV, WebM/MKV, animated GIF or WebP file, or a list of "
+        "base64/data: URL frame images (taken as already sampled at EPD_VIDEO_FPS). Frames are "
+        "sampled at EPD_VIDEO_FPS (at most EPD_VIDEO_MAX_FRAMES); duration, frame count and "
+        "frame size are checked from the file's headers before decoding",
     )
     max_tokens: int = Field(16, ge=1, le=4096)
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="only 0 (greedy) is supported")

@@ -60,7 +60,7 @@ async def test_parity_with_monolithic_generate(pipeline: LocalRun) -> None:
     for r in results:
         assert r.status == "completed", (r.name, r.error)
         assert r.pipeline == r.monolithic, r.name
-    assert len(results) == 6
+    assert len(results) == 9  # six image cases, three video cases
 
 
 async def test_twenty_requests_complete_and_repeats_encode_once(pipeline: LocalRun) -> None:
