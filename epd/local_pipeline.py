@@ -216,7 +216,7 @@ async def local_pipeline(
         info = await asyncio.to_thread(load_render_info, settings.model)
         submitter = Submitter(
             settings,
-            Renderer(info, max_image_pixels=settings.max_image_pixels),
+            Renderer.for_settings(info, settings),
             build_fanout(settings, store, info, publisher),
             StatusStore(client, prefix=settings.topic_prefix, ttl_s=settings.status_ttl_s),
         )

@@ -110,7 +110,7 @@ def create_app(settings: Settings) -> FastAPI:
             idempotency=IdempotencyStore(
                 client, settings.topic_prefix, settings.api_idempotency_ttl_s
             ),
-            renderer=Renderer(info, max_image_pixels=settings.max_image_pixels),
+            renderer=Renderer.for_settings(info, settings),
             fanout=build_fanout(settings, store, info, publisher),
             lag=LagMonitor(settings, topics),
             tenants=tenants,
@@ -569,7 +569,9 @@ def create_app(settings: Settings) -> FastAPI:
                 req.token_ids,
                 req.features,
                 req.ec_transfer_params or {},
-                ValidationConfig.from_settings(settings),
+                ValidationConfig.from_settings(
+                    settings, max_tensor_bytes=st.fanout.limits.max_tensor_bytes
+                ),
             )
             # Embedding keys are the fan-out's to sign: a client naming its own would choose
             # where prefill reads from. So every item must bring its encoder inputs.
