@@ -187,7 +187,6 @@ async def local_pipeline(
     from producers.fanout import build_fanout
     from producers.render import Renderer
     from producers.submit import Submitter
-    from producers.video_items import video_options
     from runtime.kafka import KafkaPublisher, ensure_topics
     from runtime.model import load_render_info
     from runtime.redis_client import redis_client
@@ -218,7 +217,7 @@ async def local_pipeline(
         status = StatusStore(client, prefix=settings.topic_prefix, ttl_s=settings.status_ttl_s)
         submitter = Submitter(
             settings,
-            Renderer(info, max_image_pixels=settings.max_image_pixels, **video_options(settings)),
+            Renderer.for_settings(info, settings),
             build_fanout(settings, store, info, publisher, record=status.apply),
             status,
         )

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from gpu_workers.compute import EncoderOutput, ItemEmbedding, item_embedding
+from runtime.limits import input_limits
 from runtime.stores.base import StoreCorrupt
 from schemas.errors import ComputeError, ValidationError
 from schemas.families import EMBEDS, ModelFamily
@@ -35,6 +36,8 @@ def worker_validation(settings: Settings, bundle: ModelBundle) -> ValidationConf
         bundle.fingerprint,
         metadata_fields=bundle.family.metadata_fields,
         merge_size=bundle.merge_size,
+        # The same derived limit as the fan-out's: what the processor can emit, the worker reads.
+        max_tensor_bytes=input_limits(settings, bundle.image_processor).max_tensor_bytes,
     )
 
 

@@ -11,6 +11,11 @@ an event's ``mm_hash`` is only a label. Our renderer labels items with that same
 label that differs is refused (rule ``mm-hash-mismatch``): it would otherwise let anyone who can
 write to the render topic get signed entries, and cache hits, for another tenant's key. Each
 entry's signature also binds the request id, so it cannot be replayed into another request.
+
+Encoder inputs travel in ``EPD_PIXEL_DTYPE`` (:func:`runtime.limits.pixel_dtype`): a bf16
+transport halves the bytes on the encode topic and in the store. The cast happens here, after
+hashing, so the store key names the processor's output whatever the transport; the encode
+worker casts to its model dtype anyway, so a bf16 model sees the same values either way.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from runtime.kafka import ResultReporter, StatusWriter
+from runtime.limits import InputLimits, input_limits, pixel_dtype
 from runtime.publisher import Publisher
 from runtime.settings import Settings
 from schemas.errors import ValidationError
-from schemas.modalities import METADATA_FIELDS
+from schemas.modalities import ENCODER_INPUT_FIELDS, METADATA_FIELDS
 from schemas.signing import ItemHasher, claim_key, embedding_key, make_ec_transfer, tensor_digest
 from schemas.tensors import dtype_name, tensor_bytes
 from schemas.topics import Topics
@@ -57,6 +63,8 @@ class FanoutPlan:
     prefill: PrefillEvent
     cached: list[str] = field(default_factory=list)
     """mm_hashes whose embeddings were already in the store (no encode event)."""
+    claim_bytes: int = 0
+    """Encoder-input bytes parked in the store as claim checks for the encode events."""
 
 
 @dataclass(slots=True)
@@ -71,6 +79,8 @@ class FanoutStats:
     """What the prefill event would weigh had it carried the full ``kwargs_data``."""
     cached: list[str] = field(default_factory=list)
     """mm_hashes found in the store (no encode event); the API reports them per item."""
+    claim_bytes: int = 0
+    """Encoder-input bytes parked in the store as claim checks (beside the encode topic)."""
 
 
 def claim_ttl_s(settings: Settings, deadline_ms: int | None, now: int | None = None) -> float:
@@ -191,9 +201,13 @@ class FanOut:
         self.topics = topics or Topics(settings.topic_prefix)
         self.record = record
         self._secret = settings.secret_bytes()
+        self.limits: InputLimits = input_limits(settings, info.image_processor)
+        self.pixel_dtype = pixel_dtype(settings)
         # Structure only: scanning megabytes of pixels for NaN/Inf here would dominate the
         # cache-hit path; the encode worker checks values when it reads them.
-        self._vconfig = ValidationConfig.from_settings(settings, check_values=False)
+        self._vconfig = ValidationConfig.from_settings(
+            settings, check_values=False, max_tensor_bytes=self.limits.max_tensor_bytes
+        )
 
     def store_key(self, key_hash: str) -> str:
         """The embedding store key for one of the fan-out's own hashes."""
@@ -216,12 +230,31 @@ class FanOut:
             request_id=request_id,
         )
 
-    async def _inline_or_claim(self, item: HashedItem, deadline_ms: int | None) -> ItemData:
+    def _recast(self, name: str, value: torch.Tensor) -> bool:
+        """Whether an input travels cast to ``EPD_PIXEL_DTYPE``: fp32 encoder inputs only (never
+        an upcast; metadata and integer tensors travel as they are)."""
+        return (
+            name in ENCODER_INPUT_FIELDS
+            and value.dtype == torch.float32
+            and self.pixel_dtype != torch.float32
+        )
+
+    async def _inline_or_claim(
+        self, item: HashedItem, deadline_ms: int | None
+    ) -> tuple[ItemData, int]:
+        """The item's data as the encode event carries it, and the bytes claim-checked."""
         out: ItemData = {}
+        claimed = 0
         for name, value in item.data.items():
             if isinstance(value, TensorRef):
                 out[name] = value  # already claim-checked upstream
                 continue
+            digest = item.digests[name]
+            if self._recast(name, value):
+                # Casting megabytes takes milliseconds: off the event loop. The hash-time digest
+                # was of the fp32 bytes; the cast tensor's is computed below if it is claimed.
+                value = await asyncio.to_thread(value.to, self.pixel_dtype)
+                digest = ""
             nbytes = value.numel() * value.element_size()
             # Metadata (the grid) always travels inline: it is a few bytes, and the validator
             # and encoder need it without a store round trip (a claim-checked grid is rejected).
@@ -229,11 +262,13 @@ class FanOut:
                 out[name] = value
                 continue
             # Copying megabytes takes milliseconds: keep it off the event loop. The digest was
-            # computed when the item was hashed.
+            # computed when the item was hashed (a cast tensor's bytes are new: hashed here).
             raw = await asyncio.to_thread(tensor_bytes, value)
-            digest = item.digests[name]
+            if not digest:
+                digest = await asyncio.to_thread(tensor_digest, value)
             key = claim_key(self.settings.ec_namespace, item.key_hash, name)
             await self.store.put_bytes(key, raw, claim_ttl_s(self.settings, deadline_ms))
+            claimed += len(raw)
             out[name] = TensorRef(
                 store=self.store.url,
                 key=key,
@@ -242,7 +277,7 @@ class FanOut:
                 nbytes=len(raw),
                 digest=digest,
             )
-        return out
+        return out, claimed
 
     async def plan(self, ev: RenderEvent, *, foreign_labels: bool = False) -> FanoutPlan:
         """Validate a RenderEvent and build its encode and prefill events (claim checks stored).
@@ -261,12 +296,15 @@ class FanOut:
         }
         encode: list[EncodeEvent] = []
         cached: list[str] = []
+        claim_bytes = 0
         for it in items:
             ec = params[it.label]
             # A hit must outlive the entry's promise (now + embedding_ttl_s): touch, not exists.
             if await self.store.touch(ec.key, self.settings.embedding_ttl_s):
                 cached.append(it.label)
                 continue
+            data, claimed = await self._inline_or_claim(it, ev.deadline_ms)
+            claim_bytes += claimed
             encode.append(
                 EncodeEvent(
                     request_id=ev.request_id,
@@ -274,7 +312,7 @@ class FanOut:
                     modality=it.modality,
                     item_index=it.index,
                     mm_hash=it.label,
-                    data=await self._inline_or_claim(it, ev.deadline_ms),
+                    data=data,
                     ec_transfer=ec,
                     deadline_ms=ev.deadline_ms,
                     trace=dict(ev.trace),
@@ -296,7 +334,7 @@ class FanOut:
             deadline_ms=ev.deadline_ms,
             trace=dict(ev.trace),
         )
-        return FanoutPlan(encode=encode, prefill=prefill, cached=cached)
+        return FanoutPlan(encode=encode, prefill=prefill, cached=cached, claim_bytes=claim_bytes)
 
     async def publish(self, ev: RenderEvent, *, foreign_labels: bool = False) -> FanoutStats:
         """Plan, then send the encode events with the stage update, then the prefill event."""
@@ -330,6 +368,7 @@ class FanOut:
             prefill_bytes=prefill_bytes,
             kwargs_bytes=kwargs_bytes(ev.features),
             cached=list(plan.cached),
+            claim_bytes=plan.claim_bytes,
         )
         return stats
 

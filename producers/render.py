@@ -1,10 +1,12 @@
 """Render: a prompt (text or token ids) plus images and videos -> one ``RenderEvent``.
 
-Each image is decoded (with size limits checked before any pixel is decompressed), run through
-the Qwen2-VL image processor, and spliced into the prompt as ``<|vision_start|>`` + N x
-``<|image_pad|>`` + ``<|vision_end|>`` with N = t*h*w / merge². The event's ``Features`` carry,
-per item: a content hash, the placeholder range, the full processor output (``kwargs_data``) and
-the light metadata prefill needs (``mm_metadata``: ``image_grid_thw``).
+Each image is decoded (with size limits checked before any pixel is decompressed), turned upright
+by its EXIF orientation (as vLLM does), converted to RGB by the rule the processor applies
+(:func:`to_rgb`), run through the Qwen2-VL image processor, and spliced into the prompt as
+``<|vision_start|>`` + N x ``<|image_pad|>`` + ``<|vision_end|>`` with N = t*h*w / merge². The
+event's ``Features`` carry, per item: a content hash, the placeholder range, the full processor
+output (``kwargs_data``) and the light metadata prefill needs (``mm_metadata``:
+``image_grid_thw``).
 
 Videos (:mod:`producers.video_items`) are laid out the same way with ``<|video_pad|>``; images
 and videos mix in one prompt in any order (``<image>`` / ``<video>`` markers).
@@ -23,12 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 from producers.video import VideoInput, VideoLimits
 from producers.video_items import VideoItems
+from runtime.limits import input_limits
 from runtime.model import ModelBundle, RenderInfo
+from runtime.settings import Settings
 from schemas.errors import ValidationError
 from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT
 from schemas.signing import ItemHasher
@@ -63,8 +68,30 @@ would run Ghostscript; PSD; TIFF with its many codecs; ...) out of reach of untr
 Multi-frame images (GIF, animated WebP/PNG) are read at their first frame."""
 
 
+SIXTEEN_BIT_GRAY = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+"""Modes of 16-bit grayscale PNGs. PIL's own conversion to RGB clips them at 255 (a white
+image), so they are scaled to 8 bits first."""
+
+
 class RenderError(ValidationError):
     """A request the renderer cannot turn into an event; names the rule and the item."""
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """``img`` as 8-bit RGB, the way transformers' ``convert_to_rgb`` (what the HF processor
+    runs with ``do_convert_rgb``) does it: any transparency (an alpha band, or a palette or
+    grayscale ``transparency`` entry) is composited onto white; other modes (L, 1, P, CMYK, ...)
+    convert directly. 16-bit grayscale keeps its top 8 bits first (see ``SIXTEEN_BIT_GRAY``).
+    """
+    if img.mode in SIXTEEN_BIT_GRAY:
+        wide = np.asarray(img).astype(np.int64)
+        img = Image.fromarray((np.clip(wide, 0, 65535) >> 8).astype(np.uint8), "L")
+    # An RGB PNG may carry a tRNS colour too: transparency is checked before the mode.
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return img if img.mode == "RGB" else img.convert("RGB")
 
 
 @dataclass(slots=True)
@@ -173,10 +200,35 @@ class Renderer:
             if (i := tok.convert_tokens_to_ids(s)) is not None and i != tok.unk_token_id
         }
 
+    @classmethod
+    def for_settings(
+        cls,
+        info: RenderInfo | ModelBundle,
+        settings: Settings,
+        *,
+        max_video_bytes: int | None = None,
+        **kwargs: Any,
+    ) -> Renderer:
+        """A renderer with the deployment's limits: the pixel and tensor caps are the settings'
+        or, unset, derived from the model's processor (:func:`runtime.limits.input_limits`);
+        the video limits are the ``EPD_VIDEO_*`` settings. ``max_video_bytes``: cap on one
+        video file (the API's upload limit)."""
+        ri = info.render_info() if isinstance(info, ModelBundle) else info
+        limits = input_limits(settings, ri.image_processor)
+        return cls(
+            ri,
+            max_image_pixels=limits.max_image_pixels,
+            video_limits=VideoLimits.from_settings(settings),
+            max_tensor_bytes=limits.max_tensor_bytes,
+            max_video_bytes=max_video_bytes,
+            **kwargs,
+        )
+
     # ------------------------------------------------------------------ images
 
     def load_image(self, src: ImageInput, index: int = 0) -> Image.Image:
-        """Decode one image to RGB, refusing oversize images before their pixels are decoded."""
+        """Decode one image to upright RGB, refusing oversize images before their pixels are
+        decoded (rule ``render.image_too_large``, from the header's size)."""
         if not isinstance(src, Image.Image | bytes | bytearray | memoryview | str | Path):
             raise RenderError(
                 "render.image_type",
@@ -219,7 +271,10 @@ class Renderer:
             )
         with _pil_errors(index):
             img.load()
-            return img.convert("RGB") if img.mode != "RGB" else img
+            # A phone stores a portrait photo as landscape pixels plus an Orientation tag;
+            # the model must see it upright (vLLM applies the tag too).
+            img = ImageOps.exif_transpose(img)
+            return to_rgb(img)
 
     def process_image(self, img: Image.Image, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Processor output for one image: ``pixel_values (patches, dim)``, grid ``(3,)`` int64."""

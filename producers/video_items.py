@@ -12,7 +12,7 @@ metadata is the family's video metadata fields (the modality table's split).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,7 +28,7 @@ from schemas.modalities import MODALITIES
 from schemas.types import ItemData
 
 if TYPE_CHECKING:
-    from runtime.settings import Settings
+    pass
 
 VIDEO = MODALITIES["video"]
 TIMING = "second_per_grid_ts"
@@ -118,13 +118,3 @@ class VideoItems:
     def render(self, src: VideoInput, index: int = 0) -> VideoItem:
         """``clip`` then ``item``."""
         return self.item(self.clip(src, index), index)
-
-
-def video_options(settings: Settings, *, max_video_bytes: int | None = None) -> dict[str, Any]:
-    """The ``Renderer`` keyword arguments for video that ``settings`` give (``EPD_VIDEO_*``,
-    ``EPD_MAX_TENSOR_BYTES``)."""
-    return {
-        "video_limits": VideoLimits.from_settings(settings),
-        "max_tensor_bytes": settings.max_tensor_bytes,
-        "max_video_bytes": max_video_bytes,
-    }

@@ -197,7 +197,9 @@ def _tiny_text(rope_dim: int, mrope_section: list[int], **extra: Any) -> dict[st
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
+        # Qwen2-VL's own context: a 12 MP photo under the public processor config is ~15.5k
+        # placeholder tokens, so the tiny models take it end to end too.
+        "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
         "rope_parameters": {
             "rope_type": "default",

@@ -95,8 +95,24 @@ class Settings(BaseSettings):
     )
     validation_mode: Literal["strict", "vllm"] = "strict"
     spatial_merge_size: int = 2
-    max_tensor_bytes: int = 256 * 1024 * 1024
-    max_image_pixels: int = 4096 * 4096
+    max_tensor_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="largest tensor an event may carry or claim-check; unset: derived from the "
+        "image processor's max_pixels (max_pixels x 3 x temporal_patch x 4 bytes, at least "
+        "256 MiB), so any image the processor accepts can travel",
+    )
+    max_image_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="width x height refused from the image header before decoding; unset: "
+        "the larger of 4096x4096 and 4 x the processor's max_pixels",
+    )
+    pixel_dtype: Literal["auto", "bf16", "fp32"] = Field(
+        "auto",
+        description="dtype encoder inputs travel in (encode topic and claim checks); auto: "
+        "bf16 when EPD_DEVICE resolves to CUDA, fp32 on CPU (exact CPU parity)",
+    )
     allow_unsigned: bool = Field(
         False,
         description="let encode, prefill and router workers run without EPD_EC_SECRET "

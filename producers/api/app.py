@@ -52,7 +52,6 @@ from producers.api.state import ApiState, Metrics, connect_kafka, tenant_salt
 from producers.api.views import status_view
 from producers.fanout import FanoutStats, build_fanout
 from producers.render import Renderer
-from producers.video_items import video_options
 from runtime.kafka import KafkaPublisher
 from runtime.redis_client import redis_client
 from runtime.settings import Settings
@@ -111,10 +110,8 @@ def create_app(settings: Settings) -> FastAPI:
             idempotency=IdempotencyStore(
                 client, settings.topic_prefix, settings.api_idempotency_ttl_s
             ),
-            renderer=Renderer(
-                info,
-                max_image_pixels=settings.max_image_pixels,
-                **video_options(settings, max_video_bytes=settings.api_max_video_bytes),
+            renderer=Renderer.for_settings(
+                info, settings, max_video_bytes=settings.api_max_video_bytes
             ),
             fanout=build_fanout(settings, store, info, publisher, record=status.apply),
             lag=LagMonitor(settings, topics),
@@ -575,7 +572,9 @@ def create_app(settings: Settings) -> FastAPI:
                 req.token_ids,
                 req.features,
                 req.ec_transfer_params or {},
-                ValidationConfig.from_settings(settings),
+                ValidationConfig.from_settings(
+                    settings, max_tensor_bytes=st.fanout.limits.max_tensor_bytes
+                ),
             )
             # Embedding keys are the fan-out's to sign: a client naming its own would choose
             # where prefill reads from. So every item must bring its encoder inputs.

@@ -1,0 +1,98 @@
+"""Input limits and the pixel transport dtype, derived from the model's image processor.
+
+A Qwen2-VL processor resizes every image to at most ``max_pixels`` (``size["longest_edge"]``)
+before patching, so the largest ``pixel_values`` it can emit is known in advance: ``max_pixels``
+pixels x 3 channels x ``temporal_patch_size`` (an image is repeated to fill the temporal patch),
+in fp32. Deriving the limits from it means any image the processor accepts can travel, and a
+processor with a smaller ``max_pixels`` gets tighter limits for free. Explicit settings
+(``EPD_MAX_TENSOR_BYTES``, ``EPD_MAX_IMAGE_PIXELS``) still win.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runtime.errors import ModelLoadError
+from runtime.model import resolve_device
+from runtime.settings import Settings
+
+PIXEL_CHANNELS = 3
+PROCESSOR_ITEMSIZE = 4
+"""The processor emits fp32; bf16 transport only ever shrinks a tensor."""
+MIN_DECODE_PIXELS = 4096 * 4096
+"""Decoding floor: a model whose processor keeps images tiny still reads ordinary photos (the
+processor scales them down)."""
+DECODE_FACTOR = 4
+"""Images up to ``DECODE_FACTOR x max_pixels`` are decoded (the processor halves each side at
+most); a 48 MP phone photo fits the public Qwen2-VL config."""
+
+DEFAULT_TENSOR_BYTES = 256 * 1024 * 1024
+"""Floor of the derived tensor limit: a small processor keeps the headroom it had."""
+
+PIXEL_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True, slots=True)
+class InputLimits:
+    """What one deployment accepts, with where each number came from."""
+
+    max_pixels: int
+    """The processor's own resize cap (``size["longest_edge"]``)."""
+    max_image_pixels: int
+    """width x height refused from the image header, before any pixel is decoded."""
+    max_tensor_bytes: int
+    """Largest tensor (inline or claim check) the validators accept."""
+
+
+def processor_max_pixels(processor: Any) -> int:
+    """The processor's resize cap: ``size["longest_edge"]`` (transformers 5), else its
+    ``max_pixels`` attribute (older configs)."""
+    size = getattr(processor, "size", None)
+    value = None
+    if isinstance(size, dict):
+        value = size.get("longest_edge") or size.get("max_pixels")
+    elif size is not None:
+        value = getattr(size, "longest_edge", None)
+    value = value or getattr(processor, "max_pixels", None)
+    if not value:
+        raise ValueError(f"{type(processor).__name__} has no max_pixels / size.longest_edge")
+    return int(value)
+
+
+def pixel_tensor_bytes(max_pixels: int, temporal_patch_size: int) -> int:
+    """Bytes of the largest fp32 ``pixel_values`` for images of at most ``max_pixels``."""
+    return max_pixels * PIXEL_CHANNELS * temporal_patch_size * PROCESSOR_ITEMSIZE
+
+
+def input_limits(settings: Settings, processor: Any) -> InputLimits:
+    """The limits for ``processor``: derived unless the settings name them explicitly."""
+    max_pixels = processor_max_pixels(processor)
+    temporal = int(getattr(processor, "temporal_patch_size", 2) or 2)
+    derived_tensor = pixel_tensor_bytes(max_pixels, temporal)
+    derived_pixels = max(MIN_DECODE_PIXELS, DECODE_FACTOR * max_pixels)
+    return InputLimits(
+        max_pixels=max_pixels,
+        max_image_pixels=settings.max_image_pixels or derived_pixels,
+        # The default 256 MiB stays the floor: smaller processors keep today's headroom.
+        max_tensor_bytes=settings.max_tensor_bytes or max(DEFAULT_TENSOR_BYTES, derived_tensor),
+    )
+
+
+def pixel_dtype(settings: Settings) -> torch.dtype:
+    """The dtype encoder inputs travel in (``EPD_PIXEL_DTYPE``).
+
+    ``auto``: bf16 when this process's ``EPD_DEVICE`` resolves to CUDA (a CUDA worker runs the
+    vision tower in bf16 anyway, so casting before transport gives it the very same values),
+    fp32 otherwise (a CPU worker computes in fp32: CPU parity with ``model.generate`` stays
+    exact).
+    """
+    if settings.pixel_dtype != "auto":
+        return PIXEL_DTYPES[settings.pixel_dtype]
+    try:
+        cuda = resolve_device(settings.device).type == "cuda"
+    except ModelLoadError:  # a device this process cannot resolve: keep the exact choice
+        cuda = False
+    return torch.bfloat16 if cuda else torch.float32
