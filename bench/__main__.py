@@ -32,8 +32,11 @@ BENCHMARKS: dict[str, str] = {
     "stores": "bench.stores",
     "encoder_cache": "bench.encoder_cache",
     "pipeline": "bench.pipeline",
+    "gpu": "bench.gpu",
 }
 """Benchmark name -> module exposing ``run(*, quick, out, ...) -> dict``, in run order."""
+OPT_IN = frozenset({"gpu"})
+"""Run only when named: ``gpu`` needs CUDA (without it, it reports ``skipped: no CUDA``)."""
 NEEDS_REDIS = frozenset({"stores", "encoder_cache", "pipeline"})
 DEFAULT_OUT = Path(__file__).parent / "out"
 
@@ -47,7 +50,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "names",
         nargs="*",
         metavar="NAME",
-        help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}",
+        help=f"benchmarks to run (default: all but {', '.join(sorted(OPT_IN))}): "
+        f"{', '.join(BENCHMARKS)}",
     )
     p.add_argument("--quick", action="store_true", help="few repeats: a smoke run, not a result")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for results and charts")
@@ -87,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return soak_main(argv[1:])
     args = parse_args(argv)
-    names = args.names or list(BENCHMARKS)
+    names = args.names or [n for n in BENCHMARKS if n not in OPT_IN]
     report: dict[str, Any] = {
         "machine": machine_facts(),
         "options": {"quick": args.quick, "benchmarks": names},

@@ -1,4 +1,4 @@
-"""Embedding stores chosen by URI: ``redis://``, ``shm://``, ``local://``.
+"""Embedding stores chosen by URI: ``redis://``, ``shm://``, ``local://``, ``cuda://``.
 
 ``open_store(url)`` returns a fresh handle the caller owns (``await store.close()`` when done, or
 ``async with open_store(url) as store``).
@@ -17,13 +17,13 @@ from runtime.stores.base import (
     StoreUnavailable,
 )
 
-SUPPORTED_SCHEMES = ("redis", "rediss", "shm", "local")
+SUPPORTED_SCHEMES = ("redis", "rediss", "shm", "local", "cuda")
 
 
 def open_store(url: str) -> EmbeddingStore:
     """A new store handle for ``url``.
 
-    Raises ValueError for an unknown scheme and NotImplementedError for ``cuda://`` (planned).
+    Raises ValueError for an unknown scheme, and StoreError for ``cuda://`` without CUDA.
     """
     scheme = urlsplit(url).scheme
     if scheme in ("redis", "rediss"):
@@ -39,9 +39,9 @@ def open_store(url: str) -> EmbeddingStore:
 
         return LocalStore(url)
     if scheme == "cuda":
-        raise NotImplementedError(
-            "cuda:// embedding stores are not implemented yet; use redis://, shm:// or local://"
-        )
+        from runtime.stores.cuda import CudaStore
+
+        return CudaStore(url)
     raise ValueError(
         f"unknown embedding store scheme {scheme!r} in {url!r}; supported: "
         + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)

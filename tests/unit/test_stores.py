@@ -1,5 +1,6 @@
 """Embedding stores: one behavioural suite run against redis:// (over both of its I/O paths:
-the wire client and redis-py), shm:// and local://.
+the wire client and redis-py), shm://, local:// and cuda:// (on CPU memory everywhere, through its
+test-only ``device`` keyword; on the GPU too where CUDA is present).
 
 Redis tests use the real server on 127.0.0.1:6379, DB 14, under a unique key prefix per test.
 """
@@ -26,18 +27,27 @@ import torch
 from runtime.stores import (
     EmbeddingStore,
     StoreCorrupt,
+    StoreError,
     StoreKeyMissing,
     StoreTimeout,
     StoreUnavailable,
     open_store,
 )
 from runtime.stores.base import pack_tensors, unpack_tensors
+from runtime.stores.cuda import CudaStore
 from runtime.stores.redis import RedisStore
 from runtime.stores.shm import ShmStore, key_filename
 
 REDIS_BASE = "redis://127.0.0.1:6379/14"
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
-KINDS = ["redis", "redis-py", "shm", "local"]
+KINDS = ["redis", "redis-py", "shm", "local", "cuda-cpu"] + (
+    ["cuda"] if torch.cuda.is_available() else []
+)
+
+
+def _eq(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal across devices (a cuda:// store hands back device tensors)."""
+    return torch.equal(a.cpu(), b.cpu())
 
 
 async def _redis_up() -> bool:
@@ -55,6 +65,8 @@ def _url(kind: str, tag: str) -> str:
         return f"{REDIS_BASE}?key_prefix=test-{tag}:"
     if kind == "shm":
         return f"shm://epd-test-{tag}"
+    if kind.startswith("cuda"):
+        return f"cuda://epd-test-{tag}?chunk_mb=1&grace_s=0"
     return f"local://test-{tag}"
 
 
@@ -65,7 +77,12 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[EmbeddingStore]
         pytest.fail("Redis is not reachable on 127.0.0.1:6379 (start redis-server)")
     tag = uuid.uuid4().hex[:12]
     url = _url(kind, tag)
-    s = RedisStore(url, wire_io=False) if kind == "redis-py" else open_store(url)
+    if kind == "redis-py":
+        s: EmbeddingStore = RedisStore(url, wire_io=False)
+    elif kind == "cuda-cpu":
+        s = CudaStore(url, device=torch.device("cpu"))
+    else:
+        s = open_store(url)
     if kind.startswith("redis"):
         assert isinstance(s, RedisStore)
         assert (s.wire_pool is not None) == (kind == "redis")
@@ -75,6 +92,8 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[EmbeddingStore]
         await s.close()
         if kind == "shm":
             shutil.rmtree(f"/dev/shm/epd-test-{tag}", ignore_errors=True)
+        if kind.startswith("cuda"):
+            shutil.rmtree(f"/dev/shm/epd-test-{tag}.cuda-index", ignore_errors=True)
         if kind.startswith("redis"):
             client = aioredis.Redis.from_url(REDIS_BASE)
             keys = [k async for k in client.scan_iter(match=f"test-{tag}:*")]
@@ -100,14 +119,14 @@ async def test_round_trip(store: EmbeddingStore, name: str) -> None:
     got = await store.get(f"k-{name}")
     assert got.dtype == t.dtype
     assert got.shape == t.shape
-    assert torch.equal(got, t)
+    assert _eq(got, t)
 
 
 async def test_get_many_and_bytes(store: EmbeddingStore) -> None:
     await store.put("a", TENSORS["fp32"])
     await store.put("b", TENSORS["bf16"])
     a, b = await store.get_many(["a", "b"])
-    assert torch.equal(a, TENSORS["fp32"]) and torch.equal(b, TENSORS["bf16"])
+    assert _eq(a, TENSORS["fp32"]) and _eq(b, TENSORS["bf16"])
     await store.put_bytes("raw", b"\x00\x01claim-check\xff", ttl_s=30)
     assert await store.get_bytes("raw") == b"\x00\x01claim-check\xff"
     await store.put_bytes("raw-empty", b"")
@@ -137,11 +156,11 @@ async def test_multi_tensor_entry_round_trip(store: EmbeddingStore) -> None:
     assert list(got) == list(entry)
     for name, t in entry.items():
         assert got[name].dtype == t.dtype and got[name].shape == t.shape
-        assert torch.equal(got[name], t), name
+        assert _eq(got[name], t), name
     await store.put_tensors("other", {"embeds": TENSORS["fp32"]})
     a, b = await store.get_tensors_many(["item", "other"])
-    assert torch.equal(a["deepstack"], entry["deepstack"])
-    assert torch.equal(b["embeds"], TENSORS["fp32"])
+    assert _eq(a["deepstack"], entry["deepstack"])
+    assert _eq(b["embeds"], TENSORS["fp32"])
     assert await store.touch("item", 30)
     with pytest.raises(StoreKeyMissing) as info:
         await store.get_tensors_many(["item", "gone"])
@@ -170,7 +189,7 @@ def test_pack_tensors_layout_limits() -> None:
     with pytest.raises(StoreCorrupt, match="digest"):
         unpack_tensors(blob[:-2])
     got = unpack_tensors(blob)
-    assert torch.equal(got["a"], torch.arange(5, dtype=torch.int16))
+    assert _eq(got["a"], torch.arange(5, dtype=torch.int16))
 
 
 async def test_missing_key(store: EmbeddingStore) -> None:
@@ -188,7 +207,7 @@ async def test_exists_delete_overwrite(store: EmbeddingStore) -> None:
     await store.put("x", torch.zeros(2))
     assert await store.exists("x")
     await store.put("x", torch.ones(3))  # replace
-    assert torch.equal(await store.get("x"), torch.ones(3))
+    assert _eq(await store.get("x"), torch.ones(3))
     await store.delete("x")
     assert not await store.exists("x")
     await store.delete("x")  # deleting an absent key is fine
@@ -259,8 +278,9 @@ async def test_concurrent_waiters_same_key(store: EmbeddingStore) -> None:
 def test_open_store_schemes() -> None:
     with pytest.raises(ValueError, match=r"redis://.*shm://.*local://"):
         open_store("ftp://nowhere")
-    with pytest.raises(NotImplementedError, match="cuda"):
-        open_store("cuda://0")
+    if not torch.cuda.is_available():
+        with pytest.raises(StoreError, match=r"need CUDA.*shm://.*redis://"):
+            open_store("cuda://0")
     with pytest.raises(ValueError, match="shm store name"):
         open_store("shm://../etc")
 
@@ -309,7 +329,7 @@ async def test_local_same_name_shares_space() -> None:
         open_store("local://x"),
     )
     await a.put("k", torch.ones(2))
-    assert torch.equal(await b.get("k"), torch.ones(2))
+    assert _eq(await b.get("k"), torch.ones(2))
     assert not await other.exists("k")
 
 
@@ -346,7 +366,7 @@ async def test_shm_cross_process() -> None:
         await asyncio.wait_for(waiter, 60)
         got = await s.get("ec:model:item0")
         expect = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(torch.bfloat16)
-        assert torch.equal(got, expect)
+        assert _eq(got, expect)
         # zero-copy: the tensor views the file mapping, whose data starts 64-byte aligned
         assert got.data_ptr() % 64 == 0
     finally:
@@ -412,13 +432,13 @@ async def test_redis_wire_big_values_and_concurrency(
     await asyncio.gather(*(store.put(k, v, ttl_s=60) for k, v in values.items()))
     got = await asyncio.gather(*(store.get(k) for k in values))
     for (k, v), g in zip(values.items(), got, strict=True):
-        assert torch.equal(g, v), k
+        assert _eq(g, v), k
     many = await store.get_many(list(values))
-    assert all(torch.equal(a, b) for a, b in zip(many, values.values(), strict=True))
+    assert all(_eq(a, b) for a, b in zip(many, values.values(), strict=True))
     # what the wire client wrote is an ordinary Redis value redis-py reads back the same way
     other = RedisStore(f"{REDIS_BASE}?key_prefix={prefix}", wire_io=False)
     try:
-        assert torch.equal(await other.get("big-3"), values["big-3"])
+        assert _eq(await other.get("big-3"), values["big-3"])
     finally:
         await other.close()
     ttl_ms = await client.pttl(f"{prefix}big-0")
@@ -432,7 +452,7 @@ async def test_redis_wire_reuses_connection_and_recovers_from_a_killed_one(
     pool = store.wire_pool
     assert pool is not None
     await store.put("k", torch.arange(5))
-    assert torch.equal(await store.get("k"), torch.arange(5))
+    assert _eq(await store.get("k"), torch.arange(5))
     assert pool.opened == 1
 
     async def client_id(conn: object) -> int:
@@ -443,7 +463,7 @@ async def test_redis_wire_reuses_connection_and_recovers_from_a_killed_one(
     cid = await pool.run(client_id)
     assert await client.execute_command("CLIENT", "KILL", "ID", cid) == 1
     # the idle connection is dead: the next command notices and retries on a fresh one
-    assert torch.equal(await store.get("k"), torch.arange(5))
+    assert _eq(await store.get("k"), torch.arange(5))
     assert pool.opened == 2
 
 
@@ -459,7 +479,7 @@ async def test_redis_error_reply_is_redis_pys_error_on_both_paths(
             with pytest.raises(rexc.ResponseError, match="WRONGTYPE"):
                 await s.get("a-list")
             # the connection stayed in step: the next reply belongs to the next command
-            assert torch.equal(await s.get("fine"), torch.ones(3))
+            assert _eq(await s.get("fine"), torch.ones(3))
     finally:
         await py.close()
     assert store.wire_pool is not None and store.wire_pool.opened == 1
@@ -479,8 +499,8 @@ async def test_redis_wire_cancelled_get_does_not_poison_the_pool(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        assert torch.equal(await store.get("small"), small)
-        assert torch.equal(await store.get("big"), big)
+        assert _eq(await store.get("small"), small)
+        assert _eq(await store.get("big"), big)
 
 
 @pytest.mark.parametrize("wire_io", [True, False])
@@ -529,8 +549,8 @@ async def test_shm_cached_mapping_never_serves_a_replaced_value(
     for i in range(1, 4):  # same dtype, shape and size every time: only the file identity differs
         new = torch.full((256,), float(i), dtype=torch.bfloat16)
         await writer.put("k", new)
-        assert torch.equal(await reader.get("k"), new)
-    assert torch.equal(held, old)  # a tensor handed out earlier still sees its own bytes
+        assert _eq(await reader.get("k"), new)
+    assert _eq(held, old)  # a tensor handed out earlier still sees its own bytes
     await writer.delete("k")
     with pytest.raises(StoreKeyMissing):
         await reader.get("k")
@@ -540,7 +560,7 @@ async def test_shm_cached_mapping_never_serves_a_replaced_value(
 async def test_shm_cached_mapping_expires(shm_pair: tuple[ShmStore, ShmStore]) -> None:
     writer, reader = shm_pair
     await writer.put("short", torch.ones(4), ttl_s=0.05)
-    assert torch.equal(await reader.get("short"), torch.ones(4))
+    assert _eq(await reader.get("short"), torch.ones(4))
     assert reader.cached_mappings == 1
     for _ in range(400):
         if not await reader.exists("short"):
@@ -562,9 +582,9 @@ async def test_shm_mapping_cache_limits() -> None:
             await bounded.put(f"k{i}", torch.full((1024,), float(i)))
         for i in range(5):
             for s in (bounded, off, idle):
-                assert torch.equal(await s.get(f"k{i}"), torch.full((1024,), float(i)))
+                assert _eq(await s.get(f"k{i}"), torch.full((1024,), float(i)))
         assert bounded.cached_mappings == 3  # least recently used went first
-        assert torch.equal(await bounded.get("k4"), torch.full((1024,), 4.0))
+        assert _eq(await bounded.get("k4"), torch.full((1024,), 4.0))
         assert off.cached_mappings == 0
         await asyncio.sleep(0.01)
         await idle.get("k0")
@@ -597,8 +617,8 @@ async def test_touch_extends_a_short_ttl(store: EmbeddingStore) -> None:
     await _until_gone(store, "canary")  # the original TTL has certainly passed now
     assert await store.exists("short")
     got = await store.get("short")
-    assert got.dtype == t.dtype and torch.equal(got, t)
-    assert torch.equal((await store.get_many(["short"]))[0], t)
+    assert got.dtype == t.dtype and _eq(got, t)
+    assert _eq((await store.get_many(["short"]))[0], t)
 
 
 async def test_touch_to_no_expiry_and_back(store: EmbeddingStore) -> None:
@@ -606,7 +626,7 @@ async def test_touch_to_no_expiry_and_back(store: EmbeddingStore) -> None:
     assert await store.touch("k", None) is True
     await store.put("canary", torch.ones(1), ttl_s=0.3)
     await _until_gone(store, "canary")
-    assert torch.equal(await store.get("k"), torch.arange(6))
+    assert _eq(await store.get("k"), torch.arange(6))
     assert await store.touch("k", 0.05) is True  # a touch may shorten it, too
     await _until_gone(store, "k")
     with pytest.raises(ValueError, match="ttl_s"):
@@ -645,11 +665,11 @@ async def test_shm_touch_keeps_held_views_and_refreshes_other_handles(
     await writer.put("canary", torch.ones(1), ttl_s=0.3)
     await _until_gone(reader, "canary")
     # the reader's cached mapping (keyed on the old mtime) must not make it read the old expiry
-    assert torch.equal(await reader.get("k"), value)
-    assert torch.equal(held, value)  # the data bytes were never rewritten
+    assert _eq(await reader.get("k"), value)
+    assert _eq(held, value)  # the data bytes were never rewritten
     removed = await asyncio.to_thread(writer.sweep)
     assert removed == 1  # the canary only: the touched file survives the sweep
-    assert torch.equal(await reader.get("k"), value)
+    assert _eq(await reader.get("k"), value)
 
 
 async def test_shm_touch_of_a_foreign_file_is_corrupt() -> None:

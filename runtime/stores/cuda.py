@@ -1,0 +1,402 @@
+"""``cuda://[name]``: embeddings stay in device memory; same process by reference to the producer's
+buffer, other processes on the node through CUDA IPC.
+
+Layout. Each producing process keeps a few large device buffers ("chunks", ``chunk_mb`` each,
+at most ``max_mb`` in all) and places every entry in a slot of one (:class:`FreeList`). Each chunk
+is shared ONCE, when it is created, with torch's public
+``torch.multiprocessing.reductions.reduce_tensor``; its IPC fields go, field by field, into a small
+record per entry (:mod:`runtime.stores.cuda_ipc`) that lives in a ``shm://`` index named
+``<name>.cuda-index``. The index gives the store its cross-process lookup, TTL, ``touch`` and
+``wait`` (inotify, no polling): exactly the shm store's semantics, because it *is* that store.
+
+Why chunks instead of one IPC share per entry: torch counts IPC references per share and expects
+one receiver per send. A store has any number of readers (or none), so per-entry shares would
+either free memory a second reader still maps or never free it at all (the sent block waits in
+torch's "limbo" for a receiver that never comes). A chunk is shared once and lives as long as
+the producing process, so the count never matters; the store manages the slots itself.
+
+Reads. ``get`` reads the record, opens the chunk (once per chunk per process, with
+``rebuild_cuda_tensor``; the producer's own process uses its buffer directly) and returns a
+device-to-device **copy** of the entry, owned by the caller: a view into the chunk would be
+overwritten when the slot is reused. The copy is microseconds for an embedding.
+
+Lifetimes. A slot is freed ``grace_s`` (default 30 s) after its producer sees the entry gone
+from the index (expired, deleted, or replaced by a newer put), not at once: a reader that found
+the record just before it went still has ``grace_s`` to finish its copy. The producer checks its
+entries on ``put`` (at most every ``sweep_interval_s``) and whenever its chunks are full. An
+entry outlives its producer only as far as CUDA keeps a dead process's memory mapped in the
+readers that opened it; a reader that cannot open a chunk reports the key missing (the
+pipeline then re-encodes, as for any lost embedding). Writes: ``put`` copies the tensor into its
+slot and waits for that copy to finish before it publishes the record, so a reader in another
+process (another CUDA stream) never sees a half-written entry.
+
+CUDA is required: without it ``open_store("cuda://...")`` raises :class:`StoreError` naming the
+alternatives. (Tests run the same logic on CPU memory through the ``device`` keyword; such a store
+is readable only by its own process.)
+
+Query parameters: ``device`` (CUDA index, default the current device), ``dir`` (the index's base
+directory, default ``/dev/shm``), ``chunk_mb`` (256), ``max_mb`` (8192), ``grace_s`` (30),
+``sweep_interval_s`` (1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+import torch
+
+from runtime.stores.base import (
+    EmbeddingStore,
+    StoreCorrupt,
+    StoreError,
+    StoreKeyMissing,
+    StoreUnavailable,
+    expiry_ms,
+    tensor_view,
+)
+from runtime.stores.cuda_ipc import ChunkShare, FreeList, IndexRecord, decode_record, encode_record
+from runtime.stores.shm import ShmStore
+from schemas.tensors import dtype_name, torch_dtype
+
+log = logging.getLogger(__name__)
+
+PRODUCER_ID = uuid.uuid4().bytes
+"""This process's identity in index records (a record with it is read from our own chunks)."""
+_NO_CHUNK = ChunkShare(bytes(16), -1, b"", 0, 0, b"", 0, b"", False)
+_MIB = 1 << 20
+
+
+@dataclass(slots=True)
+class _Chunk:
+    share: ChunkShare
+    buf: torch.Tensor  # uint8, the whole chunk
+    slots: FreeList
+
+
+@dataclass(slots=True)
+class _Held:
+    """A slot this process filled; freed ``grace_s`` after its record leaves the index."""
+
+    chunk: _Chunk
+    offset: int
+    nbytes: int
+    generation: int
+    dropped_at: float | None = None
+
+
+@dataclass(slots=True)
+class _Producer:
+    """A process's device memory for one index (shared by every handle opened on it)."""
+
+    device: torch.device
+    chunk_bytes: int
+    max_bytes: int
+    chunks: list[_Chunk] = field(default_factory=list)
+    held: dict[str, _Held] = field(default_factory=dict)
+    retired: list[_Held] = field(default_factory=list)
+    generation: int = 0
+    next_sweep: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def reserved(self) -> int:
+        return sum(c.slots.size for c in self.chunks)
+
+    def alloc(self, nbytes: int) -> tuple[_Chunk, int] | None:
+        with self.lock:
+            for c in self.chunks:
+                off = c.slots.alloc(nbytes)
+                if off is not None:
+                    return c, off
+        return None
+
+    def grow(self, nbytes: int) -> tuple[_Chunk, int]:
+        """A new chunk (a dedicated one for an entry bigger than ``chunk_bytes``)."""
+        size = max(self.chunk_bytes, FreeList.rounded(nbytes))
+        with self.lock:
+            if self.reserved + size > self.max_bytes:
+                raise StoreUnavailable(
+                    f"cuda store is full: {self.reserved // _MIB} MiB of max_mb="
+                    f"{self.max_bytes // _MIB} in use, {nbytes} more bytes wanted (entries are "
+                    f"freed grace_s after they expire; raise max_mb or lower the TTL)"
+                )
+            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+            chunk = _Chunk(_share(buf), buf, FreeList(size))
+            self.chunks.append(chunk)
+            _OWN_CHUNKS[chunk.share.chunk_id] = buf
+            off = chunk.slots.alloc(nbytes)
+            assert off is not None
+            return chunk, off
+
+    def free(self, h: _Held) -> None:
+        with self.lock:
+            h.chunk.slots.free(h.offset, h.nbytes)
+
+    def hold(self, key: str, h: _Held, now: float) -> None:
+        with self.lock:
+            old = self.held.pop(key, None)
+            if old is not None:
+                old.dropped_at = now
+                self.retired.append(old)
+            self.held[key] = h
+
+
+_PRODUCERS: dict[tuple[str, str], _Producer] = {}
+_OWN_CHUNKS: dict[bytes, torch.Tensor] = {}
+_OPENED: dict[bytes, torch.Tensor] = {}
+"""Chunks of other processes this process has opened (each is opened once and kept)."""
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _share(buf: torch.Tensor) -> ChunkShare:
+    """Share a chunk once through torch's public reductions; CPU chunks are not shareable."""
+    chunk_id = uuid.uuid4().bytes
+    if buf.device.type != "cuda":
+        return ChunkShare(chunk_id, -1, b"", buf.numel(), 0, b"", 0, b"", False)
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+    rebuild, args = reduce_tensor(buf)
+    if rebuild is not rebuild_cuda_tensor:  # pragma: no cover - a torch change we must notice
+        raise StoreError(f"torch shares CUDA tensors through {rebuild!r}, not rebuild_cuda_tensor")
+    (_cls, _size, _stride, _offset, _storage_cls, _dtype, device, handle, size_b, off_b,
+     _grad, rc_handle, rc_off, ev_handle, ev_sync) = args  # fmt: skip
+    return ChunkShare(
+        chunk_id, int(device), bytes(handle), int(size_b), int(off_b), bytes(rc_handle or b""),
+        int(rc_off), bytes(ev_handle or b""), bool(ev_sync),
+    )  # fmt: skip
+
+
+def _open(share: ChunkShare) -> torch.Tensor:
+    """Another process's chunk as a uint8 tensor (opened once per process, then cached)."""
+    with _REGISTRY_LOCK:
+        buf = _OPENED.get(share.chunk_id)
+    if buf is not None:
+        return buf
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    buf = rebuild_cuda_tensor(
+        torch.Tensor, torch.Size([share.storage_size_bytes]), (1,), 0, torch.UntypedStorage,
+        torch.uint8, share.device, share.handle, share.storage_size_bytes,
+        share.storage_offset_bytes, False, share.ref_counter_handle, share.ref_counter_offset,
+        share.event_handle, share.event_sync_required,
+    )  # fmt: skip
+    with _REGISTRY_LOCK:
+        return _OPENED.setdefault(share.chunk_id, buf)
+
+
+def _resolve_device(spec: str | None, override: torch.device | None) -> torch.device:
+    if override is not None:
+        return override
+    if not torch.cuda.is_available():
+        raise StoreError(
+            "cuda:// embedding stores need CUDA, and torch.cuda.is_available() is False here "
+            f"(torch {torch.__version__}); use shm:// (same node) or redis:// instead"
+        )
+    index = int(spec) if spec not in (None, "") else torch.cuda.current_device()
+    if not 0 <= index < torch.cuda.device_count():
+        raise StoreError(f"cuda:// device={index}: this node has {torch.cuda.device_count()}")
+    return torch.device("cuda", index)
+
+
+class CudaStore(EmbeddingStore):
+    """Device-memory store with a shm index; see the module docstring.
+
+    ``device``: tests only — run the store on another device (CPU) without CUDA.
+    """
+
+    def __init__(self, url: str = "cuda://", *, device: torch.device | None = None) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "cuda":
+            raise ValueError(f"not a cuda:// URL: {url!r}")
+        name = (parts.netloc + parts.path).strip("/") or "epd"
+        params = dict(parse_qsl(parts.query))
+        unknown = set(params) - {
+            "device",
+            "dir",
+            "chunk_mb",
+            "max_mb",
+            "grace_s",
+            "sweep_interval_s",
+        }
+        if unknown:
+            raise ValueError(f"cuda:// URL {url!r}: unknown parameter(s) {sorted(unknown)}")
+        self._url = url
+        self.device = _resolve_device(params.get("device"), device)
+        self.grace_s = float(params.get("grace_s", "30"))
+        self.sweep_interval_s = float(params.get("sweep_interval_s", "1"))
+        chunk_bytes = int(float(params.get("chunk_mb", "256")) * _MIB)
+        max_bytes = int(float(params.get("max_mb", "8192")) * _MIB)
+        if chunk_bytes <= 0 or max_bytes < chunk_bytes or self.grace_s < 0:
+            raise ValueError(f"cuda:// URL {url!r}: need 0 < chunk_mb <= max_mb and grace_s >= 0")
+        index_q: dict[str, str] = {k: params[k] for k in ("dir", "sweep_interval_s") if k in params}
+        index_url = f"shm://{name}.cuda-index" + (f"?{urlencode(index_q)}" if index_q else "")
+        self._index = ShmStore(index_url)
+        key = (str(self._index.directory), str(self.device))
+        with _REGISTRY_LOCK:
+            prod = _PRODUCERS.get(key)
+            if prod is None:
+                prod = _PRODUCERS[key] = _Producer(self.device, chunk_bytes, max_bytes)
+        self._producer = prod
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def wake_checks(self) -> int:
+        """How many times ``wait`` re-examined its keys (the index's count)."""
+        return self._index.wake_checks
+
+    # --- write ------------------------------------------------------------------------------
+
+    async def put(self, key: str, tensor: torch.Tensor, ttl_s: float | None = None) -> None:
+        expiry_ms(ttl_s)  # validates the TTL before any memory is taken
+        t = tensor.detach()
+        dtype = dtype_name(t.dtype)
+        nbytes = t.numel() * t.element_size()
+        prod = self._producer
+        held: _Held | None = None
+        share = _NO_CHUNK
+        offset = 0
+        if nbytes:
+            chunk, offset = await self._place(nbytes)
+            with prod.lock:
+                prod.generation += 1
+                held = _Held(chunk, offset, nbytes, prod.generation)
+            share = chunk.share
+            try:
+                await self._copy_in(chunk.buf.narrow(0, offset, nbytes), t)
+            except BaseException:
+                prod.free(held)
+                raise
+        generation = held.generation if held else 0
+        rec = IndexRecord(PRODUCER_ID, generation, share, offset, nbytes, dtype, tuple(t.shape))
+        try:
+            await self._index.put_bytes(key, encode_record(rec), ttl_s)
+        except BaseException:
+            if held is not None:
+                prod.free(held)
+            raise
+        if held is not None:
+            prod.hold(key, held, time.monotonic())
+
+    async def _place(self, nbytes: int) -> tuple[_Chunk, int]:
+        prod = self._producer
+        if time.monotonic() >= prod.next_sweep:
+            await self.sweep()
+        slot = prod.alloc(nbytes)
+        if slot is None:
+            await self.sweep()  # full: free what has gone before growing
+            slot = prod.alloc(nbytes) or prod.grow(nbytes)
+        return slot
+
+    async def _copy_in(self, dst: torch.Tensor, t: torch.Tensor) -> None:
+        src = t.contiguous().reshape(-1).view(torch.uint8)
+        dst.copy_(src, non_blocking=True)
+        if dst.device.type == "cuda":
+            # Readers in other processes use other streams: publish only finished bytes.
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(dst.device))
+            if not done.query():
+                await asyncio.to_thread(done.synchronize)
+
+    async def sweep(self) -> int:
+        """Free the slots whose entries left the index ``grace_s`` ago; returns how many."""
+        prod = self._producer
+        now = time.monotonic()
+        prod.next_sweep = now + self.sweep_interval_s
+        with prod.lock:
+            held = list(prod.held.items())
+        for key, h in held:
+            if not await self._still_indexed(key, h):
+                with prod.lock:
+                    if prod.held.get(key) is h:
+                        del prod.held[key]
+                        h.dropped_at = now
+                        prod.retired.append(h)
+        freed = 0
+        with prod.lock:
+            keep: list[_Held] = []
+            for h in prod.retired:
+                assert h.dropped_at is not None
+                if now - h.dropped_at >= self.grace_s:
+                    h.chunk.slots.free(h.offset, h.nbytes)
+                    freed += 1
+                else:
+                    keep.append(h)
+            prod.retired = keep
+        return freed
+
+    async def _still_indexed(self, key: str, h: _Held) -> bool:
+        try:
+            rec = decode_record(await self._index.get_bytes(key), key)
+        except (StoreKeyMissing, StoreCorrupt):
+            return False
+        return rec.producer_id == PRODUCER_ID and rec.generation == h.generation
+
+    # --- read -------------------------------------------------------------------------------
+
+    async def _record(self, key: str) -> IndexRecord:
+        return decode_record(await self._index.get_bytes(key), key)
+
+    def _chunk_of(self, rec: IndexRecord, key: str) -> torch.Tensor:
+        if rec.producer_id == PRODUCER_ID:
+            buf = _OWN_CHUNKS.get(rec.chunk.chunk_id)
+            if buf is None:
+                raise StoreCorrupt(f"cuda index record for {key!r} names an unknown own chunk")
+            return buf
+        if not rec.chunk.shareable:
+            raise StoreError(f"{key!r} lives in another process's CPU-only cuda:// test store")
+        try:
+            return _open(rec.chunk)
+        except RuntimeError as exc:  # the producer is gone, or the handle is foreign
+            log.warning("cuda store: cannot open the chunk holding %r: %s", key, exc)
+            raise StoreKeyMissing(key) from None
+
+    async def get(self, key: str) -> torch.Tensor:
+        rec = await self._record(key)
+        dt = torch_dtype(rec.dtype)
+        if rec.nbytes == 0:
+            return torch.empty(rec.shape, dtype=dt, device=self.device)
+        buf = self._chunk_of(rec, key)
+        out = buf.narrow(0, rec.offset, rec.nbytes).clone()
+        return out.view(dt).view(rec.shape)
+
+    async def get_bytes(self, key: str) -> bytes:
+        return bytes(tensor_view(await self.get(key)))
+
+    async def exists(self, key: str) -> bool:
+        return await self._index.exists(key)
+
+    async def touch(self, key: str, ttl_s: float | None) -> bool:
+        return await self._index.touch(key, ttl_s)
+
+    async def wait(self, keys: Sequence[str], timeout_s: float) -> None:
+        await self._index.wait(keys, timeout_s)
+
+    async def delete(self, key: str) -> None:
+        await self._index.delete(key)  # our slot goes on a later sweep, after grace_s
+
+    def stats(self) -> dict[str, int]:
+        """This process's device memory for the store: chunks, reserved/used bytes, entries."""
+        prod = self._producer
+        with prod.lock:
+            return {
+                "chunks": len(prod.chunks),
+                "reserved_bytes": prod.reserved,
+                "used_bytes": sum(c.slots.used for c in prod.chunks),
+                "held": len(prod.held),
+                "retired": len(prod.retired),
+            }
+
+    async def close(self) -> None:
+        """Close the index handle. The device memory belongs to the process (other handles on
+        the same name share it) and entries live out their TTL."""
+        await self._index.close()
