@@ -26,6 +26,8 @@ def _other_value(name: str, default: Any, annotation: Any) -> Any:
         return next(a for a in args if a != default)
     if SecretStr in args or annotation is SecretStr:
         return SecretStr(f"secret-for-{name}")
+    if default is None and int in args:
+        return 123_457  # an optional number left unset by default (derived when None)
     if isinstance(default, bool):
         return not default
     if isinstance(default, int):
