@@ -106,6 +106,10 @@ def test_benchmark_specific_shape(quick_run: tuple[dict[str, Any], Path]) -> Non
         assert codec[dtype]["vllm_body_bytes"] > codec[dtype]["avro_frame_bytes"]
     stores = report["stores"]
     assert "1MiB" in stores["redis"] and "4MiB" in stores["shm"]
+    # the third column: redis-py with hiredis, beside our wire path
+    assert stores["redis_py_uses_hiredis"] is True
+    assert set(stores["redis"]["1MiB"]["speedup_vs_redis_py_hiredis"]) == {"put", "get"}
+    assert stores["redis"]["1MiB"]["redis_py_hiredis_get"]["mb_s"] > 0
     if stores["redis_benchmark_available"]:
         assert stores["redis"]["1MiB"]["redis_benchmark"]["get_mb_s"] > 0
     cache = report["encoder_cache"]
