@@ -35,9 +35,10 @@ BENCHMARKS: dict[str, str] = {
     "stores": "bench.stores",
     "encoder_cache": "bench.encoder_cache",
     "pipeline": "bench.pipeline",
+    "throughput": "bench.throughput",
 }
 """Benchmark name -> module exposing ``run(*, quick, out, ...) -> dict``, in run order."""
-NEEDS_REDIS = frozenset({"stores", "encoder_cache", "pipeline"})
+NEEDS_REDIS = frozenset({"stores", "encoder_cache", "pipeline", "throughput"})
 DEFAULT_OUT = Path(__file__).parent / "out"
 
 
