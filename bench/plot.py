@@ -109,7 +109,7 @@ def _overhead_parts(report: dict[str, Any], plt: Any) -> Any:
     ax.invert_yaxis()
     ax.set_xlabel("ms per request (p50)")
     ax.set_title("Pipeline overhead by part (one request at a time, tiny model)")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="center right", fontsize=8)
     return fig
 
 
