@@ -1,4 +1,6 @@
-"""``python -m bench [NAME ...] [--quick] [--out DIR] [--check]``: run benchmarks, print JSON.
+"""``python -m bench [NAME ...] [--quick] [--out DIR] [--json FILE] [--check]``: run benchmarks,
+print JSON. ``epd bench`` is the same command (``epd/commands/bench.py`` reuses
+:func:`add_arguments` and :func:`run_selected`).
 
 ``python -m bench soak [OPTIONS]`` runs the soak instead (``bench/soak.py``; not a budgeted
 benchmark, so it is never part of the default selection).
@@ -6,7 +8,8 @@ benchmark, so it is never part of the default selection).
 stdout gets one JSON document: ``machine`` facts, the run ``options``, one key per benchmark
 (its numbers, its ``budget`` from DESIGN.md and ``meets_budget``) and a ``summary``. Progress
 goes to stderr. The same document is written to ``DIR/results.json`` with a headroom chart
-``DIR/headroom.svg`` (default DIR: ``bench/out``, which git ignores).
+``DIR/headroom.svg`` and, where matplotlib is installed, the PNG charts of ``bench/plot.py``
+(default DIR: ``bench/out``, which git ignores); ``--json FILE`` writes it to FILE as well.
 
 Exit status: 0 when every selected benchmark ran (budgets missed or not; ``--check`` makes a
 missed budget exit 1 too), 1 when one raised.
@@ -32,20 +35,18 @@ BENCHMARKS: dict[str, str] = {
     "stores": "bench.stores",
     "encoder_cache": "bench.encoder_cache",
     "pipeline": "bench.pipeline",
+    "throughput": "bench.throughput",
     "gpu": "bench.gpu",
 }
 """Benchmark name -> module exposing ``run(*, quick, out, ...) -> dict``, in run order."""
 OPT_IN = frozenset({"gpu"})
 """Run only when named: ``gpu`` needs CUDA (without it, it reports ``skipped: no CUDA``)."""
-NEEDS_REDIS = frozenset({"stores", "encoder_cache", "pipeline"})
+NEEDS_REDIS = frozenset({"stores", "encoder_cache", "pipeline", "throughput"})
 DEFAULT_OUT = Path(__file__).parent / "out"
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m bench",
-        description="Side-by-side benchmarks of epd-pipeline against its DESIGN.md budgets.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark options, shared by ``python -m bench`` and ``epd bench``."""
     p.add_argument(
         "names",
         nargs="*",
@@ -56,13 +57,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="few repeats: a smoke run, not a result")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for results and charts")
     p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write the JSON document to FILE",
+    )
+    p.add_argument(
         "--redis-url",
         default=None,
         help="Redis to benchmark against (default: EPD_REDIS_URL; DB 11 is used)",
     )
     p.add_argument("--check", action="store_true", help="exit 1 when a budget is missed")
+
+
+def unknown_names(names: Sequence[str]) -> list[str]:
+    """The requested benchmark names that do not exist."""
+    return [n for n in names if n not in BENCHMARKS]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Side-by-side benchmarks of epd-pipeline against its DESIGN.md budgets.",
+    )
+    add_arguments(p)
     args = p.parse_args(argv)
-    unknown = [n for n in args.names if n not in BENCHMARKS]
+    unknown = unknown_names(args.names)
     if unknown:
         p.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
     return args
@@ -84,13 +105,8 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["soak"]:
-        from bench.soak import main as soak_main
-
-        return soak_main(argv[1:])
-    args = parse_args(argv)
+def run_selected(args: argparse.Namespace) -> int:
+    """Run the benchmarks ``args`` selects, print and write the JSON document; the exit status."""
     names = args.names or [n for n in BENCHMARKS if n not in OPT_IN]
     report: dict[str, Any] = {
         "machine": machine_facts(),
@@ -117,15 +133,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = json.dumps(report, indent=2, allow_nan=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(text + "\n")
-    from bench.plot import headroom_svg
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    from bench.plot import headroom_svg, write_pngs
 
     (args.out / "headroom.svg").write_text(headroom_svg(report))
+    written = write_pngs(report, args.out)
+    if written:
+        print(f"bench: charts: {', '.join(str(p) for p in written)}", file=sys.stderr)
     print(text)
     if errors:
         return 1
     if args.check and not report["summary"]["all_meet_budget"]:
         return 1
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["soak"]:
+        from bench.soak import main as soak_main
+
+        return soak_main(argv[1:])
+    return run_selected(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,24 @@
-"""A dependency-free SVG chart of every budget's headroom (x times inside it; 1 is the line).
+"""Charts of a benchmark report.
 
-Headroom is plotted on a log scale so a 40x win and a 0.1x miss both stay readable. Bars that
-reach the line are green, bars that fall short are red.
+- ``headroom.svg`` (no dependencies): every budget's headroom (x times inside it; 1 is the
+  line), on a log scale so a 40x win and a 0.1x miss both stay readable; green met, red missed.
+- PNGs (matplotlib, the optional ``plots`` extra; skipped without it), one per question:
+  ``overhead_parts.png`` (where the pipeline's per-request overhead goes, from ``pipeline``),
+  ``throughput.png`` (requests/s and efficiency vs encode workers and image size, from
+  ``throughput``), ``prefill_bytes.png`` (the prefill path's bytes vs full ``kwargs_data``, log
+  scale, from ``prefill_bytes``). A chart whose benchmark is not in the report is not drawn.
+
+``python -m bench.plot RESULTS.json [DIR]`` redraws the PNGs from a saved report.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import sys
+from collections.abc import Callable
 from html import escape
+from pathlib import Path
 from typing import Any
 
 WIDTH = 760
@@ -62,3 +73,130 @@ def headroom_svg(report: dict[str, Any]) -> str:
         parts.append(f'<text x="{tx:.1f}" y="{bottom + 16}" text-anchor="middle">{tick:g}x</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
+
+
+# --- PNG charts (matplotlib) -------------------------------------------------------------------
+
+OVERHEAD_PARTS = (
+    ("fanout_ms", "fan-out"),
+    ("prefill_queue_ms", "prefill queue"),
+    ("embedding_wait_ms", "embedding wait"),
+    ("finished_to_seen_ms", "result to client"),
+    ("overhead_ms", "overhead (total)"),
+    ("model_compute_ms", "model compute"),
+)
+"""Parts of the ``pipeline`` overhead block, in request order, then the totals."""
+
+
+def _overhead_parts(report: dict[str, Any], plt: Any) -> Any:
+    block = report["pipeline"]["overhead"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [label for _, label in OVERHEAD_PARTS]
+    width = 0.38
+    for i, (case, color) in enumerate((("miss", "#4c72b0"), ("hit", "#dd8452"))):
+        rows = block.get(case, {})
+        values = [rows.get(key, {}).get("p50_ms", 0.0) for key, _ in OVERHEAD_PARTS]
+        ys = [j + (i - 0.5) * width for j in range(len(labels))]
+        name = "new image" if case == "miss" else "cached image"
+        ax.barh(ys, values, height=width, color=color, label=f"{name} (p50)")
+        for y, v in zip(ys, values, strict=True):
+            ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
+    budget_ms = report["pipeline"].get("budget", {}).get("max_overhead_p50_ms")
+    if budget_ms:
+        ax.axvline(budget_ms, color="black", linestyle="--", linewidth=1)
+        ax.text(budget_ms, len(labels) - 0.4, f" budget {budget_ms:g} ms", fontsize=8)
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per request (p50)")
+    ax.set_title("Pipeline overhead by part (one request at a time, tiny model)")
+    ax.legend(loc="center right", fontsize=8)
+    return fig
+
+
+def _throughput(report: dict[str, Any], plt: Any) -> Any:
+    cells = report["throughput"]["cells"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for workers in sorted({c["encode_workers"] for c in cells}):
+        mine = sorted((c for c in cells if c["encode_workers"] == workers), key=lambda c: c["side"])
+        xs = [f"{c['side']}²" for c in mine]
+        label = f"{workers} encode worker{'s' if workers > 1 else ''}"
+        left.plot(xs, [c["requests_per_s"] for c in mine], marker="o", label=label)
+        right.plot(xs, [c["efficiency"] for c in mine], marker="o", label=label)
+    left.set_ylabel("requests/s (sustained)")
+    left.set_xlabel("image size")
+    left.set_ylim(bottom=0)
+    left.set_title("Throughput")
+    right.set_ylabel("model busy / wall, busiest worker")
+    right.set_xlabel("image size")
+    right.set_ylim(0, 1.05)
+    right.set_title("Pipeline efficiency")
+    for ax in (left, right):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"Whole pipeline, tiny model, {report['throughput']['partitions']} partitions")
+    return fig
+
+
+def _prefill_bytes(report: dict[str, Any], plt: Any) -> Any:
+    block = report["prefill_bytes"]["qwen2vl_ids"]
+    rows = [
+        ("ours: prefill record batch (sent)", block["ours_prefill_record_batch_bytes"]),
+        ("ours: PrefillEvent (uncompressed)", block["ours_prefill_event_bytes"]),
+        ("vLLM JSON, metadata only", report["prefill_bytes"]["vllm_json_metadata_only_bytes"]),
+        ("Avro + full kwargs_data (bf16)", block["bf16"]["avro_full_kwargs_bytes"]),
+        ("Avro + full kwargs_data (fp32)", block["fp32"]["avro_full_kwargs_bytes"]),
+        ("vLLM JSON + full kwargs_data (fp32)", block["fp32"]["vllm_json_full_kwargs_bytes"]),
+    ]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    colors = ["#3a9d3a"] * 2 + ["#8c8c8c"] + ["#c83737"] * 3
+    ax.barh([r[0] for r in rows], [r[1] for r in rows], color=colors)
+    for i, (_, v) in enumerate(rows):
+        ax.text(v, i, f" {v:,}", va="center", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlim(100, 10**9)
+    ax.invert_yaxis()
+    ax.set_xlabel("bytes on the prefill path, one 1024² image (log scale)")
+    ax.set_title(
+        f"Prefill bytes: {block['fp32']['ratio_vs_avro_full']:,.0f}x smaller than full kwargs"
+    )
+    return fig
+
+
+CHARTS: dict[str, tuple[str, Callable[[dict[str, Any], Any], Any]]] = {
+    "overhead_parts.png": ("pipeline", _overhead_parts),
+    "throughput.png": ("throughput", _throughput),
+    "prefill_bytes.png": ("prefill_bytes", _prefill_bytes),
+}
+"""PNG file -> (the benchmark it needs, the function drawing it)."""
+
+
+def write_pngs(report: dict[str, Any], out: Path) -> list[Path]:
+    """Draw every chart whose benchmark ran without error into ``out``; the files written.
+
+    Nothing (an empty list) without matplotlib: the charts are an optional extra."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    out.mkdir(parents=True, exist_ok=True)
+    for name, (bench, draw) in CHARTS.items():
+        block = report.get(bench)
+        if not isinstance(block, dict) or "error" in block:
+            continue
+        fig = draw(report, plt)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(out / name)
+    return written
+
+
+if __name__ == "__main__":
+    results = Path(sys.argv[1])
+    target = Path(sys.argv[2]) if len(sys.argv) > 2 else results.parent
+    for path in write_pngs(json.loads(results.read_text()), target):
+        print(path)

@@ -4,11 +4,12 @@ Redis: ``open_store("redis://HOST:PORT/11?key_prefix=bench-<uuid>:")`` does N se
 then N sequential gets of one 1 MiB / 4 MiB tensor (our blob is a 64-byte header + the raw
 bytes), on one connection. The yardstick is ``redis-benchmark -t set,get -d SIZE -n N -c 1``
 against the same server and DB: one client, no pipelining, so both sides do the same thing and
-the ratio isolates our client + store overhead. A bare ``redis.asyncio`` SET/GET of the same bytes
-is measured too, to tell the store layer's cost from redis-py's. Throughput is value bytes moved
-per second (MB/s, 10^6). The sides run in interleaved rounds (ours, bare, redis-benchmark; 3
-rounds in a full run) and each side's MB/s is the median over rounds, so a neighbour's burst of
-load on a shared machine hits both sides alike.
+the ratio isolates our client + store overhead. The third column is redis-py + hiredis (a bare
+``redis.asyncio`` SET/GET of the same bytes, hiredis parsing its replies): the library path our
+own wire client (``runtime/stores/redis_wire.py``, also hiredis-parsed) is compared against, side
+by side. Throughput is value bytes moved per second (MB/s, 10^6). The sides run in interleaved
+rounds (ours, redis-py + hiredis, redis-benchmark; 3 rounds in a full run) and each side's MB/s
+is the median over rounds, so a neighbour's burst of load on a shared machine hits all alike.
 
 shm: ``get`` returns a tensor viewing an ``mmap`` of the file, so a get alone moves no data;
 the budgeted number is get + ``copy_`` into a preallocated tensor (every byte read once, as a
@@ -36,6 +37,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import torch
+from redis.utils import HIREDIS_AVAILABLE
 
 from bench.common import Stats, budget, headroom, measure, measure_async, ratio, sig
 
@@ -94,8 +96,8 @@ def _median(xs: list[float]) -> float:
 async def _redis_sizes(
     redis_url: str, prefix: str, sizes: list[int], n: int, rounds: int
 ) -> dict[str, Any]:
-    """Per size, ``rounds`` interleaved rounds of: our put/get, bare redis-py SET/GET and
-    redis-benchmark, ``n`` ops each. Interleaving spreads a noisy neighbour's load over both
+    """Per size, ``rounds`` interleaved rounds of: our put/get, redis-py + hiredis SET/GET and
+    redis-benchmark, ``n`` ops each. Interleaving spreads a noisy neighbour's load over all
     sides; MB/s is the median over rounds and the ratio compares those medians."""
     import redis.asyncio as aioredis
 
@@ -130,8 +132,8 @@ async def _redis_sizes(
                 for label, fn in (
                     ("ours_put", put),
                     ("ours_get", get),
-                    ("redis_py_set", raw_set),
-                    ("redis_py_get", raw_get),
+                    ("redis_py_hiredis_set", raw_set),
+                    ("redis_py_hiredis_get", raw_get),
                 ):
                     st = await measure_async(fn, n)
                     samples.setdefault(label, []).extend(st.samples)
@@ -145,12 +147,17 @@ async def _redis_sizes(
             await store.delete(key)
             await raw.delete(raw_key)
             entry: dict[str, Any] = {"ops_per_round": n, "rounds": rounds}
-            for label in ("ours_put", "ours_get", "redis_py_set", "redis_py_get"):
+            for label in ("ours_put", "ours_get", "redis_py_hiredis_set", "redis_py_hiredis_get"):
                 entry[label] = {
                     **Stats(samples[label]).to_json("ms"),
                     "mb_s": sig(_median(mb_s[label])),
                     "mb_s_rounds": [sig(x) for x in mb_s[label]],
                 }
+            # Advantage of our wire path over the library path (> 1: ours is faster).
+            entry["speedup_vs_redis_py_hiredis"] = {
+                "put": ratio(_median(mb_s["ours_put"]), _median(mb_s["redis_py_hiredis_set"])),
+                "get": ratio(_median(mb_s["ours_get"]), _median(mb_s["redis_py_hiredis_get"])),
+            }
             if "rb_set" in mb_s:
                 rb_set, rb_get = _median(mb_s["rb_set"]), _median(mb_s["rb_get"])
                 entry["redis_benchmark"] = {
@@ -271,6 +278,7 @@ def run(
         "redis_server": "{}:{}/{}".format(*_redis_target(redis_url)[:2], REDIS_DB),
         "redis_key_prefix": prefix,
         "redis_benchmark_available": has_rb,
+        "redis_py_uses_hiredis": HIREDIS_AVAILABLE,
         "redis": redis_res,
         "shm": shm_res,
         "local": local_res,

@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "epd.commands.dlq",
     "epd.commands.api",
     "epd.commands.submit",
+    "epd.commands.bench",
 ]
 
 

@@ -313,6 +313,15 @@ class PrefillWorker:
             return False
         state = await self.request_state(ev.request_id, since=True)
         lost = embeddings_lost(missing, state, ev.created_ms)
+        if lost:
+            # The record was read after the EXISTS above: an item stored and marked encoded in
+            # between reads "encoded" while its key was missing then. Only a key still missing
+            # now, after the record said encoded, is gone.
+            try:
+                again = await asyncio.gather(*(self.store.exists(keys[h]) for h in lost))
+            except StoreUnavailable:
+                return False
+            lost = [h for h, ok in zip(lost, again, strict=True) if not ok]
         if not lost:
             return False
         modality, index = next(

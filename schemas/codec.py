@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fastavro import schemaless_reader, schemaless_writer
+from fastavro.schema import fingerprint as avro_fingerprint
 from fastavro.schema import load_schema, to_parsing_canonical_form
 
 from schemas.convert import RecordConverter, avro_name, build_converter
@@ -31,34 +32,13 @@ FROZEN_DIR = Path(__file__).parent / "frozen"
 EVENT_SCHEMAS = tuple(avro_name(t) for t in EVENT_TYPES)
 """Full Avro names of the event records, one per type in ``schemas.types.EVENT_TYPES``."""
 
-_CRC64_EMPTY = 0xC15D213AA4D7A795
-
-
-def _crc64_table() -> list[int]:
-    table = []
-    for i in range(256):
-        fp = i
-        for _ in range(8):
-            fp = (fp >> 1) ^ (_CRC64_EMPTY & -(fp & 1))
-        table.append(fp)
-    return table
-
-
-_CRC64_TABLE = _crc64_table()
-
-
-def crc64_avro(data: bytes) -> int:
-    """The Avro spec's 64-bit Rabin fingerprint (CRC-64-AVRO) of ``data``."""
-    fp = _CRC64_EMPTY
-    for b in data:
-        fp = (fp >> 8) ^ _CRC64_TABLE[(fp ^ b) & 0xFF]
-    return fp
-
 
 def fingerprint(parsed_schema: Any) -> bytes:
-    """8-byte little-endian fingerprint of a parsed schema, as single-object encoding frames it."""
+    """8-byte fingerprint of a parsed schema, as single-object encoding frames it: fastavro's
+    CRC-64-AVRO of the parsing canonical form (its hex is the little-endian byte order the
+    frame carries)."""
     canonical = to_parsing_canonical_form(parsed_schema)
-    return crc64_avro(canonical.encode()).to_bytes(8, "little")
+    return bytes.fromhex(avro_fingerprint(canonical, "CRC-64-AVRO"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +189,6 @@ __all__ = [
     "Codec",
     "CodecError",
     "canonical_schema_json",
-    "crc64_avro",
     "decode",
     "encode",
     "fingerprint",

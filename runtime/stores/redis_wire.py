@@ -1,18 +1,20 @@
-"""A minimal RESP2 client for the Redis store's hot path: big values in and out with no extra copy.
+"""A minimal RESP2 client for the Redis store's hot path: big values in and out with few copies.
 
 Why not redis-py for these? Its asyncio connection reads through a ``StreamReader`` in 64 KiB
-pieces (each copied into the reader's buffer, out again, then into the reply) and joins a
-command's pieces before writing, so a 1-4 MiB value costs several copies and dozens of event-loop
-turns: measured 3-4x slower than ``redis-benchmark`` for GET. Here a bulk reply is received with
-``sock_recv_into`` straight into the one ``bytearray`` that becomes the value, and a command's
-large argument is sent from the caller's buffer (a tensor's memory) without being joined.
+pieces and joins a command's pieces before writing, so a 1-4 MiB value costs several copies and
+dozens of event-loop turns. Here a reply is received with ``sock_recv_into`` into one reused
+buffer per connection and parsed by ``hiredis.Reader`` (hiredis's public parser: no hand-written
+RESP parsing, and no dependence on redis-py's private parser modules), and a command's large
+argument is sent from the caller's buffer (a tensor's memory) without being joined.
+``bench/stores.py`` puts this path beside redis-py + hiredis and ``redis-benchmark``.
 
 Scope: plain TCP (``redis://``; TLS stays on redis-py), RESP2 replies, AUTH and SELECT on
-connect. Error replies become redis-py's own exception classes (parsed by redis-py), so callers
-see the same errors either way. A connection that fails or is cancelled mid-command is closed,
-never reused (its reply stream could be out of step); a command that fails on a *reused* idle
-connection with a connection error is retried once on a fresh one (the server may have closed an
-idle connection) — every command sent here is idempotent.
+connect. Error replies become redis-py's public exception classes (:func:`reply_error`, the
+same prefixes redis-py maps), so callers see the same errors either way. A connection that fails
+or is cancelled mid-command is closed, never reused (its reply stream could be out of step); a
+command that fails on a *reused* idle connection with a connection error is retried once on a
+fresh one (the server may have closed an idle connection) — every command sent here is
+idempotent.
 """
 
 from __future__ import annotations
@@ -21,19 +23,56 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-from redis._parsers.base import BaseParser
+import hiredis
+from redis import exceptions as rexc
 from redis.exceptions import AuthenticationWrongNumberOfArgsError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
-Reply = bytes | bytearray | int | list[Any] | RedisError | None
+Reply = bytes | int | list[Any] | RedisError | None
 
 _CRLF = b"\r\n"
-_RECV_CHUNK = 1 << 16
+_RECV_CHUNK = 1 << 18
+"""Receive buffer per connection: big enough that a 4 MiB value takes ~16 event-loop turns."""
 _MAX_IDLE = 16  # idle connections kept per pool; more concurrent callers open extra ones
+
+
+_ERROR_PREFIXES: dict[str, type[RedisError]] = {
+    "WRONGPASS": rexc.AuthenticationError,
+    "NOAUTH": rexc.AuthenticationError,
+    "NOPERM": rexc.NoPermissionError,
+    "EXECABORT": rexc.ExecAbortError,
+    "LOADING": rexc.BusyLoadingError,
+    "MASTERDOWN": rexc.MasterDownError,
+    "READONLY": rexc.ReadOnlyError,
+    "OOM": rexc.OutOfMemoryError,
+    "NOSCRIPT": rexc.NoScriptError,
+}
+"""Error-reply codes -> redis-py's classes (its own table, for the commands sent here)."""
+_ERR_MESSAGES: dict[str, type[RedisError]] = {
+    "max number of clients reached": rexc.ConnectionError,
+    "invalid password": rexc.AuthenticationError,
+    "Client sent AUTH, but no password is set": rexc.AuthenticationError,
+    "AUTH <password> called without any password configured for the default user. Are you "
+    "sure your configuration is correct?": rexc.AuthenticationError,
+    "wrong number of arguments for 'auth' command": AuthenticationWrongNumberOfArgsError,
+    "wrong number of arguments for 'AUTH' command": AuthenticationWrongNumberOfArgsError,
+}
+"""``ERR`` replies redis-py raises as a class of their own (matched on the whole message)."""
+
+
+def reply_error(message: str) -> RedisError:
+    """The redis-py exception for an error reply, e.g. ``WRONGPASS ...`` ->
+    ``AuthenticationError`` (so a bad password is a connection problem on both I/O paths);
+    anything unlisted is a ``ResponseError`` carrying the message."""
+    code, _, rest = message.partition(" ")
+    if code == "ERR":  # redis-py drops the code of the codes it knows, ERR included
+        return _ERR_MESSAGES.get(rest, ResponseError)(rest)
+    cls = _ERROR_PREFIXES.get(code)
+    return cls(rest) if cls is not None else ResponseError(message)
 
 
 def _pack(*args: bytes) -> bytes:
@@ -50,7 +89,12 @@ class WireConnection:
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
         self.sock = sock
         self.loop = loop
-        self._buf = bytearray()
+        # hiredis parses; a malformed stream raises RedisConnectionError, which closes this
+        # connection (pool.run) rather than leaving it out of step.
+        self._reader = hiredis.Reader(
+            replyError=reply_error, protocolError=RedisConnectionError, notEnoughData=False
+        )
+        self._rbuf = bytearray(_RECV_CHUNK)  # reused: a receive allocates nothing
         self.closed = False
 
     async def send(self, *pieces: Buffer) -> None:
@@ -77,61 +121,17 @@ class WireConnection:
         finally:
             self.loop.remove_writer(fd)
 
-    async def _fill(self) -> None:
-        chunk = await self.loop.sock_recv(self.sock, _RECV_CHUNK)
-        if not chunk:
-            raise RedisConnectionError("connection closed by the Redis server")
-        self._buf += chunk
-
-    async def _line(self) -> bytes:
-        while (end := self._buf.find(_CRLF)) < 0:
-            await self._fill()
-        line = bytes(self._buf[:end])
-        del self._buf[: end + 2]
-        return line
-
-    async def _bulk(self, n: int) -> bytearray:
-        """``n`` bytes (then CRLF) received into a fresh buffer: buffered bytes first, the rest
-        straight from the socket."""
-        out = bytearray(n)
-        view = memoryview(out)
-        have = min(len(self._buf), n)
-        view[:have] = self._buf[:have]
-        del self._buf[:have]
-        pos = have
-        try:
-            while pos < n:
-                got = await self.loop.sock_recv_into(self.sock, view[pos:])
-                if not got:
-                    raise RedisConnectionError("connection closed by the Redis server")
-                pos += got
-        finally:
-            view.release()
-        while len(self._buf) < 2:
-            await self._fill()
-        if self._buf[:2] != _CRLF:
-            raise RedisConnectionError("malformed bulk reply from the Redis server")
-        del self._buf[:2]
-        return out
-
     async def reply(self) -> Reply:
-        """The next reply. Error replies are *returned* (as redis-py's exception objects) so a
-        caller reading several replies can drain them all before raising."""
-        line = await self._line()
-        kind, rest = line[:1], line[1:]
-        if kind == b"$":
-            n = int(rest)
-            return None if n < 0 else await self._bulk(n)
-        if kind == b"+":
-            return rest
-        if kind == b":":
-            return int(rest)
-        if kind == b"-":
-            return BaseParser.parse_error(rest.decode("utf-8", "replace"))
-        if kind == b"*":
-            n = int(rest)
-            return None if n < 0 else [await self.reply() for _ in range(n)]
-        raise RedisConnectionError(f"unexpected reply from the Redis server: {line[:40]!r}")
+        """The next reply, parsed by hiredis. Error replies are *returned* (as redis-py's
+        exception objects) so a caller reading several replies can drain them all before
+        raising."""
+        reader = self._reader
+        while (out := reader.gets()) is False:
+            got = await self.loop.sock_recv_into(self.sock, self._rbuf)
+            if not got:
+                raise RedisConnectionError("connection closed by the Redis server")
+            reader.feed(self._rbuf, 0, got)
+        return cast(Reply, out)
 
     async def replies(self, n: int) -> list[Reply]:
         """``n`` replies; raises the first error reply (nested ones too) after reading all."""
@@ -323,22 +323,22 @@ async def set_and_publish(
     await pool.run(op)
 
 
-async def get(pool: WirePool, key: bytes) -> bytearray | None:
+async def get(pool: WirePool, key: bytes) -> bytes | None:
     """``GET key``: the value in a buffer of its own, or None."""
 
-    async def op(conn: WireConnection) -> bytearray | None:
+    async def op(conn: WireConnection) -> bytes | None:
         await conn.send(_pack(b"GET", key))
         (value,) = await conn.replies(1)
-        assert value is None or isinstance(value, bytearray)
+        assert value is None or isinstance(value, bytes)
         return value
 
     return await pool.run(op)
 
 
-async def mget(pool: WirePool, keys: Sequence[bytes]) -> list[bytearray | None]:
+async def mget(pool: WirePool, keys: Sequence[bytes]) -> list[bytes | None]:
     """``MGET keys...``: values in order, None for missing ones."""
 
-    async def op(conn: WireConnection) -> list[bytearray | None]:
+    async def op(conn: WireConnection) -> list[bytes | None]:
         await conn.send(_pack(b"MGET", *keys))
         (values,) = await conn.replies(1)
         assert isinstance(values, list)

@@ -9,11 +9,10 @@ import pytest
 import torch
 from fastavro import schemaless_writer
 from fastavro.schema import fingerprint as fastavro_fingerprint
-from fastavro.schema import to_parsing_canonical_form
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.codec import EVENT_SCHEMAS, MAGIC, crc64_avro, fingerprint, get_codec
+from schemas.codec import EVENT_SCHEMAS, MAGIC, fingerprint, get_codec
 from schemas.errors import CodecError
 from schemas.types import (
     DTYPES,
@@ -177,14 +176,30 @@ def test_decode_is_zero_copy_view_over_the_datum() -> None:
     assert torch.equal(got, t)
 
 
-def test_fingerprint_matches_fastavro_crc64() -> None:
-    for name in EVENT_SCHEMAS:
-        parsed = get_codec().schema(name)
-        ours = fingerprint(parsed)
-        theirs = fastavro_fingerprint(to_parsing_canonical_form(parsed), "CRC-64-AVRO")
-        assert ours.hex() == theirs
-    # Known value from the Avro spec: the fingerprint of the schema "null" is 0x63dd24e7cc258f8a
-    assert crc64_avro(b'"null"') == 0x63DD24E7CC258F8A
+# The fingerprints every frame on the wire carries today. They must never change by accident:
+# a new value makes every reader in the field refuse old frames ("unknown schema fingerprint").
+PINNED_FINGERPRINTS = {
+    "epd.RenderEvent": "f8ad59e342ffbb3d",
+    "epd.EncodeEvent": "3bcb85c179737334",
+    "epd.PrefillEvent": "ed100a94c1fe9804",
+    "epd.EncodedEvent": "bd7915765d7a8780",
+    "epd.ResultEvent": "2c865b01b931cff5",
+    "epd.DeadLetter": "c8b3827170e5e499",
+}
+
+
+def test_fingerprints_are_pinned() -> None:
+    codec = get_codec()
+    assert {n: fingerprint(codec.schema(n)).hex() for n in EVENT_SCHEMAS} == PINNED_FINGERPRINTS
+    for fp, name in codec.fingerprints.items():  # frozen versions: the table's key is the frame's
+        assert name in PINNED_FINGERPRINTS and len(fp) == 8
+
+
+def test_fingerprint_is_the_avro_specs_crc64() -> None:
+    # Known value from the Avro spec: CRC-64-AVRO of the schema "null" is 0x63dd24e7cc258f8a,
+    # framed little-endian.
+    assert fingerprint("null") == (0x63DD24E7CC258F8A).to_bytes(8, "little")
+    assert fastavro_fingerprint('"null"', "CRC-64-AVRO") == fingerprint("null").hex()
 
 
 def test_expect_type_mismatch() -> None:

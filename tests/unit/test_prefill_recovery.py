@@ -58,3 +58,52 @@ def test_no_loss_is_inferred_for_a_new_request_or_a_surviving_record() -> None:
 
 def test_an_unreadable_record_decides_nothing() -> None:
     assert embeddings_lost([A], None, created_ms=1) == []
+
+
+async def test_an_item_stored_while_the_record_is_read_is_not_lost() -> None:
+    """The race a throughput run hit: EXISTS finds the key missing, then the encode worker
+    stores it and the collector marks it encoded, then the record is read ("encoded"). The key
+    is there now, so nothing is lost; a key still missing after that read is."""
+    import torch
+
+    from gpu_workers.prefill import PrefillWorker
+    from runtime.stores import open_store
+
+    store = open_store("local://test-lost-race")
+    reports: list[tuple[str, str]] = []
+
+    async def report(request_id: str, status: str, **_: object) -> None:
+        reports.append((request_id, status))
+
+    async def state_after_encode(request_id: str, since: bool = False) -> RequestState:
+        await store.put(f"k-{A}", torch.ones(2))  # encoded between the EXISTS and this read
+        return RequestState("prefilling", frozenset({A[:12], B[:12]}))
+
+    worker = PrefillWorker.__new__(PrefillWorker)  # only what _lost touches
+    worker.store, worker.report, worker.lost = store, report, 0
+    worker.request_state = state_after_encode
+    ev = _prefill_event([A, B])
+    try:
+        assert not await worker._lost(ev, {A: f"k-{A}"})  # A arrived meanwhile: not lost
+        assert reports == [] and worker.lost == 0
+        assert await worker._lost(ev, {A: f"k-{A}", B: f"k-{B}"})  # B is still missing: gone
+        assert reports == [("r1", "failed")] and worker.lost == 1
+    finally:
+        await store.close()
+
+
+def _prefill_event(hashes: list[str]) -> object:
+    from schemas.types import Features, PlaceholderRange, PrefillEvent
+
+    return PrefillEvent(
+        request_id="r1",
+        model="m",
+        token_ids=[1] * 8,
+        features=Features(
+            mm_hashes={"image": hashes},
+            mm_placeholders={"image": [PlaceholderRange(i * 2, 2) for i in range(len(hashes))]},
+            kwargs_data=None,
+            mm_metadata=None,
+        ),
+        ec_transfer_params={},
+    )

@@ -23,6 +23,7 @@ import pytest
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
 import torch
+from redis.exceptions import AuthenticationWrongNumberOfArgsError as AuthWrongArgs
 
 from runtime.stores import (
     EmbeddingStore,
@@ -33,6 +34,7 @@ from runtime.stores import (
     StoreUnavailable,
     open_store,
 )
+from runtime.stores import redis_wire as wire
 from runtime.stores.base import pack_tensors, unpack_tensors
 from runtime.stores.cuda import CudaStore
 from runtime.stores.redis import RedisStore
@@ -742,3 +744,37 @@ async def test_redis_listener_dying_before_the_waiters_register_fails_the_wait(
             await s.wait(["never"], timeout_s=10)  # not StoreTimeout after 10 s
     finally:
         await s.close()
+
+
+@pytest.mark.parametrize(
+    ("message", "cls", "text"),
+    [
+        ("WRONGTYPE Operation against a key", rexc.ResponseError, "WRONGTYPE Operation"),
+        ("ERR unknown command 'X'", rexc.ResponseError, "unknown command 'X'"),
+        ("WRONGPASS invalid username-password pair", rexc.AuthenticationError, "invalid user"),
+        ("ERR wrong number of arguments for 'auth' command", AuthWrongArgs, "wrong number"),
+        ("EXECABORT Transaction discarded", rexc.ExecAbortError, "Transaction discarded"),
+        ("LOADING Redis is loading", rexc.BusyLoadingError, "Redis is loading"),
+    ],
+)
+def test_wire_error_replies_map_to_redis_pys_classes(
+    message: str, cls: type[Exception], text: str
+) -> None:
+    err = wire.reply_error(message)
+    assert type(err) is cls
+    assert str(err).startswith(text)
+
+
+async def test_wire_protocol_garbage_is_a_connection_error() -> None:
+    """A reply stream hiredis cannot parse fails the command as a connection error (so the pool
+    closes that connection) instead of returning nonsense."""
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    conn = wire.WireConnection(a, asyncio.get_running_loop())
+    try:
+        b.sendall(b"?garbage\r\n")
+        with pytest.raises(rexc.ConnectionError):
+            await conn.reply()
+    finally:
+        conn.close()
+        b.close()

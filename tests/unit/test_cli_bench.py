@@ -1,0 +1,67 @@
+"""``epd bench``: the benchmarks as a CLI command, with the same JSON as ``python -m bench``.
+
+Run from a directory outside the checkout, so ``bench`` must be importable as an installed
+package (``pyproject.toml`` packages it), not merely from the repository root. Only the two
+benchmarks that need no services run (``prefill_bytes``, ``codec``, ``--quick``); numbers are
+not asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epd.cli import build_parser
+
+
+def _epd() -> list[str]:
+    script = Path(sys.executable).with_name("epd")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "epd.cli"]
+
+
+def test_epd_bench_writes_the_same_json_as_python_m_bench(tmp_path: Path) -> None:
+    out, doc = tmp_path / "out", tmp_path / "run" / "bench.json"
+    done = subprocess.run(
+        [
+            *_epd(),
+            "bench",
+            "prefill_bytes",
+            "codec",
+            "--quick",
+            "--out",
+            str(out),
+            "--json",
+            str(doc),
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "MPLBACKEND": "Agg"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout)
+    assert report["options"] == {"quick": True, "benchmarks": ["prefill_bytes", "codec"]}
+    assert json.loads(doc.read_text()) == report == json.loads((out / "results.json").read_text())
+    for name in ("prefill_bytes", "codec"):
+        assert isinstance(report[name]["meets_budget"], bool)
+    assert report["summary"]["errors"] == []
+
+
+def test_epd_bench_refuses_an_unknown_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from epd.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "codec", "nosuch"])
+    assert exc.value.code == 2
+    assert "nosuch" in capsys.readouterr().err
+
+
+def test_epd_bench_has_the_bench_options() -> None:
+    args = build_parser().parse_args(["bench", "codec", "--quick", "--json", "x.json"])
+    assert args.names == ["codec"] and args.quick and args.json == Path("x.json")
