@@ -130,7 +130,8 @@ class WireConnection:
             got = await self.loop.sock_recv_into(self.sock, self._rbuf)
             if not got:
                 raise RedisConnectionError("connection closed by the Redis server")
-            reader.feed(self._rbuf, 0, got)
+            # feed() takes any buffer (its stub says str | bytes): no copy of the receive buffer
+            reader.feed(self._rbuf, 0, got)  # type: ignore[arg-type]
         return cast(Reply, out)
 
     async def replies(self, n: int) -> list[Reply]:
