@@ -32,6 +32,11 @@ from schemas.topics import Topics
 from schemas.types import Features, PlaceholderRange, PrefillEvent, ResultEvent
 from schemas.validator import ValidationConfig, validate_prefill_event
 
+
+class HandlerBug(Exception):
+    """A handler error (not an outage): retried ``max_attempts`` times, then dead-lettered."""
+
+
 pytestmark = pytest.mark.integration
 
 
@@ -89,9 +94,9 @@ async def test_list_show_and_replay_without_loops(
             return
         seen_headers.setdefault(ev.request_id, []).append(ce.headers)
         if ev.request_id == "always-down":
-            raise ConnectionError("store unreachable")
+            raise HandlerBug("always fails")
         if ev.request_id == "flaky" and REPLAYED_FROM_HEADER not in ce.headers:
-            raise ConnectionError("store restarting")
+            raise HandlerBug("fails until replayed")
 
     producer = make_producer(settings)
     await producer.start()
@@ -141,7 +146,7 @@ async def test_list_show_and_replay_without_loops(
         exhausted = [r for r in letters if r.letter and r.letter.error.code == "retries_exhausted"]
         assert {r.letter.key for r in exhausted if r.letter} == {b"flaky", b"always-down"}
         assert all(r.letter and r.letter.attempts == 2 for r in exhausted)
-        assert all("ConnectionError" in r.letter.error.message for r in exhausted if r.letter)
+        assert all("HandlerBug" in r.letter.error.message for r in exhausted if r.letter)
 
         await dlq_cmd.list_letters(settings, _args("list", "--json"))
         listed = json.loads(capsys.readouterr().out)

@@ -235,7 +235,9 @@ async def test_permanent_and_exhausted_failures_go_to_dlq(settings: Settings) ->
         rid = ce.event.request_id
         calls[rid] = calls.get(rid, 0) + 1
         if rid == "always-down":
-            raise ConnectionError("store unreachable")
+            # a handler error, not an outage: max_attempts tries (outages get a time budget:
+            # test_a_store_outage_longer_than_the_attempts_is_outlived)
+            raise RuntimeError("handler keeps failing")
         if rid == "poison":
             raise Poison("deadline passed", code="expired")
         if rid == "invalid":
