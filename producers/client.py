@@ -190,6 +190,16 @@ def _retry_after(resp: httpx.Response, attempt: int) -> float:
 # ----------------------------------------------------------------------------- requests
 
 
+def _status_params(wait_s: float, changed_from: str | None) -> dict[str, Any] | None:
+    """Query of a status read: a long-poll when ``wait_s`` > 0, from ``changed_from`` if given."""
+    if wait_s <= 0:
+        return None
+    params: dict[str, Any] = {"wait": wait_s}
+    if changed_from is not None:
+        params["changed_from"] = changed_from
+    return params
+
+
 def _image_bytes(img: ImageArg) -> bytes:
     # Paths are read here, on the client's machine; the server takes bytes only.
     return img.read_bytes() if isinstance(img, Path) else bytes(img)
@@ -328,9 +338,12 @@ class EPDClient:
         )
         return str(resp.json()["request_id"])
 
-    async def status(self, request_id: str, *, wait_s: float = 0.0) -> RequestStatus:
-        """The request's status; ``wait_s`` long-polls until it changes."""
-        params = {"wait": wait_s} if wait_s > 0 else None
+    async def status(
+        self, request_id: str, *, wait_s: float = 0.0, changed_from: str | None = None
+    ) -> RequestStatus:
+        """The request's status; ``wait_s`` long-polls until it changes (from
+        ``changed_from``, the last status you saw, when given: then no change is missed)."""
+        params = _status_params(wait_s, changed_from)
         timeout = httpx.Timeout((self._http.timeout.read or 30.0) + wait_s + 10)
         resp = await self._request(
             "GET", f"/v1/requests/{request_id}", params=params, timeout=timeout
@@ -340,9 +353,11 @@ class EPDClient:
     async def wait(self, request_id: str, timeout_s: float = 300.0) -> RequestStatus:
         """Long-poll until the request is terminal; TimeoutError after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
+        seen: str | None = None
         while True:
             left = deadline - time.monotonic()
-            st = await self.status(request_id, wait_s=max(0.0, min(left, 30.0)))
+            st = await self.status(request_id, wait_s=max(0.0, min(left, 30.0)), changed_from=seen)
+            seen = st.status
             if st.done:
                 return st
             if time.monotonic() >= deadline:
@@ -445,9 +460,11 @@ class SyncEPDClient:
         )
         return str(resp.json()["request_id"])
 
-    def status(self, request_id: str, *, wait_s: float = 0.0) -> RequestStatus:
+    def status(
+        self, request_id: str, *, wait_s: float = 0.0, changed_from: str | None = None
+    ) -> RequestStatus:
         """See :meth:`EPDClient.status`."""
-        params = {"wait": wait_s} if wait_s > 0 else None
+        params = _status_params(wait_s, changed_from)
         resp = self._request(
             "GET",
             f"/v1/requests/{request_id}",
@@ -459,9 +476,11 @@ class SyncEPDClient:
     def wait(self, request_id: str, timeout_s: float = 300.0) -> RequestStatus:
         """See :meth:`EPDClient.wait`."""
         deadline = time.monotonic() + timeout_s
+        seen: str | None = None
         while True:
             left = deadline - time.monotonic()
-            st = self.status(request_id, wait_s=max(0.0, min(left, 30.0)))
+            st = self.status(request_id, wait_s=max(0.0, min(left, 30.0)), changed_from=seen)
+            seen = st.status
             if st.done:
                 return st
             if time.monotonic() >= deadline:

@@ -46,6 +46,7 @@ from producers.api.models import (
     Accepted,
     Health,
     RequestStatus,
+    Status,
     SubmitRequest,
 )
 from producers.api.state import ApiState, Metrics, connect_kafka, tenant_salt
@@ -653,13 +654,20 @@ def create_app(settings: Settings) -> FastAPI:
             le=3600,
             description="long-poll up to this many seconds until the status changes",
         ),
+        changed_from: Status | None = Query(
+            None,
+            description="with wait: answer as soon as the status differs from this one (pass "
+            "the last status you saw, so no change slips between two polls); without it, "
+            "the long-poll waits for a change from the status the call finds",
+        ),
     ) -> JSONResponse:
         st = state_of(request)
         tenant = tenant_of(request)
         rec = await owned_record(st, request_id, tenant)
         if wait > 0 and rec["status"] not in TERMINAL_STATUSES:
             timeout = min(wait, settings.api_max_wait_s)
-            rec = await st.notifier.wait_change(request_id, rec["status"], timeout) or rec
+            since = changed_from or rec["status"]
+            rec = await st.notifier.wait_change(request_id, since, timeout) or rec
         return JSONResponse(observed(rec))
 
     @app.get(

@@ -332,9 +332,16 @@ async def test_cancel_stops_decoding_and_skips_queued_work(
 
     long_id = (await http.post("/v1/requests", json=body(251))).json()["request_id"]
     status = "queued"
-    while status != "decoding":  # long-poll: wakes on each change
-        status = (await http.get(f"/v1/requests/{long_id}", params={"wait": 30})).json()["status"]
+    while status != "decoding":  # long-poll: wakes on each change from the last status seen
+        params = {"wait": 30, "changed_from": status}
+        status = (await http.get(f"/v1/requests/{long_id}", params=params)).json()["status"]
         assert status not in TERMINAL, await _record(stack, long_id)
+    # a long-poll from a status the client saw earlier answers at once: the change is there
+    t0 = asyncio.get_running_loop().time()
+    r = await http.get(f"/v1/requests/{long_id}", params={"wait": 30, "changed_from": "queued"})
+    assert r.json()["status"] == "decoding" and asyncio.get_running_loop().time() - t0 < 10
+    bad = await http.get(f"/v1/requests/{long_id}", params={"wait": 1, "changed_from": "nope"})
+    assert bad.status_code == 422 and "changed_from" in bad.text
     # The second request's prefill waits behind the first one's decode (one compute thread).
     queued_id = (await http.post("/v1/requests", json=body(252))).json()["request_id"]
     await _until_stage(stack, queued_id, "prefill:prefilling")
