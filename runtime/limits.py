@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from runtime.errors import ModelLoadError
-from runtime.model import resolve_device
+from runtime.model import load_render_info, resolve_device
 from runtime.settings import Settings
 
 PIXEL_CHANNELS = 3
@@ -81,16 +81,34 @@ def input_limits(settings: Settings, processor: Any) -> InputLimits:
     )
 
 
+def deployment_tensor_limit(settings: Settings) -> int:
+    """The tensor limit the deployment's fan-out and workers use, for tools that check events
+    outside them (``epd dlq replay``, ``epd validate``): derived from ``EPD_MODEL``'s processor,
+    or the explicit setting, or, when the model cannot be loaded here, the default floor."""
+    if settings.max_tensor_bytes:
+        return settings.max_tensor_bytes
+    try:
+        info = load_render_info(settings.model)
+    except (ModelLoadError, OSError, ValueError):
+        return DEFAULT_TENSOR_BYTES
+    return input_limits(settings, info.image_processor).max_tensor_bytes
+
+
 def pixel_dtype(settings: Settings) -> torch.dtype:
     """The dtype encoder inputs travel in (``EPD_PIXEL_DTYPE``).
 
-    ``auto``: bf16 when this process's ``EPD_DEVICE`` resolves to CUDA (a CUDA worker runs the
-    vision tower in bf16 anyway, so casting before transport gives it the very same values),
-    fp32 otherwise (a CPU worker computes in fp32: CPU parity with ``model.generate`` stays
-    exact).
+    ``auto``: bf16 when ``EPD_DEVICE`` names CUDA (``cuda``, ``cuda:N``: the deployment's
+    workers run the vision tower in bf16 anyway, so casting before transport gives them the very
+    same values, even when the process fanning out has no GPU itself), or is ``auto`` and this
+    process has CUDA; fp32 otherwise (a CPU worker computes in fp32: CPU parity with
+    ``model.generate`` stays exact). A fan-out without GPU for CUDA workers left on ``auto``
+    sends fp32: set ``EPD_PIXEL_DTYPE=bf16`` there (the compose file does).
     """
     if settings.pixel_dtype != "auto":
         return PIXEL_DTYPES[settings.pixel_dtype]
+    spec = settings.device.strip().lower()
+    if spec.startswith("cuda"):
+        return torch.bfloat16
     try:
         cuda = resolve_device(settings.device).type == "cuda"
     except ModelLoadError:  # a device this process cannot resolve: keep the exact choice

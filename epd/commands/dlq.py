@@ -146,13 +146,17 @@ async def replay_letters(settings: Settings, args: argparse.Namespace) -> int:
     """Re-validate and republish the matching dead letters; print one line per dead letter."""
     from consumers.dlq import Replayer, outcome_line, read_dead_letters
     from runtime.kafka import make_producer
+    from runtime.limits import deployment_tensor_limit
     from runtime.stores import open_store
     from schemas.topics import Topics
     from schemas.validator import ValidationConfig
 
     topics = Topics(settings.topic_prefix)
     records = await read_dead_letters(settings, topics.dlq, _filter(args))
-    config = ValidationConfig.from_settings(settings, mode="strict")
+    # The limit the workers apply (derived from the model's processor), so a record they would
+    # accept is not refused here.
+    limit = await asyncio.to_thread(deployment_tensor_limit, settings)
+    config = ValidationConfig.from_settings(settings, mode="strict", max_tensor_bytes=limit)
 
     async def body(ledger: Any) -> int:
         producer = None if args.dry_run else make_producer(settings)

@@ -209,6 +209,11 @@ def test_pixel_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pixel_dtype(Settings(pixel_dtype="bf16")) == torch.bfloat16
     assert pixel_dtype(Settings(pixel_dtype="fp32", device="cuda")) == torch.float32
     assert pixel_dtype(Settings(device="cpu")) == torch.float32
+    auto = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    assert pixel_dtype(Settings(device="auto")) == auto  # this process's own device
+    # CUDA workers named by the deployment: bf16 even from a fan-out without a GPU
+    assert pixel_dtype(Settings(device="cuda")) == torch.bfloat16
+    assert pixel_dtype(Settings(device="cuda:1")) == torch.bfloat16
     monkeypatch.setattr("runtime.limits.resolve_device", lambda spec: torch.device("cuda"))
     assert pixel_dtype(Settings()) == torch.bfloat16
 
