@@ -32,12 +32,11 @@ from producers.sample_videos import (
 from producers.video import (
     VideoError,
     VideoFrames,
-    VideoHeader,
     VideoLimits,
-    check_header,
     load_video,
     sample_indices,
 )
+from producers.video_file import VideoHeader, check_header
 from producers.video_processing import config_from_image_processor, process_video
 from runtime.model import load_model, load_render_info
 from runtime.settings import Settings
