@@ -259,18 +259,25 @@ FRAME_FORMATS = IMAGE_FORMATS
 """PIL decoders a frame given as encoded bytes may reach (its first frame is used)."""
 
 
+def _frame_errors(k: int, index: int) -> AbstractContextManager[None]:
+    """Pillow failures on frame ``k``: a header claiming a decompression bomb is too_large,
+    anything else names the frame (``render.video_frames``)."""
+
+    def make(rule: str, msg: str) -> VideoError:
+        return _err(rule, f"frame {k}: {msg}", index)
+
+    return pil_errors(
+        make, too_large="render.video_too_large", unreadable="render.video_frames", what="frame"
+    )
+
+
 def _open_frames(frames: list[Any], index: int) -> list[Any]:
     """Frames given as encoded image bytes, opened lazily: header read, pixels not decoded, so
     sizes are checked before any frame decodes."""
     out = []
     for k, f in enumerate(frames):
         if isinstance(f, bytes | bytearray | memoryview):
-            # A header claiming a decompression bomb is too_large; garbage names the frame.
-            with pil_errors(
-                lambda rule, msg, k=k: _err(rule, f"frame {k}: {msg}", index),
-                too_large="render.video_too_large",
-                unreadable="render.video_frames",
-            ):
+            with _frame_errors(k, index):
                 f = Image.open(io.BytesIO(bytes(f)), formats=FRAME_FORMATS)
         out.append(f)
     return out
@@ -278,12 +285,7 @@ def _open_frames(frames: list[Any], index: int) -> list[Any]:
 
 def _frame_image(f: Any, k: int, index: int) -> Image.Image:
     if isinstance(f, Image.Image):
-        with pil_errors(
-            lambda rule, msg: _err(rule, f"frame {k}: {msg}", index),
-            too_large="render.video_too_large",
-            unreadable="render.video_frames",
-            what="frame",
-        ):
+        with _frame_errors(k, index):
             f.load()
             return upright_rgb(f)
     if isinstance(f, np.ndarray):
