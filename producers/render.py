@@ -19,16 +19,18 @@ from __future__ import annotations
 import asyncio
 import io
 import re
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import time
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 
+from producers.pictures import IMAGE_FORMATS, pil_errors, upright_rgb
+from producers.pictures import to_rgb as to_rgb  # re-exported: part of this module's API
 from producers.video import VideoInput, VideoLimits
 from producers.video_items import VideoItems
 from runtime.limits import input_limits
@@ -62,36 +64,9 @@ VISION_TOKENS = (
 
 ImageInput = Image.Image | bytes | bytearray | memoryview | str | Path
 
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
-"""The only PIL decoders an image may reach. Naming them keeps every other plugin (EPS, which
-would run Ghostscript; PSD; TIFF with its many codecs; ...) out of reach of untrusted bytes.
-Multi-frame images (GIF, animated WebP/PNG) are read at their first frame."""
-
-
-SIXTEEN_BIT_GRAY = ("I;16", "I;16L", "I;16B", "I;16N", "I")
-"""Modes of 16-bit grayscale PNGs. PIL's own conversion to RGB clips them at 255 (a white
-image), so they are scaled to 8 bits first."""
-
 
 class RenderError(ValidationError):
     """A request the renderer cannot turn into an event; names the rule and the item."""
-
-
-def to_rgb(img: Image.Image) -> Image.Image:
-    """``img`` as 8-bit RGB, the way transformers' ``convert_to_rgb`` (what the HF processor
-    runs with ``do_convert_rgb``) does it: any transparency (an alpha band, or a palette or
-    grayscale ``transparency`` entry) is composited onto white; other modes (L, 1, P, CMYK, ...)
-    convert directly. 16-bit grayscale keeps its top 8 bits first (see ``SIXTEEN_BIT_GRAY``).
-    """
-    if img.mode in SIXTEEN_BIT_GRAY:
-        wide = np.asarray(img).astype(np.int64)
-        img = Image.fromarray((np.clip(wide, 0, 65535) >> 8).astype(np.uint8), "L")
-    # An RGB PNG may carry a tRNS colour too: transparency is checked before the mode.
-    if "A" in img.getbands() or img.info.get("transparency") is not None:
-        rgba = img.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return img if img.mode == "RGB" else img.convert("RGB")
 
 
 @dataclass(slots=True)
@@ -104,26 +79,37 @@ class _Item:
     metadata: ItemData | None
 
 
-@contextmanager
-def _pil_errors(index: int) -> Iterator[None]:
-    """Turn PIL's decode failures into ``RenderError``s naming the item."""
-    try:
-        yield
-    except Image.DecompressionBombError as e:
-        msg = f"decompression bomb refused: {e}"
-        raise RenderError("render.image_too_large", msg, modality="image", item=index) from None
-    except Image.UnidentifiedImageError:
-        raise RenderError(
-            "render.image_format",
-            f"not an image in an accepted format ({', '.join(IMAGE_FORMATS)})",
-            modality="image",
-            item=index,
-        ) from None
-    except (OSError, ValueError, SyntaxError, EOFError) as e:
-        # UnidentifiedImageError is an OSError; some plugins raise SyntaxError/EOFError on garbage.
-        raise RenderError(
-            "render.image_unreadable", f"cannot decode image: {e}", modality="image", item=index
-        ) from None
+def _pil_errors(index: int) -> AbstractContextManager[None]:
+    """Pillow's decode failures as ``RenderError``s naming the image."""
+
+    def make(rule: str, msg: str) -> RenderError:
+        return RenderError(rule, msg, modality="image", item=index)
+
+    return pil_errors(
+        make,
+        too_large="render.image_too_large",
+        unreadable="render.image_unreadable",
+        unidentified="render.image_format",
+    )
+
+
+TIMEOUT_GRACE_S = 2.0
+"""How long ``render_async`` waits past its timeout for the render to stop itself."""
+
+
+def _timeout(modality: str | None, item: int | None) -> RenderError:
+    return RenderError(
+        "render.timeout",
+        "rendering ran past the render time limit (EPD_API_RENDER_TIMEOUT_S); send fewer, "
+        "shorter or smaller inputs",
+        modality=modality,
+        item=item,
+    )
+
+
+def _check_time(give_up_at: float | None, modality: str, item: int) -> None:
+    if give_up_at is not None and time.monotonic() > give_up_at:
+        raise _timeout(modality, item)
 
 
 def _placeholder_count(grid: torch.Tensor, merge_size: int) -> int:
@@ -166,6 +152,7 @@ class Renderer:
         video_limits: VideoLimits | None = None,
         max_tensor_bytes: int = 256 * 1024 * 1024,
         max_video_bytes: int | None = None,
+        video_pixels: dict[str, int | None] | None = None,
     ) -> None:
         """``info``: a ``RenderInfo`` (no weights) or a loaded ``ModelBundle``.
 
@@ -176,9 +163,10 @@ class Renderer:
         strings often come from users (an HTTP body); a ``pathlib.Path`` is always read as a
         file, since the caller built it to name one.
 
-        ``video_limits``, ``max_tensor_bytes``, ``max_video_bytes``: see
-        :class:`producers.video_items.VideoItems` (``VideoLimits.from_settings`` gives the
-        ``EPD_VIDEO_*`` settings).
+        ``video_limits``, ``max_tensor_bytes``, ``max_video_bytes``, ``video_pixels``
+        (``min_pixels``, ``max_pixels``, ``max_total_pixels``): see
+        :class:`producers.video_items.VideoItems` (``VideoLimits.from_settings`` and
+        ``VideoItems.settings_kwargs`` give the ``EPD_VIDEO_*`` settings).
         """
         self.info = info.render_info() if isinstance(info, ModelBundle) else info
         self.max_image_pixels = int(max_image_pixels)
@@ -189,6 +177,7 @@ class Renderer:
             video_limits,
             max_tensor_bytes=max_tensor_bytes,
             max_file_bytes=max_video_bytes,
+            **(video_pixels or {}),
         )
         self.hasher = ItemHasher.for_processor(
             self.info.fingerprint, self.info.image_processor.to_dict()
@@ -221,6 +210,7 @@ class Renderer:
             video_limits=VideoLimits.from_settings(settings),
             max_tensor_bytes=limits.max_tensor_bytes,
             max_video_bytes=max_video_bytes,
+            video_pixels=VideoItems.settings_kwargs(settings),
             **kwargs,
         )
 
@@ -271,10 +261,7 @@ class Renderer:
             )
         with _pil_errors(index):
             img.load()
-            # A phone stores a portrait photo as landscape pixels plus an Orientation tag;
-            # the model must see it upright (vLLM applies the tag too).
-            img = ImageOps.exif_transpose(img)
-            return to_rgb(img)
+            return upright_rgb(img)
 
     def process_image(self, img: Image.Image, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Processor output for one image: ``pixel_values (patches, dim)``, grid ``(3,)`` int64."""
@@ -388,11 +375,14 @@ class Renderer:
         sampling: SamplingParams | None = None,
         deadline_ms: int | None = None,
         trace: dict[str, str] | None = None,
+        give_up_at: float | None = None,
     ) -> RenderEvent:
         """Render one request. Give exactly one of ``prompt`` (``<image>`` marks each image,
         ``<video>`` each video) or ``token_ids`` (one ``<|image_pad|>`` / ``<|video_pad|>``
         marks each). Images and videos pair with their markers in order. Raises
         ``RenderError`` (``VideoError`` for a video, a ``ValidationError`` too).
+        ``give_up_at``: a ``time.monotonic()`` past which rendering stops (between items and
+        between video frames) with ``render.timeout``.
         """
         if (prompt is None) == (token_ids is None):
             raise RenderError("render.prompt", "give exactly one of prompt or token_ids")
@@ -424,12 +414,13 @@ class Renderer:
         for k, kind in enumerate(kinds):
             i = seen[kind]
             seen[kind] += 1
+            _check_time(give_up_at, kind, i)
             if kind == "image":
                 pv, grid = self.process_image(self.load_image(sources[kind][i], i), i)
                 data: ItemData = {MAIN_ENCODER_INPUT["image"]: pv, GRID_FIELDS["image"]: grid}
                 meta: ItemData = {GRID_FIELDS["image"]: grid}
             else:
-                video = self.videos.render(sources[kind][i], i)
+                video = self.videos.render(sources[kind][i], i, give_up_at=give_up_at)
                 data, meta, grid = video.data, video.metadata, video.grid
             n = _placeholder_count(grid, info.merge_size)
             ids.append(info.vision_start_id)
@@ -460,9 +451,22 @@ class Renderer:
             trace=dict(trace or {}),
         )
 
-    async def render_async(self, request_id: str, **kwargs: Any) -> RenderEvent:
-        """``render`` in a worker thread, so image decoding never blocks the event loop."""
-        return await asyncio.to_thread(self.render, request_id, **kwargs)
+    async def render_async(
+        self, request_id: str, *, timeout_s: float | None = None, **kwargs: Any
+    ) -> RenderEvent:
+        """``render`` in a worker thread, so image decoding never blocks the event loop.
+
+        ``timeout_s``: the render stops itself at the next item or video frame past it
+        (``render.timeout``); should one step overrun, the caller is answered
+        ``TIMEOUT_GRACE_S`` later all the same, so a render slot is never held for long."""
+        if timeout_s is None:
+            return await asyncio.to_thread(self.render, request_id, **kwargs)
+        give_up_at = time.monotonic() + timeout_s
+        work = asyncio.to_thread(self.render, request_id, give_up_at=give_up_at, **kwargs)
+        try:
+            return await asyncio.wait_for(work, timeout_s + TIMEOUT_GRACE_S)
+        except TimeoutError:
+            raise _timeout(None, None) from None
 
 
 def monolithic_inputs(

@@ -1,18 +1,23 @@
 """Video inputs -> sampled RGB frames, with every limit checked before decoding.
 
-Three kinds of input become one :class:`VideoClip` (the sampled frames and their rate):
+Three kinds of input become one :class:`VideoPlan` (what will be kept and what decoding it
+costs, from headers only) and then one :class:`VideoClip` (the sampled frames and their rate):
 
-- a file's bytes (MP4/MOV, WebM/MKV) decoded with PyAV (FFmpeg). Only those demuxers and a short
-  list of decoders may run on untrusted bytes. Duration, frame count and frame size are read from
-  the container and stream headers and checked *before* any frame is decoded; the decoder is then
-  held to the same limits (a header may lie) and stops at the last frame it needs;
-- an animated GIF or WebP (Pillow), its size and frame count checked from the header first;
-- a list of frames (PIL images or ``(H, W, 3)`` uint8 arrays), optionally wrapped in
-  :class:`VideoFrames` to give their rate.
+- a file's bytes (MP4/MOV, WebM/MKV) decoded with PyAV (FFmpeg), see :mod:`producers.video_file`;
+- an animated GIF or WebP (Pillow): size from the header, frame count and delays from the block
+  headers (:mod:`producers.animation_headers`), no frame decoded to learn them;
+- a list of frames (PIL images, ``(H, W, 3)`` uint8 arrays or encoded images), optionally wrapped
+  in :class:`VideoFrames` to give their rate.
 
 Frames are sampled as the Qwen2-VL video processor samples them (``sample_frames`` with ``fps``):
 ``EPD_VIDEO_FPS`` frames per second, at least 4, at most ``EPD_VIDEO_MAX_FRAMES``, rounded down to
 a multiple of the temporal patch size, spread evenly over the source frames.
+
+Decoding work is bounded before it starts: the frames the decoder must produce to reach the
+sampled ones, times their pixels, must stay within ``EPD_VIDEO_MAX_DECODE_PIXELS``
+(``render.video_decode_budget``). Kept frames go through the image path's RGB and orientation
+rules (:mod:`producers.pictures`) and, when the caller gives a size, are resized as they are
+decoded, so memory holds only resized frames.
 
 All of this is CPU-bound and synchronous; the renderer runs it in a worker thread.
 """
@@ -21,28 +26,33 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
 
+from producers.animation_headers import HeaderError, gif_frame_delays, webp_durations
+from producers.pictures import IMAGE_FORMATS, pil_errors, upright_rgb, upright_size
 from schemas.errors import ValidationError
 
 if TYPE_CHECKING:
     from runtime.settings import Settings
 
-CONTAINER_FORMATS = ("mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm")
-"""The demuxers (FFmpeg names) a video file may reach: MP4/MOV and Matroska/WebM."""
-VIDEO_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "libdav1d", "mpeg4")
-"""The decoders a video stream may reach; anything else is refused before decoding."""
 ANIMATION_FORMATS = ("GIF", "WEBP")
 """Pillow decoders for animated images given as a video."""
 MIN_FRAMES = 4
 """The Qwen2-VL video processor's ``min_frames``: short clips still get this many frames."""
+ANIMATION_DECODE_COST = 16
+"""Weight of one GIF/WebP pixel against one FFmpeg-decoded pixel in the decode budget. Measured
+here: Pillow seeks through GIF frames at ~70 Mpx/s and animated WebP at ~33 Mpx/s, FFmpeg decodes
+H.264 at ~1 Gpx/s."""
+DEFAULT_MAX_DECODE_PIXELS = 4_000_000_000
+"""About 2,000 decoded 1080p frames: a few seconds of FFmpeg time per video on one core."""
 
 
 class VideoError(ValidationError):
@@ -65,6 +75,8 @@ class VideoLimits:
     """width * height of one source frame."""
     temporal_patch_size: int = 2
     """Sampled counts are rounded down to a multiple of this (the model's temporal patch)."""
+    max_decode_pixels: int = DEFAULT_MAX_DECODE_PIXELS
+    """Frames decoded x their pixels (GIF/WebP weighted by ``ANIMATION_DECODE_COST``)."""
 
     @classmethod
     def from_settings(cls, settings: Settings, temporal_patch_size: int = 2) -> VideoLimits:
@@ -76,6 +88,7 @@ class VideoLimits:
             max_source_frames=settings.video_max_source_frames,
             max_frame_pixels=settings.video_max_frame_pixels,
             temporal_patch_size=temporal_patch_size,
+            max_decode_pixels=settings.video_max_decode_pixels,
         )
 
 
@@ -99,6 +112,44 @@ class VideoClip:
     source_frames: int
     source: str
     """``file``, ``animation`` or ``frames``."""
+
+
+Size = tuple[int, int]
+"""``(width, height)`` kept frames are resized to as they are decoded (None: as they are)."""
+Decoder = Callable[[Size | None, float | None], list[Image.Image]]
+
+
+@dataclass(frozen=True, slots=True)
+class VideoPlan:
+    """What one video will give and cost, known from headers before any kept frame decodes."""
+
+    source: str
+    width: int
+    """Upright frame width (after EXIF orientation or a stream's display rotation)."""
+    height: int
+    total: int
+    """Source frames."""
+    keep: list[int]
+    """Indices of the sampled frames."""
+    native_fps: float
+    decode_frames: int
+    """Frames the decoder must produce to reach the kept ones."""
+    decoder: Decoder
+    close: Callable[[], None] = field(default=lambda: None)
+
+    @property
+    def fps(self) -> float:
+        """The rate of the sampled frames."""
+        return len(self.keep) / self.total * self.native_fps
+
+    def clip(self, size: Size | None = None, give_up_at: float | None = None) -> VideoClip:
+        """Decode the kept frames (resized to ``size`` as they come); ``give_up_at``: a
+        ``time.monotonic()`` past which decoding stops with ``render.timeout``."""
+        try:
+            frames = self.decoder(size, give_up_at)
+        finally:
+            self.close()
+        return VideoClip(frames, self.fps, self.total, self.source)
 
 
 VideoInput = bytes | bytearray | memoryview | Path | VideoFrames | Sequence[Any]
@@ -126,7 +177,8 @@ def sample_indices(total: int, native_fps: float, limits: VideoLimits) -> list[i
     return [i * total // n for i in range(n)]
 
 
-def _check_size(w: int, h: int, limits: VideoLimits, index: int) -> None:
+def check_size(w: int, h: int, limits: VideoLimits, index: int) -> None:
+    """``render.video_too_large`` for a frame over ``max_frame_pixels``."""
     if w <= 0 or h <= 0 or w * h > limits.max_frame_pixels:
         raise _err(
             "render.video_too_large",
@@ -135,7 +187,8 @@ def _check_size(w: int, h: int, limits: VideoLimits, index: int) -> None:
         )
 
 
-def _check_duration(seconds: float, limits: VideoLimits, index: int) -> None:
+def check_duration(seconds: float, limits: VideoLimits, index: int) -> None:
+    """``render.video_too_long`` past ``max_duration_s``."""
     if seconds > limits.max_duration_s:
         raise _err(
             "render.video_too_long",
@@ -144,7 +197,8 @@ def _check_duration(seconds: float, limits: VideoLimits, index: int) -> None:
         )
 
 
-def _check_count(frames: int, limits: VideoLimits, index: int) -> None:
+def check_count(frames: int, limits: VideoLimits, index: int) -> None:
+    """``render.video_too_many_frames`` past ``max_source_frames``."""
     if frames > limits.max_source_frames:
         raise _err(
             "render.video_too_many_frames",
@@ -153,12 +207,68 @@ def _check_count(frames: int, limits: VideoLimits, index: int) -> None:
         )
 
 
+def check_budget(
+    frames: int, w: int, h: int, limits: VideoLimits, index: int, weight: int = 1
+) -> None:
+    """``render.video_decode_budget`` when reaching the kept frames means decoding more than
+    ``max_decode_pixels`` (weighted) pixels."""
+    cost = frames * w * h * weight
+    if cost > limits.max_decode_pixels:
+        how = f" x {weight} (GIF/WebP decoding cost)" if weight != 1 else ""
+        raise _err(
+            "render.video_decode_budget",
+            f"reaching the sampled frames means decoding {frames} frames of {w}x{h}{how} = "
+            f"{cost} pixels; the limit is {limits.max_decode_pixels} (EPD_VIDEO_MAX_DECODE_"
+            "PIXELS): send a shorter or smaller video",
+            index,
+        )
+
+
+def check_time(give_up_at: float | None, index: int) -> None:
+    """``render.timeout`` once ``time.monotonic()`` is past ``give_up_at``."""
+    if give_up_at is not None and time.monotonic() > give_up_at:
+        raise _err(
+            "render.timeout",
+            "decoding the video ran past the render time limit (EPD_API_RENDER_TIMEOUT_S)",
+            index,
+        )
+
+
+def finish(img: Image.Image, size: Size | None) -> Image.Image:
+    """A kept frame at its final size: the processor's resize (PIL bicubic), done as the frame
+    is decoded so that only resized frames are held."""
+    if size is None or img.size == size:
+        return img
+    return img.resize(size, resample=Image.Resampling.BICUBIC)
+
+
+def _pil(index: int, unreadable: str = "render.video_unreadable") -> AbstractContextManager[None]:
+    return pil_errors(
+        lambda rule, msg: _err(rule, msg, index),
+        too_large="render.video_too_large",
+        unreadable=unreadable,
+        what="video frame",
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # frame lists
 
 
-FRAME_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+FRAME_FORMATS = IMAGE_FORMATS
 """PIL decoders a frame given as encoded bytes may reach (its first frame is used)."""
+
+
+def _frame_errors(k: int, index: int) -> AbstractContextManager[None]:
+    """Pillow failures on frame ``k``: a header claiming a decompression bomb is too_large,
+    anything else names the frame (``render.video_frames``)."""
+
+    def make(rule: str, msg: str) -> VideoError:
+        return _err(rule, f"frame {k}: {msg}", index)
+
+    return pil_errors(
+        make, too_large="render.video_too_large", unreadable="render.video_frames", what="frame"
+    )
 
 
 def _open_frames(frames: list[Any], index: int) -> list[Any]:
@@ -167,22 +277,17 @@ def _open_frames(frames: list[Any], index: int) -> list[Any]:
     out = []
     for k, f in enumerate(frames):
         if isinstance(f, bytes | bytearray | memoryview):
-            try:
+            with _frame_errors(k, index):
                 f = Image.open(io.BytesIO(bytes(f)), formats=FRAME_FORMATS)
-            except (OSError, ValueError, SyntaxError, EOFError) as e:
-                msg = f"frame {k}: not an image in an accepted format ({e})"
-                raise _err("render.video_frames", msg, index) from None
         out.append(f)
     return out
 
 
 def _frame_image(f: Any, k: int, index: int) -> Image.Image:
     if isinstance(f, Image.Image):
-        try:
+        with _frame_errors(k, index):
             f.load()
-            return f.convert("RGB") if f.mode != "RGB" else f
-        except (OSError, ValueError, SyntaxError, EOFError) as e:
-            raise _err("render.video_frames", f"frame {k}: cannot decode: {e}", index) from None
+            return upright_rgb(f)
     if isinstance(f, np.ndarray):
         if f.dtype != np.uint8 or f.ndim != 3 or f.shape[2] != 3:
             raise _err(
@@ -200,20 +305,20 @@ def _frame_image(f: Any, k: int, index: int) -> Image.Image:
 
 def _frame_size(f: Any) -> tuple[int, int]:
     if isinstance(f, Image.Image):
-        return f.size
+        return upright_size(f)
     if isinstance(f, np.ndarray) and f.ndim >= 2:
         return int(f.shape[1]), int(f.shape[0])
     return (0, 0)
 
 
-def clip_from_frames(src: VideoFrames, limits: VideoLimits, index: int = 0) -> VideoClip:
-    """Sample a caller's frame list; every frame must have the first frame's size."""
+def plan_frames(src: VideoFrames, limits: VideoLimits, index: int = 0) -> VideoPlan:
+    """Sample a caller's frame list; every frame must have the first frame's (upright) size."""
     frames = _open_frames(list(src.frames), index)
     if not frames:
         raise _err("render.video_empty", "the frame list is empty", index)
-    _check_count(len(frames), limits, index)
+    check_count(len(frames), limits, index)
     w, h = _frame_size(frames[0])
-    _check_size(w, h, limits, index)
+    check_size(w, h, limits, index)
     for k, f in enumerate(frames):
         if _frame_size(f) != (w, h):
             raise _err(
@@ -225,10 +330,18 @@ def clip_from_frames(src: VideoFrames, limits: VideoLimits, index: int = 0) -> V
     fps = float(src.fps) if src.fps is not None else limits.fps
     if not math.isfinite(fps) or fps <= 0:
         raise _err("render.video_fps", f"frame rate must be positive, got {src.fps}", index)
-    _check_duration(len(frames) / fps, limits, index)
+    check_duration(len(frames) / fps, limits, index)
     keep = sample_indices(len(frames), fps, limits)
-    out = [_frame_image(frames[i], i, index) for i in keep]
-    return VideoClip(out, len(keep) / len(frames) * fps, len(frames), "frames")
+    check_budget(len(keep), w, h, limits, index)
+
+    def decode(size: Size | None, give_up_at: float | None) -> list[Image.Image]:
+        out = []
+        for i in keep:
+            check_time(give_up_at, index)
+            out.append(finish(_frame_image(frames[i], i, index), size))
+        return out
+
+    return VideoPlan("frames", w, h, len(frames), keep, fps, len(keep), decode)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,207 +353,65 @@ def is_animation(data: bytes) -> bool:
     return data[:6] in (b"GIF87a", b"GIF89a") or (data[:4] == b"RIFF" and data[8:12] == b"WEBP")
 
 
-@contextmanager
-def _pil_errors(index: int) -> Iterator[None]:
-    try:
-        yield
-    except VideoError:
-        raise
-    except Image.DecompressionBombError as e:
-        raise _err("render.video_too_large", f"decompression bomb refused: {e}", index) from None
-    except (OSError, ValueError, SyntaxError, EOFError) as e:
-        raise _err("render.video_unreadable", f"cannot decode animation: {e}", index) from None
-
-
-def webp_durations(data: bytes) -> list[int]:
-    """Per-frame durations (ms) of an animated WebP, from its ANMF chunk headers (no decoding:
-    Pillow reports a WebP frame's duration only after decoding it). Empty for a still WebP."""
-    out: list[int] = []
-    pos = 12  # "RIFF" size "WEBP"
-    while pos + 8 <= len(data):
-        kind, size = data[pos : pos + 4], int.from_bytes(data[pos + 4 : pos + 8], "little")
-        if kind == b"ANMF" and size >= 16:
-            out.append(int.from_bytes(data[pos + 20 : pos + 23], "little"))
-        pos += 8 + size + (size & 1)
-    return out
-
-
-def _durations_ms(img: Image.Image, data: bytes, total: int) -> list[float]:
-    if img.format == "WEBP":
-        raw: list[float] = [float(d) for d in webp_durations(data)] or [0.0] * total
-    else:
-        raw = []
-        for k in range(total):  # GIF: each frame's delay is read when seeking to it
-            img.seek(k)
-            raw.append(float(img.info.get("duration") or 0.0))
-    # Browsers show a 0 ms frame for 100 ms; use that rate too.
-    return [d or 100.0 for d in raw[:total]]
-
-
-def clip_from_animation(data: bytes, limits: VideoLimits, index: int = 0) -> VideoClip:
-    """Sample an animated GIF/WebP; size, frame count and duration are checked before any
-    frame's pixels are kept."""
-    with _pil_errors(index):
-        img = Image.open(io.BytesIO(data), formats=ANIMATION_FORMATS)
-        _check_size(*img.size, limits, index)
-        total = int(getattr(img, "n_frames", 1))
-        _check_count(total, limits, index)
-        seconds = sum(_durations_ms(img, data, total)) / 1000.0
-        _check_duration(seconds, limits, index)
-        native = total / seconds if seconds > 0 else limits.fps
-        keep = sample_indices(total, native, limits)
-        frames = []
-        for k in keep:
-            img.seek(k)
-            frames.append(img.convert("RGB"))
-    return VideoClip(frames, len(keep) / total * native, total, "animation")
-
-
-# ---------------------------------------------------------------------------------------------
-# video files (PyAV)
-
-
-def _open_container(data: bytes, index: int) -> Any:
-    import av
-
-    try:
-        return av.open(
-            io.BytesIO(data),
-            mode="r",
-            # Only these demuxers and decoders run on untrusted bytes.
-            container_options={
-                "format_whitelist": ",".join(CONTAINER_FORMATS),
-                "codec_whitelist": ",".join(VIDEO_CODECS),
-            },
-        )
-    except av.EOFError:
-        raise _err(
-            "render.video_empty", "the file ends before its first video frame", index
-        ) from None
-    except (av.FFmpegError, ValueError, OSError) as e:
-        raise _err(
-            "render.video_unreadable",
-            "not a video file in an accepted container (MP4/MOV, WebM/MKV) or corrupt: "
-            f"{type(e).__name__}: {e}",
-            index,
-        ) from None
-
-
-@dataclass(frozen=True, slots=True)
-class VideoHeader:
-    """What a file's headers say, before any frame is decoded."""
-
-    container: str
-    codec: str
-    width: int
-    height: int
-    duration_s: float | None
-    frames: int | None
-    fps: float
-
-
-def _header(container: Any, index: int) -> VideoHeader:
-    if not container.streams.video:
-        raise _err("render.video_empty", "the file holds no video stream", index)
-    s = container.streams.video[0]
-    rate = s.average_rate or s.guessed_rate or s.base_rate
-    duration = None
-    if s.duration and s.time_base:
-        duration = float(s.duration * s.time_base)
-    elif container.duration:
-        duration = container.duration / 1_000_000
-    return VideoHeader(
-        container=container.format.name,
-        codec=s.codec_context.name,
-        width=int(s.codec_context.width or s.width or 0),
-        height=int(s.codec_context.height or s.height or 0),
-        duration_s=duration,
-        frames=int(s.frames) or None,
-        fps=float(rate) if rate else 0.0,
-    )
-
-
-def check_header(h: VideoHeader, limits: VideoLimits, index: int = 0) -> int:
-    """Apply the limits to a header; returns the expected frame count (0: header says none)."""
-    if h.container not in CONTAINER_FORMATS:
-        raise _err("render.video_format", f"container {h.container!r} is not accepted", index)
-    if h.codec not in VIDEO_CODECS:
-        raise _err(
-            "render.video_codec",
-            f"video codec {h.codec!r} is not accepted ({', '.join(VIDEO_CODECS)} are)",
-            index,
-        )
-    _check_size(h.width, h.height, limits, index)
-    if h.duration_s is not None:
-        _check_duration(h.duration_s, limits, index)
-    expected = h.frames
-    if expected is None and h.duration_s is not None and h.fps > 0:
-        expected = max(1, round(h.duration_s * h.fps))
-    if expected is not None:
-        _check_count(expected, limits, index)
-    return expected or 0
-
-
-def clip_from_file(data: bytes, limits: VideoLimits, index: int = 0) -> VideoClip:
-    """Decode the frames to keep from a video file's bytes (headers checked first)."""
-    import av
-
-    container = _open_container(data, index)
-    try:
-        header = _header(container, index)
-        expected = check_header(header, limits, index)
-        if expected <= 0:
-            raise _err("render.video_empty", "the video stream holds no frames", index)
-        keep = sample_indices(expected, header.fps or limits.fps, limits)
-        wanted, last = set(keep), max(keep)
-        frames: list[Image.Image] = []
-        decoded = 0
-        stream = container.streams.video[0]
+def _durations_ms(img: Image.Image, data: bytes, index: int) -> list[float]:
+    """Each frame's delay from the block headers; Pillow would composite every frame to tell."""
+    if img.format == "GIF":
         try:
-            for frame in container.decode(stream):
-                # The header may lie: hold the decoder to the same limits.
-                _check_count(decoded + 1, limits, index)
-                _check_size(frame.width, frame.height, limits, index)
-                if (frame.width, frame.height) != (header.width, header.height):
-                    raise _err(
-                        "render.video_frames",
-                        f"frame {decoded} is {frame.width}x{frame.height}, the stream header "
-                        f"says {header.width}x{header.height}",
-                        index,
-                    )
-                if frame.time is not None:
-                    _check_duration(float(frame.time), limits, index)
-                if decoded in wanted:
-                    frames.append(frame.to_image())
-                decoded += 1
-                if decoded > last:
-                    break
-        except av.FFmpegError as e:
-            raise _err(
-                "render.video_unreadable",
-                f"cannot decode frame {decoded}: {type(e).__name__}: {e}",
-                index,
-            ) from None
-    finally:
-        container.close()
-    if decoded == 0:
-        raise _err("render.video_empty", "the video stream decodes to no frames", index)
-    fps = header.fps or limits.fps
-    return VideoClip(frames, len(frames) / max(expected, 1) * fps, expected, "file")
+            raw: list[float] = [float(d) for d in gif_frame_delays(data)]
+        except HeaderError as e:
+            raise _err("render.video_unreadable", f"cannot read the GIF: {e}", index) from None
+        if not raw:
+            raise _err("render.video_empty", "the GIF holds no frames", index)
+    else:
+        total = int(getattr(img, "n_frames", 1))
+        raw = [float(d) for d in webp_durations(data)][:total]
+        raw += [0.0] * (total - len(raw))
+    # Browsers show a 0 ms frame for 100 ms; use that rate too.
+    return [d or 100.0 for d in raw]
+
+
+def plan_animation(data: bytes, limits: VideoLimits, index: int = 0) -> VideoPlan:
+    """Plan an animated GIF/WebP: size, frame count, duration and decoding cost from headers.
+    Reaching frame k means compositing every frame before it, so the cost is up to the last
+    kept frame."""
+    with _pil(index):
+        img = Image.open(io.BytesIO(data), formats=ANIMATION_FORMATS)
+        w, h = upright_size(img)
+    check_size(w, h, limits, index)
+    durations = _durations_ms(img, data, index)
+    total = len(durations)
+    check_count(total, limits, index)
+    seconds = sum(durations) / 1000.0
+    check_duration(seconds, limits, index)
+    native = total / seconds if seconds > 0 else limits.fps
+    keep = sample_indices(total, native, limits)
+    check_budget(max(keep) + 1, w, h, limits, index, ANIMATION_DECODE_COST)
+
+    def decode(size: Size | None, give_up_at: float | None) -> list[Image.Image]:
+        frames = []
+        with _pil(index):
+            for k in keep:
+                check_time(give_up_at, index)
+                img.seek(k)
+                frames.append(finish(upright_rgb(img), size))
+        return frames
+
+    return VideoPlan("animation", w, h, total, keep, native, max(keep) + 1, decode)
 
 
 # ---------------------------------------------------------------------------------------------
 # dispatch
 
 
-def load_video(
+def plan_video(
     src: VideoInput, limits: VideoLimits, index: int = 0, *, max_bytes: int | None = None
-) -> VideoClip:
-    """Any accepted video input -> sampled frames. Raises ``VideoError`` naming rule and item."""
+) -> VideoPlan:
+    """Any accepted video input -> its plan (headers read, limits and decode budget checked,
+    nothing kept decoded). Raises ``VideoError`` naming rule and item."""
     if isinstance(src, VideoFrames):
-        return clip_from_frames(src, limits, index)
+        return plan_frames(src, limits, index)
     if isinstance(src, Sequence) and not isinstance(src, str | bytes | bytearray | memoryview):
-        return clip_from_frames(VideoFrames(src), limits, index)
+        return plan_frames(VideoFrames(src), limits, index)
     if isinstance(src, Path):
         try:
             src = src.read_bytes()
@@ -463,5 +434,14 @@ def load_video(
     if not data:
         raise _err("render.video_empty", "the video file is empty", index)
     if is_animation(data):
-        return clip_from_animation(data, limits, index)
-    return clip_from_file(data, limits, index)
+        return plan_animation(data, limits, index)
+    from producers.video_file import plan_file  # it builds on this module
+
+    return plan_file(data, limits, index)
+
+
+def load_video(
+    src: VideoInput, limits: VideoLimits, index: int = 0, *, max_bytes: int | None = None
+) -> VideoClip:
+    """Any accepted video input -> sampled frames at their own size."""
+    return plan_video(src, limits, index, max_bytes=max_bytes).clip()

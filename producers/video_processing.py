@@ -10,9 +10,16 @@ torch here, so its rules are implemented again (``video_processing_qwen2_vl.py``
 4. cut into ``(t, h, w)`` patches ordered (t, h-block, w-block, h-in-block, w-in-block), each row
    ``C x T x P x P``: ``pixel_values_videos (t*h*w, C*T*P*P)`` and ``video_grid_thw (t, h, w)``.
 
-Sizes, mean and std come from the model's image processor (a checkpoint without a
-``video_preprocessor_config.json`` gets the same from transformers); a checkpoint's
-``video_preprocessor_config.json`` overrides the pixel bounds.
+Patch sizes, mean and std come from the model's image processor. The per-frame pixel bounds are
+the video processor's, not the image processor's (a 12.8 MP image cap on each of 64 frames would
+be a 1.2 GB tensor): a checkpoint's ``video_preprocessor_config.json`` (or the ``video_processor``
+entry of its ``processor_config.json``) when it has one, else ``Qwen2VLVideoProcessor``'s defaults
+(``VIDEO_MIN_TOKENS`` / ``VIDEO_MAX_TOKENS`` merged tokens per frame, the numbers qwen-vl-utils
+calls VIDEO_MIN_PIXELS / VIDEO_MAX_PIXELS), narrowed to the image processor's range. The
+published Qwen2-VL / Qwen2.5-VL checkpoints ship no video config (transformers would fall back to
+the image processor's ``preprocessor_config.json``, 3,136 to 12,845,056 pixels per frame), so they
+get 100,352 to 602,112 pixels per frame. On top, :func:`frame_budget` shares a total pixel budget
+across a video's frames, as qwen-vl-utils does with its total-pixels bound.
 """
 
 from __future__ import annotations
@@ -89,18 +96,61 @@ def config_from_image_processor(proc: Any) -> VideoProcessorConfig:
     )
 
 
-def config_for_model(proc: Any, model_name: str) -> VideoProcessorConfig:
-    """``config_from_image_processor``, with a checkpoint's ``video_preprocessor_config.json``
-    pixel bounds (``size`` or ``min_pixels``/``max_pixels``) when it has one."""
+VIDEO_MIN_TOKENS = 128
+"""``Qwen2VLVideoProcessor``'s default ``shortest_edge``: 128 x 28 x 28 pixels per frame."""
+VIDEO_MAX_TOKENS = 768
+"""``Qwen2VLVideoProcessor``'s default ``longest_edge``: 768 x 28 x 28 pixels per frame."""
+
+
+def default_video_bounds(cfg: VideoProcessorConfig) -> tuple[int, int]:
+    """``(min_pixels, max_pixels)`` per frame: the video processor's defaults in this model's
+    patch units, narrowed to the image processor's range; a processor whose images are all
+    smaller than the default floor (the tiny test models) keeps its own floor."""
+    unit = cfg.factor * cfg.factor
+    hi = min(cfg.max_pixels, VIDEO_MAX_TOKENS * unit)
+    lo = max(cfg.min_pixels, VIDEO_MIN_TOKENS * unit)
+    return (lo if lo <= hi else cfg.min_pixels), hi
+
+
+def _checkpoint_video_config(model_name: str) -> dict[str, Any] | None:
+    path = Path(model_name)
+    video = path / "video_preprocessor_config.json"
+    if video.is_file():
+        return dict(json.loads(video.read_text()))
+    nested = path / "processor_config.json"  # transformers 5 saves all processors in one file
+    if nested.is_file():
+        entry = json.loads(nested.read_text()).get("video_processor")
+        return dict(entry) if isinstance(entry, dict) else None
+    return None
+
+
+def config_for_model(
+    proc: Any, model_name: str, *, min_pixels: int | None = None, max_pixels: int | None = None
+) -> VideoProcessorConfig:
+    """``config_from_image_processor`` with per-frame video pixel bounds: ``min_pixels`` /
+    ``max_pixels`` when given (``EPD_VIDEO_MIN_PIXELS`` / ``EPD_VIDEO_MAX_PIXELS``), else the
+    checkpoint's video processor config (``size`` or ``min_pixels``/``max_pixels``), else
+    :func:`default_video_bounds`."""
     cfg = config_from_image_processor(proc)
-    path = Path(model_name) / "video_preprocessor_config.json"
-    if not path.is_file():
-        return cfg
-    raw = json.loads(path.read_text())
-    size = raw.get("size") or {}
-    lo = raw.get("min_pixels", size.get("shortest_edge", cfg.min_pixels))
-    hi = raw.get("max_pixels", size.get("longest_edge", cfg.max_pixels))
-    return replace(cfg, min_pixels=int(lo), max_pixels=int(hi))
+    lo, hi = default_video_bounds(cfg)
+    raw = _checkpoint_video_config(model_name)
+    if raw is not None:
+        size = raw.get("size") or {}
+        lo = int(raw.get("min_pixels", size.get("shortest_edge", lo)))
+        hi = int(raw.get("max_pixels", size.get("longest_edge", hi)))
+    lo, hi = min_pixels or lo, max_pixels or hi
+    if lo > hi:
+        raise ValueError(f"video min_pixels {lo} is above max_pixels {hi}")
+    return replace(cfg, min_pixels=lo, max_pixels=hi)
+
+
+def frame_budget(cfg: VideoProcessorConfig, frames: int, total_pixels: int) -> VideoProcessorConfig:
+    """``cfg`` with each frame's ``max_pixels`` cut to an even share of ``total_pixels`` over the
+    ``frames`` frames (padded to the temporal patch), never below ``min_pixels``: qwen-vl-utils'
+    rule, so a long densely sampled video gets smaller frames instead of a refusal."""
+    padded = -(-frames // cfg.temporal_patch_size) * cfg.temporal_patch_size
+    share = max(total_pixels // max(padded, 1), cfg.min_pixels)
+    return replace(cfg, max_pixels=min(cfg.max_pixels, share))
 
 
 def frame_size(width: int, height: int, cfg: VideoProcessorConfig) -> tuple[int, int]:
@@ -130,13 +180,15 @@ def _normalised(frame: Image.Image, rh: int, rw: int, cfg: VideoProcessorConfig)
 
 
 def process_video(
-    frames: list[Image.Image], cfg: VideoProcessorConfig
+    frames: list[Image.Image], cfg: VideoProcessorConfig, size: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``pixel_values_videos (t*h*w, C*T*P*P)`` float32 and ``video_grid_thw (3,)`` int64."""
+    """``pixel_values_videos (t*h*w, C*T*P*P)`` float32 and ``video_grid_thw (3,)`` int64.
+    ``size``: the ``(height, width)`` the frames were already resized to (from
+    :func:`frame_size` of the source size); None: computed from the first frame."""
     if not frames:
         raise ValueError("a video needs at least one frame")
     w, h = frames[0].size
-    rh, rw = frame_size(w, h, cfg)
+    rh, rw = size or frame_size(w, h, cfg)
     x: np.ndarray = np.stack([_normalised(f, rh, rw, cfg) for f in frames])  # (F, C, H, W)
     tps, ps, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
     if pad := -len(frames) % tps:

@@ -144,6 +144,30 @@ class Settings(BaseSettings):
     video_max_frame_pixels: int = Field(
         3840 * 2160, ge=1, description="width*height of one source video frame"
     )
+    video_max_decode_pixels: int = Field(
+        4_000_000_000,
+        ge=1,
+        description="decoding work per video, checked before decoding: frames the decoder must "
+        "produce to reach the sampled ones x their pixels (GIF/WebP x16, Pillow is slower)",
+    )
+    video_min_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="least pixels per processed video frame; unset: the checkpoint's video "
+        "processor config, else 128 merged tokens (100,352 px at patch 14)",
+    )
+    video_max_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="most pixels per processed video frame; unset: the checkpoint's video "
+        "processor config, else 768 merged tokens (602,112 px at patch 14)",
+    )
+    video_max_total_pixels: int | None = Field(
+        None,
+        ge=1,
+        description="pixels of all of a video's processed frames together (each frame gets an "
+        "even share, never below the per-frame minimum); unset: what EPD_MAX_TENSOR_BYTES holds",
+    )
 
     # Logs
     log_format: Literal["json", "text"] = Field(
@@ -189,6 +213,12 @@ class Settings(BaseSettings):
         10000, description="encode topic consumer lag (events) beyond which the API answers 429"
     )
     api_render_concurrency: int = Field(2, description="renders running at once per process")
+    api_render_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="longest render of one request (decoding stops, the slot frees, 503 "
+        "render.timeout)",
+    )
     api_idempotency_ttl_s: int = Field(86400, description="lifetime of an Idempotency-Key")
     api_max_wait_s: float = Field(60.0, description="longest ?wait= long-poll")
     api_retry_after_s: int = Field(1, description="Retry-After of 429 and 503 answers")

@@ -345,6 +345,7 @@ def create_app(settings: Settings) -> FastAPI:
         async def render(rid: str) -> RenderEvent:
             return await st.renderer.render_async(
                 rid,
+                timeout_s=settings.api_render_timeout_s,
                 prompt=inp.prompt,
                 token_ids=inp.token_ids,
                 images=inp.images,

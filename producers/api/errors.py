@@ -7,7 +7,19 @@ from typing import Any
 from schemas.errors import ValidationError
 
 # Renderer rules that mean "too big" rather than "invalid": the client must send less.
-TOO_LARGE_RULES = frozenset({"render.image_too_large", "render.too_many_images"})
+TOO_LARGE_RULES = frozenset(
+    {
+        "render.image_too_large",
+        "render.too_many_images",
+        "render.too_many_videos",
+        "render.video_too_large",
+        "render.video_too_long",
+        "render.video_too_many_frames",
+        "render.video_decode_budget",
+    }
+)
+TIMEOUT_RULE = "render.timeout"
+"""A render that ran past EPD_API_RENDER_TIMEOUT_S: 503, the server gave up on it."""
 
 
 class ApiError(Exception):
@@ -45,7 +57,12 @@ class ApiError(Exception):
 
 
 def from_validation(exc: ValidationError) -> ApiError:
-    """A renderer or validator rejection as an API error (413 for size rules, else 422)."""
+    """A renderer or validator rejection as an API error (413 for size rules, 503 for a render
+    timeout, else 422)."""
+    if exc.rule == TIMEOUT_RULE:
+        return ApiError(
+            503, "timeout", exc.detail, rule=exc.rule, modality=exc.modality, item=exc.item
+        )
     too_large = exc.rule in TOO_LARGE_RULES
     return ApiError(
         413 if too_large else 422,

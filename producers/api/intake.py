@@ -143,51 +143,80 @@ def check_image_bytes(data: bytes, index: int, limit: int) -> str:
     return mime
 
 
-def decode_image_string(text: str, index: int, limit: int) -> bytes:
+@dataclass(frozen=True, slots=True)
+class DataField:
+    """How one request field's base64 / ``data:`` URL strings are named in errors."""
+
+    field: str
+    """The body field (``images``, ``videos``)."""
+    rule: str
+    """Rule prefix: ``image`` gives ``image.encoding``, ``image.type``, ``image.size``."""
+    noun: str
+    """What one string holds, for messages (``image``, ``video``, ``video frames``)."""
+    example: str
+    """A ``data:`` type for the help text."""
+    hint: str
+    """What the field accepts, for the 400 message."""
+    modality: str
+
+
+IMAGE_FIELD = DataField(
+    "images", "image", "image", "image/png", "images must be base64 or data: URLs", "image"
+)
+
+
+def decode_data_string(
+    text: str, index: int, limit: int, types: frozenset[str], where: DataField
+) -> bytes:
     """Bytes of a base64 string or ``data:`` URL; size checked before decoding (413), the
-    declared type checked (415); anything else, file paths included, is 400."""
+    declared type checked against ``types`` (415); anything else, file paths included, is 400."""
     payload = text
     if text.startswith("data:"):
         header, sep, payload = text.partition(",")
         if not sep or not header.endswith(";base64"):
             raise bad_request(
-                "a data: URL must look like data:image/png;base64,<data>",
-                rule="image.encoding",
-                field="images",
+                f"a data: URL must look like data:{where.example};base64,<data>",
+                rule=f"{where.rule}.encoding",
+                field=where.field,
                 item=index,
             )
         mime = header[5:].split(";", 1)[0].strip().lower()
-        if mime not in IMAGE_TYPES:
+        if mime not in types:
             raise ApiError(
                 415,
                 "unsupported_media_type",
-                f"data: URL type {mime!r} is not one of {sorted(IMAGE_TYPES)}",
-                rule="image.type",
-                field="images",
+                f"data: URL type {mime!r} is not one of {sorted(types)}",
+                rule=f"{where.rule}.type",
+                field=where.field,
                 item=index,
-                modality="image",
+                modality=where.modality,
             )
     # Upper bound of the decoded size, known without decoding anything.
     if len(payload) // 4 * 3 > limit + 3:
         raise ApiError(
             413,
             "too_large",
-            f"image is about {len(payload) // 4 * 3} bytes; the limit is {limit}",
-            rule="image.size",
-            field="images",
+            f"{where.noun} is about {len(payload) // 4 * 3} bytes; the limit is {limit}",
+            rule=f"{where.rule}.size",
+            field=where.field,
             item=index,
-            modality="image",
+            modality=where.modality,
         )
     compact = "".join(payload.split()) if any(c.isspace() for c in payload[:4096]) else payload
     try:
         return base64.b64decode(compact, validate=True)
     except (binascii.Error, ValueError):
         raise bad_request(
-            "images must be base64 or data: URLs (file paths and URLs are not accepted)",
-            rule="image.encoding",
-            field="images",
+            f"{where.hint} (file paths and URLs are not accepted)",
+            rule=f"{where.rule}.encoding",
+            field=where.field,
             item=index,
         ) from None
+
+
+def decode_image_string(text: str, index: int, limit: int) -> bytes:
+    """Bytes of one ``images`` string (:func:`decode_data_string`)."""
+    return decode_data_string(text, index, limit, IMAGE_TYPES, IMAGE_FIELD)
 
 
 def _from_model(req: SubmitRequest, images: list[bytes], types: list[str]) -> SubmitInput:

@@ -7,12 +7,11 @@ then checks duration, frame count and pixels from the headers before decoding an
 
 from __future__ import annotations
 
-import base64
-import binascii
+from dataclasses import replace
 from typing import Any
 
 from producers.api.errors import ApiError, bad_request
-from producers.api.intake import IMAGE_TYPES, sniff_image_type
+from producers.api.intake import IMAGE_TYPES, DataField, decode_data_string, sniff_image_type
 
 VIDEO_TYPES = frozenset(
     {"video/mp4", "video/quicktime", "video/webm", "video/x-matroska", "image/gif", "image/webp"}
@@ -30,16 +29,15 @@ def sniff_video_type(data: bytes) -> str | None:
     return mime if mime in ("image/gif", "image/webp") else None
 
 
-def _too_large(what: str, size: int, limit: int, index: int) -> ApiError:
-    return ApiError(
-        413,
-        "too_large",
-        f"{what} is about {size} bytes; the limit is {limit}",
-        rule="video.size",
-        field="videos",
-        item=index,
-        modality="video",
-    )
+VIDEO_FIELD = DataField(
+    "videos",
+    "video",
+    "video",
+    "video/mp4",
+    "videos must be base64 or data: URLs, or lists of them",
+    "video",
+)
+FRAMES_FIELD = replace(VIDEO_FIELD, noun="video frames")
 
 
 def _unsupported(msg: str, index: int) -> ApiError:
@@ -52,35 +50,6 @@ def _unsupported(msg: str, index: int) -> ApiError:
         item=index,
         modality="video",
     )
-
-
-def _decode(text: str, index: int, limit: int, types: frozenset[str], what: str) -> bytes:
-    payload = text
-    if text.startswith("data:"):
-        header, sep, payload = text.partition(",")
-        if not sep or not header.endswith(";base64"):
-            raise bad_request(
-                "a data: URL must look like data:video/mp4;base64,<data>",
-                rule="video.encoding",
-                field="videos",
-                item=index,
-            )
-        mime = header[5:].split(";", 1)[0].strip().lower()
-        if mime not in types:
-            raise _unsupported(f"data: URL type {mime!r} is not one of {sorted(types)}", index)
-    if len(payload) // 4 * 3 > limit + 3:
-        raise _too_large(what, len(payload) // 4 * 3, limit, index)
-    compact = "".join(payload.split()) if any(c.isspace() for c in payload[:4096]) else payload
-    try:
-        return base64.b64decode(compact, validate=True)
-    except (binascii.Error, ValueError):
-        raise bad_request(
-            "videos must be base64 or data: URLs, or lists of them (file paths and URLs are "
-            "not accepted)",
-            rule="video.encoding",
-            field="videos",
-            item=index,
-        ) from None
 
 
 def decode_videos(raw: list[Any], settings: Any) -> list[bytes | list[bytes]]:
@@ -97,7 +66,7 @@ def decode_videos(raw: list[Any], settings: Any) -> list[bytes | list[bytes]]:
     out: list[bytes | list[bytes]] = []
     for i, item in enumerate(raw):
         if isinstance(item, str):
-            data = _decode(item, i, limit, VIDEO_TYPES, "video")
+            data = decode_data_string(item, i, limit, VIDEO_TYPES, VIDEO_FIELD)
             if not data:
                 raise bad_request("video is empty", rule="video.empty", field="videos", item=i)
             if sniff_video_type(data) is None:
@@ -108,11 +77,20 @@ def decode_videos(raw: list[Any], settings: Any) -> list[bytes | list[bytes]]:
             out.append(data)
             continue
         if len(item) > settings.video_max_source_frames:
-            raise _too_large("frame list", len(item), settings.video_max_source_frames, i)
+            raise ApiError(
+                413,
+                "too_large",
+                f"the frame list has {len(item)} frames; the limit is "
+                f"{settings.video_max_source_frames} (EPD_VIDEO_MAX_SOURCE_FRAMES)",
+                rule="video.frames",
+                field="videos",
+                item=i,
+                modality="video",
+            )
         frames: list[bytes] = []
         left = limit
         for text in item:
-            data = _decode(text, i, left, IMAGE_TYPES, "video frames")
+            data = decode_data_string(text, i, left, IMAGE_TYPES, FRAMES_FIELD)
             if sniff_image_type(data) is None:
                 raise _unsupported(f"frame {len(frames)} is not an accepted image type", i)
             left -= len(data)

@@ -23,7 +23,7 @@ from gpu_workers.compute import (
 )
 from producers.fanout import FanOut
 from producers.render import Renderer, monolithic_inputs, monolithic_video_inputs
-from producers.sample_images import synthetic_image
+from producers.sample_images import png_bytes, synthetic_image
 from producers.sample_videos import (
     encode_animation,
     encode_video,
@@ -32,12 +32,11 @@ from producers.sample_videos import (
 from producers.video import (
     VideoError,
     VideoFrames,
-    VideoHeader,
     VideoLimits,
-    check_header,
     load_video,
     sample_indices,
 )
+from producers.video_file import VideoHeader, check_header
 from producers.video_processing import config_from_image_processor, process_video
 from runtime.model import load_model, load_render_info
 from runtime.settings import Settings
@@ -418,3 +417,275 @@ def test_rendered_video_matches_generate(spec: str) -> None:
     )
     got = generate_from_embeddings(bundle, ev.token_ids, items, 8, ignore_eos=True)
     assert got == want and len(got) == 8
+
+
+# ------------------------------------------------------------------ review fixes: cost, memory,
+# default sizes, bombs, offsets, rotation, transparency
+
+
+def _gif_claiming(width: int, height: int, frames: int, delay_cs: int = 1) -> bytes:
+    """A GIF whose screen is ``width x height`` and whose ``frames`` frames are 1x1 each: a few
+    bytes a frame, but every frame composites the whole canvas."""
+    out = bytearray(b"GIF89a" + width.to_bytes(2, "little") + height.to_bytes(2, "little"))
+    out += bytes([0x80, 0, 0]) + bytes([0, 0, 0, 255, 255, 255])  # 2-colour global table
+    for _ in range(frames):
+        out += bytes([0x21, 0xF9, 4, 0]) + delay_cs.to_bytes(2, "little") + bytes([0, 0])
+        out += bytes([0x2C, 0, 0, 0, 0, 1, 0, 1, 0, 0]) + bytes([2, 2, 0x44, 0x01, 0])
+    return bytes(out + b"\x3b")
+
+
+def test_gif_decode_cost_is_refused_from_its_headers() -> None:
+    """40 frames on a 3840x2160 canvas: a 1 kB file, 40 full-canvas composites. Refused by the
+    decode budget before Pillow seeks to a single frame."""
+    gif = _gif_claiming(3840, 2160, 40, delay_cs=10)
+    assert len(gif) < 2048
+    assert rule_of(load_video, gif, LIMITS) == ("render.video_decode_budget", "video", 0)
+    with pytest.raises(VideoError, match="EPD_VIDEO_MAX_DECODE_PIXELS"):
+        load_video(gif, LIMITS)
+    # The same structure, small: accepted, and the delays come from the block headers.
+    clip = load_video(_gif_claiming(8, 8, 40, delay_cs=10), LIMITS)  # 4 s at 10 fps
+    assert (clip.source_frames, len(clip.frames)) == (40, 8)
+
+
+def test_gif_delays_from_block_headers_match_pillow() -> None:
+    from producers.animation_headers import gif_frame_delays
+
+    frames = synthetic_frames(5, 32, 24)
+    buf = io.BytesIO()
+    durations = [40, 120, 0, 1000, 70]
+    frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:], duration=durations)
+    img = Image.open(io.BytesIO(buf.getvalue()))
+    pillow = []
+    for k in range(img.n_frames):  # type: ignore[attr-defined]
+        img.seek(k)
+        pillow.append(img.info.get("duration", 0))
+    assert gif_frame_delays(buf.getvalue()) == pillow
+
+
+def _gop_mp4(n: int, fps: int, gop: int) -> bytes:
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        s = out.add_stream("libx264", rate=fps, options={"g": str(gop), "keyint_min": str(gop)})
+        s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+        for f in synthetic_frames(n, 64, 48, seed=3):
+            for p in s.encode(av.VideoFrame.from_image(f)):
+                out.mux(p)
+        for p in s.encode():
+            out.mux(p)
+    return buf.getvalue()
+
+
+def test_only_gops_holding_sampled_frames_are_decoded() -> None:
+    """120 frames at 30 fps (4 s), keyframe every 5: 8 sampled frames 15 apart need 8 GOPs
+    (40 frames, +1 probe), not the 106 frames up to the last sampled one; and the frames are the
+    ones a full sequential decode gives at those indices."""
+    import av
+
+    from producers.video import plan_video
+
+    mp4 = _gop_mp4(120, 30, 5)
+    plan = plan_video(mp4, LIMITS)
+    assert plan.keep == list(range(0, 120, 15))
+    assert plan.decode_frames <= 1 + 8 * 5 + 8 * 5  # each GOP, at most once more if open
+    assert plan.decode_frames < max(plan.keep) + 1
+    got = plan.clip().frames
+    with av.open(io.BytesIO(mp4)) as c:
+        ref = [f.to_image() for f in c.decode(video=0)]  # type: ignore[union-attr]
+    for k, img in zip(plan.keep, got, strict=True):
+        assert np.array_equal(np.asarray(img), np.asarray(ref[k])), k
+    # The budget counts those frames: one fewer pixel than they cost is refused.
+    tight = dataclasses.replace(LIMITS, max_decode_pixels=plan.decode_frames * 64 * 48 - 1)
+    assert rule_of(load_video, mp4, tight)[0] == "render.video_decode_budget"
+
+
+def test_render_time_limit_stops_decoding(renderer: Renderer) -> None:
+    import asyncio
+    import time
+
+    mp4 = encode_video(synthetic_frames(12, 96, 64), fps=6)
+    with pytest.raises(ValidationError) as err:
+        renderer.render("r", prompt="<video>", videos=[mp4], give_up_at=time.monotonic() - 1)
+    assert (err.value.rule, err.value.item) == ("render.timeout", 0)
+    # inside a video: checked between frames
+    with pytest.raises(VideoError) as err:
+        renderer.videos.render(mp4, 3, give_up_at=time.monotonic() - 1)
+    assert (err.value.rule, err.value.item) == ("render.timeout", 3)
+    with pytest.raises(ValidationError) as err2:
+        asyncio.run(renderer.render_async("r", timeout_s=1e-6, prompt="<video>", videos=[mp4]))
+    assert err2.value.rule == "render.timeout"
+    ev = asyncio.run(renderer.render_async("r", timeout_s=60, prompt="<video>", videos=[mp4]))
+    assert ev.features.mm_hashes["video"]
+
+
+def test_oversize_video_is_refused_before_any_frame_decodes() -> None:
+    """Frame images whose headers are fine but whose pixel data is broken: the tensor-size
+    refusal comes first (decoding them would fail with render.video_frames)."""
+    good = png_bytes(synthetic_image(96, 64))
+    broken = good[:60]  # IHDR intact, image data cut
+    r = Renderer(load_render_info("tiny"), max_image_pixels=4096 * 4096, max_tensor_bytes=10_000)
+    with pytest.raises(VideoError) as err:
+        r.render("r", prompt="<video>", videos=[[broken] * 4])
+    assert err.value.rule == "render.video_too_large"
+    assert "EPD_MAX_TENSOR_BYTES" in str(err.value) and "min_pixels" in str(err.value)
+
+
+def test_kept_frames_are_resized_as_they_decode() -> None:
+    from producers.video import plan_video
+
+    plan = plan_video(encode_video(synthetic_frames(12, 96, 64), fps=6), LIMITS)
+    clip = plan.clip((56, 28))
+    assert [f.size for f in clip.frames] == [(56, 28)] * 4
+
+
+def _public_items(tmp_path=None, **kw):  # type: ignore[no-untyped-def]
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from producers.video_items import VideoItems
+    from runtime.limits import input_limits
+
+    proc = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056)  # the public config
+    info = dataclasses.replace(
+        load_render_info("tiny"),
+        image_processor=proc,
+        model_name=str(tmp_path or "no-such-checkpoint"),
+    )
+    tensor = input_limits(Settings(), proc).max_tensor_bytes
+    return VideoItems(info, max_tensor_bytes=tensor, **kw), tensor
+
+
+@pytest.mark.parametrize(
+    ("frames", "w", "h"),
+    [(20, 1920, 1080), (64, 1920, 1080), (4, 3840, 2160), (64, 3840, 2160), (64, 1080, 1920)],
+)
+def test_public_config_accepts_ordinary_videos(frames: int, w: int, h: int) -> None:
+    """With the public Qwen2-VL config, HD and 4K videos at every sampled length fit: frames get
+    the video processor's per-frame bounds (100,352 to 602,112 px), shared out of what
+    EPD_MAX_TENSOR_BYTES holds when there are many."""
+    items, tensor = _public_items()
+    assert (items.config.min_pixels, items.config.max_pixels) == (128 * 784, 768 * 784)
+    _cfg, (rh, rw) = items.sized(frames, w, h)
+    assert 128 * 784 <= rh * rw <= 768 * 784
+    assert frames * rh * rw * 3 * 4 <= tensor
+    if frames <= 20:
+        assert rh * rw > 700 * 784  # not cut: a short video keeps the full per-frame size
+
+
+def test_checkpoint_video_config_and_settings_set_the_frame_bounds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    (tmp_path / "video_preprocessor_config.json").write_text(
+        json.dumps({"size": {"shortest_edge": 3136, "longest_edge": 256 * 784}})
+    )
+    items, _ = _public_items(tmp_path)
+    assert (items.config.min_pixels, items.config.max_pixels) == (3136, 256 * 784)
+    items, _ = _public_items(tmp_path, max_pixels=64 * 784)
+    assert items.config.max_pixels == 64 * 784
+    # A tiny processor (images below the default floor) keeps its own bounds.
+    proc = load_render_info("tiny").image_processor
+    cfg = config_from_image_processor(proc)
+    r = Renderer(load_render_info("tiny"), max_image_pixels=1 << 24)
+    assert (r.videos.config.min_pixels, r.videos.config.max_pixels) == (
+        cfg.min_pixels,
+        cfg.max_pixels,
+    )
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = zlib.crc32(kind + body)
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+
+
+def test_frame_whose_header_claims_a_decompression_bomb_is_too_large() -> None:
+    bomb = _png_claiming(20_000, 20_000)  # 400 MP: Pillow raises DecompressionBombError
+    assert len(bomb) < 100
+    with pytest.raises(VideoError) as err:
+        load_video([png_bytes(synthetic_image(16, 16)), bomb], LIMITS, 2)
+    assert (err.value.rule, err.value.item) == ("render.video_too_large", 2)
+    assert "frame 1" in str(err.value)
+
+
+@pytest.mark.parametrize("container", ["mp4", "matroska"])
+def test_clip_starting_at_700_s_is_as_long_as_it_plays(container: str) -> None:
+    """12 frames at 6 fps whose timestamps start at 700 s: a 2 s clip, not a 702 s one."""
+    frames = synthetic_frames(12, 96, 64)
+    start = 700 * 6
+    data = encode_video(
+        frames, fps=6, container=container, pts=[start + k for k in range(12)],
+        time_base=Fraction(1, 6),
+    )  # fmt: skip
+    limits = dataclasses.replace(LIMITS, max_duration_s=60)
+    clip = load_video(data, limits)
+    assert clip.source_frames == 12 and len(clip.frames) == 4
+    assert clip.fps == pytest.approx(2.0, rel=0.05)
+    err = np.abs(np.asarray(clip.frames[1], np.float32) - np.asarray(frames[3], np.float32))
+    assert err.mean() < 12
+
+
+def test_portrait_phone_video_is_turned_upright() -> None:
+    """Stored as 96x64 landscape pixels plus a display matrix of -90 degrees (a phone held
+    upright): the frames come out 64x96, turned as a player shows them."""
+    import av
+
+    frames = synthetic_frames(8, 96, 64, seed=2)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        s = out.add_stream("libx264", rate=4)
+        s.width, s.height, s.pix_fmt = 96, 64, "yuv420p"
+        s.set_display_rotation(-90)
+        for f in frames:
+            for p in s.encode(av.VideoFrame.from_image(f)):
+                out.mux(p)
+        for p in s.encode():
+            out.mux(p)
+    clip = load_video(buf.getvalue(), LIMITS)
+    assert {f.size for f in clip.frames} == {(64, 96)}
+    want = np.asarray(frames[0].rotate(-90, expand=True), np.float32)
+    assert np.abs(np.asarray(clip.frames[0], np.float32) - want).mean() < 12
+    # and the grid is laid out for the upright size
+    r = Renderer(load_render_info("tiny"), max_image_pixels=1 << 24)
+    data = r.render("r", prompt="<video>", videos=[buf.getvalue()]).features.kwargs_data
+    _t, gh, gw = data["video"][0]["video_grid_thw"].tolist()  # type: ignore[index,union-attr]
+    assert gh > gw
+
+
+def test_frames_follow_the_image_rgb_and_orientation_rules() -> None:
+    """A transparent frame is composited onto white (as an image is), not blackened; a JPEG
+    frame with EXIF orientation 6 is turned upright."""
+    from producers.pictures import to_rgb
+
+    clear = Image.new("RGBA", (32, 32), (0, 0, 0, 0))
+    half = Image.new("RGBA", (32, 32), (200, 10, 10, 128))
+    clip = load_video([clear, half, png_bytes(half), clear], LIMITS)
+    assert np.asarray(clip.frames[0]).min() == 255
+    assert np.array_equal(np.asarray(clip.frames[1]), np.asarray(to_rgb(half)))
+    assert np.array_equal(np.asarray(clip.frames[2]), np.asarray(to_rgb(half)))
+    pal = Image.new("P", (32, 32), 0)
+    pal.putpalette([0, 0, 0, 200, 10, 10])
+    dots = [pal.copy() for _ in range(4)]
+    for k, d in enumerate(dots):
+        d.putpixel((k, k), 1)
+    gif = io.BytesIO()
+    dots[0].save(gif, "GIF", save_all=True, append_images=dots[1:], transparency=0, disposal=2)
+    for f in load_video(gif.getvalue(), LIMITS).frames:  # index 0 is transparent: white
+        assert (np.asarray(f) == 255).all(axis=2).sum() == 32 * 32 - 1
+
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    jpegs = []
+    for f in synthetic_frames(4, 96, 64):
+        b = io.BytesIO()
+        f.save(b, "JPEG", exif=exif.tobytes())
+        jpegs.append(b.getvalue())
+    clip = load_video(jpegs, LIMITS)
+    assert {f.size for f in clip.frames} == {(64, 96)}

@@ -73,3 +73,42 @@ def test_bad_videos_are_refused_naming_the_rule(videos: list, status: int, rule:
     with pytest.raises(ApiError) as err:
         parse_json_submit(body(videos=videos), s)
     assert (err.value.status, err.value.rule) == (status, rule)
+
+
+def test_frame_list_count_has_its_own_rule_and_message() -> None:
+    s = Settings(video_max_source_frames=2)
+    frame = url("image/png", png_bytes(synthetic_frames(1, 16, 16)[0]))
+    with pytest.raises(ApiError) as err:
+        parse_json_submit(body(videos=[[frame] * 3]), s)
+    e = err.value
+    assert (e.status, e.rule, e.item) == (413, "video.frames", 0)
+    assert "3 frames" in e.message and "bytes" not in e.message
+
+
+def test_video_and_image_strings_share_one_decoder() -> None:
+    """A malformed data: URL is refused the same way in both fields, each naming its own."""
+    from producers.api.intake import parse_json_submit as parse
+
+    s = Settings()
+    for field, rule in (("images", "image.encoding"), ("videos", "video.encoding")):
+        with pytest.raises(ApiError) as err:
+            parse(json.dumps({"prompt": "x", field: ["data:image/png,abc"]}).encode(), s)
+        assert (err.value.rule, err.value.field) == (rule, field)
+
+
+@pytest.mark.parametrize(
+    ("rule", "status"),
+    [
+        ("render.timeout", 503),
+        ("render.video_too_long", 413),
+        ("render.video_decode_budget", 413),
+        ("render.video_too_large", 413),
+        ("render.video_codec", 422),
+    ],
+)
+def test_render_refusals_map_to_statuses(rule: str, status: int) -> None:
+    from producers.api.errors import from_validation
+    from producers.video import VideoError
+
+    api = from_validation(VideoError(rule, "m", modality="video", item=1))
+    assert (api.status, api.rule, api.item) == (status, rule, 1)
