@@ -14,6 +14,8 @@ import redis.asyncio as aioredis
 
 from runtime.settings import Settings
 
+HEALTH_CHECK_S = 5.0
+
 
 def redis_client(settings: Settings, url: str | None = None, **options: object) -> aioredis.Redis:
     """A client on ``url`` (default ``settings.redis_url``) over a bounded, waiting pool.
@@ -21,6 +23,9 @@ def redis_client(settings: Settings, url: str | None = None, **options: object) 
     ``options`` go to the connections (e.g. ``socket_timeout``). Close it with
     ``await client.aclose()``; that also closes the pool it owns.
     """
+    # A connection idle this long is PINGed (and remade) before use: after a Redis restart the
+    # pool's old connections are dead, and a WATCH on one is not retried by redis-py.
+    options.setdefault("health_check_interval", HEALTH_CHECK_S)
     pool = aioredis.BlockingConnectionPool.from_url(
         url or settings.redis_url,
         max_connections=settings.redis_max_connections,

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, WatchError
 
 from schemas.types import TERMINAL_STATUSES, ErrorInfo, ResultEvent, now_ms
@@ -107,6 +108,9 @@ def _event_entry(rec: dict[str, Any], stage: str) -> str:
 class StatusStore:
     """Status records under ``{prefix}:status:{request_id}`` with a TTL."""
 
+    CONNECTION_RETRIES = 3
+    """Tries of one update over connections Redis dropped (stale after a Redis restart)."""
+
     def __init__(self, client: aioredis.Redis, *, prefix: str = "epd", ttl_s: int = 3600) -> None:
         self.client = client
         self.prefix = prefix
@@ -184,6 +188,7 @@ class StatusStore:
         stage: str = "api",
     ) -> bool:
         key = self.key(request_id)
+        dropped = 0
         async with self.client.pipeline(transaction=True) as pipe:
             while True:
                 try:
@@ -203,6 +208,15 @@ class StatusStore:
                     return True
                 except WatchError:
                     continue  # another writer changed the record; fold again on the new value
+                except RedisConnectionError:
+                    # A pooled connection Redis dropped (a restart): redis-py does not retry a
+                    # WATCH, so take a fresh connection and fold again. Safe even if the EXEC
+                    # went through: the same update folds as a duplicate.
+                    dropped += 1
+                    if dropped >= self.CONNECTION_RETRIES:
+                        raise
+                    await pipe.reset()
+                    await asyncio.sleep(0.05 * dropped)
 
     async def events(self, request_id: str, after: str = "0") -> list[tuple[str, dict[str, Any]]]:
         """Status changes after stream id ``after`` (exclusive), oldest first."""

@@ -77,3 +77,25 @@ async def test_store_on_redis_py_waits_for_a_connection_too(
         assert all(torch.equal(g, t) for g, t in zip(got, tensors, strict=True))
     finally:
         await store.close()
+
+
+async def test_status_updates_survive_connections_redis_dropped(
+    settings: Settings, redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    # What a Redis restart leaves in a pool: connections the server has closed. redis-py does
+    # not retry a WATCH on one, so the status store takes a fresh connection itself.
+    client = make_redis_client(settings)
+    status = StatusStore(client, prefix=redis_prefix.rstrip(":"), ttl_s=60)
+    try:
+        ids = [f"dropped-{i}" for i in range(4)]
+        # four pooled connections, all in use at once, then all idle in the pool
+        await asyncio.gather(*(status.apply(ResultEvent(r, "api", "queued")) for r in ids))
+        killed = await redis_client.client_kill_filter(_type="normal", skipme=True)
+        assert killed >= 1
+        done = await asyncio.gather(
+            *(status.apply(ResultEvent(r, "fanout", "encoding")) for r in ids)
+        )
+        assert all(done)
+        assert [(await status.get(r) or {}).get("status") for r in ids] == ["encoding"] * 4
+    finally:
+        await client.aclose()
