@@ -163,6 +163,11 @@ def test_transactions_refuse_a_plain_producer_and_idempotence_off() -> None:
 
     plain = object()
     with pytest.raises(ValueError, match="must be transactional"):
-        ConsumeLoop(Settings(kafka_transactions=True), config, handler, producer=plain)  # type: ignore[arg-type]
+        ConsumeLoop(
+            Settings(kafka_transactions=True, kafka_idempotence=True),
+            config,
+            handler,
+            producer=plain,
+        )  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="EPD_KAFKA_IDEMPOTENCE=true"):
         ConsumeLoop(Settings(kafka_transactions=True, kafka_idempotence=False), config, handler)
