@@ -23,6 +23,11 @@ A worker supplies an async handler for one decoded event; :class:`ConsumeLoop` d
   ``on_dead_letter`` lets the worker also report it (e.g. a ``rejected`` ResultEvent).
 * **Rebalance.** When partitions are revoked, their in-flight handlers get ``revoke_timeout_s``
   to finish; the rest are cancelled, and what is done is committed before the partitions go.
+* **Transactions** (``EPD_KAFKA_TRANSACTIONS=true``, Apache Kafka only): the loop works in
+  batches, each one Kafka transaction holding the handlers' outputs (sent through the loop's
+  transactional producer, which must be the one their publisher uses), the dead letters and the
+  offsets; a batch with an unfinished record is aborted and fetched again. See
+  :mod:`consumers.transactions` for the barrier and its trade-off.
 * **Shutdown.** :meth:`ConsumeLoop.stop` (or SIGTERM/SIGINT under
   :meth:`ConsumeLoop.run_until_signal`) stops fetching, abandons pending retries, lets running
   handlers finish within ``shutdown_timeout_s``, cancels the rest, commits, and closes. A cancelled
@@ -56,7 +61,16 @@ from consumers.retry import (
     default_is_transient,
     error_info,
 )
-from runtime.kafka import event_headers, make_consumer, make_producer
+from consumers.transactions import BatchSpan, ProducerFenced, abort_quietly, commit_batch
+from runtime.kafka import (
+    event_headers,
+    is_transactional,
+    make_consumer,
+    make_producer,
+    make_transactional_producer,
+    start_producer,
+    transactional_id,
+)
 from runtime.metrics import per_registry
 from runtime.settings import Settings
 from runtime.tracing import carrier_of, stage_span
@@ -250,6 +264,18 @@ class ConsumeLoop:
         self._decode = decode
         self._producer = producer
         self._own_producer = producer is None
+        self.transactional = settings.kafka_transactions
+        settings.require_transactions_possible()
+        if self.transactional and producer is not None and not is_transactional(producer):
+            raise ValueError(
+                "EPD_KAFKA_TRANSACTIONS=true: the loop's producer must be transactional (the "
+                "one the handlers' publisher sends with, from KafkaPublisher.for_pipeline(..., "
+                "txn_id=...)), else their outputs would escape the transaction"
+            )
+        self._batch_idle = asyncio.Event()
+        self._batch_idle.set()
+        self.transactions_committed = 0
+        self.transactions_aborted = 0
         self._is_transient = is_transient
         self._is_infrastructure = is_infrastructure
         self._policy = config.retry_policy()
@@ -300,9 +326,15 @@ class ConsumeLoop:
         if self._started:
             return
         if self._producer is None:
-            self._producer = make_producer(self.settings)
+            self._producer = (
+                make_transactional_producer(
+                    self.settings, transactional_id(self.settings, self.config.group_id)
+                )
+                if self.transactional
+                else make_producer(self.settings)
+            )
         if self._own_producer:
-            await self._producer.start()
+            await start_producer(self._producer, self.settings)
         consumer = make_consumer(
             self.settings, group_id=self.config.group_id, **self.config.consumer_overrides
         )
@@ -342,6 +374,9 @@ class ConsumeLoop:
         stop_wait = asyncio.create_task(self._stop_event.wait())
         try:
             while not self._stop_event.is_set():
+                if self.transactional:
+                    await self._transaction_batch(stop_wait)
+                    continue
                 await self._poll_once(stop_wait)
                 await self._maybe_commit()
         finally:
@@ -391,8 +426,22 @@ class ConsumeLoop:
             if still:
                 consumer.resume(*still)
             self._paused_by_us.clear()
+        batch = await self._fetch(stop_wait, max(1, free), waits[1:])
+        if batch is not None:
+            self._dispatch(batch)
+            self._record_lag()
+
+    async def _fetch(
+        self,
+        stop_wait: asyncio.Task[bool],
+        max_records: int,
+        extra_waits: Sequence[asyncio.Future[Any]] = (),
+    ) -> dict[TopicPartition, list[Any]] | None:
+        """One ``getmany``, given up when the loop stops (or an extra wait ends) first."""
+        consumer = self.consumer
+        waits: list[asyncio.Future[Any]] = [stop_wait, *extra_waits]
         fetch = asyncio.ensure_future(
-            consumer.getmany(timeout_ms=self.config.poll_timeout_ms, max_records=max(1, free))
+            consumer.getmany(timeout_ms=self.config.poll_timeout_ms, max_records=max_records)
         )
         try:
             await asyncio.wait([fetch, *waits], return_when=asyncio.FIRST_COMPLETED)
@@ -403,16 +452,83 @@ class ConsumeLoop:
                 fetch.cancel()
                 await asyncio.wait([fetch])
         if fetch.cancelled():
-            return
+            return None
         exc = fetch.exception()
         if exc is not None:
             if isinstance(exc, KafkaError):
                 log.warning("%s: fetch failed: %r", self.config.group_id, exc)
                 await asyncio.sleep(self.config.backoff_initial_s)
-                return
+                return None
             raise exc
-        self._dispatch(fetch.result())
-        self._record_lag()
+        result: dict[TopicPartition, list[Any]] = fetch.result()
+        return result
+
+    # --- transactional batches -----------------------------------------------------------------
+
+    async def _transaction_batch(self, stop_wait: asyncio.Task[bool]) -> None:
+        """Fetch a batch, run it inside one transaction, commit it with its offsets or abort it."""
+        batch = await self._fetch(stop_wait, self.config.max_in_flight)
+        if not batch or self._stop_event.is_set():
+            if batch:  # fetched as the stop came: hand the records back undispatched
+                for tp, records in batch.items():
+                    if records and tp in self.consumer.assignment():
+                        self.consumer.seek(tp, records[0].offset)
+            return
+        producer = self._producer
+        assert producer is not None
+        group = self.config.group_id
+        span = BatchSpan()
+        self._batch_idle.clear()
+        try:
+            await producer.begin_transaction()
+            self._dispatch(batch, span)
+            self._record_lag()
+            await self._await_batch(list(self._tasks), stop_wait)
+            offsets = self._tracker.to_commit(span.last)
+            if not span or not span.complete(offsets):
+                raise _Abandoned
+            await commit_batch(producer, offsets, group)
+            self._tracker.mark_committed(offsets)
+            self.transactions_committed += 1
+        except ProducerFenced as exc:
+            # Another incarnation with our transactional id took over: this one is a zombie.
+            log.error("%s: producer fenced; stopping", group)
+            self.failure = self.failure or exc
+            self._stop_event.set()
+            self._rewind(span)
+        except (_Abandoned, KafkaError, TimeoutError) as exc:
+            if not isinstance(exc, _Abandoned):
+                log.warning(
+                    "%s: transaction failed (%r); the batch will be re-delivered", group, exc
+                )
+            try:
+                await abort_quietly(producer, group)
+            except ProducerFenced as fenced:
+                self.failure = self.failure or fenced
+                self._stop_event.set()
+            self._rewind(span)
+        finally:
+            self._batch_idle.set()
+
+    async def _await_batch(
+        self, tasks: list[asyncio.Task[None]], stop_wait: asyncio.Task[bool]
+    ) -> None:
+        """Wait for every handler of the batch; on stop, give them ``shutdown_timeout_s``."""
+        if not tasks:
+            return
+        everything = asyncio.ensure_future(asyncio.wait(tasks))
+        await asyncio.wait([everything, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        if not everything.done():
+            await self._drain(tasks, self.config.shutdown_timeout_s)
+        await everything
+
+    def _rewind(self, span: BatchSpan) -> None:
+        """Forget an aborted batch's offsets and fetch it again from its first offsets."""
+        span.rewind(self.consumer)
+        self.transactions_aborted += 1
+        for tp in span.first:
+            self._tracker.forget(tp)
+            self._next_offset.pop(tp, None)
 
     def _record_lag(self) -> None:
         """Consumer lag per partition: the high watermark the last fetch reported minus the next
@@ -426,7 +542,9 @@ class ConsumeLoop:
             lag = max(0, high - nxt)
             self._metrics.lag.labels(self.config.group_id, tp.topic, str(tp.partition)).set(lag)
 
-    def _dispatch(self, batch: dict[TopicPartition, list[Any]]) -> None:
+    def _dispatch(
+        self, batch: dict[TopicPartition, list[Any]], span: BatchSpan | None = None
+    ) -> None:
         consumer = self.consumer
         assigned = consumer.assignment()
         for tp, records in batch.items():
@@ -439,6 +557,8 @@ class ConsumeLoop:
                     break
                 epoch = self._tracker.add(tp, rec.offset)
                 self._next_offset[tp] = rec.offset + 1
+                if span is not None:
+                    span.add(tp, rec.offset)
                 task = asyncio.create_task(self._process(tp, rec, epoch))
                 self._tasks[task] = tp
                 task.add_done_callback(self._task_finished)
@@ -646,6 +766,10 @@ class ConsumeLoop:
                 value = codec.encode(letter)
                 headers = event_headers(letter) + list(err_headers.items())
             except KafkaError as exc:
+                if self.transactional:
+                    # The transaction may be unusable now: abort the batch, deliver it again.
+                    log.warning("%s: DLQ publish failed in a transaction (%r)", group, exc)
+                    raise _Abandoned from exc
                 # Without the DLQ record the offset must not be committed: keep trying.
                 failures += 1
                 delay = backoff_delay(
@@ -673,8 +797,8 @@ class ConsumeLoop:
 
     async def commit(self, tps: set[TopicPartition] | None = None) -> dict[TopicPartition, int]:
         """Commit what is done (in order) for ``tps`` or every partition; returns what went."""
-        if self._consumer is None:
-            return {}
+        if self._consumer is None or self.transactional:
+            return {}  # transactional: offsets are committed only inside their batch's transaction
         offsets = self._tracker.to_commit(tps)
         if not offsets:
             return {}
@@ -702,6 +826,15 @@ class ConsumeLoop:
             await asyncio.wait(pending)
 
     async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        if self.transactional:
+            # The running batch (one transaction) commits or aborts as a whole: let it finish
+            # in time, else cancel it (it is then aborted and re-delivered to the new owner).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._batch_idle.wait(), self.config.revoke_timeout_s)
+            if not self._batch_idle.is_set():
+                for t in list(self._tasks):
+                    t.cancel()
+                await self._batch_idle.wait()
         tasks = [t for t, tp in self._tasks.items() if tp in revoked]
         await self._drain(tasks, self.config.revoke_timeout_s)
         await self.commit(revoked)

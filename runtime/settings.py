@@ -45,6 +45,24 @@ class Settings(BaseSettings):
         description="longest a fetch waits for data; Kafka answers as soon as data arrives, "
         "Tansu only when the wait ends, so keep it short there",
     )
+    kafka_transactions: bool = Field(
+        False,
+        description="transactional consume loops: a batch's output records, dead letters and "
+        "offset commit are one Kafka transaction (needs Apache Kafka; Tansu has none)",
+    )
+    kafka_transactional_id: str = Field(
+        "",
+        description="base of the transactional ids (one per consume loop); keep it stable per "
+        "worker instance (e.g. a StatefulSet pod name) so a restart fences its previous "
+        "incarnation at once; empty: group, host and pid (unique, no fencing across restarts)",
+    )
+    kafka_transaction_timeout_ms: int = Field(
+        30000,
+        ge=1000,
+        description="broker aborts a transaction open this long; one batch must finish within "
+        "it, and a crashed worker's open transaction holds read_committed readers this long "
+        "at most",
+    )
     topic_prefix: str = defaults.TOPIC_PREFIX
     topic_partitions: int = 4
     max_message_bytes: int = Field(16 * 1024 * 1024, description="broker and producer message cap")
@@ -228,6 +246,21 @@ class Settings(BaseSettings):
         description="largest encoded video (file bytes, or all of one video's frame images "
         "together); base64 makes it 4/3 larger in a JSON body (EPD_API_MAX_BODY_BYTES)",
     )
+
+    def require_transactions_possible(self) -> None:
+        """Refuse ``EPD_KAFKA_TRANSACTIONS=true`` beside ``EPD_KAFKA_IDEMPOTENCE=false``.
+
+        Checked where a transactional loop is built (not at load, so every combination stays
+        loadable for tools). The broker itself is checked when the transactional producer
+        starts (``runtime.kafka.start_producer``).
+        """
+        if self.kafka_transactions and not self.kafka_idempotence:
+            raise ValueError(
+                "EPD_KAFKA_TRANSACTIONS=true needs EPD_KAFKA_IDEMPOTENCE=true: transactions are "
+                "built on idempotent producers. EPD_KAFKA_IDEMPOTENCE=false marks the Tansu "
+                "broker (`epd up` prints it), which has neither: use Apache Kafka "
+                "(EPD_BROKER=apache) or unset EPD_KAFKA_TRANSACTIONS"
+            )
 
     @property
     def embedding_store_url(self) -> str:

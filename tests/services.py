@@ -10,6 +10,13 @@
    this machine (Tansu, redis-server). Host networking, bound to 127.0.0.1.
 3. ``embedded``: otherwise -> a Tansu broker and a redis-server as child processes (what
    ``epd services run`` does), on free ports, tied to the pytest process.
+   ``EPD_TEST_KAFKA=apache`` makes the embedded broker a real Apache Kafka node run from Maven
+   jars (:mod:`epd.apache_kafka`; the jars are resolved once into a cache, then a start takes
+   seconds) instead of Tansu.
+
+Transaction tests need a broker with transactions: :func:`transactional_kafka` gives the
+session's broker when it is real Kafka, else starts one Apache Kafka node for the session (or
+says why it cannot: no java/mvn, no Maven registry, no ``EPD_KAFKA_LIBS``).
 
 ``EPD_TEST_SERVICES=env|containers|embedded`` forces a mode; a forced mode that cannot start fails
 loudly instead of falling back. Real Apache Kafka gets idempotent producers and the default
@@ -392,6 +399,16 @@ def _process_handle(
     return handle
 
 
+def test_broker_kind() -> str:
+    """The embedded broker: ``$EPD_TEST_KAFKA`` (``tansu`` by default, or ``apache``)."""
+    kind = (os.environ.get("EPD_TEST_KAFKA") or "tansu").strip().lower()
+    if kind not in services.BROKERS:
+        raise ServicesUnavailable(
+            f"EPD_TEST_KAFKA={kind!r}: choose one of {', '.join(services.BROKERS)}"
+        )
+    return kind
+
+
 def _embedded(forced: bool, log_dir: Path) -> TestServices:
     log_dir.mkdir(parents=True, exist_ok=True)
     closers: list[Callable[[], None]] = []
@@ -399,12 +416,15 @@ def _embedded(forced: bool, log_dir: Path) -> TestServices:
     def stop(rec_holder: dict[str, services.ServiceRecord]) -> Callable[[], None]:
         return lambda: services.stop_records([rec_holder["rec"]])
 
+    kind = test_broker_kind()
     try:
-        kafka_rec = services.start_tansu(log_dir, log_dir=log_dir, tie_to_parent=True)
+        kafka_rec = services.start_broker(kind, log_dir, log_dir=log_dir, tie_to_parent=True)
         port = int(kafka_rec.address.rsplit(":", 1)[1])
 
         def start_kafka() -> services.ServiceRecord:
-            return services.start_tansu(log_dir, port=port, log_dir=log_dir, tie_to_parent=True)
+            return services.start_broker(
+                kind, log_dir, port=port, log_dir=log_dir, tie_to_parent=True
+            )
 
         kafka = _process_handle("kafka", kafka_rec, start_kafka)
         closers.append(stop(kafka._current))  # type: ignore[attr-defined]
@@ -436,9 +456,9 @@ def _embedded(forced: bool, log_dir: Path) -> TestServices:
         forced=forced,
         kafka=kafka,
         redis=redis,
-        kafka_is_tansu=True,
-        description=f"embedded (kafka=tansu process, redis={redis_desc})",
-        env=settings_env(kafka.address, redis.address, tansu=True),
+        kafka_is_tansu=kind == "tansu",
+        description=f"embedded (kafka={kind} process, redis={redis_desc})",
+        env=settings_env(kafka.address, redis.address, tansu=kind == "tansu"),
         _closers=closers,
     )
 
@@ -466,7 +486,8 @@ def describe_planned() -> str:
         except ServicesUnavailable as exc:
             return f"services: testcontainers (images unavailable: {exc})"
         return f"services: testcontainers (kafka={images.kafka}, redis={images.redis}; {how})"
-    return f"services: embedded (Tansu and redis-server processes; {how})"
+    broker = "Apache Kafka" if os.environ.get("EPD_TEST_KAFKA") == "apache" else "Tansu"
+    return f"services: embedded ({broker} and redis-server processes; {how})"
 
 
 def provide(log_dir: Path) -> TestServices:
@@ -482,3 +503,39 @@ def provide(log_dir: Path) -> TestServices:
         ts = _embedded(forced, log_dir)
     ts.description += f"; ready in {time.monotonic() - t0:.1f}s"
     return ts
+
+
+# ----------------------------------------------------------------------------- transactions
+
+
+@dataclass
+class TransactionalKafka:
+    """A broker with transactions for this session: the session's own or one started for it."""
+
+    bootstrap: str
+    description: str
+    _closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        while self._closers:
+            with contextlib.suppress(Exception):
+                self._closers.pop()()
+
+
+def transactional_kafka(session: TestServices, log_dir: Path) -> TransactionalKafka:
+    """The session's broker when it is real Kafka; else a new Apache Kafka node (from jars).
+
+    Raises :class:`ServicesUnavailable` saying why no such broker can be had here.
+    """
+    if not session.kafka_is_tansu:
+        return TransactionalKafka(session.kafka.address, f"session broker ({session.mode})")
+    t0 = time.monotonic()
+    try:
+        rec = services.start_apache_kafka(log_dir, log_dir=log_dir, tie_to_parent=True)
+    except services.ServiceError as exc:
+        raise ServicesUnavailable(f"no broker with transactions: {exc}") from exc
+    return TransactionalKafka(
+        rec.address,
+        f"Apache Kafka from jars, ready in {time.monotonic() - t0:.1f}s",
+        [lambda: services.stop_records([rec])],
+    )

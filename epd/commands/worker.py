@@ -299,13 +299,20 @@ async def run_worker(
 
     from consumers.loop import ConsumeLoop, ConsumerConfig
     from consumers.reporting import dead_letter_reporter
-    from runtime.kafka import KafkaPublisher, ensure_topics
+    from runtime.kafka import KafkaPublisher, ensure_topics, transactional_id
 
     stage = STAGES[kind]
     topics = Topics(settings.topic_prefix)
     settings.require_signing(kind)  # no real EPD_EC_SECRET: refuse, unless EPD_ALLOW_UNSIGNED
     await ensure_topics(settings, topics.all())
-    publisher = KafkaPublisher.for_pipeline(settings, topics)
+    # Transactional: the handlers publish with the loop's transactional producer, so their
+    # outputs commit (or abort) together with the batch's offsets.
+    txn_id = (
+        transactional_id(settings, topics.group(stage.group))
+        if settings.kafka_transactions
+        else None
+    )
+    publisher = KafkaPublisher.for_pipeline(settings, topics, txn_id=txn_id)
     await publisher.start()
     ctx = StageContext(settings, topics, publisher, f"{kind}@{socket.gethostname()}:{os.getpid()}")
     ctx.closers.append(publisher.stop)
