@@ -6,10 +6,11 @@ bytes), on one connection. The yardstick is ``redis-benchmark -t set,get -d SIZE
 against the same server and DB: one client, no pipelining, so both sides do the same thing and
 the ratio isolates our client + store overhead. The third column is redis-py + hiredis (a bare
 ``redis.asyncio`` SET/GET of the same bytes, hiredis parsing its replies): the library path our
-own wire client (``runtime/stores/redis_wire.py``, also hiredis-parsed) is compared against, side
-by side. Throughput is value bytes moved per second (MB/s, 10^6). The sides run in interleaved
-rounds (ours, redis-py + hiredis, redis-benchmark; 3 rounds in a full run) and each side's MB/s
-is the median over rounds, so a neighbour's burst of load on a shared machine hits all alike.
+own wire client (``runtime/stores/redis_wire.py``: hiredis-parsed too, except GET values of
+64 KiB or more, received straight into their own buffer) is compared against, side by side.
+Throughput is value bytes moved per second (MB/s, 10^6). The sides run in interleaved rounds
+(ours, redis-py + hiredis, redis-benchmark; 3 rounds in a full run) and each side's MB/s is the
+median over rounds, so a neighbour's burst of load on a shared machine hits all alike.
 
 shm: ``get`` returns a tensor viewing an ``mmap`` of the file, so a get alone moves no data;
 the budgeted number is get + ``copy_`` into a preallocated tensor (every byte read once, as a

@@ -15,15 +15,25 @@ either free memory a second reader still maps or never free it at all (the sent 
 torch's "limbo" for a receiver that never comes). A chunk is shared once and lives as long as
 the producing process, so the count never matters; the store manages the slots itself.
 
-Reads. ``get`` reads the record, opens the chunk (once per chunk per process, with
-``rebuild_cuda_tensor``; the producer's own process uses its buffer directly) and returns a
-device-to-device **copy** of the entry, owned by the caller: a view into the chunk would be
-overwritten when the slot is reused. The copy is microseconds for an embedding.
+Reads. ``get`` reads the record, opens the chunk (with ``rebuild_cuda_tensor``, then kept open;
+the producer's own process uses its buffer directly) and returns a device-to-device **copy** of
+the entry, owned by the caller: a view into the chunk would be overwritten when the slot is
+reused. The copy is microseconds for an embedding. Opened chunks are kept by producer (the id in
+the records), with the last few keys read from each; at most every ``sweep_interval_s`` a reading
+``get`` (and every ``sweep``) checks those keys, newest first, and once none of them is still in
+the index under that producer, unmaps all its chunks and calls ``torch.cuda.ipc_collect()``. So
+the chunks of an encode worker that exited or restarted do not stay mapped (holding up to its
+``max_mb``) in every reader. A producer dropped while it still has entries the reader did not
+know of costs only a reopen on the next read.
 
 Lifetimes. A slot is freed ``grace_s`` (default 30 s) after its producer sees the entry gone
 from the index (expired, deleted, or replaced by a newer put), not at once: a reader that found
-the record just before it went still has ``grace_s`` to finish its copy. The producer checks its
-entries on ``put`` (at most every ``sweep_interval_s``) and whenever its chunks are full. An
+the record just before it went still has ``grace_s`` to finish its copy. The producer keeps its
+entries in a heap by expiry and re-checks only those that are due, on ``put`` (at most every
+``sweep_interval_s``); an entry still there (its TTL extended by a ``touch``) is put back at its
+new expiry. A put over an entry's key or a ``delete`` through this process retires it at once;
+an entry deleted or overwritten by another process, or one without a TTL, is noticed by the
+full check that runs whenever the chunks are full (off the event loop, in a worker thread). An
 entry outlives its producer only as far as CUDA keeps a dead process's memory mapped in the
 readers that opened it; a reader that cannot open a chunk reports the key missing (the
 pipeline then re-encodes, as for any lost embedding). Writes: ``put`` copies the tensor into its
@@ -42,11 +52,15 @@ directory, default ``/dev/shm``), ``chunk_mb`` (256), ``max_mb`` (8192), ``grace
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
+import math
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -71,6 +85,10 @@ PRODUCER_ID = uuid.uuid4().bytes
 """This process's identity in index records (a record with it is read from our own chunks)."""
 _NO_CHUNK = ChunkShare(bytes(16), -1, b"", 0, 0, b"", 0, b"", False)
 _MIB = 1 << 20
+_INLINE_CHECKS = 32
+"""Index look-ups a sweep does on the event loop; a bigger batch goes to a worker thread."""
+_KEYS_PER_PRODUCER = 16
+"""Keys remembered per foreign producer, to tell whether it still has entries in the index."""
 
 
 @dataclass(slots=True)
@@ -89,6 +107,9 @@ class _Held:
     nbytes: int
     generation: int
     dropped_at: float | None = None
+    due: float = math.inf
+    """When the sweep next looks it up in the index (monotonic; its expiry); inf: only on a
+    full check."""
 
 
 @dataclass(slots=True)
@@ -103,6 +124,11 @@ class _Producer:
     retired: list[_Held] = field(default_factory=list)
     generation: int = 0
     next_sweep: float = 0.0
+    due: list[tuple[float, int, str, _Held]] = field(default_factory=list)
+    """Heap of (due, tie-breaker, key, entry); items whose entry moved on are skipped."""
+    seq: itertools.count[int] = field(default_factory=itertools.count)
+    lookups: int = 0
+    """Index look-ups the sweeps have done (tests count them)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -139,19 +165,95 @@ class _Producer:
         with self.lock:
             h.chunk.slots.free(h.offset, h.nbytes)
 
-    def hold(self, key: str, h: _Held, now: float) -> None:
+    def hold(self, key: str, h: _Held, now: float, ttl_s: float | None) -> None:
         with self.lock:
-            old = self.held.pop(key, None)
-            if old is not None:
-                old.dropped_at = now
-                self.retired.append(old)
+            self.retire(key, now)
             self.held[key] = h
+            self.schedule(key, h, now + (math.inf if ttl_s is None else ttl_s))
+
+    def retire(self, key: str, now: float) -> None:
+        """The entry held under ``key`` (if any) left the index: free it after grace. Locked."""
+        old = self.held.pop(key, None)
+        if old is not None:
+            old.dropped_at = now
+            self.retired.append(old)
+
+    def schedule(self, key: str, h: _Held, due: float) -> None:
+        """Look ``key`` up again at ``due`` (never, when inf); older heap items go stale. Locked."""
+        h.due = due
+        if due < math.inf:
+            heapq.heappush(self.due, (due, next(self.seq), key, h))
+
+    def pop_due(self, now: float) -> list[tuple[str, _Held]]:
+        """The held entries due for a look-up by ``now``, off the heap. Locked."""
+        out: list[tuple[str, _Held]] = []
+        while self.due and self.due[0][0] <= now:
+            due, _, key, h = heapq.heappop(self.due)
+            if self.held.get(key) is h and h.due == due:  # else replaced, retired or rescheduled
+                out.append((key, h))
+        return out
+
+
+@dataclass(slots=True)
+class _Foreign:
+    """Another process's chunks opened here, and the last keys read from them (newest last)."""
+
+    chunks: dict[bytes, torch.Tensor] = field(default_factory=dict)
+    keys: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    reads: int = 0
+
+
+@dataclass(slots=True)
+class _Opened:
+    """The chunks this process opened on one index, by producer id (see the module docstring)."""
+
+    producers: dict[bytes, _Foreign] = field(default_factory=dict)
+    next_sweep: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def chunk(self, producer: bytes, chunk_id: bytes, key: str) -> torch.Tensor | None:
+        """An opened chunk (None if not open), noting ``key`` as read from ``producer``."""
+        with self.lock:
+            f = self.producers.setdefault(producer, _Foreign())
+            f.reads += 1
+            f.keys[key] = None
+            f.keys.move_to_end(key)
+            while len(f.keys) > _KEYS_PER_PRODUCER:
+                f.keys.popitem(last=False)
+            return f.chunks.get(chunk_id)
+
+    def add(self, producer: bytes, chunk_id: bytes, buf: torch.Tensor) -> torch.Tensor:
+        """Keep ``buf`` open (or the one another caller opened meanwhile) and return it."""
+        with self.lock:
+            f = self.producers.setdefault(producer, _Foreign())
+            return f.chunks.setdefault(chunk_id, buf)
+
+    def sweep(self, references: Callable[[str, bytes], bool]) -> int:
+        """Drop (unmap) the chunks of every producer none of whose remembered keys the index
+        still holds under it (``references(key, producer)``, asked newest key first and only
+        until one answers yes); returns how many producers went."""
+        with self.lock:
+            known = [(p, f, f.reads, list(f.keys)) for p, f in self.producers.items()]
+        gone = [
+            (p, f, reads)
+            for p, f, reads, keys in known
+            if not any(references(k, p) for k in reversed(keys))
+        ]
+        dropped = 0
+        with self.lock:
+            for producer, f, reads in gone:
+                if self.producers.get(producer) is f and f.reads == reads:  # no read since
+                    del self.producers[producer]
+                    dropped += bool(f.chunks)
+        if dropped and torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # let CUDA release what the dropped tensors mapped
+        return dropped
 
 
 _PRODUCERS: dict[tuple[str, str], _Producer] = {}
 _OWN_CHUNKS: dict[bytes, torch.Tensor] = {}
-_OPENED: dict[bytes, torch.Tensor] = {}
-"""Chunks of other processes this process has opened (each is opened once and kept)."""
+_OPENED: dict[str, _Opened] = {}
+"""Chunks of other processes this process has opened, per index directory."""
 _REGISTRY_LOCK = threading.Lock()
 
 
@@ -174,21 +276,15 @@ def _share(buf: torch.Tensor) -> ChunkShare:
 
 
 def _open(share: ChunkShare) -> torch.Tensor:
-    """Another process's chunk as a uint8 tensor (opened once per process, then cached)."""
-    with _REGISTRY_LOCK:
-        buf = _OPENED.get(share.chunk_id)
-    if buf is not None:
-        return buf
+    """Another process's chunk as a uint8 tensor (mapped until the last reference goes)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    buf = rebuild_cuda_tensor(
+    return rebuild_cuda_tensor(
         torch.Tensor, torch.Size([share.storage_size_bytes]), (1,), 0, torch.UntypedStorage,
         torch.uint8, share.device, share.handle, share.storage_size_bytes,
         share.storage_offset_bytes, False, share.ref_counter_handle, share.ref_counter_offset,
         share.event_handle, share.event_sync_required,
     )  # fmt: skip
-    with _REGISTRY_LOCK:
-        return _OPENED.setdefault(share.chunk_id, buf)
 
 
 def _resolve_device(spec: str | None, override: torch.device | None) -> torch.device:
@@ -243,7 +339,9 @@ class CudaStore(EmbeddingStore):
             prod = _PRODUCERS.get(key)
             if prod is None:
                 prod = _PRODUCERS[key] = _Producer(self.device, chunk_bytes, max_bytes)
+            opened = _OPENED.setdefault(key[0], _Opened())
         self._producer = prod
+        self._opened = opened
 
     @property
     def url(self) -> str:
@@ -285,7 +383,7 @@ class CudaStore(EmbeddingStore):
                 prod.free(held)
             raise
         if held is not None:
-            prod.hold(key, held, time.monotonic())
+            prod.hold(key, held, time.monotonic(), ttl_s)
 
     async def _place(self, nbytes: int) -> tuple[_Chunk, int]:
         prod = self._producer
@@ -293,7 +391,7 @@ class CudaStore(EmbeddingStore):
             await self.sweep()
         slot = prod.alloc(nbytes)
         if slot is None:
-            await self.sweep()  # full: free what has gone before growing
+            await self.sweep(full=True)  # full: free what has gone before growing
             slot = prod.alloc(nbytes) or prod.grow(nbytes)
         return slot
 
@@ -307,20 +405,38 @@ class CudaStore(EmbeddingStore):
             if not done.query():
                 await asyncio.to_thread(done.synchronize)
 
-    async def sweep(self) -> int:
-        """Free the slots whose entries left the index ``grace_s`` ago; returns how many."""
+    async def sweep(self, *, full: bool = False) -> int:
+        """Free the slots whose entries left the index ``grace_s`` ago; returns how many.
+
+        Looks up in the index only the entries that are due (their expiry has come), or every
+        held entry when ``full``; also drops foreign chunks no longer referenced (see the module
+        docstring)."""
         prod = self._producer
         now = time.monotonic()
         prod.next_sweep = now + self.sweep_interval_s
+        self._sweep_opened(now)
         with prod.lock:
-            held = list(prod.held.items())
-        for key, h in held:
-            if not await self._still_indexed(key, h):
-                with prod.lock:
-                    if prod.held.get(key) is h:
-                        del prod.held[key]
-                        h.dropped_at = now
-                        prod.retired.append(h)
+            batch = list(prod.held.items()) if full else prod.pop_due(now)
+            prod.lookups += len(batch)
+        try:
+            if len(batch) <= _INLINE_CHECKS:
+                left = [self._left(key, h) for key, h in batch]
+            else:  # many look-ups: keep them off the event loop
+                left = await asyncio.to_thread(lambda: [self._left(k, h) for k, h in batch])
+        except BaseException:
+            with prod.lock:  # cancelled or failed: look the popped entries up next time
+                for key, h in batch:
+                    if prod.held.get(key) is h and not full:
+                        prod.schedule(key, h, now)
+            raise
+        with prod.lock:
+            for (key, h), secs in zip(batch, left, strict=True):
+                if prod.held.get(key) is not h:
+                    continue  # replaced or deleted through this process meanwhile
+                if secs is None:
+                    prod.retire(key, now)
+                elif not full:
+                    prod.schedule(key, h, now + secs)  # a touch extended it: look again then
         freed = 0
         with prod.lock:
             keep: list[_Held] = []
@@ -334,12 +450,33 @@ class CudaStore(EmbeddingStore):
             prod.retired = keep
         return freed
 
-    async def _still_indexed(self, key: str, h: _Held) -> bool:
+    def _left(self, key: str, h: _Held) -> float | None:
+        """Seconds until our entry ``h`` under ``key`` expires (inf: never), or None when the
+        index no longer holds it. Blocking (a small file read); thread-safe."""
+        rec = self._indexed(key)
+        if rec is None or rec[0].producer_id != PRODUCER_ID or rec[0].generation != h.generation:
+            return None
+        return rec[1]
+
+    def _indexed(self, key: str) -> tuple[IndexRecord, float] | None:
+        """The record under ``key`` and its seconds left, or None (missing, expired, corrupt)."""
         try:
-            rec = decode_record(await self._index.get_bytes(key), key)
-        except (StoreKeyMissing, StoreCorrupt):
-            return False
-        return rec.producer_id == PRODUCER_ID and rec.generation == h.generation
+            entry = self._index.read_entry(key)
+            return None if entry is None else (decode_record(entry[0], key), entry[1])
+        except StoreCorrupt:
+            return None
+
+    def _references(self, key: str, producer: bytes) -> bool:
+        rec = self._indexed(key)
+        return rec is not None and rec[0].producer_id == producer
+
+    def _sweep_opened(self, now: float) -> int:
+        """Drop foreign chunks no live record references (at most every sweep_interval_s)."""
+        opened = self._opened
+        if now < opened.next_sweep or not opened.producers:
+            return 0
+        opened.next_sweep = now + self.sweep_interval_s
+        return opened.sweep(self._references)
 
     # --- read -------------------------------------------------------------------------------
 
@@ -354,17 +491,23 @@ class CudaStore(EmbeddingStore):
             return buf
         if not rec.chunk.shareable:
             raise StoreError(f"{key!r} lives in another process's CPU-only cuda:// test store")
+        buf = self._opened.chunk(rec.producer_id, rec.chunk.chunk_id, key)
+        if buf is not None:
+            return buf
         try:
-            return _open(rec.chunk)
+            buf = _open(rec.chunk)
         except RuntimeError as exc:  # the producer is gone, or the handle is foreign
             log.warning("cuda store: cannot open the chunk holding %r: %s", key, exc)
             raise StoreKeyMissing(key) from None
+        return self._opened.add(rec.producer_id, rec.chunk.chunk_id, buf)
 
     async def get(self, key: str) -> torch.Tensor:
         rec = await self._record(key)
         dt = torch_dtype(rec.dtype)
         if rec.nbytes == 0:
             return torch.empty(rec.shape, dtype=dt, device=self.device)
+        if rec.producer_id != PRODUCER_ID:
+            self._sweep_opened(time.monotonic())
         buf = self._chunk_of(rec, key)
         out = buf.narrow(0, rec.offset, rec.nbytes).clone()
         return out.view(dt).view(rec.shape)
@@ -376,13 +519,21 @@ class CudaStore(EmbeddingStore):
         return await self._index.exists(key)
 
     async def touch(self, key: str, ttl_s: float | None) -> bool:
-        return await self._index.touch(key, ttl_s)
+        ok = await self._index.touch(key, ttl_s)
+        prod = self._producer
+        with prod.lock:
+            h = prod.held.get(key)
+            if ok and h is not None:  # look it up at its new expiry instead
+                prod.schedule(key, h, time.monotonic() + (math.inf if ttl_s is None else ttl_s))
+        return ok
 
     async def wait(self, keys: Sequence[str], timeout_s: float) -> None:
         await self._index.wait(keys, timeout_s)
 
     async def delete(self, key: str) -> None:
-        await self._index.delete(key)  # our slot goes on a later sweep, after grace_s
+        await self._index.delete(key)
+        with self._producer.lock:  # our entry under key (if any) is gone: freed after grace_s
+            self._producer.retire(key, time.monotonic())
 
     def stats(self) -> dict[str, int]:
         """This process's device memory for the store: chunks, reserved/used bytes, entries."""
@@ -394,6 +545,8 @@ class CudaStore(EmbeddingStore):
                 "used_bytes": sum(c.slots.used for c in prod.chunks),
                 "held": len(prod.held),
                 "retired": len(prod.retired),
+                "opened_producers": len(self._opened.producers),
+                "opened_chunks": sum(len(f.chunks) for f in self._opened.producers.values()),
             }
 
     async def close(self) -> None:

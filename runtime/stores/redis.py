@@ -5,11 +5,12 @@ written with ``SET key blob PX ttl`` and ``PUBLISH <channel> key`` in one MULTI/
 that hears the notification always finds the value, and a put that fails part-way does neither.
 
 I/O: on plain ``redis://`` URLs the data path (put, get, get_many, exists, delete and wait's
-EXISTS) goes through :mod:`runtime.stores.redis_wire`, which receives into one reused buffer,
-parses with ``hiredis.Reader`` and sends a tensor's bytes from the tensor's own memory (the
-header and data are never joined), so a put or get costs about what ``redis-benchmark`` does.
-A value read back is an immutable ``bytes`` (the tensor viewing it is read-only in spirit: copy
-before writing into it). ``rediss://`` (TLS) and
+EXISTS) goes through :mod:`runtime.stores.redis_wire`, which parses replies with
+``hiredis.Reader`` except a GET of 64 KiB or more, received straight into a ``bytearray`` of the
+value's size, and sends a tensor's bytes from the tensor's own memory (the header and data are
+never joined), so a put or get costs about what ``redis-benchmark`` does. A value read back is a
+buffer of its own (``bytearray`` when large, else ``bytes``; the tensor viewing it is read-only in
+spirit: copy before writing into it). ``rediss://`` (TLS) and
 URLs carrying other redis-py connection options use redis-py for everything. Either way the
 errors are the same: connection trouble is :class:`StoreUnavailable`, server error replies are
 redis-py's exceptions. A tensor being put must not change until ``put`` returns (its memory is

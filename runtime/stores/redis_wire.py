@@ -2,10 +2,18 @@
 
 Why not redis-py for these? Its asyncio connection reads through a ``StreamReader`` in 64 KiB
 pieces and joins a command's pieces before writing, so a 1-4 MiB value costs several copies and
-dozens of event-loop turns. Here a reply is received with ``sock_recv_into`` into one reused
+dozens of event-loop turns. Here replies are received with ``sock_recv_into`` into one reused
 buffer per connection and parsed by ``hiredis.Reader`` (hiredis's public parser: no hand-written
 RESP parsing, and no dependence on redis-py's private parser modules), and a command's large
 argument is sent from the caller's buffer (a tensor's memory) without being joined.
+
+One exception, for GET: ``Reader.feed`` copies into hiredis's own buffer, which grows to the
+whole value, and ``gets()`` copies again into ``bytes``, so a big value would cost two memcpys and
+twice its size in memory. :meth:`WireConnection.bulk_reply` therefore reads a bulk-string header
+(``$<len>\r\n``) itself and, for a value of at least ``_DIRECT_MIN`` bytes, receives the payload
+straight into a ``bytearray`` of the value's size, which is what ``get`` returns (the bytes of
+the first receive are copied once, at most one receive buffer). Every other reply (errors, nil,
+short values, other types) still goes through hiredis.
 ``bench/stores.py`` puts this path beside redis-py + hiredis and ``redis-benchmark``.
 
 Scope: plain TCP (``redis://``; TLS stays on redis-py), RESP2 replies, AUTH and SELECT on
@@ -32,11 +40,17 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
-Reply = bytes | int | list[Any] | RedisError | None
+Reply = bytes | bytearray | int | list[Any] | RedisError | None
 
 _CRLF = b"\r\n"
 _RECV_CHUNK = 1 << 18
 """Receive buffer per connection: big enough that a 4 MiB value takes ~16 event-loop turns."""
+_DIRECT_MIN = 1 << 16
+"""Bulk replies this long or longer skip hiredis (see the module docstring); shorter ones cost
+little to copy twice and keep to the one parser."""
+_HEADER_MAX = 16
+"""Longest bulk header taken here: ``$``, 13 digits, CRLF (values under 10 TB); a longer one goes
+to hiredis, which rejects what cannot be a length."""
 _MAX_IDLE = 16  # idle connections kept per pool; more concurrent callers open extra ones
 
 
@@ -127,12 +141,53 @@ class WireConnection:
         raising."""
         reader = self._reader
         while (out := reader.gets()) is False:
-            got = await self.loop.sock_recv_into(self.sock, self._rbuf)
-            if not got:
-                raise RedisConnectionError("connection closed by the Redis server")
+            got = await self._recv_into(self._rbuf)
             # feed() takes any buffer (its stub says str | bytes): no copy of the receive buffer
             reader.feed(self._rbuf, 0, got)  # type: ignore[arg-type]
         return cast(Reply, out)
+
+    async def _recv_into(self, buf: bytearray | memoryview) -> int:
+        got = await self.loop.sock_recv_into(self.sock, buf)
+        if not got:
+            raise RedisConnectionError("connection closed by the Redis server")
+        return got
+
+    async def bulk_reply(self) -> Reply:
+        """The next reply, expected to be one bulk string (GET's). A value of ``_DIRECT_MIN``
+        bytes or more is received straight into a ``bytearray`` of its own; anything else goes
+        to :meth:`reply` (hiredis) with the bytes received so far."""
+        if self._reader.has_data():  # bytes of this reply were already fed: hiredis's turn
+            return await self.reply()
+        rbuf = memoryview(self._rbuf)
+        got = await self._recv_into(rbuf)
+        end = -1
+        while self._rbuf[0] == 0x24:  # b"$": the header may come in pieces; wait for its CRLF
+            end = self._rbuf.find(_CRLF, 0, got)
+            if end >= 0 or got >= _HEADER_MAX:
+                break
+            got += await self._recv_into(rbuf[got:])
+        digits = bytes(rbuf[1:end]) if 0 < end < _HEADER_MAX else b""
+        if not digits.isdigit() or int(digits) < _DIRECT_MIN:  # nil ($-1), error, short, other
+            self._reader.feed(self._rbuf, 0, got)  # type: ignore[arg-type]  # see reply()
+            return await self.reply()
+        size, start = int(digits), end + 2
+        early = min(got - start, size)  # payload bytes that came with the header
+        out = bytearray(size)
+        with memoryview(out) as view:
+            view[:early] = rbuf[start : start + early]
+            pos = early
+            while pos < size:
+                pos += await self._recv_into(view[pos:])
+        # The CRLF after the payload: maybe already received, maybe still to come.
+        tail = bytes(rbuf[start + early : got])
+        while len(tail) < 2:
+            n = await self._recv_into(rbuf)
+            tail += rbuf[:n]
+        if tail[:2] != _CRLF:
+            raise RedisConnectionError("malformed bulk reply from the Redis server")
+        if len(tail) > 2:  # a following reply (none is expected after GET): hiredis keeps it
+            self._reader.feed(tail[2:])
+        return out
 
     async def replies(self, n: int) -> list[Reply]:
         """``n`` replies; raises the first error reply (nested ones too) after reading all."""
@@ -324,13 +379,16 @@ async def set_and_publish(
     await pool.run(op)
 
 
-async def get(pool: WirePool, key: bytes) -> bytes | None:
-    """``GET key``: the value in a buffer of its own, or None."""
+async def get(pool: WirePool, key: bytes) -> bytes | bytearray | None:
+    """``GET key``: the value in a buffer of its own (a ``bytearray`` received in place when
+    ``_DIRECT_MIN`` bytes or longer, else ``bytes``), or None."""
 
-    async def op(conn: WireConnection) -> bytes | None:
+    async def op(conn: WireConnection) -> bytes | bytearray | None:
         await conn.send(_pack(b"GET", key))
-        (value,) = await conn.replies(1)
-        assert value is None or isinstance(value, bytes)
+        value = await conn.bulk_reply()
+        if isinstance(value, RedisError):
+            raise value
+        assert value is None or isinstance(value, bytes | bytearray)
         return value
 
     return await pool.run(op)

@@ -51,6 +51,7 @@ import ctypes
 import ctypes.util
 import fcntl
 import hashlib
+import math
 import mmap
 import os
 import re
@@ -393,6 +394,22 @@ class ShmStore(EmbeddingStore):
     async def get_bytes(self, key: str) -> bytes:
         mm, header = self._map(key)
         return mm[header.data_offset :]
+
+    def read_entry(self, key: str) -> tuple[bytes, float] | None:
+        """The value's data bytes and the seconds until it expires (``inf``: never), or None
+        when it is missing or expired. Blocking and cache-free (no mapping is kept), so it may
+        run in a worker thread; meant for small values such as index records."""
+        try:
+            with open(self._path(key), "rb") as f:
+                mtime_ns = os.fstat(f.fileno()).st_mtime_ns
+                raw = f.read()
+        except FileNotFoundError:
+            return None
+        now_ns = time.time_ns()
+        if _expired(mtime_ns, now_ns):
+            return None
+        left = math.inf if mtime_ns >= _NEVER_NS else (mtime_ns - now_ns) / 1e9
+        return raw[decode_header(raw, key).data_offset :], left
 
     def _live(self, key: str) -> bool:
         try:

@@ -8,16 +8,20 @@ real thing, in one process and across two through CUDA IPC.
 from __future__ import annotations
 
 import asyncio
+import gc
 import shutil
 import sys
 import textwrap
+import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import torch
 
+import runtime.stores.cuda as cuda_mod
 from runtime.stores import StoreCorrupt, StoreError, StoreKeyMissing, StoreUnavailable, open_store
 from runtime.stores.cuda import PRODUCER_ID, CudaStore
 from runtime.stores.cuda_ipc import (
@@ -72,6 +76,7 @@ def test_free_list_first_fit_and_merging() -> None:
     b = fl.alloc(SLOT_ALIGN + 1)  # two slots
     c = fl.alloc(SLOT_ALIGN)
     assert (a, b, c) == (0, SLOT_ALIGN, 3 * SLOT_ALIGN)
+    assert a is not None and b is not None and c is not None
     assert fl.alloc(1) is None and fl.used == fl.size
     fl.free(b, SLOT_ALIGN + 1)
     assert fl.alloc(3 * SLOT_ALIGN) is None  # only two free slots, and not where a/c sit
@@ -129,6 +134,7 @@ async def test_slots_are_freed_after_expiry_delete_and_overwrite(cpu_store: Cuda
     await cpu_store.put("c", mib)  # the full store sweeps: a's slot is reused
     assert cpu_store.stats() | {"reserved_bytes": 0} == {
         "chunks": 2, "reserved_bytes": 0, "used_bytes": 2 << 20, "held": 2, "retired": 0,
+        "opened_producers": 0, "opened_chunks": 0,
     }  # fmt: skip
     await cpu_store.delete("c")
     await cpu_store.put("b", torch.ones(4))  # in c's freed slot; b's old one is retired...
@@ -158,6 +164,145 @@ async def test_got_tensors_are_copies(cpu_store: CudaStore) -> None:
     got = await cpu_store.get("k")
     got.zero_()
     assert torch.equal(await cpu_store.get("k"), torch.ones(4))
+
+
+# --- sweeps look up only what is due -----------------------------------------------------------
+
+
+@pytest.fixture
+async def counted_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> AsyncIterator[tuple[CudaStore, list[str]]]:
+    """A CPU-mode store (no sweep on put after the first) and the keys its index is asked for."""
+    tag = uuid.uuid4().hex[:12]
+    store = CudaStore(
+        f"cuda://epd-test-{tag}?chunk_mb=1&grace_s=0&sweep_interval_s=3600", device=CPU
+    )
+    asked: list[str] = []
+    read_entry = store._index.read_entry
+
+    def counting(key: str) -> object:
+        asked.append(key)
+        return read_entry(key)
+
+    monkeypatch.setattr(store._index, "read_entry", counting)
+    try:
+        yield store, asked
+    finally:
+        await store.close()
+        shutil.rmtree(f"/dev/shm/epd-test-{tag}.cuda-index", ignore_errors=True)
+
+
+async def _until_due(store: CudaStore, keys: list[str]) -> None:
+    """Wait (bounded) until ``keys`` have expired in the index and their look-ups are due."""
+    due = max(store._producer.held[k].due for k in keys)
+    for _ in range(400):
+        if time.monotonic() >= due and not any([await store.exists(k) for k in keys]):
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"{keys} did not expire")
+
+
+async def test_sweep_looks_up_only_the_due_entries(
+    counted_store: tuple[CudaStore, list[str]],
+) -> None:
+    store, asked = counted_store
+    for i in range(2000):
+        await store.put(f"long-{i}", torch.ones(4), ttl_s=600)
+    short = [f"short-{i}" for i in range(20)]
+    for k in short:
+        await store.put(k, torch.ones(4), ttl_s=0.05)
+    forever = [f"forever-{i}" for i in range(3)]
+    for k in forever:
+        await store.put(k, torch.ones(4))
+    await _until_due(store, short)
+    asked.clear()
+    assert await store.sweep() == 20  # grace_s=0: freed at once
+    assert sorted(asked) == sorted(short)  # not one of the 2003 live entries was looked up
+    assert store.stats()["held"] == 2003
+    asked.clear()
+    assert await store.sweep() == 0 and asked == []  # nothing due any more
+    # The full check (run when the chunks are full, in a worker thread) looks at everything,
+    # and finds a no-TTL entry another process deleted.
+    await store._index.delete("forever-0")
+    assert await store.sweep(full=True) == 1
+    assert len(asked) == 2003 and store.stats()["held"] == 2002
+
+
+async def test_sweep_follows_touches(counted_store: tuple[CudaStore, list[str]]) -> None:
+    store, asked = counted_store
+    for k in ("mine", "theirs", "gone"):
+        await store.put(k, torch.ones(4), ttl_s=0.05)
+    await store.touch("mine", 600)  # through this handle: next look-up at the new expiry
+    await store._index.touch("theirs", 600)  # another process: found live when due
+    await _until_due(store, ["gone"])
+    await asyncio.sleep(max(0.0, store._producer.held["theirs"].due - time.monotonic()))
+    asked.clear()
+    assert await store.sweep() == 1
+    assert sorted(asked) == ["gone", "theirs"]
+    assert sorted(store._producer.held) == ["mine", "theirs"]
+    asked.clear()
+    assert await store.sweep() == 0 and asked == []  # "theirs" waits for its new expiry
+    await store.delete("mine")  # through this handle: retired at once, no look-up
+    assert await store.sweep() == 1 and asked == []
+
+
+# --- readers drop the chunks of producers the index no longer names ---------------------------
+
+
+def _foreign(producer: bytes, chunk: bytes) -> bytes:
+    """An index record naming another process's (shareable) chunk."""
+    share = ChunkShare(chunk * 16, 0, b"h" * 64, 4096, 0, b"/torch_1", 0, b"", False)
+    return encode_record(IndexRecord(producer * 16, 1, share, 256, 16, "float32", (4,)))
+
+
+async def test_reader_drops_chunks_of_producers_gone_from_the_index(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Foreign records in the index; opening their chunks is faked (no CUDA IPC on CPU)."""
+    opened: list[bytes] = []
+    bufs: dict[bytes, weakref.ref[torch.Tensor]] = {}
+
+    def fake_open(share: ChunkShare) -> torch.Tensor:
+        opened.append(share.chunk_id)
+        buf = torch.zeros(share.storage_size_bytes, dtype=torch.uint8)
+        bufs[share.chunk_id] = weakref.ref(buf)
+        return buf
+
+    collected: list[int] = []
+    monkeypatch.setattr(cuda_mod, "_open", fake_open)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: collected.append(1))
+    tag = uuid.uuid4().hex[:12]
+    store = CudaStore(f"cuda://epd-test-{tag}?chunk_mb=1&sweep_interval_s=0", device=CPU)
+    index = store._index
+    try:
+        await index.put_bytes("a1", _foreign(b"A", b"a"), 600)  # producer A, chunk a
+        await index.put_bytes("a2", _foreign(b"A", b"a"), 600)
+        await index.put_bytes("b1", _foreign(b"B", b"b"), 600)  # producer B, chunk b
+        for k in ("a1", "a2", "b1", "a1"):
+            assert torch.equal(await store.get(k), torch.zeros(4))
+        assert opened == [b"a" * 16, b"b" * 16]  # each chunk opened once
+        assert store.stats()["opened_producers"] == 2 and store.stats()["opened_chunks"] == 2
+        # A's entries leave the index (deleted, or overwritten by another producer): the next
+        # read drops A's chunk, keeps B's, and asks CUDA to release what was unmapped.
+        await index.delete("a1")
+        await index.put_bytes("a2", _foreign(b"C", b"c"), 600)
+        await store.get("b1")
+        assert store.stats()["opened_producers"] == 1 and store.stats()["opened_chunks"] == 1
+        gc.collect()
+        assert bufs[b"a" * 16]() is None and bufs[b"b" * 16]() is not None
+        assert collected == [1]
+        # A producer that still has an entry is kept; one dropped too early is just reopened.
+        await store.get("a2")  # now C's
+        await index.put_bytes("a3", _foreign(b"A", b"a"), 600)
+        await store.get("a3")
+        assert opened == [b"a" * 16, b"b" * 16, b"c" * 16, b"a" * 16]
+        await store.sweep()
+        assert store.stats()["opened_producers"] == 3  # A, B and C all have live entries
+    finally:
+        await store.close()
+        shutil.rmtree(f"/dev/shm/epd-test-{tag}.cuda-index", ignore_errors=True)
 
 
 # --- on a GPU ----------------------------------------------------------------------------------

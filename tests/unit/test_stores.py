@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import shutil
 import socket
@@ -17,7 +18,7 @@ import textwrap
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis.asyncio as aioredis
@@ -176,7 +177,7 @@ async def test_multi_tensor_entry_refuses_other_values(store: EmbeddingStore) ->
         await store.get_tensors("single")
     blob = pack_tensors({"embeds": TENSORS["fp32"], "deepstack": TENSORS["fp32"] * 2})
     blob[-1] ^= 0x01
-    await store.put_bytes("torn", blob)
+    await store.put_bytes("torn", bytes(blob))
     with pytest.raises(StoreCorrupt, match="digest"):
         await store.get_tensors("torn")
     with pytest.raises(StoreKeyMissing):
@@ -778,3 +779,117 @@ async def test_wire_protocol_garbage_is_a_connection_error() -> None:
     finally:
         conn.close()
         b.close()
+
+
+# --- redis: the wire client's direct receive of big GET values ---------------------------------
+
+
+class _SplitLoop:
+    """The running loop, except that each receive returns at most a few bytes (sizes taken in
+    turn from ``sizes``), so a reply arrives in many pieces: header and final CRLF included."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sizes: tuple[int, ...]) -> None:
+        self._loop, self._sizes, self.recvs = loop, itertools.cycle(sizes), 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loop, name)
+
+    async def sock_recv_into(self, sock: socket.socket, buf: Any) -> int:
+        self.recvs += 1
+        return await self._loop.sock_recv_into(sock, memoryview(buf)[: next(self._sizes)])
+
+
+@contextlib.asynccontextmanager
+async def _wire_conn(
+    stream: bytes, sizes: tuple[int, ...] | None = None
+) -> AsyncIterator[tuple[wire.WireConnection, _SplitLoop | None]]:
+    """A wire connection over a socket pair whose far end sends ``stream`` (then stays open);
+    the test body must finish within 10 s (a reply lost or swallowed would hang it)."""
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    split = _SplitLoop(loop, sizes) if sizes else None
+    conn = wire.WireConnection(a, cast(asyncio.AbstractEventLoop, split or loop))
+    sender = asyncio.create_task(loop.sock_sendall(b, stream))
+    try:
+        async with asyncio.timeout(10):
+            yield conn, split
+            await sender
+    finally:
+        sender.cancel()
+        conn.close()
+        b.close()
+
+
+def _bulk(payload: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(payload), payload)
+
+
+@pytest.mark.parametrize("sizes", [None, (1, 2, 3, 7, 4093, 1 << 16)], ids=["whole", "split"])
+@pytest.mark.parametrize(
+    "n", [0, 10, wire._DIRECT_MIN - 1, wire._DIRECT_MIN, wire._DIRECT_MIN + 1, 3 << 20 | 5]
+)
+async def test_wire_bulk_reply_around_the_direct_threshold(
+    n: int, sizes: tuple[int, ...] | None
+) -> None:
+    """Values from the threshold up are received in place (a bytearray of their own), shorter
+    ones through hiredis (bytes); either way the bytes are right and the stream stays in step."""
+    payload = os.urandom(n)
+    async with _wire_conn(_bulk(payload) + b":7\r\n", sizes) as (conn, split):
+        value = await conn.bulk_reply()
+        assert value == payload
+        assert type(value) is (bytearray if n >= wire._DIRECT_MIN else bytes)
+        assert await conn.reply() == 7  # the reply after it was not swallowed
+    if split is not None and n >= wire._DIRECT_MIN:
+        assert split.recvs > 5  # it really came in pieces
+
+
+@pytest.mark.parametrize("sizes", [None, (1,)], ids=["whole", "bytewise"])
+async def test_wire_bulk_reply_error_and_nil_go_to_hiredis(sizes: tuple[int, ...] | None) -> None:
+    stream = b"-WRONGTYPE Operation against a key\r\n$-1\r\n" + _bulk(b"x" * wire._DIRECT_MIN)
+    async with _wire_conn(stream, sizes) as (conn, _):
+        err = await conn.bulk_reply()
+        assert type(err) is rexc.ResponseError and "WRONGTYPE" in str(err)
+        assert await conn.bulk_reply() is None
+        assert await conn.bulk_reply() == b"x" * wire._DIRECT_MIN
+
+
+@pytest.mark.parametrize(
+    "stream",
+    [
+        b"$70000\r\n" + b"x" * 70_000 + b"XY",  # no CRLF after the payload
+        b"$70000\r\n" + b"x" * 1000,  # the server hangs up part-way
+        b"$12345678901234567890123456789\r\n",  # a header too long to be one
+    ],
+    ids=["bad-terminator", "closed-mid-value", "long-header"],
+)
+async def test_wire_bulk_reply_bad_stream_is_a_connection_error(stream: bytes) -> None:
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    conn = wire.WireConnection(a, loop)
+    try:
+        b.sendall(stream)  # fits the socket buffer
+        b.shutdown(socket.SHUT_WR)
+        with pytest.raises(rexc.ConnectionError):
+            async with asyncio.timeout(10):
+                await conn.bulk_reply()
+    finally:
+        conn.close()
+        b.close()
+
+
+async def test_redis_wire_get_around_the_direct_threshold(
+    redis_pair: tuple[RedisStore, aioredis.Redis, str],
+) -> None:
+    """Against the real server: values either side of the threshold come back whole."""
+    store, client, prefix = redis_pair
+    pool = store.wire_pool
+    assert pool is not None
+    for n in (wire._DIRECT_MIN - 1, wire._DIRECT_MIN, wire._DIRECT_MIN + 1, (5 << 20) + 3):
+        payload = os.urandom(n)
+        await client.set(f"{prefix}raw-{n}", payload, px=60_000)
+        assert await wire.get(pool, f"{prefix}raw-{n}".encode()) == payload
+    assert await wire.get(pool, f"{prefix}absent".encode()) is None
+    assert pool.opened == 1
