@@ -11,6 +11,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from producers.fanout import FanOut, FanoutStats
 from producers.render import ImageInput, Renderer
 from producers.video import VideoInput
@@ -77,16 +79,26 @@ class Submitter:
     async def wait(
         self, request_id: str, timeout_s: float = 120.0, poll_s: float = 0.02
     ) -> dict[str, Any]:
-        """Poll the status record until it is terminal; TimeoutError after ``timeout_s``."""
+        """Poll the status record until it is terminal; TimeoutError after ``timeout_s``.
+
+        A Redis that cannot be read for a while (restarting, frozen) does not end the wait: the
+        request is still running, so the poll goes on until the timeout."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         delay = poll_s
+        rec: dict[str, Any] | None = None
+        unreadable: RedisError | None = None
         while True:
-            rec = await self.status.get(request_id)
+            try:
+                rec = await self.status.get(request_id)
+                unreadable = None
+            except RedisError as exc:
+                unreadable = exc
             if rec is not None and rec["status"] in TERMINAL_STATUSES:
                 return rec
             if loop.time() >= deadline:
                 state = rec["status"] if rec else "unknown"
-                raise TimeoutError(f"request {request_id} still {state} after {timeout_s}s")
+                why = f" (Redis unreadable: {unreadable!r})" if unreadable else ""
+                raise TimeoutError(f"request {request_id} still {state} after {timeout_s}s{why}")
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, 0.25)

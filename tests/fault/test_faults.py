@@ -121,7 +121,10 @@ async def outcomes(run: LocalRun, ids: list[str]) -> dict[str, dict]:
         *(run.submitter.wait(r, timeout_s=WAIT_S) for r in ids), return_exceptions=True
     )
     pairs = zip(ids, recs, strict=True)
-    return {r: (rec if isinstance(rec, dict) else {"status": "lost"}) for r, rec in pairs}
+    return {
+        r: (rec if isinstance(rec, dict) else {"status": "lost", "error": repr(rec)[:200]})
+        for r, rec in pairs
+    }
 
 
 def figures(name: str, ids: list[str], got: dict[str, dict], **extra: object) -> dict:
@@ -133,6 +136,7 @@ def figures(name: str, ids: list[str], got: dict[str, dict], **extra: object) ->
         "completed": len(done),
         "lost": len(lost),
         "other": {r: got[r]["status"] for r in ids if r not in done and r not in lost},
+        "lost_errors": sorted({got[r].get("error", "") for r in lost}),
         **extra,
     }
     print(f"\nfault figures: {fig}")
