@@ -67,10 +67,11 @@ class Sizes:
     hits: int
     events: int
     hops: int
+    idle_s: float
 
 
-QUICK = Sizes(warmup=2, misses=6, hits=3, events=40, hops=5)
-FULL = Sizes(warmup=4, misses=40, hits=15, events=200, hops=20)
+QUICK = Sizes(warmup=2, misses=6, hits=3, events=40, hops=5, idle_s=2.0)
+FULL = Sizes(warmup=4, misses=40, hits=15, events=200, hops=20, idle_s=10.0)
 
 
 def _redis_db_url(redis_url: str) -> str:
@@ -419,6 +420,7 @@ async def _cleanup_redis(redis_url: str, prefix: str) -> int:
 
 
 async def _run(settings: Any, sizes: Sizes, log_dir: Path, prefix: str) -> dict[str, Any]:
+    from bench.worker_profile import WorkerProfiler, idle_cpu
     from epd.local_pipeline import local_pipeline
     from schemas.topics import Topics
 
@@ -428,7 +430,17 @@ async def _run(settings: Any, sizes: Sizes, log_dir: Path, prefix: str) -> dict[
         async with local_pipeline(settings, spawn_workers=True, log_dir=log_dir) as run:
             run_settings = run.settings
             startup_s = time.perf_counter() - t0
-            overhead, renders = await _overhead(run, sizes)
+            assert run.workers is not None
+            pids = {f"{kind}-{i}": p.pid for i, (kind, p, _) in enumerate(run.workers.procs)}
+            # Where the overhead goes: each worker sampled by py-spy while the requests run.
+            profiler = WorkerProfiler(pids, log_dir / "profiles")
+            profiler.start()
+            try:
+                overhead, renders = await _overhead(run, sizes)
+            finally:
+                profile = await asyncio.to_thread(profiler.stop)
+            # ...and what waiting costs: CPU of the idle workers (fetch polls, heartbeats).
+            idle = await asyncio.to_thread(idle_cpu, pids, sizes.idle_s)
             throughput = await _throughput(run, renders, sizes.events)
             hops = await _hops(run.settings, sizes.hops)
     finally:
@@ -439,6 +451,12 @@ async def _run(settings: Any, sizes: Sizes, log_dir: Path, prefix: str) -> dict[
         "startup_s": sig(startup_s),
         "overhead": overhead,
         "kafka_hop": hops,
+        "worker_idle_cpu_pct": {
+            "what": f"% of one core each worker used over {sizes.idle_s:g} s with no requests",
+            "fetch_max_wait_ms": run_settings.kafka_fetch_max_wait_ms if run_settings else None,
+            **idle,
+        },
+        "profile": profile,
         "throughput": throughput,
     }
 

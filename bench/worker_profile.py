@@ -1,0 +1,120 @@
+"""Where worker time goes: py-spy samples of worker processes, and their CPU at idle.
+
+``WorkerProfiler`` runs ``py-spy record`` (raw, collapsed stacks; idle threads left out) against
+each worker process while a benchmark drives it, and summarises the samples per worker: the
+functions most often on CPU themselves (``self``) and the project's own functions most often on
+the stack (``inclusive``). Without ``py-spy`` on PATH (or in the venv) it says so and measures
+nothing. ``idle_cpu`` reads ``/proc`` CPU time of idle workers over a few seconds: the cost of
+waiting (fetch polls, heartbeats) beside the latency it buys.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import sig
+
+SAMPLE_RATE_HZ = 200
+TOP = 12
+OWN_PACKAGES = ("/runtime/", "/producers/", "/consumers/", "/gpu_workers/", "/schemas/", "/epd/")
+
+
+def py_spy() -> str | None:
+    """The py-spy binary: beside this interpreter (the venv) or on PATH."""
+    here = Path(sys.executable).with_name("py-spy")
+    return str(here) if here.exists() else shutil.which("py-spy")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """Each process's CPU use in % of one core over ``seconds`` of doing nothing."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    time.sleep(seconds)
+    return {
+        name: sig(100 * (cpu_seconds(pid) - before[name]) / seconds) for name, pid in pids.items()
+    }
+
+
+def _frame_name(frame: str) -> str:
+    """``func (path/to/file.py:123)`` -> ``func (file.py)``: lines merged, paths shortened."""
+    func, _, where = frame.partition(" (")
+    path = where.rstrip(")").rsplit(":", 1)[0]
+    return f"{func} ({Path(path).name})" if path else func
+
+
+def summarize(raw: str) -> dict[str, Any]:
+    """Self and inclusive shares (% of samples) from py-spy's raw collapsed-stack output."""
+    own_self: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count_s = line.rpartition(" ")
+        if not stack or not count_s.isdigit():
+            continue
+        n = int(count_s)
+        frames = stack.split(";")
+        total += n
+        own_self[_frame_name(frames[-1])] += n
+        for name in {_frame_name(f) for f in frames if any(p in f for p in OWN_PACKAGES)}:
+            inclusive[name] += n
+
+    def top(c: Counter[str]) -> list[list[Any]]:
+        return [[name, sig(100 * n / total)] for name, n in c.most_common(TOP)] if total else []
+
+    return {"samples": total, "self_pct": top(own_self), "inclusive_pct": top(inclusive)}
+
+
+@dataclass
+class WorkerProfiler:
+    """py-spy on each of ``pids`` between :meth:`start` and :meth:`stop`."""
+
+    pids: dict[str, int]
+    out_dir: Path
+    _procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = field(default_factory=dict)
+    skipped: str | None = None
+
+    def start(self) -> None:
+        exe = py_spy()
+        if exe is None:
+            self.skipped = "py-spy not installed (pip install py-spy)"
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        for name, pid in self.pids.items():
+            path = self.out_dir / f"{name}.raw"
+            cmd = [exe, "record", "-p", str(pid), "-r", str(SAMPLE_RATE_HZ), "-f", "raw"]
+            cmd += ["-o", str(path), "--nonblocking"]
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            self._procs[name] = (proc, path)
+
+    def stop(self) -> dict[str, Any]:
+        """Stop sampling (py-spy writes its file on SIGINT) and summarise each worker."""
+        if self.skipped:
+            return {"skipped": self.skipped}
+        out: dict[str, Any] = {"sample_rate_hz": SAMPLE_RATE_HZ}
+        for name, (proc, path) in self._procs.items():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            try:
+                _, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            if path.exists():
+                out[name] = {**summarize(path.read_text()), "raw": str(path)}
+            else:
+                out[name] = {"error": err.decode(errors="replace").strip()[-300:]}
+        return out

@@ -1,0 +1,32 @@
+"""The benchmark profiler's pure parts: summarising py-spy samples, CPU time from /proc."""
+
+from __future__ import annotations
+
+import os
+
+from bench.worker_profile import cpu_seconds, idle_cpu, summarize
+
+RAW = """\
+<module> (/x/epd/cli.py:10);run (/x/consumers/loop.py:300);handle (/x/gpu_workers/prefill.py:200);greedy_decode (/x/gpu_workers/compute.py:50);linear (/site/torch/nn.py:1) 6
+<module> (/x/epd/cli.py:10);run (/x/consumers/loop.py:300);_fetch (/x/consumers/loop.py:420);recv (/usr/lib/socket.py:5) 3
+<module> (/x/epd/cli.py:10);run (/x/consumers/loop.py:301);handle (/x/gpu_workers/prefill.py:210);apply (/x/runtime/status_store.py:90) 1
+not a sample line
+"""
+
+
+def test_summarize_gives_self_and_own_inclusive_shares() -> None:
+    s = summarize(RAW)
+    assert s["samples"] == 10
+    assert s["self_pct"][0] == ["linear (nn.py)", 60.0]
+    inclusive = dict((name, pct) for name, pct in s["inclusive_pct"])
+    # lines of one function are merged; library frames are not in the inclusive list
+    assert inclusive["run (loop.py)"] == 100.0
+    assert inclusive["handle (prefill.py)"] == 70.0
+    assert "recv (socket.py)" not in inclusive and "linear (nn.py)" not in inclusive
+    assert summarize("") == {"samples": 0, "self_pct": [], "inclusive_pct": []}
+
+
+def test_cpu_seconds_and_idle_cpu_of_a_real_process() -> None:
+    assert cpu_seconds(os.getpid()) > 0
+    got = idle_cpu({"me": os.getpid()}, 0.2)
+    assert set(got) == {"me"} and got["me"] >= 0
