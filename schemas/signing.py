@@ -10,6 +10,7 @@ function, so the ``mm_hash`` it labels an item with is that same hash).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -141,11 +142,33 @@ def processor_digest(processor_config: Mapping[str, Any]) -> bytes:
     return blake3.blake3(canonical.encode()).digest()
 
 
+DIGEST_MEMO_ATTR = "_epd_blake3"
+"""Attribute a digested tensor carries: (its version counter when hashed, the digest)."""
+
+
 def tensor_digest(t: torch.Tensor) -> str:
     """blake3 hex of a tensor's raw little-endian C-order bytes: the ``TensorRef.digest`` of it.
 
-    Hashes a view of the tensor's memory (no copy of the bytes), multithreaded when large.
+    Hashes a view of the tensor's memory (no copy of the bytes), multithreaded when large. The
+    digest is remembered on the tensor object with its version counter, so hashing the same,
+    unmodified tensor again (the renderer hashed it, then the fan-out in the same process) is
+    free; an in-place change bumps the counter and is hashed anew. A tensor decoded from the
+    wire is a new object: it is always hashed.
     """
+    try:
+        version = t._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter: never remembered
+        return _digest(t)
+    memo = getattr(t, DIGEST_MEMO_ATTR, None)
+    if memo is not None and memo[0] == version:
+        return str(memo[1])
+    digest = _digest(t)
+    with contextlib.suppress(AttributeError, RuntimeError):  # a tensor that takes no attribute
+        setattr(t, DIGEST_MEMO_ATTR, (version, digest))
+    return digest
+
+
+def _digest(t: torch.Tensor) -> str:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()

@@ -111,3 +111,20 @@ def test_tensor_digest_of_any_wire_dtype(dtype: torch.dtype) -> None:
         tensor_digest(t.transpose(0, 2))
         == blake3.blake3(tensor_bytes(t.transpose(0, 2))).hexdigest()
     )
+
+
+def test_tensor_digest_is_remembered_until_the_tensor_changes() -> None:
+    from schemas.signing import DIGEST_MEMO_ATTR, tensor_digest
+
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    first = tensor_digest(t)
+    assert getattr(t, DIGEST_MEMO_ATTR)[1] == first
+    assert tensor_digest(t) == first
+    t[0, 0] = 99.0  # in place: the version counter moves, the digest is computed anew
+    changed = tensor_digest(t)
+    assert changed != first and changed == tensor_digest(t.clone())
+    # a copy (what a decoder makes) is hashed on its own and agrees
+    assert tensor_digest(t.clone()) == changed
+    with torch.inference_mode():
+        frozen = torch.ones(4)
+        assert tensor_digest(frozen) == tensor_digest(torch.ones(4))
