@@ -255,7 +255,7 @@ async def test_permanent_and_exhausted_failures_go_to_dlq(settings: Settings) ->
     }
     down, hdr = letters["always-down"]
     assert (down.error.code, down.attempts, down.offset) == ("retries_exhausted", 3, 0)
-    assert "store unreachable" in down.error.message
+    assert "handler keeps failing" in down.error.message
     assert hdr["epd-error-attempts"] == b"3"
     assert letters["poison"][0].error.code == "expired"
     assert letters["poison"][0].attempts == 1
