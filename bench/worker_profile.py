@@ -11,6 +11,7 @@ waiting (fetch polls, heartbeats) beside the latency it buys.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,7 +26,12 @@ from bench.common import sig
 
 SAMPLE_RATE_HZ = 200
 TOP = 12
-OWN_PACKAGES = ("/runtime/", "/producers/", "/consumers/", "/gpu_workers/", "/schemas/", "/epd/")
+OWN_FRAME = re.compile(
+    r"\((?:.*/)?(?:runtime|producers|consumers|gpu_workers|schemas|epd)/[^/]+\.py:"
+)
+"""A frame of the project's own code: py-spy names files relative to sys.path or in full."""
+ENTRY_FRAME = re.compile(r"\((?:.*/)?epd/(?:cli|commands/worker)\.py:")
+"""The process's entry point, on every stack: not worth a line of the summary."""
 
 
 def py_spy() -> str | None:
@@ -69,7 +75,8 @@ def summarize(raw: str) -> dict[str, Any]:
         frames = stack.split(";")
         total += n
         own_self[_frame_name(frames[-1])] += n
-        for name in {_frame_name(f) for f in frames if any(p in f for p in OWN_PACKAGES)}:
+        own = {_frame_name(f) for f in frames if OWN_FRAME.search(f) and not ENTRY_FRAME.search(f)}
+        for name in own:
             inclusive[name] += n
 
     def top(c: Counter[str]) -> list[list[Any]]:

@@ -6,12 +6,18 @@ import os
 
 from bench.worker_profile import cpu_seconds, idle_cpu, summarize
 
-RAW = """\
-<module> (/x/epd/cli.py:10);run (/x/consumers/loop.py:300);handle (/x/gpu_workers/prefill.py:200);greedy_decode (/x/gpu_workers/compute.py:50);linear (/site/torch/nn.py:1) 6
-<module> (/x/epd/cli.py:10);run (/x/consumers/loop.py:300);_fetch (/x/consumers/loop.py:420);recv (/usr/lib/socket.py:5) 3
-<module> (/x/epd/cli.py:10);run (/x/consumers/loop.py:301);handle (/x/gpu_workers/prefill.py:210);apply (/x/runtime/status_store.py:90) 1
-not a sample line
-"""
+RAW = "\n".join(
+    [
+        "<module> (/x/epd/cli.py:10);run (/x/consumers/loop.py:300);"
+        "handle (/x/gpu_workers/prefill.py:200);greedy_decode (/x/gpu_workers/compute.py:50);"
+        "linear (/site/torch/nn.py:1) 6",
+        "<module> (/x/epd/cli.py:10);run (/x/consumers/loop.py:300);"
+        "_fetch (/x/consumers/loop.py:420);recv (/usr/lib/socket.py:5) 3",
+        "<module> (epd/cli.py:10);run (consumers/loop.py:301);"
+        "handle (gpu_workers/prefill.py:210);apply (runtime/status_store.py:90) 1",
+        "not a sample line",
+    ]
+)
 
 
 def test_summarize_gives_self_and_own_inclusive_shares() -> None:
@@ -23,6 +29,7 @@ def test_summarize_gives_self_and_own_inclusive_shares() -> None:
     assert inclusive["run (loop.py)"] == 100.0
     assert inclusive["handle (prefill.py)"] == 70.0
     assert "recv (socket.py)" not in inclusive and "linear (nn.py)" not in inclusive
+    assert "<module> (cli.py)" not in inclusive  # the entry point is on every stack
     assert summarize("") == {"samples": 0, "self_pct": [], "inclusive_pct": []}
 
 
