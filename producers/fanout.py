@@ -337,30 +337,38 @@ class FanOut:
         return FanoutPlan(encode=encode, prefill=prefill, cached=cached, claim_bytes=claim_bytes)
 
     async def publish(self, ev: RenderEvent, *, foreign_labels: bool = False) -> FanoutStats:
-        """Plan, then send the encode events with the stage update, then the prefill event."""
+        """Plan, record the stage update, then send it, the encode events and the prefill event."""
         publisher = self.publisher
         if publisher is None:
             raise RuntimeError("FanOut.publish needs a publisher")
         t0 = now_ms()
         plan = await self.plan(ev, foreign_labels=foreign_labels)
-        # The request's "encoding" (or, all cached, "prefilling") status is acknowledged before
-        # the prefill event is sent: a prefill worker can only report "prefilling" after it has
-        # the event, so the results partition always holds the statuses in their real order and
-        # a client streaming events never misses one. It travels with the encode events (all in
-        # flight at once, so an encoder can start while the prefill event is on its way).
-        report = ResultReporter(publisher, self.topics.results, "fanout", record=self.record)(
+        reporter = ResultReporter(publisher, self.topics.results, "fanout", record=self.record)
+        update = reporter.update(
             ev.request_id,
             "encoding" if plan.encode else "prefilling",
             timings={"fanout": float(now_ms() - t0)},
             info={"encode_events": str(len(plan.encode)), "cache_hits": str(len(plan.cached))},
         )
-        _, encode_sizes = await asyncio.gather(
-            report,
-            asyncio.gather(
-                *(publisher.send(self.topics.encode, enc.mm_hash, enc) for enc in plan.encode)
-            ),
+        encodes = asyncio.gather(
+            *(publisher.send(self.topics.encode, enc.mm_hash, enc) for enc in plan.encode)
         )
-        prefill_bytes = await publisher.send(self.topics.prefill, ev.request_id, plan.prefill)
+        # The request's "encoding" (or, all cached, "prefilling") status must be recorded before
+        # any prefill worker can record "prefilling", or a client streaming the statuses never
+        # sees it; a prefill worker only can once it has the prefill event.
+        if self.record is not None:
+            # The record first (one Redis transaction); then every record goes out at once.
+            await reporter.write_through(update)
+            _, encode_sizes, prefill_bytes = await asyncio.gather(
+                reporter.send(update),
+                encodes,
+                publisher.send(self.topics.prefill, ev.request_id, plan.prefill),
+            )
+        else:
+            # No record at hand: the results topic holds the order, so the update is
+            # acknowledged (with the encode events, all in flight) before the prefill event.
+            _, encode_sizes = await asyncio.gather(reporter.send(update), encodes)
+            prefill_bytes = await publisher.send(self.topics.prefill, ev.request_id, plan.prefill)
         stats = FanoutStats(
             encode_events=len(plan.encode),
             cache_hits=len(plan.cached),

@@ -330,12 +330,41 @@ class ResultReporter:
         info: dict[str, str] | None = None,
     ) -> None:
         """Publish one update for ``request_id`` (keyed by it, so a request stays ordered)."""
-        rid = self.result_id(request_id, self.stage, status)
+        event = self.update(
+            request_id,
+            status,
+            token_ids=token_ids,
+            text=text,
+            error=error,
+            timings=timings,
+            info=info,
+        )
+        if self.record is None:
+            await self.send(event)
+            return
+        # Both must be done before the caller goes on: the caller's next update (or the event
+        # it publishes next) must not overtake this one in the record.
+        await asyncio.gather(self.send(event), self.write_through(event))
+
+    def update(
+        self,
+        request_id: str,
+        status: str,
+        *,
+        token_ids: list[int] | None = None,
+        text: str | None = None,
+        error: ErrorInfo | None = None,
+        timings: dict[str, float] | None = None,
+        info: dict[str, str] | None = None,
+    ) -> ResultEvent:
+        """The ResultEvent of one update of this stage (with the active trace's id in ``info``),
+        for callers that send it and write it through separately (:meth:`send`,
+        :meth:`write_through`)."""
         info = dict(info or {})
         trace_id = current_trace_id()
         if trace_id is not None:
             info.setdefault("trace_id", trace_id)  # the request's trace, on its status record
-        event = ResultEvent(
+        return ResultEvent(
             request_id=request_id,
             stage=self.stage,
             status=status,
@@ -346,15 +375,18 @@ class ResultReporter:
             info=info,
             worker=self.worker,
         )
-        send = self.publisher.send(
-            self.topic, request_id, event, headers=[(self.RESULT_ID_HEADER, rid.encode())]
+
+    async def send(self, event: ResultEvent) -> None:
+        """Publish ``event`` to the results topic, keyed by its request, with its result id."""
+        rid = self.result_id(event.request_id, self.stage, event.status)
+        await self.publisher.send(
+            self.topic, event.request_id, event, headers=[(self.RESULT_ID_HEADER, rid.encode())]
         )
-        if self.record is None:
-            await send
-            return
-        # Both must be done before the caller goes on: the caller's next update (or the event
-        # it publishes next) must not overtake this one in the record.
-        await asyncio.gather(send, self._write_through(event))
+
+    async def write_through(self, event: ResultEvent) -> None:
+        """Fold ``event`` into the status record now (nothing without a ``record`` writer)."""
+        if self.record is not None:
+            await self._write_through(event)
 
     async def _write_through(self, event: ResultEvent) -> None:
         assert self.record is not None

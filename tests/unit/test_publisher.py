@@ -127,3 +127,30 @@ async def test_result_reporter_writes_through_to_the_record_and_survives_its_fai
     await ResultReporter(pub, "t.results", "prefill", "w1", record=broken)("req-8", "failed")
     assert [r.event().status for r in pub.records] == ["failed"]  # type: ignore[union-attr]
     assert "write-through of req-8 failed failed" in caplog.text
+
+
+async def test_fanout_records_its_status_before_the_prefill_event_goes(renderer: Renderer) -> None:
+    settings = Settings(
+        topic_prefix=f"unit-{uuid.uuid4().hex[:8]}",
+        ec_namespace="ec-unit",
+        ec_secret=SecretStr("unit-secret"),
+        inline_limit_bytes=1 << 30,
+    )
+    topics = Topics(settings.topic_prefix)
+    pub = InMemoryPublisher()
+    sent_when_recorded: list[list[str]] = []
+
+    async def record(ev: ResultEvent) -> bool:
+        sent_when_recorded.append([r.topic for r in pub.records])
+        return True
+
+    store = LocalStore(f"local://pub-{uuid.uuid4().hex[:8]}")
+    fanout = build_fanout(settings, store, renderer.info, pub, record=record)
+    ev = renderer.render("req-r", prompt="<image>", images=[synthetic_image(84, 56, seed=3)])
+    await fanout.publish(ev)
+    # the record holds "encoding" before a prefill worker could have the event...
+    assert len(sent_when_recorded) == 1 and topics.prefill not in sent_when_recorded[0]
+    # ...and then every record went out: the status, the encode event, the prefill event
+    assert sorted(r.topic for r in pub.records) == sorted(
+        [topics.encode, topics.results, topics.prefill]
+    )
