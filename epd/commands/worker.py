@@ -300,10 +300,13 @@ async def run_worker(
     from consumers.loop import ConsumeLoop, ConsumerConfig
     from consumers.reporting import dead_letter_reporter
     from runtime.kafka import KafkaPublisher, ensure_topics, transactional_id
+    from schemas.codec import get_codec
 
     stage = STAGES[kind]
     topics = Topics(settings.topic_prefix)
     settings.require_signing(kind)  # no real EPD_EC_SECRET: refuse, unless EPD_ALLOW_UNSIGNED
+    # The codec's schemas and converters are built now, not by the first event's decode.
+    await asyncio.to_thread(get_codec)
     await ensure_topics(settings, topics.all())
     # Transactional: the handlers publish with the loop's transactional producer, so their
     # outputs commit (or abort) together with the batch's offsets.
