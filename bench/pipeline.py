@@ -81,6 +81,27 @@ def _redis_db_url(redis_url: str) -> str:
     return f"redis://{auth}{p.hostname or '127.0.0.1'}:{p.port or 6379}/{REDIS_DB}"
 
 
+def pipeline_settings(redis_url: str | None) -> tuple[Any, str]:
+    """Settings for a benchmark pipeline (tiny model on CPU, Redis DB 11) and its unique prefix:
+    topics, status records and embeddings all live under it and are deleted afterwards."""
+    from runtime.settings import Settings
+
+    env = Settings()
+    db_url = _redis_db_url(redis_url or env.redis_url)
+    prefix = f"bench-{uuid.uuid4().hex[:12]}"
+    settings = env.model_copy(
+        update={
+            "redis_url": db_url,
+            "store_url": f"{db_url}?key_prefix={prefix}:",
+            # local_pipeline appends a run id: status keys land under the same prefix.
+            "topic_prefix": prefix,
+            "model": "tiny",
+            "device": "cpu",
+        }
+    )
+    return settings, prefix
+
+
 def _ms_stats(samples: list[float]) -> dict[str, float | int]:
     """p50/p90/mean in ms. No min: parts stamped in whole ms can legitimately be 0 once."""
     s = Stats(samples)
@@ -465,21 +486,7 @@ def run(
     *, quick: bool = False, out: Path | None = None, redis_url: str | None = None
 ) -> dict[str, Any]:
     """Run the pipeline on loopback and return the report block (needs Kafka and Redis)."""
-    from runtime.settings import Settings
-
-    env = Settings()
-    db_url = _redis_db_url(redis_url or env.redis_url)
-    prefix = f"bench-{uuid.uuid4().hex[:12]}"
-    settings = env.model_copy(
-        update={
-            "redis_url": db_url,
-            "store_url": f"{db_url}?key_prefix={prefix}:",
-            # local_pipeline appends a run id: status keys land under the same prefix.
-            "topic_prefix": prefix,
-            "model": "tiny",
-            "device": "cpu",
-        }
-    )
+    settings, prefix = pipeline_settings(redis_url)
     sizes = QUICK if quick else FULL
     log_dir = (out / "pipeline-logs") if out else Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     res = asyncio.run(_run(settings, sizes, log_dir, prefix))

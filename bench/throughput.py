@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import sys
 import tempfile
 import time
@@ -47,7 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Stats, budget, headroom, quantile, sig
-from bench.pipeline import PROMPT, REDIS_DB, _cleanup_redis, _delete_topics, _redis_db_url
+from bench.pipeline import PROMPT, REDIS_DB, _cleanup_redis, _delete_topics, pipeline_settings
+from bench.worker_profile import cpu_seconds
 
 SIDES = (224, 448, 1024)
 MAX_TOKENS = 4
@@ -69,15 +69,6 @@ class Sizes:
 
 QUICK = Sizes(requests=4, concurrency=4, sides=(224,), isolated=2)
 FULL = Sizes(requests=24, concurrency=8, sides=SIDES, isolated=3)
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _workers(*groups: Any) -> list[tuple[str, int]]:
@@ -183,7 +174,7 @@ async def _cell(
     prefill_ms = Stats(isolated).min  # compute alone, as for the vision tower
     images = [seeds.image(side) for _ in range(sizes.requests)]  # made before the clock starts
     pids = _workers(*groups)
-    cpu0 = {name: _cpu_s(pid) for name, pid in pids}
+    cpu0 = {name: cpu_seconds(pid) for name, pid in pids}
     sem = asyncio.Semaphore(sizes.concurrency)
 
     async def one(image: Any) -> float:
@@ -194,7 +185,7 @@ async def _cell(
     t0 = time.perf_counter()
     latencies = await asyncio.gather(*(one(img) for img in images))
     wall = time.perf_counter() - t0
-    cpu = {name: sig((_cpu_s(pid) - cpu0[name]) / wall) for name, pid in pids}
+    cpu = {name: sig((cpu_seconds(pid) - cpu0[name]) / wall) for name, pid in pids}
     n = sizes.requests
     busy_s = {
         "encode_each": n / encode_workers * vision_ms / 1000,
@@ -289,20 +280,7 @@ def run(
     *, quick: bool = False, out: Path | None = None, redis_url: str | None = None
 ) -> dict[str, Any]:
     """Run the throughput cells and return the report block (needs Kafka and Redis)."""
-    from runtime.settings import Settings
-
-    env = Settings()
-    db_url = _redis_db_url(redis_url or env.redis_url)
-    prefix = f"bench-{uuid.uuid4().hex[:12]}"
-    settings = env.model_copy(
-        update={
-            "redis_url": db_url,
-            "store_url": f"{db_url}?key_prefix={prefix}:",
-            "topic_prefix": prefix,
-            "model": "tiny",
-            "device": "cpu",
-        }
-    )
+    settings, prefix = pipeline_settings(redis_url)
     sizes = QUICK if quick else FULL
     log_dir = (
         (out / "throughput-logs") if out else Path(tempfile.mkdtemp(prefix="bench-throughput-"))
@@ -310,7 +288,7 @@ def run(
     try:
         res = asyncio.run(_run(settings, sizes, log_dir))
     finally:
-        asyncio.run(_cleanup_redis(db_url, prefix))
+        asyncio.run(_cleanup_redis(settings.redis_url, prefix))
     cells = res["cells"]
     worst_eff = min(c["efficiency"] for c in cells)
     return {

@@ -41,8 +41,11 @@ def py_spy() -> str | None:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far (``/proc/<pid>/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    """User + system CPU seconds of ``pid`` so far (``/proc/<pid>/stat``; 0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
