@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``epd`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from epd.commands.bench import run_bench
+
+        return run_bench(argv[1:])  # python -m bench parses its own options (--help included)
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)

@@ -1,37 +1,38 @@
 """``epd bench [NAME ...] [--quick] [--json FILE]``: the side-by-side benchmarks of ``bench/``.
 
-The same command, options and JSON document as ``python -m bench`` (both come from
-``bench/__main__.py``); the soak stays ``python -m bench soak`` / ``make soak``.
+The very same command as ``python -m bench`` (options, JSON document, exit status): ``epd`` runs
+it in a child interpreter with the arguments as given. ``bench`` sits above ``epd`` (its
+pipeline benchmarks start local pipelines), so ``epd`` never imports it.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from bench.__main__ import BENCHMARKS, add_arguments
-
     p = sub.add_parser(
         "bench",
         help="run the benchmarks against DESIGN.md's budgets and print one JSON document",
         description=(
-            "Side-by-side benchmarks against DESIGN.md's budgets "
-            f"({', '.join(BENCHMARKS)}); stdout is one JSON document, progress goes to stderr."
+            "Side-by-side benchmarks against DESIGN.md's budgets: the same options and JSON "
+            "as `python -m bench` (`epd bench --help` shows them, and the benchmark names)."
         ),
+        add_help=False,
     )
-    add_arguments(p)
-    p.set_defaults(func=run, _parser=p)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="python -m bench's arguments")
+    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit 0 when every selected benchmark ran, 1 when one raised (or, with ``--check``,
-    missed its budget), 2 for an unknown benchmark name."""
-    from bench.__main__ import BENCHMARKS, run_selected, unknown_names
+    """``python -m bench`` with the given arguments (see :func:`run_bench`)."""
+    return run_bench(args.bench_args)
 
-    unknown = unknown_names(args.names)
-    if unknown:
-        args._parser.error(
-            f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}"
-        )
-    return run_selected(args)
+
+def run_bench(argv: list[str]) -> int:
+    """``python -m bench ARGV``: 0 when every selected benchmark ran, 1 when one raised (or,
+    with ``--check``, missed its budget), 2 for an unknown name or option. ``epd``'s own parser
+    never sees these arguments (``epd.cli.main`` hands them over as they are)."""
+    return subprocess.call([sys.executable, "-m", "bench", *argv])
