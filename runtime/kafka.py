@@ -384,12 +384,10 @@ class ResultReporter:
         )
 
     async def write_through(self, event: ResultEvent) -> None:
-        """Fold ``event`` into the status record now (nothing without a ``record`` writer)."""
-        if self.record is not None:
-            await self._write_through(event)
-
-    async def _write_through(self, event: ResultEvent) -> None:
-        assert self.record is not None
+        """Fold ``event`` into the status record now (nothing without a ``record`` writer); a
+        failure is only logged: the results topic still carries the update."""
+        if self.record is None:
+            return
         try:
             # Bounded: a frozen Redis must not hold the stage up; the topic carries the update.
             await asyncio.wait_for(self.record(event), self.WRITE_THROUGH_TIMEOUT_S)
