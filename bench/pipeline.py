@@ -81,6 +81,20 @@ def _redis_db_url(redis_url: str) -> str:
     return f"redis://{auth}{p.hostname or '127.0.0.1'}:{p.port or 6379}/{REDIS_DB}"
 
 
+async def render_request(run: Any, image: Any, salt: str) -> Any:
+    """The benchmarks' request: ``PROMPT`` with one image, ``MAX_TOKENS`` new tokens, rendered
+    by the run's own renderer (a new request id each time)."""
+    from schemas.types import SamplingParams
+
+    return await run.submitter.renderer.render_async(
+        uuid.uuid4().hex,
+        prompt=PROMPT,
+        images=[image],
+        sampling=SamplingParams(max_tokens=MAX_TOKENS),
+        cache_salt=salt,
+    )
+
+
 def pipeline_settings(redis_url: str | None) -> tuple[Any, str]:
     """Settings for a benchmark pipeline (tiny model on CPU, Redis DB 11) and its unique prefix:
     topics, status records and embeddings all live under it and are deleted afterwards."""
@@ -170,16 +184,8 @@ def _vision_ms(bundle: Any, ev: Any, repeat: int = 3) -> float:
 
 async def _one_request(run: Any, bundle: Any, image: Any, salt: str) -> dict[str, float]:
     """Submit one request, wait for it alone, return its timings in ms."""
-    from schemas.types import SamplingParams
-
     t0 = time.perf_counter()
-    ev = await run.submitter.renderer.render_async(
-        uuid.uuid4().hex,
-        prompt=PROMPT,
-        images=[image],
-        sampling=SamplingParams(max_tokens=MAX_TOKENS),
-        cache_salt=salt,
-    )
+    ev = await render_request(run, image, salt)
     render_ms = (time.perf_counter() - t0) * 1000
     start_ms = time.time() * 1000
     await run.submitter.submit_rendered(ev)

@@ -43,15 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine_facts, quantile, sig
-from bench.pipeline import REDIS_DB, _cleanup_redis, _delete_topics, _redis_db_url
+from bench.pipeline import REDIS_DB, _cleanup_redis, _delete_topics, _redis_db_url, render_request
 
 KINDS = ("results", "encode", "prefill", "router")
 SMALL_SIDE = 56
 """Tiny-model image with 16 patches (~75 KB of fp32 pixels): travels inline."""
 LARGE_SIDE = 224
 """Tiny-model image with 1.2 MB of fp32 pixels: above the default 256 KiB inline limit."""
-MAX_TOKENS = 4
-PROMPT = "Describe <image> briefly."
 POLL_S = 0.005
 REQUEST_TIMEOUT_S = 120.0
 REPEAT_POOL = 4
@@ -217,17 +215,9 @@ async def _await_terminal(run: Any, request_id: str) -> dict[str, Any]:
 
 async def _one_request(run: Any, image: Any, salt: str, c: Counters) -> None:
     """Render, submit and wait for one request; count its outcome and latency."""
-    from schemas.types import SamplingParams
-
     t0 = time.perf_counter()
     try:
-        ev = await run.submitter.renderer.render_async(
-            uuid.uuid4().hex,
-            prompt=PROMPT,
-            images=[image],
-            sampling=SamplingParams(max_tokens=MAX_TOKENS),
-            cache_salt=salt,
-        )
+        ev = await render_request(run, image, salt)
         await run.submitter.submit_rendered(ev)
         rec = await _await_terminal(run, ev.request_id)
         if rec["status"] != "completed":

@@ -46,11 +46,18 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Stats, budget, headroom, quantile, sig
-from bench.pipeline import PROMPT, REDIS_DB, _cleanup_redis, _delete_topics, pipeline_settings
+from bench.pipeline import (
+    MAX_TOKENS,
+    PROMPT,
+    REDIS_DB,
+    _cleanup_redis,
+    _delete_topics,
+    pipeline_settings,
+    render_request,
+)
 from bench.worker_profile import cpu_seconds
 
 SIDES = (224, 448, 1024)
-MAX_TOKENS = 4
 REQUEST_TIMEOUT_S = 180.0
 MIN_EFFICIENCY = 0.5
 """Reported against, not a DESIGN.md number: DESIGN asks for the figure, not a threshold."""
@@ -73,7 +80,7 @@ FULL = Sizes(requests=24, concurrency=8, sides=SIDES, isolated=3)
 
 def _workers(*groups: Any) -> list[tuple[str, int]]:
     """``(kind-index, pid)`` of every live worker in the ``WorkerProcesses`` groups."""
-    out = []
+    out: list[tuple[str, int]] = []
     for group in groups:
         for kind, proc, _ in group.procs:
             out.append((f"{kind}#{len(out)}", proc.pid))
@@ -104,16 +111,8 @@ async def _wait_terminal(notifier: Any, request_id: str) -> tuple[dict[str, Any]
 
 async def _request(run: Any, notifier: Any, image: Any, salt: str) -> tuple[float, dict[str, Any]]:
     """Render, submit and wait for one request; (latency s, terminal record)."""
-    from schemas.types import SamplingParams
-
     t0 = time.perf_counter()
-    ev = await run.submitter.renderer.render_async(
-        uuid.uuid4().hex,
-        prompt=PROMPT,
-        images=[image],
-        sampling=SamplingParams(max_tokens=MAX_TOKENS),
-        cache_salt=salt,
-    )
+    ev = await render_request(run, image, salt)
     await run.submitter.submit_rendered(ev)
     rec, seen = await _wait_terminal(notifier, ev.request_id)
     if rec["status"] != "completed":
