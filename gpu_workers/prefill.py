@@ -11,6 +11,7 @@ steps.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import socket
@@ -154,6 +155,9 @@ class PrefillWorker:
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"prefill@{socket.gethostname()}"
         self.vconfig = worker_validation(settings, bundle)
+        # A redelivery of a finished request is checked too, but its entries' expiry is not
+        # judged: arriving late is no offence there (nothing runs).
+        self._replay_vconfig = dataclasses.replace(self.vconfig, now_ms=None)
         self.bounds = Bounds.for_model(settings, bundle)
         self.report = ResultReporter(
             publisher, self.topics.results, "prefill", self.worker_id, record=record
@@ -180,7 +184,9 @@ class PrefillWorker:
         record = await self.request_state(ev.request_id) if self.request_state else None
         if record is not None and record.terminal:
             # A redelivery (crash before the offset commit, rebalance): the outcome is out
-            # already, and a second terminal event would only be folded away downstream.
+            # already, and a second terminal event would only be folded away downstream. An
+            # unsafe event is still refused (to the DLQ), whatever state its request is in.
+            validate_prefill_event(ev, self._replay_vconfig)
             self.skipped += 1
             log.info("%s: %s is already %s; skipped", self.worker_id, ev.request_id, record.status)
             return

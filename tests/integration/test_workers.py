@@ -721,6 +721,11 @@ async def test_a_replayed_prefill_event_is_skipped_once_the_request_is_terminal(
         assert (await status.get(ev.request_id))["status"] == "completed"
         # The same event again, as a redelivery after a crash before the commit would bring it.
         await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
+        # An unsafe event for the finished request is not skipped quietly: it is refused (DLQ).
+        unsafe = dataclasses.replace(p.prefill, ec_transfer_params={})
+        with pytest.raises(ValidationError) as refused:
+            await asyncio.wait_for(prefill.handle(wire(unsafe)), HANG_GUARD_S)
+        assert refused.value.rule == "ec-transfer-required"
     finally:
         await prefill.close()
     assert (prefill.completed, prefill.skipped) == (1, 1)
