@@ -30,7 +30,7 @@ from gpu_workers.compute import (
     vocab_size,
 )
 from gpu_workers.entries import fetch_outputs, items_from_features, worker_validation
-from runtime.kafka import ResultReporter, StatusWriter
+from runtime.kafka import RequestUpdates, ResultReporter, StatusWriter
 from runtime.settings import Settings
 from runtime.stores.base import StoreTimeout, StoreUnavailable
 from schemas.errors import ValidationError
@@ -180,8 +180,22 @@ class PrefillWorker:
 
     async def handle(self, ev: PrefillEvent) -> None:
         """Run one request to completion (or to a clear failure)."""
+        updates = RequestUpdates(self.report, ev.request_id)
+        try:
+            await self._run(ev, updates)
+        except BaseException:
+            await updates.abandon()
+            raise
+        await updates.flush()
+
+    async def _run(self, ev: PrefillEvent, updates: RequestUpdates) -> None:
         started = now_ms()
-        record = await self.request_state(ev.request_id) if self.request_state else None
+        # Two independent reads, one round trip: the record (a redelivery of a finished
+        # request?) and the cancel flag.
+        record, cancelled = await asyncio.gather(
+            self.request_state(ev.request_id) if self.request_state else _none(),
+            self._is_cancelled(ev.request_id),
+        )
         if record is not None and record.terminal:
             # A redelivery (crash before the offset commit, rebalance): the outcome is out
             # already, and a second terminal event would only be folded away downstream. An
@@ -194,58 +208,66 @@ class PrefillWorker:
         # event would otherwise fail validation as ec-expired (rejected) instead of expiring.
         # Nothing is read or run on this path.
         if ev.deadline_ms is not None and started >= ev.deadline_ms:
-            await self.report(
-                ev.request_id,
-                "expired",
-                error=ErrorInfo("expired", "deadline passed before prefill"),
+            await updates.now(
+                "expired", error=ErrorInfo("expired", "deadline passed before prefill")
             )
             return
         validate_prefill_event(ev, self.vconfig)
         check_bounds(ev, self.bounds)
-        if await self._cancelled(ev.request_id, "before prefill"):
+        if cancelled:
+            await self._report_cancelled(updates, "skipped before prefill")
             return
-        await self.report(ev.request_id, "prefilling")
+        # Progress updates go out in the background: the request does not wait for the
+        # broker's acknowledgement or the record write before its own work.
+        updates.soon("prefilling")
         hashes = dict.fromkeys(h for _, _, h in ev.features.items())
         keys = {h: ev.ec_transfer_params[h].key for h in hashes}
         timeout = self.embedding_wait_s
         if ev.deadline_ms is not None:
             timeout = max(0.0, min(timeout, (ev.deadline_ms - now_ms()) / 1000))
         t_wait = time.perf_counter()
-        if await self._lost(ev, keys):
-            return
-        try:
-            await self.store.wait(list(keys.values()), timeout)
-        except StoreUnavailable:
-            # Redis went away under the wait. If it came back without the embeddings, say so
-            # now rather than after a retry's full wait; otherwise the consume loop retries.
-            if await self._lost(ev, keys):
+        admission_ms = float(now_ms() - started)
+        ready = await self._ready(ev, keys, updates)
+        if ready is None:
+            return  # lost: reported
+        if not ready:
+            try:
+                await self.store.wait(list(keys.values()), timeout)
+            except StoreUnavailable:
+                # Redis went away under the wait. If it came back without the embeddings, say
+                # so now rather than after a retry's full wait; otherwise the loop retries.
+                if await self._ready(ev, keys, updates) is None:
+                    return
+                raise
+            except StoreTimeout as exc:
+                missing_keys = set(exc.missing)
+                missing = [h for h, k in keys.items() if k in missing_keys]
+                # Name the first missing item (modality and index), as every rejection does.
+                modality, index = next(
+                    ((m, i) for m, i, h in ev.features.items() if keys[h] in missing_keys),
+                    (None, None),
+                )
+                await updates.now(
+                    "failed" if ev.deadline_ms is None or now_ms() < ev.deadline_ms else "expired",
+                    error=ErrorInfo(
+                        "embeddings-missing",
+                        f"embeddings for {len(missing)} item(s) not in the store after "
+                        f"{timeout:.1f}s: " + ", ".join(h[:16] for h in missing),
+                        modality=modality,
+                        item=index,
+                    ),
+                )
                 return
-            raise
-        except StoreTimeout as exc:
-            missing_keys = set(exc.missing)
-            missing = [h for h, k in keys.items() if k in missing_keys]
-            # Name the first missing item (modality and index), as every other rejection does.
-            modality, index = next(
-                ((m, i) for m, i, h in ev.features.items() if keys[h] in missing_keys),
-                (None, None),
-            )
-            await self.report(
-                ev.request_id,
-                "failed" if ev.deadline_ms is None or now_ms() < ev.deadline_ms else "expired",
-                error=ErrorInfo(
-                    "embeddings-missing",
-                    f"embeddings for {len(missing)} item(s) not in the store after {timeout:.1f}s: "
-                    + ", ".join(h[:16] for h in missing),
-                    modality=modality,
-                    item=index,
-                ),
-            )
-            return
-        # Each entry holds all of an item's encoder outputs (embedding, deepstack features).
-        outputs = await fetch_outputs(self.store, list(keys.values()), self.bundle.family)
+        # Each entry holds all of an item's encoder outputs (embedding, deepstack features);
+        # the cancel flag is read in the same round trip.
+        outputs, cancelled = await asyncio.gather(
+            fetch_outputs(self.store, list(keys.values()), self.bundle.family),
+            self._is_cancelled(ev.request_id),
+        )
         wait_ms = (time.perf_counter() - t_wait) * 1000
         items = items_from_features(ev.features, dict(zip(keys, outputs, strict=True)))
-        if await self._cancelled(ev.request_id, "before compute"):
+        if cancelled:
+            await self._report_cancelled(updates, "skipped before compute")
             return
         t_compute = time.perf_counter()
         loop = asyncio.get_running_loop()
@@ -263,9 +285,9 @@ class PrefillWorker:
 
         try:
             state = await loop.run_in_executor(self._executor, run_prefill)
-            # Reported from the loop between the two compute calls, so the update is out before
-            # decoding starts (a thread decoding thousands of steps would hold it up).
-            await self.report(rid, "decoding")
+            # Started from the loop between the two compute calls, so it goes out while the
+            # thread decodes (a thread decoding thousands of steps would otherwise hold it up).
+            updates.soon("decoding")
             tokens = await loop.run_in_executor(
                 self._executor,
                 lambda: greedy_decode(
@@ -279,11 +301,10 @@ class PrefillWorker:
                 ),
             )
         except DecodeStopped as stopped:
-            await self._report_cancelled(rid, f"stopped after {len(stopped.tokens)} tokens")
+            await self._report_cancelled(updates, f"stopped after {len(stopped.tokens)} tokens")
             return
         except DeadlineExceeded as exc:
-            await self.report(
-                rid,
+            await updates.now(
                 "expired",
                 token_ids=exc.tokens,
                 error=ErrorInfo("expired", f"deadline passed during prefill/decode: {exc}"),
@@ -292,30 +313,34 @@ class PrefillWorker:
         compute_ms = (time.perf_counter() - t_compute) * 1000
         text = str(self.bundle.tokenizer.decode(tokens, skip_special_tokens=True))
         self.completed += 1
-        await self.report(
-            ev.request_id,
+        await updates.now(
             "completed",
             token_ids=tokens,
             text=text,
             timings={
                 "queue": float(started - ev.created_ms),
+                "admission": admission_ms,
                 "embedding_wait": wait_ms,
                 "prefill_decode": compute_ms,
                 "total": float(now_ms() - ev.created_ms),
             },
         )
 
-    async def _lost(self, ev: PrefillEvent, keys: dict[str, str]) -> bool:
-        """True (and reported ``failed``/``embedding-lost``) when an embedding the request
-        needs cannot come any more (the record is read only when something is missing)."""
-        if self.request_state is None:
-            return False
+    async def _ready(
+        self, ev: PrefillEvent, keys: dict[str, str], updates: RequestUpdates
+    ) -> bool | None:
+        """Whether every embedding is in the store already (True: nothing to wait for), or
+        may still come (False: wait for it, also when the store cannot tell); None when one
+        cannot come any more, which is reported (``failed``, ``embedding-lost``). The record is
+        read only when something is missing."""
         try:
             present = await asyncio.gather(*(self.store.exists(k) for k in keys.values()))
         except StoreUnavailable:
             return False  # cannot tell; the wait (or its retry) decides
         missing = [h for h, ok in zip(keys, present, strict=True) if not ok]
         if not missing:
+            return True
+        if self.request_state is None:
             return False
         state = await self.request_state(ev.request_id, since=True)
         lost = embeddings_lost(missing, state, ev.created_ms)
@@ -334,8 +359,7 @@ class PrefillWorker:
             ((m, i) for m, i, h in ev.features.items() if h in lost), (None, None)
         )
         self.lost += 1
-        await self.report(
-            ev.request_id,
+        await updates.now(
             "failed",
             error=ErrorInfo(
                 "embedding-lost",
@@ -346,21 +370,22 @@ class PrefillWorker:
                 item=index,
             ),
         )
-        return True
+        return None
 
-    async def _cancelled(self, request_id: str, where: str) -> bool:
-        """True (and reported) when the request was cancelled: its work is skipped."""
-        if self.cancel is None or not await self.cancel.is_cancelled(request_id):
-            return False
-        await self._report_cancelled(request_id, f"skipped {where}")
-        return True
+    async def _is_cancelled(self, request_id: str) -> bool:
+        """Whether the request was cancelled (False without a cancel watch)."""
+        return self.cancel is not None and await self.cancel.is_cancelled(request_id)
 
-    async def _report_cancelled(self, request_id: str, what: str) -> None:
+    async def _report_cancelled(self, updates: RequestUpdates, what: str) -> None:
         self.cancelled += 1
-        await self.report(
-            request_id,
+        await updates.now(
             "cancelled",
             error=ErrorInfo("cancelled", f"cancelled: {what}"),
             # info survives in the record even though the API's cancel was the terminal status
             info={"prefill.cancelled": what},
         )
+
+
+async def _none() -> None:
+    """An awaitable None (a read this worker was not given)."""
+    return None

@@ -343,8 +343,9 @@ class ResultReporter:
             await self.send(event)
             return
         # Both must be done before the caller goes on: the caller's next update (or the event
-        # it publishes next) must not overtake this one in the record.
-        await asyncio.gather(self.send(event), self.write_through(event))
+        # it publishes next) must not overtake this one in the record. The record first: it is
+        # what a waiting client sees.
+        await asyncio.gather(self.write_through(event), self.send(event))
 
     def update(
         self,
@@ -398,3 +399,54 @@ class ResultReporter:
                 event.status,
                 exc,
             )
+
+
+class RequestUpdates:
+    """One request's updates from one stage, kept in order, without holding the stage up.
+
+    :meth:`soon` starts a progress update (``prefilling``, ``decoding``) in the background:
+    the stage goes on with its work while the broker acknowledges it and the record takes it.
+    Each update waits for the one before it, so the record and the results topic see them in
+    the order they were made; :meth:`now` (an outcome) waits for every earlier one first.
+    A background update that failed raises from the next :meth:`now` or :meth:`flush`, so the
+    consume loop retries the event exactly as if the update had failed in place.
+    """
+
+    def __init__(self, reporter: ResultReporter, request_id: str) -> None:
+        self.reporter = reporter
+        self.request_id = request_id
+        self._last: asyncio.Task[None] | None = None
+
+    def soon(self, status: str, **fields: Any) -> None:
+        """Start one update after the earlier ones; return at once."""
+        before = self._last
+
+        async def send_after() -> None:
+            if before is not None:
+                await before
+            await self.reporter(self.request_id, status, **fields)
+
+        self._last = asyncio.create_task(send_after())
+
+    async def now(self, status: str, **fields: Any) -> None:
+        """One update, sent and recorded before this returns (earlier ones first)."""
+        await self.flush()
+        await self.reporter(self.request_id, status, **fields)
+
+    async def flush(self) -> None:
+        """Wait for every update started so far; raise the first failure among them."""
+        last, self._last = self._last, None
+        if last is not None:
+            await last
+
+    async def abandon(self) -> None:
+        """The stage failed or is being cancelled: end the updates still in flight quietly
+        (a retry of the event sends them again; the record folds repeats away)."""
+        last, self._last = self._last, None
+        if last is None or last.done():
+            if last is not None and not last.cancelled():
+                last.exception()  # retrieved: the stage's own failure is the one that matters
+            return
+        last.cancel()
+        with contextlib.suppress(BaseException):
+            await last

@@ -4,7 +4,8 @@ Besides the record itself (``{prefix}:status:{id}``, JSON, with a TTL), every st
 is appended to a per-request Redis stream (``{prefix}:status-events:{id}``: the history that
 Server-Sent Events replay and resume from) and announced on one pub/sub channel
 (``{prefix}:status-notify``, message = request id), so long-polls and event streams wake on a
-notification instead of polling. All three writes happen in the same MULTI as the record.
+notification instead of polling. An update is one server-side compare-and-set script that
+writes all three with the record, atomically, in one round trip.
 
 Cancellation also lives here, because every floor above needs it: the API marks a request
 cancelled (``{prefix}:cancel:{id}`` + a message on ``{prefix}:cancel``), and workers ask a
@@ -24,7 +25,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, WatchError
+from redis.exceptions import RedisError
 
 from schemas.types import TERMINAL_STATUSES, ErrorInfo, ResultEvent, now_ms
 
@@ -90,6 +91,31 @@ def new_record(request_id: str, created_ms: int | None = None) -> dict[str, Any]
     }
 
 
+# KEYS: record, its event stream, the in-flight set. ARGV: the record text the fold started
+# from ("" = no record), the new text, TTL s, the stream entry ("" = the status did not
+# change), the notify channel, the stream's cap, "1" when terminal, the request id.
+# Returns {1} once written, or {0, text Redis holds} when the start was stale.
+_CAS_SCRIPT = """
+local current = redis.call('GET', KEYS[1])
+if (current or '') ~= ARGV[1] then return {0, current} end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+if ARGV[4] ~= '' then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'data', ARGV[4])
+    redis.call('EXPIRE', KEYS[2], ARGV[3])
+    if ARGV[7] == '1' then redis.call('ZREM', KEYS[3], ARGV[8]) end
+    redis.call('PUBLISH', ARGV[5], ARGV[8])
+end
+return {1}
+"""
+
+
+def _text(raw: Any) -> str | None:
+    """A record's text as the client returned it (bytes or str), or None."""
+    if raw is None:
+        return None
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
 def _event_entry(rec: dict[str, Any], stage: str) -> str:
     """The JSON of one status change as it is kept in the request's event stream."""
     entry: dict[str, Any] = {
@@ -111,10 +137,15 @@ class StatusStore:
     CONNECTION_RETRIES = 3
     """Tries of one update over connections Redis dropped (stale after a Redis restart)."""
 
+    REMEMBER = 4096
+    """Records this process last saw, kept as the starting guess of its next update."""
+
     def __init__(self, client: aioredis.Redis, *, prefix: str = "epd", ttl_s: int = 3600) -> None:
         self.client = client
         self.prefix = prefix
         self.ttl_s = ttl_s
+        self._cas = client.register_script(_CAS_SCRIPT)
+        self._known: OrderedDict[str, str] = OrderedDict()
 
     def key(self, request_id: str) -> str:
         return f"{self.prefix}:status:{request_id}"
@@ -135,8 +166,8 @@ class StatusStore:
 
     async def get(self, request_id: str) -> dict[str, Any] | None:
         """The status record of a request, or None when unknown or expired."""
-        raw = await self.client.get(self.key(request_id))
-        return json.loads(raw) if raw else None
+        text = await self._read(request_id)
+        return json.loads(text) if text else None
 
     def _queue_change(self, pipe: Any, rec: dict[str, Any], stage: str) -> None:
         """Queue the stream entry, its TTL and the notification of one status change."""
@@ -161,8 +192,10 @@ class StatusStore:
         rec.update(fields)
         rec["stages"]["api:queued"] = rec["created_ms"]
         rec["updated_ms"] = rec["created_ms"]
-        if not await self.client.set(self.key(request_id), json.dumps(rec), ex=self.ttl_s, nx=True):
+        text = json.dumps(rec)
+        if not await self.client.set(self.key(request_id), text, ex=self.ttl_s, nx=True):
             return False
+        self._remember(request_id, text)
         async with self.client.pipeline(transaction=True) as pipe:
             self._queue_change(pipe, rec, "api")
             await pipe.execute()
@@ -187,36 +220,77 @@ class StatusStore:
         change: Callable[[dict[str, Any] | None], dict[str, Any] | None],
         stage: str = "api",
     ) -> bool:
+        """Fold ``change`` into the record with one compare-and-set script per try.
+
+        The script writes only if the record still holds the text the fold started from, and
+        otherwise answers with the text it holds, so the common case is one round trip (a
+        WATCH transaction took three). The starting text is this process's last sight of the
+        record (:attr:`_known`), else "no record"; a wrong guess costs one more try, never a
+        lost update. A guess that says "nothing to change" is checked against Redis first.
+        """
         key = self.key(request_id)
+        expected, verified = self._known.get(request_id), False
         dropped = 0
-        async with self.client.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    await pipe.watch(key)
-                    raw = await pipe.get(key)
-                    old = json.loads(raw) if raw else None
-                    old_status = old["status"] if old else None
-                    rec = change(old)
-                    if rec is None:
-                        await pipe.unwatch()
-                        return False
-                    pipe.multi()
-                    pipe.set(key, json.dumps(rec), ex=self.ttl_s)
-                    if rec["status"] != old_status:
-                        self._queue_change(pipe, rec, stage)
-                    await pipe.execute()
-                    return True
-                except WatchError:
-                    continue  # another writer changed the record; fold again on the new value
-                except RedisConnectionError:
-                    # A pooled connection Redis dropped (a restart): redis-py does not retry a
-                    # WATCH, so take a fresh connection and fold again. Safe even if the EXEC
-                    # went through: the same update folds as a duplicate.
-                    dropped += 1
-                    if dropped >= self.CONNECTION_RETRIES:
-                        raise
-                    await pipe.reset()
-                    await asyncio.sleep(0.05 * dropped)
+        while True:
+            old = json.loads(expected) if expected else None
+            old_status = old["status"] if old else None  # before: ``change`` may edit ``old``
+            rec = change(old)
+            if rec is None:
+                if verified:
+                    return False
+                # A remembered record may be older than Redis's (or gone): look before
+                # concluding there is nothing to do.
+                expected, verified = await self._read(request_id), True
+                continue
+            text = json.dumps(rec)
+            entry = _event_entry(rec, stage) if rec["status"] != old_status else ""
+            try:
+                reply = await self._cas(
+                    keys=[key, self.events_key(request_id), self.inflight_key],
+                    args=[
+                        expected or "",
+                        text,
+                        self.ttl_s,
+                        entry,
+                        self.notify_channel,
+                        STREAM_MAXLEN,
+                        "1" if rec["status"] in TERMINAL_STATUSES else "",
+                        request_id,
+                    ],
+                )
+            except RedisConnectionError:
+                # A pooled connection Redis dropped (a restart): fold again on a fresh one.
+                # Safe even if the script ran: the same update folds as a duplicate.
+                dropped += 1
+                if dropped >= self.CONNECTION_RETRIES:
+                    raise
+                await asyncio.sleep(0.05 * dropped)
+                expected, verified = await self._read(request_id), True
+                continue
+            if int(reply[0]) == 1:
+                self._remember(request_id, text)
+                return True
+            # Another writer got there first: fold again on what Redis holds.
+            current = reply[1] if len(reply) > 1 else None
+            expected = _text(current)
+            verified = True
+            self._remember(request_id, expected)
+
+    async def _read(self, request_id: str) -> str | None:
+        """The record's text as Redis holds it now (remembered for the next update)."""
+        text = _text(await self.client.get(self.key(request_id)))
+        self._remember(request_id, text)
+        return text
+
+    def _remember(self, request_id: str, text: str | None) -> None:
+        known = self._known
+        if text is None:
+            known.pop(request_id, None)
+            return
+        known[request_id] = text
+        known.move_to_end(request_id)
+        while len(known) > self.REMEMBER:
+            known.popitem(last=False)
 
     async def events(self, request_id: str, after: str = "0") -> list[tuple[str, dict[str, Any]]]:
         """Status changes after stream id ``after`` (exclusive), oldest first."""

@@ -67,6 +67,7 @@ async def test_an_item_stored_while_the_record_is_read_is_not_lost() -> None:
     import torch
 
     from gpu_workers.prefill import PrefillWorker
+    from runtime.kafka import RequestUpdates
     from runtime.stores import open_store
 
     store = open_store("local://test-lost-race")
@@ -79,14 +80,18 @@ async def test_an_item_stored_while_the_record_is_read_is_not_lost() -> None:
         await store.put(f"k-{A}", torch.ones(2))  # encoded between the EXISTS and this read
         return RequestState("prefilling", frozenset({A[:12], B[:12]}))
 
-    worker = PrefillWorker.__new__(PrefillWorker)  # only what _lost touches
-    worker.store, worker.report, worker.lost = store, report, 0
+    worker = PrefillWorker.__new__(PrefillWorker)  # only what _ready touches
+    worker.store, worker.lost = store, 0
     worker.request_state = state_after_encode
+    updates = RequestUpdates(report, "r1")  # type: ignore[arg-type]
     ev = _prefill_event([A, B])
     try:
-        assert not await worker._lost(ev, {A: f"k-{A}"})  # A arrived meanwhile: not lost
+        # A arrived meanwhile: not lost, and (still missing when asked) waited for
+        assert await worker._ready(ev, {A: f"k-{A}"}, updates) is False
         assert reports == [] and worker.lost == 0
-        assert await worker._lost(ev, {A: f"k-{A}", B: f"k-{B}"})  # B is still missing: gone
+        assert await worker._ready(ev, {A: f"k-{A}"}, updates) is True  # there: no wait at all
+        # B is still missing after the record said it was encoded: gone
+        assert await worker._ready(ev, {A: f"k-{A}", B: f"k-{B}"}, updates) is None
         assert reports == [("r1", "failed")] and worker.lost == 1
     finally:
         await store.close()

@@ -7,6 +7,7 @@ The same stages run against the real broker in the integration and end-to-end te
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -15,7 +16,7 @@ from pydantic import SecretStr
 from producers.fanout import build_fanout
 from producers.render import Renderer
 from producers.sample_images import synthetic_image
-from runtime.kafka import ResultReporter
+from runtime.kafka import RequestUpdates, ResultReporter
 from runtime.model import load_render_info
 from runtime.publisher import InMemoryPublisher, Publisher
 from runtime.settings import Settings
@@ -127,6 +128,52 @@ async def test_result_reporter_writes_through_to_the_record_and_survives_its_fai
     await ResultReporter(pub, "t.results", "prefill", "w1", record=broken)("req-8", "failed")
     assert [r.event().status for r in pub.records] == ["failed"]  # type: ignore[union-attr]
     assert "write-through of req-8 failed failed" in caplog.text
+
+
+async def test_progress_updates_go_out_in_order_without_holding_the_stage_up() -> None:
+    """``soon`` returns before its update is sent; the record and the topic still get every
+    update in the order it was made, and the outcome only after all of them."""
+    gate = asyncio.Event()
+    order: list[str] = []
+
+    async def slow_record(ev: ResultEvent) -> bool:
+        if ev.status == "prefilling":
+            await gate.wait()  # a slow Redis under the first update
+        order.append(ev.status)
+        return True
+
+    pub = InMemoryPublisher()
+    updates = RequestUpdates(ResultReporter(pub, "t.results", "prefill", record=slow_record), "r")
+    updates.soon("prefilling")
+    updates.soon("decoding")
+    await asyncio.sleep(0.01)
+    assert order == []  # the stage went on; nothing overtook the stuck first update
+    gate.set()
+    await updates.now("completed", token_ids=[1])
+    assert order == ["prefilling", "decoding", "completed"]
+    assert [r.event().status for r in pub.records] == order  # type: ignore[union-attr]
+
+
+async def test_a_failed_progress_update_fails_the_next_step_and_abandon_ends_quietly() -> None:
+    class Down(InMemoryPublisher):
+        async def send(self, *args: object, **kwargs: object) -> int:
+            raise ConnectionError("broker away")
+
+    updates = RequestUpdates(ResultReporter(Down(), "t.results", "prefill"), "r")
+    updates.soon("prefilling")
+    with pytest.raises(ConnectionError):  # raised where the stage waits next, so it retries
+        await updates.now("completed")
+    stuck = asyncio.Event()
+
+    async def never(ev: ResultEvent) -> bool:
+        await stuck.wait()
+        return True
+
+    hung = RequestUpdates(ResultReporter(InMemoryPublisher(), "t", "prefill", record=never), "r")
+    hung.soon("prefilling")
+    await asyncio.sleep(0)
+    await asyncio.wait_for(hung.abandon(), 1)  # cancelled, not awaited forever
+    await hung.flush()  # nothing left
 
 
 async def test_fanout_records_its_status_before_the_prefill_event_goes(renderer: Renderer) -> None:

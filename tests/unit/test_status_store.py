@@ -184,3 +184,53 @@ async def test_collector_applies_one_requests_updates_in_arrival_order(
     history = [e["status"] for _, e in await store.events("o1")]
     assert history == ["prefilling", "decoding", "completed"]
     assert rc.applied == 3 and not rc._order  # nothing kept once a request is idle
+
+
+async def test_a_stale_memory_of_the_record_loses_no_update(store: StatusStore) -> None:
+    """Two writers (a worker and the collector, say), each remembering its own last sight of
+    the record: the compare-and-set refuses the stale one, which folds again on Redis's."""
+    other = StatusStore(store.client, prefix=store.prefix, ttl_s=60)
+    assert await store.apply(ResultEvent("s1", "api", "queued"))
+    assert await other.apply(ResultEvent("s1", "fanout", "encoding", timings={"fanout": 1.0}))
+    # ``store`` still remembers the queued record
+    assert await store.apply(ResultEvent("s1", "prefill", "prefilling", timings={"q": 2.0}))
+    rec = await store.get("s1")
+    assert rec is not None and rec["status"] == "prefilling"
+    assert set(rec["stages"]) == {"api:queued", "fanout:encoding", "prefill:prefilling"}
+    assert rec["timings"] == {"fanout": 1.0, "q": 2.0}
+    events = await store.events("s1")
+    assert [e["status"] for _, e in events] == ["queued", "encoding", "prefilling"]
+    # the duplicate ``other`` now sends is seen as one against Redis, not its memory
+    assert not await other.apply(ResultEvent("s1", "prefill", "prefilling", timings={"q": 2.0}))
+
+
+async def test_a_remembered_record_that_redis_lost_is_written_again(store: StatusStore) -> None:
+    done = ResultEvent("s2", "prefill", "completed", token_ids=[5])
+    assert await store.apply(done)
+    await store.client.delete(store.key("s2"))  # evicted, or Redis restarted empty
+    # The memory says "already folded"; Redis says otherwise, and Redis wins.
+    assert await store.apply(done)
+    rec = await store.get("s2")
+    assert rec is not None and rec["status"] == "completed" and rec["token_ids"] == [5]
+
+
+async def test_an_update_of_a_known_record_is_one_round_trip(store: StatusStore) -> None:
+    calls: list[str] = []
+    real = store.client.execute_command
+
+    async def counting(*args: object, **kwargs: object) -> object:
+        calls.append(str(args[0]))
+        return await real(*args, **kwargs)
+
+    assert await store.admit("s3", 10)
+    assert await store.apply(ResultEvent("s3", "api", "queued"))
+    store.client.execute_command = counting  # type: ignore[method-assign]
+    try:
+        assert await store.apply(ResultEvent("s3", "fanout", "encoding"))
+        assert await store.apply(ResultEvent("s3", "prefill", "completed", token_ids=[1]))
+    finally:
+        del store.client.execute_command
+    assert calls == ["EVALSHA", "EVALSHA"]  # no WATCH, GET, MULTI, EXEC
+    events = await store.events("s3")
+    assert [e["status"] for _, e in events] == ["queued", "encoding", "completed"]
+    assert await store.in_flight() == 0  # the outcome released the request's slot
