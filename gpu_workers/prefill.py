@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from gpu_workers.compute import (
     DeadlineExceeded,
     DecodeStopped,
+    EncoderOutput,
     Prefilled,
     context_length,
     greedy_decode,
@@ -32,7 +33,7 @@ from gpu_workers.compute import (
 from gpu_workers.entries import fetch_outputs, items_from_features, worker_validation
 from runtime.kafka import RequestUpdates, ResultReporter, StatusWriter
 from runtime.settings import Settings
-from runtime.stores.base import StoreTimeout, StoreUnavailable
+from runtime.stores.base import StoreKeyMissing, StoreTimeout, StoreUnavailable
 from schemas.errors import ValidationError
 from schemas.topics import Topics
 from schemas.types import ErrorInfo, PrefillEvent, now_ms
@@ -227,43 +228,33 @@ class PrefillWorker:
             timeout = max(0.0, min(timeout, (ev.deadline_ms - now_ms()) / 1000))
         t_wait = time.perf_counter()
         admission_ms = float(now_ms() - started)
-        ready = await self._ready(ev, keys, updates)
-        if ready is None:
-            return  # lost: reported
-        if not ready:
-            try:
-                await self.store.wait(list(keys.values()), timeout)
-            except StoreUnavailable:
-                # Redis went away under the wait. If it came back without the embeddings, say
-                # so now rather than after a retry's full wait; otherwise the loop retries.
-                if await self._ready(ev, keys, updates) is None:
-                    return
-                raise
-            except StoreTimeout as exc:
-                missing_keys = set(exc.missing)
-                missing = [h for h, k in keys.items() if k in missing_keys]
-                # Name the first missing item (modality and index), as every rejection does.
-                modality, index = next(
-                    ((m, i) for m, i, h in ev.features.items() if keys[h] in missing_keys),
-                    (None, None),
-                )
-                await updates.now(
-                    "failed" if ev.deadline_ms is None or now_ms() < ev.deadline_ms else "expired",
-                    error=ErrorInfo(
-                        "embeddings-missing",
-                        f"embeddings for {len(missing)} item(s) not in the store after "
-                        f"{timeout:.1f}s: " + ", ".join(h[:16] for h in missing),
-                        modality=modality,
-                        item=index,
-                    ),
-                )
-                return
-        # Each entry holds all of an item's encoder outputs (embedding, deepstack features);
-        # the cancel flag is read in the same round trip.
+        key_list = list(keys.values())
+        # Often every embedding is there already (a cache hit, or encoded while this event
+        # travelled): one read fetches them all, with the cancel flag read beside it. Each entry
+        # holds all of an item's encoder outputs (embedding, deepstack features).
         outputs, cancelled = await asyncio.gather(
-            fetch_outputs(self.store, list(keys.values()), self.bundle.family),
-            self._is_cancelled(ev.request_id),
+            self._fetch_present(key_list), self._is_cancelled(ev.request_id)
         )
+        if outputs is None:
+            ready = await self._ready(ev, keys, updates)
+            if ready is None:
+                return  # lost: reported
+            if not ready:
+                try:
+                    await self.store.wait(key_list, timeout)
+                except StoreUnavailable:
+                    # Redis went away under the wait. If it came back without the embeddings,
+                    # say so now rather than after a retry's full wait; else the loop retries.
+                    if await self._ready(ev, keys, updates) is None:
+                        return
+                    raise
+                except StoreTimeout as exc:
+                    await self._report_missing(ev, keys, set(exc.missing), timeout, updates)
+                    return
+            outputs, cancelled = await asyncio.gather(
+                fetch_outputs(self.store, key_list, self.bundle.family),
+                self._is_cancelled(ev.request_id),
+            )
         wait_ms = (time.perf_counter() - t_wait) * 1000
         items = items_from_features(ev.features, dict(zip(keys, outputs, strict=True)))
         if cancelled:
@@ -324,6 +315,39 @@ class PrefillWorker:
                 "prefill_decode": compute_ms,
                 "total": float(now_ms() - ev.created_ms),
             },
+        )
+
+    async def _fetch_present(self, keys: list[str]) -> list[EncoderOutput] | None:
+        """Every entry of ``keys`` if all are in the store now (one read), else None."""
+        try:
+            return await fetch_outputs(self.store, keys, self.bundle.family)
+        except StoreKeyMissing:
+            return None
+
+    async def _report_missing(
+        self,
+        ev: PrefillEvent,
+        keys: dict[str, str],
+        missing_keys: set[str],
+        waited_s: float,
+        updates: RequestUpdates,
+    ) -> None:
+        """The wait ran out: ``failed`` (``expired`` past the deadline), naming the first
+        missing item (modality and index), as every rejection does."""
+        missing = [h for h, k in keys.items() if k in missing_keys]
+        modality, index = next(
+            ((m, i) for m, i, h in ev.features.items() if keys[h] in missing_keys),
+            (None, None),
+        )
+        await updates.now(
+            "failed" if ev.deadline_ms is None or now_ms() < ev.deadline_ms else "expired",
+            error=ErrorInfo(
+                "embeddings-missing",
+                f"embeddings for {len(missing)} item(s) not in the store after {waited_s:.1f}s: "
+                + ", ".join(h[:16] for h in missing),
+                modality=modality,
+                item=index,
+            ),
         )
 
     async def _ready(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -295,16 +296,24 @@ class FanOut:
             it.label: self.ec_transfer(ev.request_id, it.label, it.key_hash, ev.deadline_ms)
             for it in hashed
         }
+
+        async def lookup(it: HashedItem) -> tuple[ItemData, int] | None:
+            """None for a hit; else the item's encode-event data and its claimed bytes."""
+            # A hit must outlive the entry's promise (now + embedding_ttl_s): touch, not exists.
+            if await self.store.touch(params[it.label].key, self.settings.embedding_ttl_s):
+                return None
+            return await self._inline_or_claim(it, ev.deadline_ms)
+
+        # Every item at once: a many-image request costs one store round trip, not one each.
+        found = await asyncio.gather(*(lookup(it) for it in items))
         encode: list[EncodeEvent] = []
         cached: list[str] = []
         claim_bytes = 0
-        for it in items:
-            ec = params[it.label]
-            # A hit must outlive the entry's promise (now + embedding_ttl_s): touch, not exists.
-            if await self.store.touch(ec.key, self.settings.embedding_ttl_s):
+        for it, miss in zip(items, found, strict=True):
+            if miss is None:
                 cached.append(it.label)
                 continue
-            data, claimed = await self._inline_or_claim(it, ev.deadline_ms)
+            data, claimed = miss
             claim_bytes += claimed
             encode.append(
                 EncodeEvent(
@@ -314,7 +323,7 @@ class FanOut:
                     item_index=it.index,
                     mm_hash=it.label,
                     data=data,
-                    ec_transfer=ec,
+                    ec_transfer=params[it.label],
                     deadline_ms=ev.deadline_ms,
                     trace=dict(ev.trace),
                 )
@@ -337,13 +346,25 @@ class FanOut:
         )
         return FanoutPlan(encode=encode, prefill=prefill, cached=cached, claim_bytes=claim_bytes)
 
-    async def publish(self, ev: RenderEvent, *, foreign_labels: bool = False) -> FanoutStats:
-        """Plan, record the stage update, then send it, the encode events and the prefill event."""
+    async def publish(
+        self,
+        ev: RenderEvent,
+        *,
+        foreign_labels: bool = False,
+        after: Awaitable[object] | None = None,
+    ) -> FanoutStats:
+        """Plan, record the stage update, then send it, the encode events and the prefill event.
+
+        ``after``: an earlier write of the request's record (the submitter's ``queued``) that
+        ran beside the planning; it must be done before this stage's update is recorded or
+        anything is sent, and its failure stops the publish."""
         publisher = self.publisher
         if publisher is None:
             raise RuntimeError("FanOut.publish needs a publisher")
         t0 = time.perf_counter()
         plan = await self.plan(ev, foreign_labels=foreign_labels)
+        if after is not None:
+            await after
         reporter = ResultReporter(publisher, self.topics.results, "fanout", record=self.record)
         update = reporter.update(
             ev.request_id,
@@ -351,6 +372,7 @@ class FanOut:
             timings={"fanout": (time.perf_counter() - t0) * 1000},
             info={"encode_events": str(len(plan.encode)), "cache_hits": str(len(plan.cached))},
         )
+        # The encode events go at once: the encoder records nothing a client streams.
         encodes = asyncio.gather(
             *(publisher.send(self.topics.encode, enc.mm_hash, enc) for enc in plan.encode)
         )
@@ -358,7 +380,7 @@ class FanOut:
         # any prefill worker can record "prefilling", or a client streaming the statuses never
         # sees it; a prefill worker only can once it has the prefill event.
         if self.record is not None:
-            # The record first (one Redis transaction); then every record goes out at once.
+            # The record first (one round trip); then the status and prefill records go.
             await reporter.write_through(update)
             _, encode_sizes, prefill_bytes = await asyncio.gather(
                 reporter.send(update),

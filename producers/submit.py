@@ -47,8 +47,17 @@ class Submitter:
                 status="queued",
                 info={"trace_id": trace_id_of(ev.trace[TRACEPARENT]) or ""},
             )
-            await self.status.apply(queued)
-            return await self.fanout.publish(ev)
+            # The record's "queued" is written while the fan-out plans (hashes, store lookups);
+            # the fan-out waits for it before it records or sends anything.
+            recorded = asyncio.ensure_future(self.status.apply(queued))
+            try:
+                return await self.fanout.publish(ev, after=recorded)
+            finally:
+                # The planning failed first: "queued" is still recorded (before the caller
+                # records the failure), and its own error, if any, is the lesser one.
+                await asyncio.wait([recorded])
+                if not recorded.cancelled():
+                    recorded.exception()
 
     async def submit(
         self,

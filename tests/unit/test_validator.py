@@ -701,3 +701,21 @@ def test_worker_gate_is_strict_and_pinned_whatever_the_setting() -> None:
 
     cfg = ValidationConfig.for_worker(Settings(validation_mode="vllm"), "fp1")
     assert (cfg.mode, cfg.model_fingerprint) == ("strict", "fp1")
+
+
+def test_all_finite_takes_the_fast_sum_only_when_it_settles_the_question() -> None:
+    from schemas.validator import all_finite
+
+    t = torch.randn(64, 32)
+    assert all_finite(t)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        u = t.clone()
+        u[7, 3] = bad
+        assert not all_finite(u)
+    both = t.clone()
+    both[0, 0], both[1, 1] = float("inf"), float("-inf")  # their sum is NaN, not a finite value
+    assert not all_finite(both)
+    # Large finite values overflow the sum; the exact test still says they are finite.
+    big = torch.full((1024,), 60000.0, dtype=torch.float16)
+    assert not torch.isfinite(big.sum()) and all_finite(big)
+    assert all_finite(torch.full((8,), 3e38)) and not torch.isfinite(torch.full((8,), 3e38).sum())
