@@ -49,6 +49,45 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def listener_pid(port: int) -> int | None:
+    """The process listening on TCP ``port`` on this host (the broker, Redis), if it can be
+    seen from here (not in another network namespace, permissions allowing)."""
+    import psutil
+
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+                return conn.pid
+    except (psutil.Error, OSError):
+        return None
+    return None
+
+
+class CpuMeter:
+    """CPU milliseconds that each of several processes spends per request over a set of them:
+    the cost an overhead figure hides when the processes share a few cores."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self._start = self._now()
+
+    def _now(self) -> dict[str, float]:
+        return {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+
+    def restart(self) -> None:
+        self._start = self._now()
+
+    def per_request(self, requests: int) -> dict[str, float]:
+        """ms of CPU per request since the last (re)start, per process and in total."""
+        now = self._now()
+        out = {
+            name: sig(1000 * (now[name] - self._start[name]) / max(1, requests))
+            for name in self.pids
+        }
+        out["total"] = sig(sum(out.values()))
+        return out
+
+
 def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
     """Each process's CPU use in % of one core over ``seconds`` of doing nothing."""
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
