@@ -523,8 +523,9 @@ async def _run(settings: Any, sizes: Sizes, log_dir: Path, prefix: str) -> dict[
                 overhead, renders = await _overhead(run, sizes, meter)
             finally:
                 profile = await asyncio.to_thread(profiler.stop)
-            # ...and what waiting costs: CPU of the idle workers (fetch polls, heartbeats).
-            idle = await asyncio.to_thread(idle_cpu, pids, sizes.idle_s)
+            # ...and what waiting costs: CPU of the idle workers (fetch polls, heartbeats) and
+            # of the broker and Redis answering them.
+            idle = await asyncio.to_thread(idle_cpu, meter.pids, sizes.idle_s)
             throughput = await _throughput(run, renders, sizes.events)
             hops = await _hops(run.settings, sizes.hops)
     finally:
@@ -536,7 +537,8 @@ async def _run(settings: Any, sizes: Sizes, log_dir: Path, prefix: str) -> dict[
         "overhead": overhead,
         "kafka_hop": hops,
         "worker_idle_cpu_pct": {
-            "what": f"% of one core each worker used over {sizes.idle_s:g} s with no requests",
+            "what": f"% of one core each worker (and the broker and Redis, where visible) used "
+            f"over {sizes.idle_s:g} s with no requests",
             "fetch_max_wait_ms": run_settings.kafka_fetch_max_wait_ms if run_settings else None,
             **idle,
         },

@@ -45,6 +45,12 @@ class Settings(BaseSettings):
         description="longest a fetch waits for data; Kafka answers as soon as data arrives, "
         "Tansu only when the wait ends, so keep it short there",
     )
+    results_fetch_max_wait_ms: int | None = Field(
+        None,
+        description="the results collector's fetch wait (unset: EPD_KAFKA_FETCH_MAX_WAIT_MS); "
+        "stages write their updates through to the status record, so the collector is off the "
+        "client's path and can poll a short-wait broker (Tansu) less often",
+    )
     kafka_transactions: bool = Field(
         False,
         description="transactional consume loops: a batch's output records, dead letters and "

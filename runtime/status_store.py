@@ -225,11 +225,17 @@ class StatusStore:
         The script writes only if the record still holds the text the fold started from, and
         otherwise answers with the text it holds, so the common case is one round trip (a
         WATCH transaction took three). The starting text is this process's last sight of the
-        record (:attr:`_known`), else "no record"; a wrong guess costs one more try, never a
-        lost update. A guess that says "nothing to change" is checked against Redis first.
+        record (:attr:`_known`), else what a read finds; a stale one costs one more try, never
+        a lost update. A remembered text that says "nothing to change" is checked against
+        Redis first.
         """
         key = self.key(request_id)
         expected, verified = self._known.get(request_id), False
+        if expected is None:
+            # Nothing remembered: read first. Most such updates (the results collector's
+            # copies of what the stages wrote through) then fold to nothing, and a write
+            # would only have sent a whole record to be refused.
+            expected, verified = await self._read(request_id), True
         dropped = 0
         while True:
             old = json.loads(expected) if expected else None

@@ -147,6 +147,10 @@ async def _build_router(ctx: StageContext) -> Handler:
     return RenderRouter(fanout).handle
 
 
+def _fetch_overrides(fetch_wait_ms: int | None) -> dict[str, Any]:
+    return {} if fetch_wait_ms is None else {"fetch_max_wait_ms": fetch_wait_ms}
+
+
 @dataclass(frozen=True)
 class Stage:
     """One kind of worker."""
@@ -163,6 +167,8 @@ class Stage:
     """Whether the record key is the request id (for reporting undecodable records)."""
     uses_model: bool = True
     """Whether the stage loads the model (or its render info): checked at start-up."""
+    fetch_wait_ms: Callable[[Settings], int | None] = lambda _: None
+    """The stage's own fetch wait, if it has one (None: ``EPD_KAFKA_FETCH_MAX_WAIT_MS``)."""
 
 
 STAGES: dict[str, Stage] = {
@@ -195,6 +201,7 @@ STAGES: dict[str, Stage] = {
             report_as=None,
             keyed_by_request=True,
             uses_model=False,
+            fetch_wait_ms=lambda s: s.results_fetch_max_wait_ms,
         ),
         Stage(
             "router",
@@ -339,6 +346,7 @@ async def run_worker(
                 max_in_flight=settings.max_in_flight,
                 max_attempts=settings.max_attempts,
                 transient_retry_s=settings.transient_retry_s,
+                consumer_overrides=_fetch_overrides(stage.fetch_wait_ms(settings)),
             ),
             on_event,
             producer=publisher.producer,
