@@ -63,8 +63,9 @@ class EncodeWorker:
         cancel: CancelWatch | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
-        """``cancel``: asked before anything is read or encoded; a cancelled request's item
-        is skipped (and reported ``cancelled``)."""
+        """``cancel``: asked (beside the store lookup) before any input is read or encoded; a
+        cancelled request's item is skipped and reported ``cancelled``. The event is validated
+        first, so an unsafe one goes to the DLQ whatever its request's state."""
         self.settings = settings
         self.bundle = bundle
         self.store = store
@@ -188,6 +189,10 @@ class EncodeWorker:
             ),
         )
 
+    async def _is_cancelled(self, request_id: str) -> bool:
+        """Whether the request was cancelled (False without a cancel watch)."""
+        return self.cancel is not None and await self.cancel.is_cancelled(request_id)
+
     def _fields(self, ev: EncodeEvent) -> tuple[str, str]:
         pv_name = ENCODER_INPUT_FIELDS.get(ev.modality)
         grid_name = GRID_FIELDS.get(ev.modality)
@@ -232,20 +237,6 @@ class EncodeWorker:
                 ),
             )
             return
-        if self.cancel is not None and await self.cancel.is_cancelled(ev.request_id):
-            self.skipped_cancelled += 1
-            await self.report(
-                ev.request_id,
-                "cancelled",
-                error=ErrorInfo(
-                    "cancelled",
-                    "cancelled: skipped before encoding",
-                    modality=ev.modality,
-                    item=ev.item_index,
-                ),
-                info={f"encode.cancelled.{ev.modality}{ev.item_index}": "skipped"},
-            )
-            return
         validate_encode_event(ev, self.vconfig)
         key = ev.ec_transfer.key
         pending = self._inflight.get(key)
@@ -267,10 +258,17 @@ class EncodeWorker:
         # Register before the first await, so concurrent events of this item wait on us.
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._inflight[key] = done
+        cancelled = False
         try:
-            # A hit extends the TTL: the EncodedEvent tells prefill the embedding is there.
-            hit = await self.store.touch(key, self.settings.embedding_ttl_s)
-            if not hit:
+            # The cancel flag and the store lookup share one round trip. A hit extends the TTL:
+            # the EncodedEvent tells prefill the embedding is there.
+            cancelled, hit = await asyncio.gather(
+                self._is_cancelled(ev.request_id),
+                self.store.touch(key, self.settings.embedding_ttl_s),
+            )
+            if cancelled:
+                done.cancel()  # waiters on this item take over instead of counting a hit
+            elif not hit:
                 t0 = time.perf_counter()
                 # A batch being formed waits for this item while its inputs are fetched.
                 with self.batcher.on_the_way():
@@ -287,16 +285,32 @@ class EncodeWorker:
                 self.items_encoded += 1
                 self.metrics.items.labels("miss").inc()
                 self.metrics.bytes_out.inc(sum(t.numel() * t.element_size() for t in out.values()))
-            done.set_result(None)
+            if not cancelled:
+                done.set_result(None)
         except asyncio.CancelledError:
             done.cancel()  # waiters take over instead of failing
             raise
         except BaseException as exc:
-            done.set_exception(exc)
-            done.exception()  # mark retrieved; waiters re-raise their own copy
+            if not done.done():
+                done.set_exception(exc)
+                done.exception()  # mark retrieved; waiters re-raise their own copy
             raise
         finally:
             self._inflight.pop(key, None)
+        if cancelled:
+            self.skipped_cancelled += 1
+            await self.report(
+                ev.request_id,
+                "cancelled",
+                error=ErrorInfo(
+                    "cancelled",
+                    "cancelled: skipped before encoding",
+                    modality=ev.modality,
+                    item=ev.item_index,
+                ),
+                info={f"encode.cancelled.{ev.modality}{ev.item_index}": "skipped"},
+            )
+            return
         # Only now (the embedding is stored) is the claim-checked input garbage: a redelivery of
         # this event finds the embedding (a hit) and never reads the claim again.
         await self._drop_claims(ev)

@@ -229,6 +229,25 @@ class StatusStore:
         a lost update. A remembered text that says "nothing to change" is checked against
         Redis first.
         """
+        dropped = 0
+        while True:
+            try:
+                return await self._fold_in(request_id, change, stage)
+            except RedisConnectionError:
+                # A pooled connection Redis dropped (a restart, a freeze): fold again on a
+                # fresh one. Safe even if the script ran: the same update folds as a duplicate.
+                dropped += 1
+                if dropped >= self.CONNECTION_RETRIES:
+                    raise
+                self._known.pop(request_id, None)
+                await asyncio.sleep(0.05 * dropped)
+
+    async def _fold_in(
+        self,
+        request_id: str,
+        change: Callable[[dict[str, Any] | None], dict[str, Any] | None],
+        stage: str,
+    ) -> bool:
         key = self.key(request_id)
         expected, verified = self._known.get(request_id), False
         if expected is None:
@@ -236,7 +255,6 @@ class StatusStore:
             # copies of what the stages wrote through) then fold to nothing, and a write
             # would only have sent a whole record to be refused.
             expected, verified = await self._read(request_id), True
-        dropped = 0
         while True:
             old = json.loads(expected) if expected else None
             old_status = old["status"] if old else None  # before: ``change`` may edit ``old``
@@ -250,35 +268,24 @@ class StatusStore:
                 continue
             text = json.dumps(rec)
             entry = _event_entry(rec, stage) if rec["status"] != old_status else ""
-            try:
-                reply = await self._cas(
-                    keys=[key, self.events_key(request_id), self.inflight_key],
-                    args=[
-                        expected or "",
-                        text,
-                        self.ttl_s,
-                        entry,
-                        self.notify_channel,
-                        STREAM_MAXLEN,
-                        "1" if rec["status"] in TERMINAL_STATUSES else "",
-                        request_id,
-                    ],
-                )
-            except RedisConnectionError:
-                # A pooled connection Redis dropped (a restart): fold again on a fresh one.
-                # Safe even if the script ran: the same update folds as a duplicate.
-                dropped += 1
-                if dropped >= self.CONNECTION_RETRIES:
-                    raise
-                await asyncio.sleep(0.05 * dropped)
-                expected, verified = await self._read(request_id), True
-                continue
+            reply = await self._cas(
+                keys=[key, self.events_key(request_id), self.inflight_key],
+                args=[
+                    expected or "",
+                    text,
+                    self.ttl_s,
+                    entry,
+                    self.notify_channel,
+                    STREAM_MAXLEN,
+                    "1" if rec["status"] in TERMINAL_STATUSES else "",
+                    request_id,
+                ],
+            )
             if int(reply[0]) == 1:
                 self._remember(request_id, text)
                 return True
             # Another writer got there first: fold again on what Redis holds.
-            current = reply[1] if len(reply) > 1 else None
-            expected = _text(current)
+            expected = _text(reply[1] if len(reply) > 1 else None)
             verified = True
             self._remember(request_id, expected)
 

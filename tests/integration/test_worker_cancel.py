@@ -4,6 +4,7 @@ steps. Real broker, real Redis, the tiny model in-process."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,6 +25,7 @@ from runtime.settings import Settings
 from runtime.status_store import CancelWatch, StatusStore
 from runtime.stores.redis import RedisStore
 from schemas.codec import decode
+from schemas.errors import ValidationError
 from schemas.types import ResultEvent, SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -96,6 +98,33 @@ async def test_cancelled_request_is_skipped_by_encode_and_prefill(
     assert pre.cancelled == 1 and pre.completed == 0
     updates = {(e.stage, e.status) for e in await _results(cfg, ev.request_id)}
     assert updates == {("encode", "cancelled"), ("prefill", "cancelled")}
+
+
+async def test_an_unsafe_encode_event_of_a_cancelled_request_is_still_refused(
+    env: dict[str, Any], bundle: ModelBundle
+) -> None:
+    """Validation comes before the cancel check: a forged entry goes to the DLQ (the handler
+    raises), not quietly into the 'skipped' count."""
+    cfg, store = env["cfg"], env["store"]
+    ev = Renderer(bundle, max_image_pixels=4096 * 4096).render(
+        f"req-{uuid.uuid4().hex[:8]}",
+        prompt="Forged <image>",
+        images=[synthetic_image(56, 56, seed=302)],
+        sampling=SamplingParams(max_tokens=4),
+    )
+    plan = await FanOut(cfg, store, bundle.render_info()).plan(ev)
+    await env["status"].cancel(ev.request_id)
+    enc_ev = plan.encode[0]
+    forged = dataclasses.replace(
+        enc_ev, ec_transfer=dataclasses.replace(enc_ev.ec_transfer, key="ec:other-tenant:key")
+    )
+    enc = EncodeWorker(cfg, bundle, store, env["producer"], cancel=env["watch"])
+    try:
+        with pytest.raises(ValidationError):
+            await enc.handle(forged)
+    finally:
+        await enc.close()
+    assert enc.skipped_cancelled == 0 and enc.encoder_calls == 0
 
 
 async def test_same_request_runs_when_not_cancelled(
