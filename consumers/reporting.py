@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runtime.kafka import ResultReporter
+from runtime.kafka import ResultReporter, StatusWriter
 from schemas.topics import Topics
 from schemas.types import ErrorInfo
 
@@ -33,15 +33,22 @@ def request_id_of(ce: ConsumedEvent, keyed_by_request: bool) -> str | None:
 
 
 def dead_letter_reporter(
-    publisher: Publisher, topics: Topics, stage: str, *, keyed_by_request: bool
+    publisher: Publisher,
+    topics: Topics,
+    stage: str,
+    *,
+    keyed_by_request: bool,
+    record: StatusWriter | None = None,
 ) -> DeadLetterHook:
-    """A ConsumeLoop hook that emits ``rejected``/``failed`` for the dead-lettered request."""
+    """A ConsumeLoop hook that emits ``rejected``/``failed`` for the dead-lettered request
+    (``record``: also written through to its status record, as the stages' updates are)."""
+    reporter = ResultReporter(publisher, topics.results, stage, record=record)
 
     async def report(ce: ConsumedEvent, info: ErrorInfo) -> None:
         rid = request_id_of(ce, keyed_by_request)
         if rid is None:
             return
-        await ResultReporter(publisher, topics.results, stage)(
+        await reporter(
             rid,
             _status_of(info.code),
             error=info,

@@ -10,33 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from runtime.status_store import StatusStore
+from runtime.status_store import StatusStore, encoded_update
 from schemas.types import EncodedEvent, ResultEvent
 
 log = logging.getLogger(__name__)
-
-
-def encoded_update(ev: EncodedEvent) -> ResultEvent:
-    """The status update an EncodedEvent stands for.
-
-    The stage name carries the item's hash, so each item is recorded once (a redelivered
-    EncodedEvent is a duplicate) while different items of one request all land.
-    """
-    short = ev.mm_hash[:12]
-    info = {f"encoded.{short}": "cache_hit" if ev.cache_hit else "encoded"}
-    timings = {} if ev.cache_hit else {f"encode.{short}": ev.encode_ms}
-    if not ev.ok:
-        info = {f"encode_failed.{short}": ev.error.code if ev.error else "error"}
-        timings = {}
-    return ResultEvent(
-        request_id=ev.request_id,
-        stage=f"encode.{short}",
-        status="encoding",
-        timings=timings,
-        info=info,
-        worker="",
-        created_ms=ev.created_ms,
-    )
 
 
 class ResultsCollector:

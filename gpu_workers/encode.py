@@ -21,9 +21,10 @@ from gpu_workers.batcher import MicroBatcher
 from gpu_workers.compute import EncoderOutput, encode_items
 from gpu_workers.entries import store_outputs, worker_validation
 from gpu_workers.metrics import encode_metrics
-from runtime.kafka import ResultReporter
+from runtime.kafka import ResultReporter, StatusWriter
 from runtime.model import vision_config
 from runtime.settings import Settings
+from runtime.status_store import encoded_update
 from runtime.stores.base import StoreError, StoreKeyMissing
 from schemas.errors import ValidationError
 from schemas.families import EMBEDS
@@ -62,10 +63,15 @@ class EncodeWorker:
         worker_id: str | None = None,
         cancel: CancelWatch | None = None,
         registry: CollectorRegistry | None = None,
+        record: StatusWriter | None = None,
     ) -> None:
         """``cancel``: asked (beside the store lookup) before any input is read or encoded; a
         cancelled request's item is skipped and reported ``cancelled``. The event is validated
-        first, so an unsafe one goes to the DLQ whatever its request's state."""
+        first, so an unsafe one goes to the DLQ whatever its request's state.
+
+        ``record`` (``StatusStore.apply``): each item's encoded (or cached) mark, and every
+        status update, is also written to the request's status record directly, so the
+        request's outcome never shows up before its items' encode timings."""
         self.settings = settings
         self.bundle = bundle
         self.store = store
@@ -73,7 +79,9 @@ class EncodeWorker:
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"encode@{socket.gethostname()}"
         self.vconfig = worker_validation(settings, bundle)
-        self.report = ResultReporter(publisher, self.topics.results, "encode", self.worker_id)
+        self.report = ResultReporter(
+            publisher, self.topics.results, "encode", self.worker_id, record=record
+        )
         self.batcher: MicroBatcher[Job, EncoderOutput] = MicroBatcher(
             self._compute, max_cost=settings.encode_batch_patches
         )
@@ -172,21 +180,22 @@ class EncodeWorker:
     async def _encoded(
         self, ev: EncodeEvent, emb_dtype: str, shape: list[int], *, hit: bool, ms: float
     ) -> None:
-        # The results collector reads these: they mark the item encoded in its request's status.
-        await self.publisher.send(
-            self.topics.encoded,
-            ev.mm_hash,
-            EncodedEvent(
-                mm_hash=ev.mm_hash,
-                request_id=ev.request_id,
-                model=ev.model,
-                store=self.store.url,
-                key=ev.ec_transfer.key,
-                dtype=emb_dtype,
-                shape=shape,
-                cache_hit=hit,
-                encode_ms=ms,
-            ),
+        encoded = EncodedEvent(
+            mm_hash=ev.mm_hash,
+            request_id=ev.request_id,
+            model=ev.model,
+            store=self.store.url,
+            key=ev.ec_transfer.key,
+            dtype=emb_dtype,
+            shape=shape,
+            cache_hit=hit,
+            encode_ms=ms,
+        )
+        # They mark the item encoded in its request's status: in the record at once (with a
+        # record writer), and through the results collector, which reads the topic.
+        await asyncio.gather(
+            self.report.write_through(encoded_update(encoded)),
+            self.publisher.send(self.topics.encoded, ev.mm_hash, encoded),
         )
 
     async def _is_cancelled(self, request_id: str) -> bool:
@@ -311,12 +320,12 @@ class EncodeWorker:
                 info={f"encode.cancelled.{ev.modality}{ev.item_index}": "skipped"},
             )
             return
-        # Only now (the embedding is stored) is the claim-checked input garbage: a redelivery of
-        # this event finds the embedding (a hit) and never reads the claim again.
-        await self._drop_claims(ev)
         if hit:
             self.cache_hits += 1
             self.metrics.items.labels("hit").inc()
-            await self._encoded(ev, dtype_name(self.bundle.dtype), [], hit=True, ms=0.0)
-            return
-        await self._encoded(ev, dtype_name(emb.dtype), list(emb.shape), hit=False, ms=ms)
+            announce = self._encoded(ev, dtype_name(self.bundle.dtype), [], hit=True, ms=0.0)
+        else:
+            announce = self._encoded(ev, dtype_name(emb.dtype), list(emb.shape), hit=False, ms=ms)
+        # Only now (the embedding is stored) is the claim-checked input garbage: a redelivery of
+        # this event finds the embedding (a hit) and never reads the claim again.
+        await asyncio.gather(announce, self._drop_claims(ev))

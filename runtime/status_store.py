@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from schemas.types import TERMINAL_STATUSES, ErrorInfo, ResultEvent, now_ms
+from schemas.types import TERMINAL_STATUSES, EncodedEvent, ErrorInfo, ResultEvent, now_ms
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,29 @@ def fold(record: dict[str, Any] | None, ev: ResultEvent) -> dict[str, Any] | Non
             rec["error"] = asdict(ev.error) if ev.error else None
     rec["updated_ms"] = now_ms()
     return rec
+
+
+def encoded_update(ev: EncodedEvent) -> ResultEvent:
+    """The status update an EncodedEvent stands for.
+
+    The stage name carries the item's hash, so each item is recorded once (a redelivered
+    EncodedEvent is a duplicate) while different items of one request all land.
+    """
+    short = ev.mm_hash[:12]
+    info = {f"encoded.{short}": "cache_hit" if ev.cache_hit else "encoded"}
+    timings = {} if ev.cache_hit else {f"encode.{short}": ev.encode_ms}
+    if not ev.ok:
+        info = {f"encode_failed.{short}": ev.error.code if ev.error else "error"}
+        timings = {}
+    return ResultEvent(
+        request_id=ev.request_id,
+        stage=f"encode.{short}",
+        status="encoding",
+        timings=timings,
+        info=info,
+        worker="",
+        created_ms=ev.created_ms,
+    )
 
 
 def new_record(request_id: str, created_ms: int | None = None) -> dict[str, Any]:

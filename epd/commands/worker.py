@@ -41,6 +41,7 @@ class StageContext:
     publisher: KafkaPublisher
     worker_id: str
     closers: list[Closer] = field(default_factory=list)
+    _status: Any = None
 
     def open_store(self) -> EmbeddingStore:
         """The configured embedding store, closed when the worker stops."""
@@ -62,15 +63,18 @@ class StageContext:
         return watch
 
     def status_store(self) -> Any:
-        """The requests' status records (a Redis client closed when the worker stops)."""
+        """The requests' status records: one per worker (its Redis client is closed when the
+        worker stops), so what one part of the worker wrote is what the next one starts from."""
         from runtime.redis_client import redis_client
         from runtime.status_store import StatusStore
 
-        client = redis_client(self.settings)
-        self.closers.append(client.aclose)
-        return StatusStore(
-            client, prefix=self.settings.topic_prefix, ttl_s=self.settings.status_ttl_s
-        )
+        if self._status is None:
+            client = redis_client(self.settings)
+            self.closers.append(client.aclose)
+            self._status = StatusStore(
+                client, prefix=self.settings.topic_prefix, ttl_s=self.settings.status_ttl_s
+            )
+        return self._status
 
     async def load_model(self) -> Any:
         """The model on the configured device (in a thread: loading takes seconds)."""
@@ -114,7 +118,11 @@ async def _build_encode(ctx: StageContext) -> Handler:
     from prometheus_client import REGISTRY
 
     # Encoder-cache hit ratio and bytes in/out, on the same /metrics as the consume loop's.
-    return await _build_gpu_worker(ctx, "encode", registry=REGISTRY)
+    # Each item's encoded mark goes straight into its request's status record too, so the
+    # request's outcome (written through by prefill) never arrives before its encode timings.
+    return await _build_gpu_worker(
+        ctx, "encode", registry=REGISTRY, record=ctx.status_store().apply
+    )
 
 
 async def _build_prefill(ctx: StageContext) -> Handler:
@@ -335,7 +343,11 @@ async def run_worker(
         reporter = None
         if stage.report_as is not None:
             reporter = dead_letter_reporter(
-                publisher, topics, stage.report_as, keyed_by_request=stage.keyed_by_request
+                publisher,
+                topics,
+                stage.report_as,
+                keyed_by_request=stage.keyed_by_request,
+                record=ctx.status_store().apply,
             )
         loop = ConsumeLoop(
             settings,

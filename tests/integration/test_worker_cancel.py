@@ -72,18 +72,24 @@ async def _results(cfg: Settings, rid: str) -> list[ResultEvent]:
     return [e for e in (decode(r.value) for r in recs) if e.request_id == rid]
 
 
+async def _cancelled_plan(env: dict[str, Any], bundle: ModelBundle, seed: int) -> tuple[Any, Any]:
+    """A one-image request rendered and planned by the real fan-out, then cancelled."""
+    ev = Renderer(bundle, max_image_pixels=4096 * 4096).render(
+        f"req-{uuid.uuid4().hex[:8]}",
+        prompt="Skip <image>",
+        images=[synthetic_image(56, 56, seed=seed)],
+        sampling=SamplingParams(max_tokens=4),
+    )
+    plan = await FanOut(env["cfg"], env["store"], bundle.render_info()).plan(ev)
+    await env["status"].cancel(ev.request_id)
+    return ev, plan
+
+
 async def test_cancelled_request_is_skipped_by_encode_and_prefill(
     env: dict[str, Any], bundle: ModelBundle
 ) -> None:
     cfg, store = env["cfg"], env["store"]
-    ev = Renderer(bundle, max_image_pixels=4096 * 4096).render(
-        f"req-{uuid.uuid4().hex[:8]}",
-        prompt="Skip <image>",
-        images=[synthetic_image(56, 56, seed=301)],
-        sampling=SamplingParams(max_tokens=4),
-    )
-    plan = await FanOut(cfg, store, bundle.render_info()).plan(ev)
-    await env["status"].cancel(ev.request_id)
+    ev, plan = await _cancelled_plan(env, bundle, seed=301)
 
     enc = EncodeWorker(cfg, bundle, store, env["producer"], cancel=env["watch"])
     pre = PrefillWorker(cfg, bundle, store, env["producer"], cancel=env["watch"])
@@ -106,14 +112,7 @@ async def test_an_unsafe_encode_event_of_a_cancelled_request_is_still_refused(
     """Validation comes before the cancel check: a forged entry goes to the DLQ (the handler
     raises), not quietly into the 'skipped' count."""
     cfg, store = env["cfg"], env["store"]
-    ev = Renderer(bundle, max_image_pixels=4096 * 4096).render(
-        f"req-{uuid.uuid4().hex[:8]}",
-        prompt="Forged <image>",
-        images=[synthetic_image(56, 56, seed=302)],
-        sampling=SamplingParams(max_tokens=4),
-    )
-    plan = await FanOut(cfg, store, bundle.render_info()).plan(ev)
-    await env["status"].cancel(ev.request_id)
+    _, plan = await _cancelled_plan(env, bundle, seed=302)
     enc_ev = plan.encode[0]
     forged = dataclasses.replace(
         enc_ev, ec_transfer=dataclasses.replace(enc_ev.ec_transfer, key="ec:other-tenant:key")

@@ -801,3 +801,33 @@ async def test_encode_metrics_count_hits_misses_and_bytes(
     embs = [await store.get(e.ec_transfer.key) for e in p.encode]
     out_bytes = sum(e.numel() * e.element_size() for e in embs)
     assert count("epd_encode_bytes_out_total") == out_bytes
+
+
+async def test_the_encoder_writes_each_items_mark_through_to_the_record(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    producer: KafkaPublisher,
+    status: Any,
+) -> None:
+    """No results collector runs here: the items' encoded marks and encode timings are in the
+    record as soon as the encoder is done, so a request's outcome (which prefill writes
+    through) cannot reach a client ahead of them."""
+    ev = render(renderer, (181, 182))
+    p = await plan(cfg, store, bundle, ev)
+    worker = EncodeWorker(cfg, bundle, store, producer, record=status.apply)
+    try:
+        await asyncio.gather(*(worker.handle(wire(enc)) for enc in p.encode))
+    finally:
+        await worker.close()
+    rec = await status.get(ev.request_id)
+    assert rec is not None
+    shorts = [h[:12] for h in ev.features.mm_hashes["image"]]
+    assert {rec["info"].get(f"encoded.{s}") for s in shorts} == {"encoded"}
+    assert all(rec["timings"][f"encode.{s}"] > 0 for s in shorts)
+    # the encoded topic carries the same marks, for the collector (and any other reader)
+    encoded = [e for e in await produced(cfg, Topics(cfg.topic_prefix).encoded)]
+    assert sorted(e.mm_hash[:12] for e in encoded if e.request_id == ev.request_id) == sorted(
+        shorts
+    )
