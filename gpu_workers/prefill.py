@@ -191,6 +191,7 @@ class PrefillWorker:
 
     async def _run(self, ev: PrefillEvent, updates: RequestUpdates) -> None:
         started = now_ms()
+        t_start = time.perf_counter()
         # Two independent reads, one round trip: the record (a redelivery of a finished
         # request?) and the cancel flag.
         record, cancelled = await asyncio.gather(
@@ -227,7 +228,7 @@ class PrefillWorker:
         if ev.deadline_ms is not None:
             timeout = max(0.0, min(timeout, (ev.deadline_ms - now_ms()) / 1000))
         t_wait = time.perf_counter()
-        admission_ms = float(now_ms() - started)
+        admission_ms = (t_wait - t_start) * 1000
         key_list = list(keys.values())
         # Often every embedding is there already (a cache hit, or encoded while this event
         # travelled): one read fetches them all, with the cancel flag read beside it. Each entry
