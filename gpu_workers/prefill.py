@@ -233,10 +233,12 @@ class PrefillWorker:
         # Often every embedding is there already (a cache hit, or encoded while this event
         # travelled): one read fetches them all, with the cancel flag read beside it. Each entry
         # holds all of an item's encoder outputs (embedding, deepstack features).
-        outputs, cancelled = await asyncio.gather(
+        present, cancelled = await asyncio.gather(
             self._fetch_present(key_list), self._is_cancelled(ev.request_id)
         )
-        if outputs is None:
+        if present is not None:
+            outputs = present
+        else:
             ready = await self._ready(ev, keys, updates)
             if ready is None:
                 return  # lost: reported
