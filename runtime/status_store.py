@@ -160,8 +160,9 @@ class StatusStore:
     CONNECTION_RETRIES = 3
     """Tries of one update over connections Redis dropped (stale after a Redis restart)."""
 
-    REMEMBER = 4096
-    """Records this process last saw, kept as the starting guess of its next update."""
+    REMEMBER = 1024
+    """Records this process last saw, kept as the starting guess of its next update (a worker
+    writes again within milliseconds of its last read or write; an API replica reads many)."""
 
     def __init__(self, client: aioredis.Redis, *, prefix: str = "epd", ttl_s: int = 3600) -> None:
         self.client = client
