@@ -244,7 +244,10 @@ class PrefillWorker:
                 return  # lost: reported
             if not ready:
                 try:
-                    await self.store.wait(key_list, timeout)
+                    if not await self._wait_unless_cancelled(key_list, timeout, ev.request_id):
+                        # The encoder skips a cancelled request's items: nothing will come.
+                        await self._report_cancelled(updates, "skipped before compute")
+                        return
                 except StoreUnavailable:
                     # Redis went away under the wait. If it came back without the embeddings,
                     # say so now rather than after a retry's full wait; else the loop retries.
@@ -319,6 +322,27 @@ class PrefillWorker:
                 "total": float(now_ms() - ev.created_ms),
             },
         )
+
+    async def _wait_unless_cancelled(
+        self, keys: list[str], timeout_s: float, request_id: str
+    ) -> bool:
+        """The store wait for ``keys``, raced against a cancel of the request: True once they
+        are all there, False when the request was cancelled first (StoreTimeout as ever)."""
+        if self.cancel is None:
+            await self.store.wait(keys, timeout_s)
+            return True
+        arrived = asyncio.ensure_future(self.store.wait(keys, timeout_s))
+        cancelled = asyncio.ensure_future(self.cancel.wait(request_id))
+        try:
+            await asyncio.wait({arrived, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (arrived, cancelled):
+                task.cancel()
+            await asyncio.gather(arrived, cancelled, return_exceptions=True)
+        if arrived.cancelled():
+            return False  # the cancel came first
+        arrived.result()  # StoreTimeout / StoreUnavailable raise here
+        return True
 
     async def _fetch_present(self, keys: list[str]) -> list[EncoderOutput] | None:
         """Every entry of ``keys`` if all are in the store now (one read), else None."""

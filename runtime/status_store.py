@@ -313,6 +313,13 @@ class StatusStore:
             verified = True
             self._remember(request_id, expected)
 
+    async def warm(self) -> None:
+        """Load the update script and open a connection now, so a worker's first update is as
+        quick as the next ones (redis-py would load the script on its first NOSCRIPT answer:
+        three round trips and a connection set-up, enough for a request's outcome, written by
+        another worker, to overtake an encoder's first mark)."""
+        await self.client.script_load(_CAS_SCRIPT)
+
     async def _read(self, request_id: str) -> str | None:
         """The record's text as Redis holds it now (remembered for the next update)."""
         text = _text(await self.client.get(self.key(request_id)))
@@ -562,6 +569,7 @@ class CancelWatch:
         self.prefix = prefix
         self.remember = remember
         self._ids: OrderedDict[str, None] = OrderedDict()
+        self._waiters: dict[str, set[asyncio.Future[None]]] = {}
         self.listener = ChannelListener(client, cancel_channel(prefix), self._add)
 
     async def start(self) -> None:
@@ -574,6 +582,26 @@ class CancelWatch:
         self._ids[request_id] = None
         while len(self._ids) > self.remember:
             self._ids.popitem(last=False)
+        for fut in self._waiters.pop(request_id, ()):
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait(self, request_id: str) -> None:
+        """Return once a cancel of ``request_id`` is announced (at once if one was seen): what
+        a worker races a long wait against, so a cancel does not leave it waiting out its
+        timeout for work the cancel stopped (an embedding the encoder skipped)."""
+        if request_id in self._ids:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(request_id, set()).add(fut)
+        try:
+            await fut
+        finally:
+            waiting = self._waiters.get(request_id)
+            if waiting is not None:
+                waiting.discard(fut)
+                if not waiting:
+                    del self._waiters[request_id]
 
     def cancelled_now(self, request_id: str) -> bool:
         """True when a cancel of ``request_id`` has been seen (any thread may call this)."""

@@ -62,6 +62,11 @@ class StageContext:
         self.closers.extend([client.aclose, watch.close])
         return watch
 
+    async def warm(self) -> None:
+        """Ready what the builders opened for a request's first use (the status script)."""
+        if self._status is not None:
+            await self._status.warm()
+
     def status_store(self) -> Any:
         """The requests' status records: one per worker (its Redis client is closed when the
         worker stops), so what one part of the worker wrote is what the next one starts from."""
@@ -349,6 +354,7 @@ async def run_worker(
                 keyed_by_request=stage.keyed_by_request,
                 record=ctx.status_store().apply,
             )
+        await ctx.warm()
         loop = ConsumeLoop(
             settings,
             ConsumerConfig(

@@ -4,7 +4,9 @@ steps. Real broker, real Redis, the tiny model in-process."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -124,6 +126,37 @@ async def test_an_unsafe_encode_event_of_a_cancelled_request_is_still_refused(
     finally:
         await enc.close()
     assert enc.skipped_cancelled == 0 and enc.encoder_calls == 0
+
+
+async def test_a_cancel_ends_the_prefill_wait_for_embeddings_that_will_not_come(
+    env: dict[str, Any], bundle: ModelBundle
+) -> None:
+    """The encoder skips a cancelled request's items, so its embeddings never arrive: the
+    prefill worker waiting for them is woken by the cancel instead of its 60 s timeout."""
+    cfg, store = env["cfg"], env["store"]
+    ev = Renderer(bundle, max_image_pixels=4096 * 4096).render(
+        f"req-{uuid.uuid4().hex[:8]}",
+        prompt="Wait <image>",
+        images=[synthetic_image(56, 56, seed=303)],
+        sampling=SamplingParams(max_tokens=4),
+    )
+    plan = await FanOut(cfg, store, bundle.render_info()).plan(ev)  # nothing encodes it
+    pre = PrefillWorker(
+        cfg, bundle, store, env["producer"], cancel=env["watch"], embedding_wait_s=60
+    )
+    try:
+        t0 = time.monotonic()
+        waiting = asyncio.create_task(pre.handle(plan.prefill))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # waiting for the embedding
+        await env["status"].cancel(ev.request_id)
+        await asyncio.wait_for(waiting, 10)
+        assert time.monotonic() - t0 < 10
+    finally:
+        await pre.close()
+    assert pre.cancelled == 1 and pre.completed == 0
+    cancelled = [e for e in await _results(cfg, ev.request_id) if e.status == "cancelled"]
+    assert [e.info.get("prefill.cancelled") for e in cancelled] == ["skipped before compute"]
 
 
 async def test_same_request_runs_when_not_cancelled(

@@ -153,12 +153,17 @@ async def test_cancel_is_terminal_and_seen_by_workers(store: StatusStore) -> Non
     try:
         await store.create("c1", {})
         assert not await watch.is_cancelled("c1")
+        waiter = asyncio.create_task(watch.wait("c1"))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
         assert await store.cancel("c1")
+        await asyncio.wait_for(waiter, 2)  # woken by the announcement
         for _ in range(100):  # the pub/sub message reaches the watcher's set
             if watch.cancelled_now("c1"):
                 break
             await asyncio.sleep(0.01)
         assert watch.cancelled_now("c1") and await watch.is_cancelled("c1")
+        await asyncio.wait_for(watch.wait("c1"), 1)  # seen already: returns at once
         await store.apply(ResultEvent("c1", "prefill", "completed", token_ids=[1]))
         rec = await store.get("c1")
         assert rec is not None and rec["status"] == "cancelled" and rec["token_ids"] is None
