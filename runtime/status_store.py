@@ -636,7 +636,8 @@ class RequestState:
     """The earliest stage update the record holds (epoch ms); None without a record."""
     records_since_ms: int | None = None
     """Only when asked for: a time (epoch ms, Redis clock) before which the Redis holding the
-    records had not started. Errs early (the server reports its uptime in whole seconds)."""
+    records had not started. Errs early, by up to two seconds (the server reports its uptime
+    in whole seconds of a clock it caches)."""
 
     @property
     def terminal(self) -> bool:

@@ -304,6 +304,10 @@ class WirePool:
             except (OSError, RedisConnectionError):
                 conn.close()
                 if reused and attempt == 0:
+                    # An idle connection found dead (a Redis restart) says the others, opened to
+                    # the same server, are dead too: drop them all, so the retry (and the next
+                    # commands) run on a fresh connection rather than the next dead one.
+                    self.close()
                     continue
                 raise
             except ResponseError:

@@ -74,15 +74,22 @@ async def _results(cfg: Settings, rid: str) -> list[ResultEvent]:
     return [e for e in (decode(r.value) for r in recs) if e.request_id == rid]
 
 
-async def _cancelled_plan(env: dict[str, Any], bundle: ModelBundle, seed: int) -> tuple[Any, Any]:
-    """A one-image request rendered and planned by the real fan-out, then cancelled."""
+async def _planned(
+    env: dict[str, Any], bundle: ModelBundle, seed: int, prompt: str = "Skip <image>"
+) -> tuple[Any, Any]:
+    """A one-image request rendered and planned by the real fan-out (nothing encoded yet)."""
     ev = Renderer(bundle, max_image_pixels=4096 * 4096).render(
         f"req-{uuid.uuid4().hex[:8]}",
-        prompt="Skip <image>",
+        prompt=prompt,
         images=[synthetic_image(56, 56, seed=seed)],
         sampling=SamplingParams(max_tokens=4),
     )
-    plan = await FanOut(env["cfg"], env["store"], bundle.render_info()).plan(ev)
+    return ev, await FanOut(env["cfg"], env["store"], bundle.render_info()).plan(ev)
+
+
+async def _cancelled_plan(env: dict[str, Any], bundle: ModelBundle, seed: int) -> tuple[Any, Any]:
+    """:func:`_planned`, then cancelled."""
+    ev, plan = await _planned(env, bundle, seed)
     await env["status"].cancel(ev.request_id)
     return ev, plan
 
@@ -134,13 +141,7 @@ async def test_a_cancel_ends_the_prefill_wait_for_embeddings_that_will_not_come(
     """The encoder skips a cancelled request's items, so its embeddings never arrive: the
     prefill worker waiting for them is woken by the cancel instead of its 60 s timeout."""
     cfg, store = env["cfg"], env["store"]
-    ev = Renderer(bundle, max_image_pixels=4096 * 4096).render(
-        f"req-{uuid.uuid4().hex[:8]}",
-        prompt="Wait <image>",
-        images=[synthetic_image(56, 56, seed=303)],
-        sampling=SamplingParams(max_tokens=4),
-    )
-    plan = await FanOut(cfg, store, bundle.render_info()).plan(ev)  # nothing encodes it
+    ev, plan = await _planned(env, bundle, seed=303, prompt="Wait <image>")  # never encoded
     pre = PrefillWorker(
         cfg, bundle, store, env["producer"], cancel=env["watch"], embedding_wait_s=60
     )

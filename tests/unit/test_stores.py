@@ -470,6 +470,35 @@ async def test_redis_wire_reuses_connection_and_recovers_from_a_killed_one(
     assert pool.opened == 2
 
 
+async def test_redis_wire_drops_every_idle_connection_once_one_is_found_dead(
+    redis_pair: tuple[RedisStore, aioredis.Redis, str],
+) -> None:
+    """What a Redis restart leaves: several idle connections, all dead. One retry on the next
+    idle one would meet another dead one and fail the command (a prefill worker then took a
+    lost embedding for one still to come and waited its full timeout)."""
+    store, client, _ = redis_pair
+    pool = store.wire_pool
+    assert pool is not None
+    await store.put("k", torch.arange(3))
+    hold = asyncio.Event()
+
+    async def park(conn: object) -> None:
+        await hold.wait()  # keeps this connection busy, so each task opens its own
+
+    tasks = [asyncio.create_task(pool.run(park)) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    hold.set()
+    await asyncio.gather(*tasks)
+    assert pool.opened >= 3
+    killed = await client.client_kill_filter(_type="normal", skipme=True)
+    assert killed >= 3
+    opened = pool.opened
+    # every idle connection is dead now: the first command retries once, on a fresh one
+    assert _eq(await store.get("k"), torch.arange(3))
+    assert await store.exists("k")
+    assert pool.opened == opened + 1
+
+
 async def test_redis_error_reply_is_redis_pys_error_on_both_paths(
     redis_pair: tuple[RedisStore, aioredis.Redis, str],
 ) -> None:
