@@ -19,7 +19,7 @@ import torch
 
 from gpu_workers.batcher import MicroBatcher
 from gpu_workers.compute import EncoderOutput, encode_items
-from gpu_workers.entries import store_outputs, worker_validation
+from gpu_workers.entries import request_cancelled, store_outputs, worker_validation
 from gpu_workers.metrics import encode_metrics
 from runtime.kafka import ResultReporter, StatusWriter
 from runtime.model import vision_config
@@ -198,10 +198,6 @@ class EncodeWorker:
             self.publisher.send(self.topics.encoded, ev.mm_hash, encoded),
         )
 
-    async def _is_cancelled(self, request_id: str) -> bool:
-        """Whether the request was cancelled (False without a cancel watch)."""
-        return self.cancel is not None and await self.cancel.is_cancelled(request_id)
-
     def _fields(self, ev: EncodeEvent) -> tuple[str, str]:
         pv_name = ENCODER_INPUT_FIELDS.get(ev.modality)
         grid_name = GRID_FIELDS.get(ev.modality)
@@ -272,7 +268,7 @@ class EncodeWorker:
             # The cancel flag and the store lookup share one round trip. A hit extends the TTL:
             # the EncodedEvent tells prefill the embedding is there.
             cancelled, hit = await asyncio.gather(
-                self._is_cancelled(ev.request_id),
+                request_cancelled(self.cancel, ev.request_id),
                 self.store.touch(key, self.settings.embedding_ttl_s),
             )
             if cancelled:

@@ -24,6 +24,7 @@ from schemas.validator import ValidationConfig
 if TYPE_CHECKING:
     from runtime.model import ModelBundle
     from runtime.settings import Settings
+    from runtime.status_store import CancelWatch
     from runtime.stores.base import EmbeddingStore
 
 
@@ -97,3 +98,8 @@ def items_from_features(
         items.append(item_embedding(modality, ph.offset, ph.length, outputs[mm_hash], item_meta))
     items.sort(key=lambda it: it.offset)
     return items
+
+
+async def request_cancelled(cancel: CancelWatch | None, request_id: str) -> bool:
+    """Whether ``request_id`` was cancelled (False for a worker without a cancel watch)."""
+    return cancel is not None and await cancel.is_cancelled(request_id)

@@ -30,7 +30,12 @@ from gpu_workers.compute import (
     prefill,
     vocab_size,
 )
-from gpu_workers.entries import fetch_outputs, items_from_features, worker_validation
+from gpu_workers.entries import (
+    fetch_outputs,
+    items_from_features,
+    request_cancelled,
+    worker_validation,
+)
 from runtime.kafka import RequestUpdates, ResultReporter, StatusWriter
 from runtime.settings import Settings
 from runtime.stores.base import StoreKeyMissing, StoreTimeout, StoreUnavailable
@@ -196,7 +201,7 @@ class PrefillWorker:
         # request?) and the cancel flag.
         record, cancelled = await asyncio.gather(
             self.request_state(ev.request_id) if self.request_state else _none(),
-            self._is_cancelled(ev.request_id),
+            request_cancelled(self.cancel, ev.request_id),
         )
         if record is not None and record.terminal:
             # A redelivery (crash before the offset commit, rebalance): the outcome is out
@@ -234,7 +239,7 @@ class PrefillWorker:
         # travelled): one read fetches them all, with the cancel flag read beside it. Each entry
         # holds all of an item's encoder outputs (embedding, deepstack features).
         present, cancelled = await asyncio.gather(
-            self._fetch_present(key_list), self._is_cancelled(ev.request_id)
+            self._fetch_present(key_list), request_cancelled(self.cancel, ev.request_id)
         )
         if present is not None:
             outputs = present
@@ -259,7 +264,7 @@ class PrefillWorker:
                     return
             outputs, cancelled = await asyncio.gather(
                 fetch_outputs(self.store, key_list, self.bundle.family),
-                self._is_cancelled(ev.request_id),
+                request_cancelled(self.cancel, ev.request_id),
             )
         wait_ms = (time.perf_counter() - t_wait) * 1000
         items = items_from_features(ev.features, dict(zip(keys, outputs, strict=True)))
@@ -422,10 +427,6 @@ class PrefillWorker:
             ),
         )
         return None
-
-    async def _is_cancelled(self, request_id: str) -> bool:
-        """Whether the request was cancelled (False without a cancel watch)."""
-        return self.cancel is not None and await self.cancel.is_cancelled(request_id)
 
     async def _report_cancelled(self, updates: RequestUpdates, what: str) -> None:
         self.cancelled += 1

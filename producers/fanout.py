@@ -273,13 +273,13 @@ class FanOut:
                 digest = await asyncio.to_thread(tensor_digest, value)
             key = claim_key(self.settings.ec_namespace, item.key_hash, name)
             await self.store.put(key, raw, claim_ttl_s(self.settings, deadline_ms))
-            claimed += raw.numel()
+            claimed += nbytes
             out[name] = TensorRef(
                 store=self.store.url,
                 key=key,
                 dtype=dtype_name(value.dtype),
                 shape=list(value.shape),
-                nbytes=raw.numel(),
+                nbytes=nbytes,
                 digest=digest,
             )
         return out, claimed
@@ -375,7 +375,8 @@ class FanOut:
             timings={"fanout": (time.perf_counter() - t0) * 1000},
             info={"encode_events": str(len(plan.encode)), "cache_hits": str(len(plan.cached))},
         )
-        # The encode events go at once: the encoder records nothing a client streams.
+        # The encode events go at once: the encoder's marks carry "encoding" too, so one that
+        # reaches the record before this update costs a client streaming the statuses nothing.
         encodes = asyncio.gather(
             *(publisher.send(self.topics.encode, enc.mm_hash, enc) for enc in plan.encode)
         )

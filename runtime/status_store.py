@@ -492,6 +492,15 @@ class ChannelListener:
             delay = min(delay * 2, 2.0)
 
 
+def _forget(waiters: dict[str, set[Any]], request_id: str, waiter: Any) -> None:
+    """Drop one waiter of ``request_id``, and the request's entry once it has none left."""
+    left = waiters.get(request_id)
+    if left is not None:
+        left.discard(waiter)
+        if not left:
+            del waiters[request_id]
+
+
 class StatusNotifier:
     """Wakes waiters of a request when its status changes (one subscription per process)."""
 
@@ -530,11 +539,7 @@ class StatusNotifier:
         try:
             yield ev
         finally:
-            evs = self._waiters.get(request_id)
-            if evs is not None:
-                evs.discard(ev)
-                if not evs:
-                    del self._waiters[request_id]
+            _forget(self._waiters, request_id, ev)
 
     async def wait_change(
         self, request_id: str, status: str | None, timeout_s: float
@@ -597,11 +602,7 @@ class CancelWatch:
         try:
             await fut
         finally:
-            waiting = self._waiters.get(request_id)
-            if waiting is not None:
-                waiting.discard(fut)
-                if not waiting:
-                    del self._waiters[request_id]
+            _forget(self._waiters, request_id, fut)
 
     def cancelled_now(self, request_id: str) -> bool:
         """True when a cancel of ``request_id`` has been seen (any thread may call this)."""
