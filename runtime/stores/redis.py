@@ -408,47 +408,48 @@ class RedisStore(EmbeddingStore):
             listener = await asyncio.wait_for(self._ensure_subscribed(), max(timeout_s, 0.001))
         except TimeoutError:
             raise StoreTimeout(pending, timeout_s) from None
-        while True:
-            futs = {k: loop.create_future() for k in pending}
-            for k, fut in futs.items():
-                self._waiters.setdefault(self._k(k), set()).add(fut)
+        # Register every key's future, then check once: a put landing in between is either seen
+        # by the check or heard on the channel. A key once heard is there (SET and PUBLISH are
+        # one MULTI/EXEC), so no second EXISTS follows a notification: the wake costs no round
+        # trip of its own.
+        futs = {k: loop.create_future() for k in pending}
+        for k, fut in futs.items():
+            self._waiters.setdefault(self._k(k), set()).add(fut)
+        try:
+            # A listener that stopped before these futures were registered (since it confirmed)
+            # failed only the waiters it knew of: nothing would wake these. One still live now
+            # fails them itself when it stops.
+            if not listener.live:
+                raise StoreUnavailable(f"redis store {self._url}: readiness channel lost")
+            self.wake_checks += 1
             try:
-                # A listener that stopped before these futures were registered (since it
-                # confirmed, or since the last round) failed only the waiters it knew of: nothing
-                # would wake these. One still live now fails them itself when it stops.
-                if not listener.live:
-                    raise StoreUnavailable(f"redis store {self._url}: readiness channel lost")
-                self.wake_checks += 1
-                try:
-                    present = await self._io.exists_each([self._k(k) for k in pending])
-                except _UNAVAILABLE as exc:
-                    raise StoreUnavailable(f"redis store {self._url}: wait failed: {exc}") from exc
-                pending = [k for k, ok in zip(pending, present, strict=True) if not ok]
-                if not pending:
-                    return
+                present = await self._io.exists_each([self._k(k) for k in pending])
+            except _UNAVAILABLE as exc:
+                raise StoreUnavailable(f"redis store {self._url}: wait failed: {exc}") from exc
+            waiting = [futs[k] for k, ok in zip(pending, present, strict=True) if not ok]
+            while waiting:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
-                    raise StoreTimeout(pending, timeout_s)
+                    raise StoreTimeout([k for k, f in futs.items() if f in waiting], timeout_s)
                 done, _ = await asyncio.wait(
-                    [futs[k] for k in pending],
-                    timeout=remaining,
-                    return_when=asyncio.FIRST_COMPLETED,
+                    waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
                 )
                 for fut in done:
                     failure = fut.exception()
                     if failure is not None:
                         raise failure
-            finally:
-                for k, fut in futs.items():
-                    if not fut.done():
-                        fut.cancel()
-                    elif not fut.cancelled():
-                        fut.exception()  # mark a listener failure as retrieved
-                    waiting = self._waiters.get(self._k(k))
-                    if waiting is not None:
-                        waiting.discard(fut)
-                        if not waiting:
-                            del self._waiters[self._k(k)]
+                waiting = [f for f in waiting if not f.done()]
+        finally:
+            for k, fut in futs.items():
+                if not fut.done():
+                    fut.cancel()
+                elif not fut.cancelled():
+                    fut.exception()  # mark a listener failure as retrieved
+                registered = self._waiters.get(self._k(k))
+                if registered is not None:
+                    registered.discard(fut)
+                    if not registered:
+                        del self._waiters[self._k(k)]
 
     async def close(self) -> None:
         if self._closed:

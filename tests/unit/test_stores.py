@@ -256,6 +256,23 @@ async def test_wait_wakes_without_spinning(store: EmbeddingStore) -> None:
     assert store.wake_checks <= checks_before + 2  # type: ignore[attr-defined]
 
 
+async def test_a_redis_wait_trusts_what_it_heard(store: EmbeddingStore) -> None:
+    # SET and PUBLISH are one MULTI/EXEC: a key heard on the channel is there, so the wake costs
+    # no EXISTS round trip of its own. One check when the wait begins, none after.
+    if not isinstance(store, RedisStore):
+        pytest.skip("Redis readiness channel only")
+    await store.put("heard-0", torch.ones(1))
+    waiter = asyncio.create_task(store.wait(["heard-0", "heard-1", "heard-2"], timeout_s=60))
+    await asyncio.sleep(0.05)
+    assert not waiter.done() and store.wake_checks == 1
+    await store.put("heard-1", torch.ones(1))
+    await asyncio.sleep(0.05)
+    assert not waiter.done(), "returned before every key was there"
+    await store.put("heard-2", torch.ones(1))
+    await asyncio.wait_for(waiter, 30)
+    assert store.wake_checks == 1
+
+
 async def test_wait_already_present_and_empty(store: EmbeddingStore) -> None:
     await store.put("here", torch.ones(1))
     await store.wait(["here"], timeout_s=5)
