@@ -12,7 +12,7 @@ import logging
 import socket
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import blake3
 import torch
@@ -142,6 +142,14 @@ class EncodeWorker:
         # Hashing and scanning megabytes takes milliseconds: keep it off the event loop.
         return await asyncio.to_thread(self._verified, value, raw, name, ev)
 
+    async def _inputs(
+        self, ev: EncodeEvent, pv_name: str, grid_name: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The item's pixels and grid, read from the store where claim-checked, and checked."""
+        pixels = await self._tensor(ev.data[pv_name], pv_name, ev)
+        grid = await self._tensor(ev.data[grid_name], grid_name, ev)
+        return pixels, grid
+
     def _verified(self, ref: TensorRef, raw: bytes, name: str, ev: EncodeEvent) -> torch.Tensor:
         if blake3.blake3(raw).hexdigest() != ref.digest:
             raise ValidationError(
@@ -265,20 +273,28 @@ class EncodeWorker:
         self._inflight[key] = done
         cancelled = False
         try:
-            # The cancel flag and the store lookup share one round trip. A hit extends the TTL:
-            # the EncodedEvent tells prefill the embedding is there.
-            cancelled, hit = await asyncio.gather(
-                request_cancelled(self.cancel, ev.request_id),
-                self.store.touch(key, self.settings.embedding_ttl_s),
-            )
+            # The inputs are read (and checked) beside the cancel flag and the store lookup, which
+            # share one round trip: a miss, the usual case (the fan-out looked already), waits
+            # for neither in turn. A hit or a cancel drops them unread by anyone. A hit extends
+            # the TTL: the EncodedEvent tells prefill the embedding is there.
+            inputs = asyncio.ensure_future(self._inputs(ev, pv_name, grid_name))
+            try:
+                cancelled, hit = await asyncio.gather(
+                    request_cancelled(self.cancel, ev.request_id),
+                    self.store.touch(key, self.settings.embedding_ttl_s),
+                )
+            except BaseException:
+                await _discard(inputs)
+                raise
+            if cancelled or hit:
+                await _discard(inputs)
             if cancelled:
                 done.cancel()  # waiters on this item take over instead of counting a hit
             elif not hit:
                 t0 = time.perf_counter()
-                # A batch being formed waits for this item while its inputs are fetched.
+                # A batch being formed waits for this item while its inputs arrive.
                 with self.batcher.on_the_way():
-                    pixels = await self._tensor(ev.data[pv_name], pv_name, ev)
-                    grid = await self._tensor(ev.data[grid_name], grid_name, ev)
+                    pixels, grid = await inputs
                     self._check_patch_width(pixels, pv_name, ev)
                     out = await self.batcher.submit((pixels, grid), cost=int(pixels.shape[0]))
                 # One entry per item: the embedding and any other outputs (deepstack) together.
@@ -325,3 +341,9 @@ class EncodeWorker:
         # Only now (the embedding is stored) is the claim-checked input garbage: a redelivery of
         # this event finds the embedding (a hit) and never reads the claim again.
         await asyncio.gather(announce, self._drop_claims(ev))
+
+
+async def _discard(task: asyncio.Future[Any]) -> None:
+    """Cancel a read started ahead of its need and drop its outcome, whatever it was."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

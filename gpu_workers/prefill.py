@@ -42,7 +42,7 @@ from runtime.stores.base import StoreKeyMissing, StoreTimeout, StoreUnavailable
 from schemas.errors import ValidationError
 from schemas.topics import Topics
 from schemas.types import ErrorInfo, PrefillEvent, now_ms
-from schemas.validator import validate_prefill_event
+from schemas.validator import validate_prefill_event, validate_prefill_expiry
 
 if TYPE_CHECKING:
     from runtime.model import ModelBundle
@@ -161,9 +161,10 @@ class PrefillWorker:
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"prefill@{socket.gethostname()}"
         self.vconfig = worker_validation(settings, bundle)
-        # A redelivery of a finished request is checked too, but its entries' expiry is not
-        # judged: arriving late is no offence there (nothing runs).
-        self._replay_vconfig = dataclasses.replace(self.vconfig, now_ms=None)
+        # Every event is checked on arrival without its entries' expiry, which is judged
+        # (validate_prefill_expiry) only once the request is known to run: arriving late is no
+        # offence for a redelivery of a finished request (nothing runs), and a late one expires.
+        self._arrival_vconfig = dataclasses.replace(self.vconfig, now_ms=None)
         self.bounds = Bounds.for_model(settings, bundle)
         self.report = ResultReporter(
             publisher, self.topics.results, "prefill", self.worker_id, record=record
@@ -197,29 +198,38 @@ class PrefillWorker:
     async def _run(self, ev: PrefillEvent, updates: RequestUpdates) -> None:
         started = now_ms()
         t_start = time.perf_counter()
-        # Two independent reads, one round trip: the record (a redelivery of a finished
-        # request?) and the cancel flag.
-        record, cancelled = await asyncio.gather(
+        # An unsafe event is refused (to the DLQ) whatever state its request is in; only the
+        # entries' expiry waits for the request's state and deadline below. Its keys are safe
+        # to read from here on.
+        validate_prefill_event(ev, self._arrival_vconfig)
+        hashes = dict.fromkeys(h for _, _, h in ev.features.items())
+        keys = {h: ev.ec_transfer_params[h].key for h in hashes}
+        key_list = list(keys.values())
+        late = ev.deadline_ms is not None and started >= ev.deadline_ms
+        # Three independent reads, one round trip: the record (a redelivery of a finished
+        # request?), the cancel flag, and, unless the request is already late, the embeddings,
+        # which are often all there (a cache hit, or encoded while this event travelled).
+        # Each entry holds all of an item's encoder outputs (embedding, deepstack features).
+        record, cancelled, present = await asyncio.gather(
             self.request_state(ev.request_id) if self.request_state else _none(),
             request_cancelled(self.cancel, ev.request_id),
+            _none() if late else self._fetch_present(key_list),
         )
         if record is not None and record.terminal:
             # A redelivery (crash before the offset commit, rebalance): the outcome is out
-            # already, and a second terminal event would only be folded away downstream. An
-            # unsafe event is still refused (to the DLQ), whatever state its request is in.
-            validate_prefill_event(ev, self._replay_vconfig)
+            # already, and a second terminal event would only be folded away downstream.
             self.skipped += 1
             log.info("%s: %s is already %s; skipped", self.worker_id, ev.request_id, record.status)
             return
         # The deadline comes first: the fan-out caps ec_transfer expiry at the deadline, so a late
         # event would otherwise fail validation as ec-expired (rejected) instead of expiring.
-        # Nothing is read or run on this path.
-        if ev.deadline_ms is not None and started >= ev.deadline_ms:
+        # Nothing is run on this path.
+        if late:
             await updates.now(
                 "expired", error=ErrorInfo("expired", "deadline passed before prefill")
             )
             return
-        validate_prefill_event(ev, self.vconfig)
+        validate_prefill_expiry(ev, self.vconfig)
         check_bounds(ev, self.bounds)
         if cancelled:
             await self._report_cancelled(updates, "skipped before prefill")
@@ -227,20 +237,11 @@ class PrefillWorker:
         # Progress updates go out in the background: the request does not wait for the
         # broker's acknowledgement or the record write before its own work.
         updates.soon("prefilling")
-        hashes = dict.fromkeys(h for _, _, h in ev.features.items())
-        keys = {h: ev.ec_transfer_params[h].key for h in hashes}
         timeout = self.embedding_wait_s
         if ev.deadline_ms is not None:
             timeout = max(0.0, min(timeout, (ev.deadline_ms - now_ms()) / 1000))
         t_wait = time.perf_counter()
         admission_ms = (t_wait - t_start) * 1000
-        key_list = list(keys.values())
-        # Often every embedding is there already (a cache hit, or encoded while this event
-        # travelled): one read fetches them all, with the cancel flag read beside it. Each entry
-        # holds all of an item's encoder outputs (embedding, deepstack features).
-        present, cancelled = await asyncio.gather(
-            self._fetch_present(key_list), request_cancelled(self.cancel, ev.request_id)
-        )
         if present is not None:
             outputs = present
         else:
@@ -266,11 +267,11 @@ class PrefillWorker:
                 fetch_outputs(self.store, key_list, self.bundle.family),
                 request_cancelled(self.cancel, ev.request_id),
             )
+            if cancelled:
+                await self._report_cancelled(updates, "skipped before compute")
+                return
         wait_ms = (time.perf_counter() - t_wait) * 1000
         items = items_from_features(ev.features, dict(zip(keys, outputs, strict=True)))
-        if cancelled:
-            await self._report_cancelled(updates, "skipped before compute")
-            return
         t_compute = time.perf_counter()
         loop = asyncio.get_running_loop()
         cancel = self.cancel

@@ -170,7 +170,16 @@ def check_ec_entry(
             item=item,
             field="ec_transfer_params",
         )
-    if config.now_ms is not None and ec.expires_ms <= config.now_ms():
+    if config.now_ms is not None:
+        check_ec_expiry(ec, mm_hash, config.now_ms(), modality=modality, item=item)
+
+
+def check_ec_expiry(
+    entry: Any, mm_hash: str, now_ms: int, *, modality: str | None, item: int | None
+) -> None:
+    """Rule ``ec-expired`` alone: ``entry`` (if it carries an expiry) has not passed ``now_ms``."""
+    ec = _as_ec_transfer(entry, mm_hash)
+    if ec is not None and ec.expires_ms <= now_ms:
         raise ValidationError(
             "ec-expired",
             f"entry for {mm_hash!r} expired at {ec.expires_ms}",

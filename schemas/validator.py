@@ -68,6 +68,7 @@ import torch
 # Re-exported: the gate's public surface stays in one module for its callers.
 from schemas.ec_entries import (
     check_ec_entry,
+    check_ec_expiry,
     check_ec_key,
     entry_locates_embedding,
     find_ec_entry,
@@ -95,6 +96,7 @@ __all__ = [
     "carries_encoder_inputs",
     "check_agreement",
     "check_ec_entry",
+    "check_ec_expiry",
     "check_ec_key",
     "check_item_data",
     "check_item_source",
@@ -107,6 +109,7 @@ __all__ = [
     "validate_encode_event",
     "validate_features",
     "validate_prefill_event",
+    "validate_prefill_expiry",
     "validate_render_event",
     "validate_render_slots",
 ]
@@ -604,6 +607,19 @@ def validate_render_event(ev: RenderEvent, config: ValidationConfig | None = Non
                 )
             meta = _slot(f.mm_metadata, modality, i)
             check_item_data(modality, i, full, meta, f.mm_placeholders[modality][i], config)
+
+
+def validate_prefill_expiry(ev: PrefillEvent, config: ValidationConfig) -> None:
+    """Rule ``ec-expired`` alone, for an event that passed :func:`validate_prefill_event` with
+    ``now_ms=None``: a worker checks everything else before it knows whether the expiry matters
+    (a redelivery of a finished request, a passed deadline) and this once it does."""
+    if config.now_ms is None:
+        return
+    now = config.now_ms()
+    for modality, index, mm_hash in ev.features.items():
+        entry = find_ec_entry(ev.ec_transfer_params, mm_hash)
+        if entry is not None:
+            check_ec_expiry(entry, mm_hash, now, modality=modality, item=index)
 
 
 def validate_prefill_event(ev: PrefillEvent, config: ValidationConfig) -> None:

@@ -212,6 +212,75 @@ async def test_single_flight_then_store_hit(
     assert [(e.request_id, e.cache_hit) for e in encoded][-1] == ("req-later", True)
 
 
+class _LookupAfterRead(RedisStore):
+    """A store whose lookup (``touch``) answers only once an input read (``get_bytes``) has
+    begun, or after ``patience_s``: it tells whether the encoder starts both together."""
+
+    patience_s = 10.0
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.read_begun = asyncio.Event()
+        self.overlapped: list[bool] = []
+
+    async def get_bytes(self, key: str) -> Any:
+        self.read_begun.set()
+        return await super().get_bytes(key)
+
+    async def touch(self, key: str, ttl_s: float | None) -> bool:
+        try:
+            await asyncio.wait_for(self.read_begun.wait(), self.patience_s)
+            self.overlapped.append(True)
+        except TimeoutError:
+            self.overlapped.append(False)
+        return await super().touch(key, ttl_s)
+
+
+async def test_the_encoder_reads_its_inputs_beside_the_store_lookup(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    producer: KafkaPublisher,
+) -> None:
+    # A miss (the usual case: the fan-out looked already) must not wait for the lookup's round
+    # trip before it asks for its claim-checked pixels.
+    ev = render(renderer, (15,))
+    p = await plan(cfg, store, bundle, ev)
+    event = wire(p.encode[0])
+    assert isinstance(event.data["pixel_values"], TensorRef)
+    watched = _LookupAfterRead(cfg.redis_url)
+    worker = EncodeWorker(cfg, bundle, watched, producer, worker_id="encode-overlap")
+    try:
+        await asyncio.wait_for(worker.handle(event), HANG_GUARD_S)
+    finally:
+        await worker.close()
+        await watched.close()
+    assert watched.overlapped == [True], "the claim was read only after the lookup answered"
+    assert (worker.items_encoded, worker.encoder_calls) == (1, 1)
+    expected = encode_images(bundle, [item_data(ev, 0)])[0]
+    assert torch.equal(await store.get(event.ec_transfer.key), expected)
+
+
+async def test_a_store_hit_drops_the_inputs_read_beside_it_whatever_they_were(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    encoder: EncodeWorker,
+) -> None:
+    # The inputs are read ahead of the lookup's answer; on a hit they are not needed, so a
+    # claim that is gone by then (deleted once encoded, expired) must not fail the item.
+    p = await plan(cfg, store, bundle, render(renderer, (17,)))
+    ev = wire(p.encode[0])
+    ref = ev.data["pixel_values"]
+    assert isinstance(ref, TensorRef)
+    await store.delete(ref.key)
+    await store.put(ev.ec_transfer.key, torch.ones(4, 64))
+    await asyncio.wait_for(encoder.handle(ev), HANG_GUARD_S)
+    assert (encoder.items_encoded, encoder.cache_hits, encoder.encoder_calls) == (0, 1, 0)
+
+
 async def test_a_store_hit_extends_the_embeddings_lifetime(
     cfg: Settings,
     bundle: ModelBundle,
@@ -457,6 +526,32 @@ async def test_prefill_past_deadline_expires_without_running(
     results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
     assert [r.status for r in results] == ["expired"]
     assert results[0].error is not None and results[0].error.code == "expired"
+
+
+async def test_an_unsafe_prefill_event_past_its_deadline_is_refused_not_expired(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    producer: KafkaPublisher,
+) -> None:
+    # Every rule but the entries' expiry is judged on arrival: an unsafe event goes to the DLQ
+    # whatever its request's state or deadline; only a safe late one is reported expired.
+    ev = render(renderer, (93,), deadline_ms=now_ms() - 1_000)
+    p = await plan(cfg, store, bundle, ev)
+    h = ev.features.mm_hashes["image"][0]
+    entry = p.prefill.ec_transfer_params[h]
+    foreign = dataclasses.replace(entry, key=entry.key.replace(cfg.ec_namespace, "elsewhere"))
+    bad = wire(dataclasses.replace(p.prefill, ec_transfer_params={h: foreign}))
+    prefill = PrefillWorker(cfg, bundle, store, producer, embedding_wait_s=HANG_GUARD_S * 2)
+    try:
+        with pytest.raises(ValidationError) as err:
+            await asyncio.wait_for(prefill.handle(bad), HANG_GUARD_S)
+    finally:
+        await prefill.close()
+    assert err.value.rule.startswith("ec-")
+    assert (err.value.modality, err.value.item) == ("image", 0)
+    assert await produced(cfg, Topics(cfg.topic_prefix).results) == []
 
 
 async def test_prefill_refuses_metadata_only_item_without_entry(
