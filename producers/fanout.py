@@ -383,7 +383,16 @@ class FanOut:
         # The request's "encoding" (or, all cached, "prefilling") status must be recorded before
         # any prefill worker can record "prefilling", or a client streaming the statuses never
         # sees it; a prefill worker only can once it has the prefill event.
-        if self.record is not None:
+        if self.record is not None and not plan.encode:
+            # Every item cached: this update is "prefilling" too, so the prefill worker's own can
+            # land first without a client missing a status. The prefill event goes at once.
+            _, _, encode_sizes, prefill_bytes = await asyncio.gather(
+                reporter.write_through(update),
+                reporter.send(update),
+                encodes,
+                publisher.send(self.topics.prefill, ev.request_id, plan.prefill),
+            )
+        elif self.record is not None:
             # The record first (one round trip); then the status and prefill records go.
             await reporter.write_through(update)
             _, encode_sizes, prefill_bytes = await asyncio.gather(

@@ -550,3 +550,42 @@ async def test_entries_cannot_be_replayed_into_another_request(
             dataclasses.replace(plan.encode[0], request_id="someone-else"), config
         )
     assert (err.value.rule, err.value.item) == ("ec-signature", plan.encode[0].item_index)
+
+
+# ------------------------------------------------------------------ publish order
+
+
+async def test_publish_orders_the_record_before_prefill_only_when_something_is_encoded(
+    renderer: Renderer, info: RenderInfo, local_store: LocalStore, namespace: str
+) -> None:
+    # A request with an item to encode records "encoding" before its prefill event can go (a
+    # prefill worker's "prefilling" must not overtake it). An all-cached request's update is
+    # "prefilling" itself, so its prefill event goes out beside the record write.
+    from runtime.publisher import InMemoryPublisher
+    from schemas.topics import Topics
+
+    settings = make_settings(namespace, secret=SECRET)
+    topics = Topics(settings.topic_prefix)
+    publisher = InMemoryPublisher()
+    prefill_sent_at_record: list[bool] = []
+
+    async def record(update: object) -> None:
+        # Give a concurrent send its turn first, then note whether the prefill event is out.
+        for _ in range(5):
+            await asyncio.sleep(0)
+        prefill_sent_at_record.append(bool(publisher.on(topics.prefill)))
+
+    fanout = FanOut(settings, local_store, info, publisher=publisher, topics=topics, record=record)
+    ev = render(renderer, (5,))
+    stats = await fanout.publish(ev)
+    assert stats.encode_events == 1
+    assert prefill_sent_at_record == [False]
+
+    publisher.records.clear()
+    (h,) = ev.features.mm_hashes["image"]
+    await local_store.put(fanout.store_key(h), torch.zeros(6, 64), ttl_s=60)
+    again = dataclasses.replace(ev, request_id=f"req-{uuid.uuid4().hex[:8]}")
+    stats = await fanout.publish(again)
+    assert (stats.encode_events, stats.cache_hits) == (0, 1)
+    assert prefill_sent_at_record == [False, True]
+    assert len(publisher.on(topics.prefill)) == 1
