@@ -80,6 +80,7 @@ def headroom_svg(report: dict[str, Any]) -> str:
 OVERHEAD_PARTS = (
     ("fanout_ms", "fan-out"),
     ("prefill_queue_ms", "prefill queue"),
+    ("prefill_admission_ms", "prefill reads"),
     ("embedding_wait_ms", "embedding wait"),
     ("finished_to_seen_ms", "result to client"),
     ("overhead_ms", "overhead (total)"),
@@ -100,7 +101,7 @@ def _overhead_parts(report: dict[str, Any], plt: Any) -> Any:
         name = "new image" if case == "miss" else "cached image"
         ax.barh(ys, values, height=width, color=color, label=f"{name} (p50)")
         for y, v in zip(ys, values, strict=True):
-            ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
+            ax.text(v, y, f" {v:.3g}" if v >= 0.01 else " 0", va="center", fontsize=8)
     budget_ms = report["pipeline"].get("budget", {}).get("max_overhead_p50_ms")
     if budget_ms:
         ax.axvline(budget_ms, color="black", linestyle="--", linewidth=1)
