@@ -278,25 +278,27 @@ class EncodeWorker:
             # for neither in turn. A hit or a cancel drops them unread by anyone. A hit extends
             # the TTL: the EncodedEvent tells prefill the embedding is there.
             inputs = asyncio.ensure_future(self._inputs(ev, pv_name, grid_name))
-            try:
-                cancelled, hit = await asyncio.gather(
-                    request_cancelled(self.cancel, ev.request_id),
-                    self.store.touch(key, self.settings.embedding_ttl_s),
-                )
-            except BaseException:
-                await _discard(inputs)
-                raise
-            if cancelled or hit:
-                await _discard(inputs)
-            if cancelled:
-                done.cancel()  # waiters on this item take over instead of counting a hit
-            elif not hit:
-                t0 = time.perf_counter()
-                # A batch being formed waits for this item while its inputs arrive.
-                with self.batcher.on_the_way():
+            t0 = time.perf_counter()
+            # A batch being formed waits for this item while its inputs arrive (a hit or a
+            # cancel withdraws it on leaving the block).
+            with self.batcher.on_the_way():
+                try:
+                    cancelled, hit = await asyncio.gather(
+                        request_cancelled(self.cancel, ev.request_id),
+                        self.store.touch(key, self.settings.embedding_ttl_s),
+                    )
+                except BaseException:
+                    await _discard(inputs)
+                    raise
+                if cancelled or hit:
+                    await _discard(inputs)
+                else:
                     pixels, grid = await inputs
                     self._check_patch_width(pixels, pv_name, ev)
                     out = await self.batcher.submit((pixels, grid), cost=int(pixels.shape[0]))
+            if cancelled:
+                done.cancel()  # waiters on this item take over instead of counting a hit
+            elif not hit:
                 # One entry per item: the embedding and any other outputs (deepstack) together.
                 await store_outputs(
                     self.store, key, out, self.bundle.family, self.settings.embedding_ttl_s

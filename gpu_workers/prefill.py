@@ -38,7 +38,7 @@ from gpu_workers.entries import (
 )
 from runtime.kafka import RequestUpdates, ResultReporter, StatusWriter
 from runtime.settings import Settings
-from runtime.stores.base import StoreKeyMissing, StoreTimeout, StoreUnavailable
+from runtime.stores.base import StoreError, StoreTimeout, StoreUnavailable
 from schemas.errors import ValidationError
 from schemas.topics import Topics
 from schemas.types import ErrorInfo, PrefillEvent, now_ms
@@ -198,37 +198,46 @@ class PrefillWorker:
     async def _run(self, ev: PrefillEvent, updates: RequestUpdates) -> None:
         started = now_ms()
         t_start = time.perf_counter()
-        # An unsafe event is refused (to the DLQ) whatever state its request is in; only the
-        # entries' expiry waits for the request's state and deadline below. Its keys are safe
-        # to read from here on.
-        validate_prefill_event(ev, self._arrival_vconfig)
+        # Every rule but the entries' expiry is judged on arrival. An unsafe event is still
+        # refused (to the DLQ) only after the request's state and deadline are known, as
+        # below, but none of its keys is read.
+        unsafe: ValidationError | None = None
+        try:
+            validate_prefill_event(ev, self._arrival_vconfig)
+        except ValidationError as exc:
+            unsafe = exc
         hashes = dict.fromkeys(h for _, _, h in ev.features.items())
-        keys = {h: ev.ec_transfer_params[h].key for h in hashes}
+        keys = {} if unsafe else {h: ev.ec_transfer_params[h].key for h in hashes}
         key_list = list(keys.values())
-        late = ev.deadline_ms is not None and started >= ev.deadline_ms
+        fetch = unsafe is None and not (ev.deadline_ms is not None and started >= ev.deadline_ms)
         # Three independent reads, one round trip: the record (a redelivery of a finished
-        # request?), the cancel flag, and, unless the request is already late, the embeddings,
-        # which are often all there (a cache hit, or encoded while this event travelled).
-        # Each entry holds all of an item's encoder outputs (embedding, deepstack features).
+        # request?), the cancel flag, and the embeddings, which are often all there (a cache
+        # hit, or encoded while this event travelled). Each entry holds all of an item's encoder
+        # outputs (embedding, deepstack features).
         record, cancelled, present = await asyncio.gather(
             self.request_state(ev.request_id) if self.request_state else _none(),
             request_cancelled(self.cancel, ev.request_id),
-            _none() if late else self._fetch_present(key_list),
+            self._fetch_present(key_list) if fetch else _none(),
         )
         if record is not None and record.terminal:
             # A redelivery (crash before the offset commit, rebalance): the outcome is out
-            # already, and a second terminal event would only be folded away downstream.
+            # already, and a second terminal event would only be folded away downstream. An
+            # unsafe event is still refused, whatever state its request is in.
+            if unsafe is not None:
+                raise unsafe
             self.skipped += 1
             log.info("%s: %s is already %s; skipped", self.worker_id, ev.request_id, record.status)
             return
-        # The deadline comes first: the fan-out caps ec_transfer expiry at the deadline, so a late
-        # event would otherwise fail validation as ec-expired (rejected) instead of expiring.
-        # Nothing is run on this path.
-        if late:
+        # The deadline comes first (judged now, after the reads): the fan-out caps ec_transfer
+        # expiry at the deadline, so a late event would otherwise fail validation as ec-expired
+        # (rejected) instead of expiring. Nothing is run on this path.
+        if ev.deadline_ms is not None and now_ms() >= ev.deadline_ms:
             await updates.now(
                 "expired", error=ErrorInfo("expired", "deadline passed before prefill")
             )
             return
+        if unsafe is not None:
+            raise unsafe
         validate_prefill_expiry(ev, self.vconfig)
         check_bounds(ev, self.bounds)
         if cancelled:
@@ -351,10 +360,13 @@ class PrefillWorker:
         return True
 
     async def _fetch_present(self, keys: list[str]) -> list[EncoderOutput] | None:
-        """Every entry of ``keys`` if all are in the store now (one read), else None."""
+        """Every entry of ``keys`` if all are in the store now (one read), else None.
+
+        A read ahead of the request's checks: it fails quietly (None), so a store error never
+        decides ahead of them; the wait and the read after it surface it."""
         try:
             return await fetch_outputs(self.store, keys, self.bundle.family)
-        except StoreKeyMissing:
+        except StoreError:
             return None
 
     async def _report_missing(

@@ -384,8 +384,10 @@ class FanOut:
         # any prefill worker can record "prefilling", or a client streaming the statuses never
         # sees it; a prefill worker only can once it has the prefill event.
         if self.record is not None and not plan.encode:
-            # Every item cached: this update is "prefilling" too, so the prefill worker's own can
-            # land first without a client missing a status. The prefill event goes at once.
+            # Every item cached: this update is "prefilling", as the prefill worker's first is,
+            # so the two may land in either order. The prefill event goes at once. (Only a
+            # worker whose first word is an outcome, a cancel or a passed deadline, could beat
+            # this write to the record; the status then goes from queued to that outcome.)
             _, _, encode_sizes, prefill_bytes = await asyncio.gather(
                 reporter.write_through(update),
                 reporter.send(update),

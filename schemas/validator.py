@@ -616,10 +616,14 @@ def validate_prefill_expiry(ev: PrefillEvent, config: ValidationConfig) -> None:
     if config.now_ms is None:
         return
     now = config.now_ms()
+    # Items first, so an expired entry is named by its modality and index; then every entry, as
+    # the full validation checks them all.
     for modality, index, mm_hash in ev.features.items():
         entry = find_ec_entry(ev.ec_transfer_params, mm_hash)
         if entry is not None:
             check_ec_expiry(entry, mm_hash, now, modality=modality, item=index)
+    for mm_hash, entry in ev.ec_transfer_params.items():
+        check_ec_expiry(entry, mm_hash, now, modality=None, item=None)
 
 
 def validate_prefill_event(ev: PrefillEvent, config: ValidationConfig) -> None:

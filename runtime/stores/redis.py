@@ -409,9 +409,10 @@ class RedisStore(EmbeddingStore):
         except TimeoutError:
             raise StoreTimeout(pending, timeout_s) from None
         # Register every key's future, then check once: a put landing in between is either seen
-        # by the check or heard on the channel. A key once heard is there (SET and PUBLISH are
-        # one MULTI/EXEC), so no second EXISTS follows a notification: the wake costs no round
-        # trip of its own.
+        # by the check or heard on the channel. A key heard was there when it was published
+        # (SET and PUBLISH are one MULTI/EXEC), so no second EXISTS follows a notification: the
+        # wake costs no round trip of its own. (Only its TTL, eviction or a restart removes it
+        # before the reader's fetch, which then reports it missing.)
         futs = {k: loop.create_future() for k in pending}
         for k, fut in futs.items():
             self._waiters.setdefault(self._k(k), set()).add(fut)

@@ -27,7 +27,7 @@ from producers.sample_images import synthetic_image
 from runtime.kafka import KafkaPublisher, make_producer, read_topic
 from runtime.model import ModelBundle, load_model
 from runtime.settings import Settings
-from runtime.stores.base import EmbeddingStore
+from runtime.stores.base import EmbeddingStore, StoreUnavailable
 from runtime.stores.local import LocalStore
 from runtime.stores.redis import RedisStore
 from schemas.codec import decode, encode
@@ -267,18 +267,25 @@ async def test_a_store_hit_drops_the_inputs_read_beside_it_whatever_they_were(
     bundle: ModelBundle,
     renderer: Renderer,
     store: RedisStore,
-    encoder: EncodeWorker,
+    producer: KafkaPublisher,
 ) -> None:
-    # The inputs are read ahead of the lookup's answer; on a hit they are not needed, so a
-    # claim that is gone by then (deleted once encoded, expired) must not fail the item.
+    # The inputs are read beside the lookup; on a hit they are not needed, so a claim that is
+    # gone by then (deleted once encoded, expired) must not fail the item.
     p = await plan(cfg, store, bundle, render(renderer, (17,)))
     ev = wire(p.encode[0])
     ref = ev.data["pixel_values"]
     assert isinstance(ref, TensorRef)
     await store.delete(ref.key)
     await store.put(ev.ec_transfer.key, torch.ones(4, 64))
-    await asyncio.wait_for(encoder.handle(ev), HANG_GUARD_S)
-    assert (encoder.items_encoded, encoder.cache_hits, encoder.encoder_calls) == (0, 1, 0)
+    watched = _LookupAfterRead(cfg.redis_url)
+    worker = EncodeWorker(cfg, bundle, watched, producer, worker_id="encode-hit-overlap")
+    try:
+        await asyncio.wait_for(worker.handle(ev), HANG_GUARD_S)
+    finally:
+        await worker.close()
+        await watched.close()
+    assert watched.overlapped == [True]  # the (failing) read had begun before the hit was known
+    assert (worker.items_encoded, worker.cache_hits, worker.encoder_calls) == (0, 1, 0)
 
 
 async def test_a_store_hit_extends_the_embeddings_lifetime(
@@ -526,32 +533,6 @@ async def test_prefill_past_deadline_expires_without_running(
     results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
     assert [r.status for r in results] == ["expired"]
     assert results[0].error is not None and results[0].error.code == "expired"
-
-
-async def test_an_unsafe_prefill_event_past_its_deadline_is_refused_not_expired(
-    cfg: Settings,
-    bundle: ModelBundle,
-    renderer: Renderer,
-    store: RedisStore,
-    producer: KafkaPublisher,
-) -> None:
-    # Every rule but the entries' expiry is judged on arrival: an unsafe event goes to the DLQ
-    # whatever its request's state or deadline; only a safe late one is reported expired.
-    ev = render(renderer, (93,), deadline_ms=now_ms() - 1_000)
-    p = await plan(cfg, store, bundle, ev)
-    h = ev.features.mm_hashes["image"][0]
-    entry = p.prefill.ec_transfer_params[h]
-    foreign = dataclasses.replace(entry, key=entry.key.replace(cfg.ec_namespace, "elsewhere"))
-    bad = wire(dataclasses.replace(p.prefill, ec_transfer_params={h: foreign}))
-    prefill = PrefillWorker(cfg, bundle, store, producer, embedding_wait_s=HANG_GUARD_S * 2)
-    try:
-        with pytest.raises(ValidationError) as err:
-            await asyncio.wait_for(prefill.handle(bad), HANG_GUARD_S)
-    finally:
-        await prefill.close()
-    assert err.value.rule.startswith("ec-")
-    assert (err.value.modality, err.value.item) == ("image", 0)
-    assert await produced(cfg, Topics(cfg.topic_prefix).results) == []
 
 
 async def test_prefill_refuses_metadata_only_item_without_entry(
@@ -826,6 +807,81 @@ async def test_a_replayed_prefill_event_is_skipped_once_the_request_is_terminal(
     assert (prefill.completed, prefill.skipped) == (1, 1)
     results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
     assert [r.status for r in results] == ["prefilling", "decoding", "completed"]
+
+
+class _FailingReads(RedisStore):
+    """A store whose embedding reads fail as if Redis were unreachable."""
+
+    async def get_many(self, keys: Any) -> Any:
+        raise StoreUnavailable("reads refused by the test")
+
+
+async def test_a_finished_requests_redelivery_is_skipped_even_when_the_store_fails_reads(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    encoder: EncodeWorker,
+    producer: KafkaPublisher,
+    status: Any,
+) -> None:
+    # The embeddings are read beside the record, ahead of the checks: a failure of that read
+    # must not decide before them (a redelivery of a finished request reads nothing it needs).
+    from runtime.status_store import RequestReader
+
+    ev = render(renderer, (63,))
+    p = await plan(cfg, store, bundle, ev)
+    await encoder.handle(wire(p.encode[0]))
+    reader = RequestReader(status)
+    prefill = PrefillWorker(cfg, bundle, store, producer, request_state=reader)
+    failing = _FailingReads(cfg.redis_url)
+    replayer = PrefillWorker(cfg, bundle, failing, producer, request_state=reader)
+    try:
+        await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
+        await fold_into(status, cfg, ev.request_id)
+        assert (await status.get(ev.request_id))["status"] == "completed"
+        await asyncio.wait_for(replayer.handle(wire(p.prefill)), HANG_GUARD_S)
+    finally:
+        await prefill.close()
+        await replayer.close()
+        await failing.close()
+    assert (replayer.skipped, replayer.completed) == (1, 0)
+
+
+class _SlowReads(RedisStore):
+    """A store whose embedding reads take ``delay_s``."""
+
+    delay_s = 1.5
+
+    async def get_many(self, keys: Any) -> Any:
+        await asyncio.sleep(self.delay_s)
+        return await super().get_many(keys)
+
+
+async def test_a_deadline_passing_during_the_prefill_reads_expires_the_request(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    encoder: EncodeWorker,
+    producer: KafkaPublisher,
+) -> None:
+    # The entries' expiry is capped at the deadline: a deadline that passes while the worker
+    # reads must end the request "expired", not refuse it as ec-expired.
+    ev = render(renderer, (65,), deadline_ms=now_ms() + 1_000)
+    p = await plan(cfg, store, bundle, ev)
+    await encoder.handle(wire(p.encode[0]))
+    slow = _SlowReads(cfg.redis_url)
+    prefill = PrefillWorker(cfg, bundle, slow, producer, embedding_wait_s=HANG_GUARD_S * 2)
+    try:
+        await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
+    finally:
+        await prefill.close()
+        await slow.close()
+    assert prefill.completed == 0
+    results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
+    assert results and results[-1].status == "expired"
+    assert results[-1].error is not None and results[-1].error.code == "expired"
 
 
 async def test_an_evicted_embedding_fails_the_request_at_once_as_embedding_lost(

@@ -533,6 +533,27 @@ def test_expired_entry() -> None:
     validate_features(TOKENS, f, params, ValidationConfig(secret=SECRET))  # no clock, no check
 
 
+def test_prefill_expiry_alone_names_the_item_and_checks_every_entry() -> None:
+    from schemas.validator import validate_prefill_expiry
+
+    f = feats({"image": [(2, 4, None, image_meta())]})
+    params = ec_for(f, SECRET, request_id="r", expires_ms=5000)
+    ev = PrefillEvent("r", "m", TOKENS, f, ec_transfer_params=params)
+    validate_prefill_event(ev, ValidationConfig(secret=SECRET))  # all but the expiry: fine
+    validate_prefill_expiry(ev, ValidationConfig(secret=SECRET, now_ms=lambda: 4999))
+    validate_prefill_expiry(ev, ValidationConfig(secret=SECRET))  # no clock, no check
+    with pytest.raises(ValidationError) as err:
+        validate_prefill_expiry(ev, ValidationConfig(secret=SECRET, now_ms=lambda: 5000))
+    assert (err.value.rule, err.value.modality, err.value.item) == ("ec-expired", "image", 0)
+    # An entry no item refers to is held to its expiry too, as the full validation holds it.
+    (entry,) = params.values()
+    stray = dataclasses.replace(entry, mm_hash="stray", expires_ms=100)
+    ev = PrefillEvent("r", "m", TOKENS, f, ec_transfer_params={**params, "stray": stray})
+    with pytest.raises(ValidationError) as err:
+        validate_prefill_expiry(ev, ValidationConfig(secret=SECRET, now_ms=lambda: 4999))
+    assert (err.value.rule, err.value.modality) == ("ec-expired", None)
+
+
 def test_entries_of_full_items_are_checked_too() -> None:
     f = feats({"image": [(2, 4, image_full(), None)]})
     reject("ec-signature", TOKENS, f, ec_for(f, b"bad"), ValidationConfig(secret=SECRET))
