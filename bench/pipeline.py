@@ -229,9 +229,14 @@ async def _one_request(
     }
     if "admission" in t:  # the prefill worker's reads and checks before the embedding wait
         out["prefill_admission_ms"] = t["admission"]
+    if "broker_hop" in t:  # the prefill event's produce -> the prefill worker starts it
+        out["prefill_hop_ms"] = t["broker_hop"]
     if encoded:
         out["vision_tower_ms"] = vision
         out["encode_stage_ms"] = next(v for k, v in t.items() if k.startswith("encode."))
+        hops = [v for k, v in t.items() if k.startswith("encode_hop.")]
+        if hops:  # the encode event's produce -> the encode worker starts it
+            out["encode_hop_ms"] = hops[0]
     return out
 
 

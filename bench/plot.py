@@ -79,6 +79,8 @@ def headroom_svg(report: dict[str, Any]) -> str:
 
 OVERHEAD_PARTS = (
     ("fanout_ms", "fan-out"),
+    ("encode_hop_ms", "broker hop to encode"),
+    ("prefill_hop_ms", "broker hop to prefill"),
     ("prefill_queue_ms", "prefill queue"),
     ("prefill_admission_ms", "prefill reads"),
     ("embedding_wait_ms", "embedding wait"),

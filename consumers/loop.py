@@ -622,7 +622,12 @@ class ConsumeLoop:
             return
         carrier = carrier_of(getattr(ce.event, "trace", None), ce.headers)
         rid = getattr(ce.event, "request_id", None)
-        with stage_span(self.config.group_id, carrier, request_id=rid or ce.key_str):
+        with stage_span(
+            self.config.group_id,
+            carrier,
+            request_id=rid or ce.key_str,
+            produced_ms=ce.timestamp_ms,
+        ):
             await self._run_handler(ce)
 
     async def _run_handler(self, ce: ConsumedEvent) -> None:

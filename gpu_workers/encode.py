@@ -26,6 +26,7 @@ from runtime.model import vision_config
 from runtime.settings import Settings
 from runtime.status_store import encoded_update
 from runtime.stores.base import StoreError, StoreKeyMissing
+from runtime.tracing import broker_hop_ms
 from schemas.errors import ValidationError
 from schemas.families import EMBEDS
 from schemas.modalities import GRID_FIELDS
@@ -186,7 +187,14 @@ class EncodeWorker:
                 log.warning("%s: could not delete claim %s (%r)", self.worker_id, value.key, exc)
 
     async def _encoded(
-        self, ev: EncodeEvent, emb_dtype: str, shape: list[int], *, hit: bool, ms: float
+        self,
+        ev: EncodeEvent,
+        emb_dtype: str,
+        shape: list[int],
+        *,
+        hit: bool,
+        ms: float,
+        hop_ms: float | None = None,
     ) -> None:
         encoded = EncodedEvent(
             mm_hash=ev.mm_hash,
@@ -202,7 +210,7 @@ class EncodeWorker:
         # They mark the item encoded in its request's status: in the record at once (with a
         # record writer), and through the results collector, which reads the topic.
         await asyncio.gather(
-            self.report.write_through(encoded_update(encoded)),
+            self.report.write_through(encoded_update(encoded, hop_ms=hop_ms)),
             self.publisher.send(self.topics.encoded, ev.mm_hash, encoded),
         )
 
@@ -250,6 +258,7 @@ class EncodeWorker:
                 ),
             )
             return
+        hop_ms = broker_hop_ms(now_ms())
         validate_encode_event(ev, self.vconfig)
         key = ev.ec_transfer.key
         pending = self._inflight.get(key)
@@ -339,7 +348,9 @@ class EncodeWorker:
             self.metrics.items.labels("hit").inc()
             announce = self._encoded(ev, dtype_name(self.bundle.dtype), [], hit=True, ms=0.0)
         else:
-            announce = self._encoded(ev, dtype_name(emb.dtype), list(emb.shape), hit=False, ms=ms)
+            announce = self._encoded(
+                ev, dtype_name(emb.dtype), list(emb.shape), hit=False, ms=ms, hop_ms=hop_ms
+            )
         # Only now (the embedding is stored) is the claim-checked input garbage: a redelivery of
         # this event finds the embedding (a hit) and never reads the claim again.
         await asyncio.gather(announce, self._drop_claims(ev))

@@ -39,6 +39,7 @@ from gpu_workers.entries import (
 from runtime.kafka import RequestUpdates, ResultReporter, StatusWriter
 from runtime.settings import Settings
 from runtime.stores.base import StoreError, StoreTimeout, StoreUnavailable
+from runtime.tracing import broker_hop_ms
 from schemas.errors import ValidationError
 from schemas.topics import Topics
 from schemas.types import ErrorInfo, PrefillEvent, now_ms
@@ -198,6 +199,7 @@ class PrefillWorker:
     async def _run(self, ev: PrefillEvent, updates: RequestUpdates) -> None:
         started = now_ms()
         t_start = time.perf_counter()
+        hop_ms = broker_hop_ms(started)
         # Every rule but the entries' expiry is judged on arrival. An unsafe event is still
         # refused (to the DLQ) only after the request's state and deadline are known, as
         # below, but none of its keys is read.
@@ -331,6 +333,7 @@ class PrefillWorker:
             text=text,
             timings={
                 "queue": float(started - ev.created_ms),
+                **({"broker_hop": hop_ms} if hop_ms is not None else {}),
                 "admission": admission_ms,
                 "embedding_wait": wait_ms,
                 "prefill_decode": compute_ms,

@@ -76,15 +76,19 @@ def fold(record: dict[str, Any] | None, ev: ResultEvent) -> dict[str, Any] | Non
     return rec
 
 
-def encoded_update(ev: EncodedEvent) -> ResultEvent:
+def encoded_update(ev: EncodedEvent, *, hop_ms: float | None = None) -> ResultEvent:
     """The status update an EncodedEvent stands for.
 
     The stage name carries the item's hash, so each item is recorded once (a redelivered
-    EncodedEvent is a duplicate) while different items of one request all land.
+    EncodedEvent is a duplicate) while different items of one request all land. ``hop_ms``: the
+    broker hop the encode event came through, which the encode worker adds to its own write of
+    the mark (the EncodedEvent does not carry it).
     """
     short = ev.mm_hash[:12]
     info = {f"encoded.{short}": "cache_hit" if ev.cache_hit else "encoded"}
     timings = {} if ev.cache_hit else {f"encode.{short}": ev.encode_ms}
+    if hop_ms is not None and ev.ok:
+        timings[f"encode_hop.{short}"] = hop_ms
     if not ev.ok:
         info = {f"encode_failed.{short}": ev.error.code if ev.error else "error"}
         timings = {}

@@ -29,6 +29,10 @@ _TRACER = trace.get_tracer("epd-pipeline")
 request_id_var: ContextVar[str | None] = ContextVar("epd_request_id", default=None)
 """The request being handled in this task, for log lines."""
 
+produced_ms_var: ContextVar[int | None] = ContextVar("epd_produced_ms", default=None)
+"""When the record being handled in this task was produced (its Kafka timestamp, wall-clock
+ms), so a stage can time the broker hop it came through (:func:`broker_hop_ms`)."""
+
 
 def new_traceparent() -> str:
     """A fresh W3C ``traceparent`` (version 00, sampled) for a request that arrives without one."""
@@ -64,20 +68,36 @@ def current_trace_id() -> str | None:
 
 @contextlib.contextmanager
 def stage_span(
-    stage: str, carrier: Mapping[str, str], *, request_id: str | None = None
+    stage: str,
+    carrier: Mapping[str, str],
+    *,
+    request_id: str | None = None,
+    produced_ms: int | None = None,
 ) -> Iterator[None]:
     """Run the body as span ``stage``, a child of the context in ``carrier`` (W3C headers),
-    with ``request_id`` set for log lines."""
+    with ``request_id`` set for log lines and ``produced_ms`` (the consumed record's timestamp)
+    for :func:`broker_hop_ms`."""
     token = otel_context.attach(_PROPAGATOR.extract(dict(carrier)))
     rid = request_id_var.set(request_id)
+    produced = produced_ms_var.set(produced_ms)
     try:
         with _TRACER.start_as_current_span(stage) as span:
             if request_id is not None:
                 span.set_attribute("epd.request_id", request_id)
             yield
     finally:
+        produced_ms_var.reset(produced)
         request_id_var.reset(rid)
         otel_context.detach(token)
+
+
+def broker_hop_ms(now_ms: int) -> float | None:
+    """Milliseconds from the handled record's production to ``now_ms`` (None outside a consumed
+    record, or for a record without a timestamp). Kafka stamps whole ms, so this is +-1 ms."""
+    produced = produced_ms_var.get()
+    if produced is None or produced < 0:
+        return None
+    return float(max(0, now_ms - produced))
 
 
 def carrier_of(trace_map: Mapping[str, str] | None, headers: Mapping[str, bytes]) -> dict[str, str]:

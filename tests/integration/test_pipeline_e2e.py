@@ -114,6 +114,12 @@ async def test_twenty_requests_complete_and_repeats_encode_once(pipeline: LocalR
             break
         assert asyncio.get_running_loop().time() < deadline, marked
         await asyncio.sleep(0.2)
+    # Each worker times the broker hop its event came through, from the record's timestamp
+    # (the running encoder's is in the mark it writes through).
+    for h, rid in runner.items():
+        hop = records[rid]["timings"].get(f"encode_hop.{h[:12]}")
+        assert hop is not None and 0 <= hop < 60_000, records[rid]["timings"]
+    assert all(0 <= o["timings"]["broker_hop"] < 60_000 for o in outcomes.values())
 
 
 async def test_prefill_topic_never_carries_pixel_values(pipeline: LocalRun) -> None:

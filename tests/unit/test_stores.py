@@ -256,21 +256,31 @@ async def test_wait_wakes_without_spinning(store: EmbeddingStore) -> None:
     assert store.wake_checks <= checks_before + 2  # type: ignore[attr-defined]
 
 
-async def test_a_redis_wait_trusts_what_it_heard(store: EmbeddingStore) -> None:
+async def test_a_redis_wait_trusts_what_it_heard() -> None:
     # SET and PUBLISH are one MULTI/EXEC: a key heard on the channel is there, so the wake costs
     # no EXISTS round trip of its own. One check when the wait begins, none after.
-    if not isinstance(store, RedisStore):
-        pytest.skip("Redis readiness channel only")
-    await store.put("heard-0", torch.ones(1))
-    waiter = asyncio.create_task(store.wait(["heard-0", "heard-1", "heard-2"], timeout_s=60))
-    await asyncio.sleep(0.05)
-    assert not waiter.done() and store.wake_checks == 1
-    await store.put("heard-1", torch.ones(1))
-    await asyncio.sleep(0.05)
-    assert not waiter.done(), "returned before every key was there"
-    await store.put("heard-2", torch.ones(1))
-    await asyncio.wait_for(waiter, 30)
-    assert store.wake_checks == 1
+    if not await _redis_up():
+        pytest.fail("Redis is not reachable on 127.0.0.1:6379 (start redis-server)")
+    tag = uuid.uuid4().hex[:12]
+    store = RedisStore(_url("redis", tag))
+    try:
+        await store.put("heard-0", torch.ones(1))
+        waiter = asyncio.create_task(store.wait(["heard-0", "heard-1", "heard-2"], timeout_s=60))
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and store.wake_checks == 1
+        await store.put("heard-1", torch.ones(1))
+        await asyncio.sleep(0.05)
+        assert not waiter.done(), "returned before every key was there"
+        await store.put("heard-2", torch.ones(1))
+        await asyncio.wait_for(waiter, 30)
+        assert store.wake_checks == 1
+    finally:
+        await store.close()
+        client = aioredis.Redis.from_url(REDIS_BASE)
+        keys = [k async for k in client.scan_iter(match=f"test-{tag}:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
 
 
 async def test_wait_already_present_and_empty(store: EmbeddingStore) -> None:

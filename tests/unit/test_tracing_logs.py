@@ -39,6 +39,19 @@ def test_stage_span_carries_the_context_and_the_request_id() -> None:
     assert "request_id" not in outside and "trace_id" not in outside
 
 
+def test_the_broker_hop_is_timed_from_the_consumed_records_timestamp() -> None:
+    from runtime.tracing import broker_hop_ms
+
+    assert broker_hop_ms(5_000) is None  # not handling a consumed record
+    with stage_span("prefill", {}, request_id="r-1", produced_ms=4_750):
+        assert broker_hop_ms(5_000) == 250.0
+        assert broker_hop_ms(4_700) == 0.0  # clocks a little apart never give a negative hop
+        with stage_span("inner", {}, request_id="r-2", produced_ms=-1):
+            assert broker_hop_ms(5_000) is None  # a record without a timestamp
+        assert broker_hop_ms(5_000) == 250.0
+    assert broker_hop_ms(5_000) is None
+
+
 def test_carrier_prefers_the_event_trace_map_over_the_header() -> None:
     other = new_traceparent()
     assert carrier_of({"traceparent": TP}, {"traceparent": other.encode()}) == {"traceparent": TP}
