@@ -98,12 +98,15 @@ def _overhead_parts(report: dict[str, Any], plt: Any) -> Any:
     width = 0.38
     for i, (case, color) in enumerate((("miss", "#4c72b0"), ("hit", "#dd8452"))):
         rows = block.get(case, {})
-        values = [rows.get(key, {}).get("p50_ms", 0.0) for key, _ in OVERHEAD_PARTS]
+        # A part this case does not have (a cached image is never encoded) is marked n/a.
+        found = [rows.get(key, {}).get("p50_ms") for key, _ in OVERHEAD_PARTS]
+        values = [v or 0.0 for v in found]
         ys = [j + (i - 0.5) * width for j in range(len(labels))]
         name = "new image" if case == "miss" else "cached image"
         ax.barh(ys, values, height=width, color=color, label=f"{name} (p50)")
-        for y, v in zip(ys, values, strict=True):
-            ax.text(v, y, f" {v:.3g}" if v >= 0.01 else " 0", va="center", fontsize=8)
+        for y, v in zip(ys, found, strict=True):
+            text = " n/a" if v is None else (f" {v:.3g}" if v >= 0.01 else " 0")
+            ax.text(v or 0.0, y, text, va="center", fontsize=8)
     budget_ms = report["pipeline"].get("budget", {}).get("max_overhead_p50_ms")
     if budget_ms:
         ax.axvline(budget_ms, color="black", linestyle="--", linewidth=1)
