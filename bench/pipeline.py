@@ -234,9 +234,9 @@ async def _one_request(
     if encoded:
         out["vision_tower_ms"] = vision
         out["encode_stage_ms"] = next(v for k, v in t.items() if k.startswith("encode."))
-        hops = [v for k, v in t.items() if k.startswith("encode_hop.")]
-        if hops:  # the encode event's produce -> the encode worker starts it
-            out["encode_hop_ms"] = hops[0]
+        hop = next((v for k, v in t.items() if k.startswith("encode_hop.")), None)
+        if hop is not None:  # the encode event's produce -> the encode worker starts it
+            out["encode_hop_ms"] = hop
     return out
 
 

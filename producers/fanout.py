@@ -380,24 +380,19 @@ class FanOut:
         encodes = asyncio.gather(
             *(publisher.send(self.topics.encode, enc.mm_hash, enc) for enc in plan.encode)
         )
-        # The request's "encoding" (or, all cached, "prefilling") status must be recorded before
-        # any prefill worker can record "prefilling", or a client streaming the statuses never
-        # sees it; a prefill worker only can once it has the prefill event.
-        if self.record is not None and not plan.encode:
-            # Every item cached: this update is "prefilling", as the prefill worker's first is,
-            # so the two may land in either order. The prefill event goes at once. (Only a
-            # worker whose first word is an outcome, a cancel or a passed deadline, could beat
-            # this write to the record; the status then goes from queued to that outcome.)
+        if self.record is not None:
+            # The request's "encoding" status must be recorded before any prefill worker can
+            # record "prefilling", or a client streaming the statuses never sees it; a prefill
+            # worker only can once it has the prefill event, so that waits for the record (one
+            # round trip). All cached, this update is "prefilling" itself, as the prefill
+            # worker's first is: the two may land in either order and the prefill event goes at
+            # once. (Only a worker whose first word is an outcome, a cancel or a passed deadline
+            # could beat this write; the status then goes from queued to that outcome.)
+            recorded = asyncio.ensure_future(reporter.write_through(update))
+            if plan.encode:
+                await recorded
             _, _, encode_sizes, prefill_bytes = await asyncio.gather(
-                reporter.write_through(update),
-                reporter.send(update),
-                encodes,
-                publisher.send(self.topics.prefill, ev.request_id, plan.prefill),
-            )
-        elif self.record is not None:
-            # The record first (one round trip); then the status and prefill records go.
-            await reporter.write_through(update)
-            _, encode_sizes, prefill_bytes = await asyncio.gather(
+                recorded,
                 reporter.send(update),
                 encodes,
                 publisher.send(self.topics.prefill, ev.request_id, plan.prefill),

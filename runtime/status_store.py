@@ -87,7 +87,7 @@ def encoded_update(ev: EncodedEvent, *, hop_ms: float | None = None) -> ResultEv
     short = ev.mm_hash[:12]
     info = {f"encoded.{short}": "cache_hit" if ev.cache_hit else "encoded"}
     timings = {} if ev.cache_hit else {f"encode.{short}": ev.encode_ms}
-    if hop_ms is not None and ev.ok:
+    if hop_ms is not None:
         timings[f"encode_hop.{short}"] = hop_ms
     if not ev.ok:
         info = {f"encode_failed.{short}": ev.error.code if ev.error else "error"}
