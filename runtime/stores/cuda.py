@@ -2,29 +2,42 @@
 buffer, other processes on the node through CUDA IPC.
 
 Layout. Each producing process keeps a few large device buffers ("chunks", ``chunk_mb`` each,
-at most ``max_mb`` in all) and places every entry in a slot of one (:class:`FreeList`). Each chunk
-is shared ONCE, when it is created, with torch's public
-``torch.multiprocessing.reductions.reduce_tensor``; its IPC fields go, field by field, into a small
-record per entry (:mod:`runtime.stores.cuda_ipc`) that lives in a ``shm://`` index named
+at most ``max_mb`` in all for one store name and device, and at most ``device_max_mb`` for all
+the store names of the process on one device) and places every entry in a slot of one
+(:class:`FreeList`). Each chunk is shared ONCE, when it is created, with torch's public
+``torch.multiprocessing.reductions.reduce_tensor``; its IPC fields go, field by field, into a
+small record per entry (:mod:`runtime.stores.cuda_ipc`) that lives in a ``shm://`` index named
 ``<name>.cuda-index``. The index gives the store its cross-process lookup, TTL, ``touch`` and
 ``wait`` (inotify, no polling): exactly the shm store's semantics, because it *is* that store.
 
 Why chunks instead of one IPC share per entry: torch counts IPC references per share and expects
 one receiver per send. A store has any number of readers (or none), so per-entry shares would
 either free memory a second reader still maps or never free it at all (the sent block waits in
-torch's "limbo" for a receiver that never comes). A chunk is shared once and lives as long as
-the producing process, so the count never matters; the store manages the slots itself.
+torch's "limbo" for a receiver that never comes). The store decides itself when a slot's bytes
+may be reused (below), so it settles torch's count for a chunk as soon as it shares it
+(:func:`_settle_ipc_count`, the one private torch call, named there with its reason): a chunk
+the producer drops is then freed like any tensor, whoever mapped it.
 
 Reads. ``get`` reads the record, opens the chunk (with ``rebuild_cuda_tensor``, then kept open;
 the producer's own process uses its buffer directly) and returns a device-to-device **copy** of
 the entry, owned by the caller: a view into the chunk would be overwritten when the slot is
-reused. The copy is microseconds for an embedding. Opened chunks are kept by producer (the id in
-the records), with the last few keys read from each; at most every ``sweep_interval_s`` a reading
-``get`` (and every ``sweep``) checks those keys, newest first, and once none of them is still in
-the index under that producer, unmaps all its chunks and calls ``torch.cuda.ipc_collect()``. So
-the chunks of an encode worker that exited or restarted do not stay mapped (holding up to its
-``max_mb``) in every reader. A producer dropped while it still has entries the reader did not
-know of costs only a reopen on the next read.
+reused. The copy is microseconds for an embedding. The record names the producer's GPU by UUID,
+and the reader opens it under its own index for that GPU (another ``CUDA_VISIBLE_DEVICES``
+numbers the GPUs differently). Opened chunks are kept by producer and chunk, with the last few
+keys read from each producer; at most every ``sweep_interval_s`` a reading ``get`` (and every
+``sweep``) checks those keys, newest first, and unmaps each chunk none of them is still in the
+index under, then calls ``torch.cuda.ipc_collect()``. That check runs in a worker thread: the
+look-ups are file reads, and torch synchronises the stream when it drops a mapped chunk. So the
+chunks of an encode worker that exited, restarted or gave a chunk back do not stay mapped in
+every reader. A chunk dropped while it still has entries the reader did not know of costs only
+a reopen on the next read.
+
+A reader that cannot open a chunk asks whether its producer still runs: each producing process
+holds a shared ``flock`` on a file named by its id in ``<name>.cuda-live`` for its whole life.
+Gone (no holder): the entry is lost with it and the key reads as missing (the pipeline then
+re-encodes, as for any lost embedding). Still running: CUDA IPC itself does not work between
+the two processes (containers without a shared IPC namespace, a driver or device that refuses
+it), and :class:`StoreUnavailable` says so rather than passing every entry off as missing.
 
 Lifetimes. A slot is freed ``grace_s`` (default 30 s) after its producer sees the entry gone
 from the index (expired, deleted, or replaced by a newer put), not at once: a reader that found
@@ -33,35 +46,43 @@ entries in a heap by expiry and re-checks only those that are due, on ``put`` (a
 ``sweep_interval_s``); an entry still there (its TTL extended by a ``touch``) is put back at its
 new expiry. A put over an entry's key or a ``delete`` through this process retires it at once;
 an entry deleted or overwritten by another process, or one without a TTL, is noticed by the
-full check that runs whenever the chunks are full (off the event loop, in a worker thread). An
-entry outlives its producer only as far as CUDA keeps a dead process's memory mapped in the
-readers that opened it; a reader that cannot open a chunk reports the key missing (the
-pipeline then re-encodes, as for any lost embedding). Writes: ``put`` copies the tensor into its
-slot and waits for that copy to finish before it publishes the record, so a reader in another
-process (another CUDA stream) never sees a half-written entry.
+full check that runs whenever the chunks are full (off the event loop, in a worker thread). A
+chunk that has held no entry for ``reclaim_s`` (default 30 s) is given back to torch's
+allocator by the next sweep, so a burst does not keep its memory for the life of the process.
+
+Writes: ``put`` copies the tensor into its slot and waits for that copy to finish before it
+publishes the record, so a reader in another process (another CUDA stream) never sees a
+half-written entry. The wait is on a blocking-sync CUDA event in a worker thread, which sleeps
+rather than spinning a core. A put cancelled or failing after its copy was queued does not
+free the slot while the copy may still run (another stream's put could be handed it): the slot
+is retired behind the copy's event and freed by a sweep once that has completed.
 
 CUDA is required: without it ``open_store("cuda://...")`` raises :class:`StoreError` naming the
 alternatives. (Tests run the same logic on CPU memory through the ``device`` keyword; such a store
 is readable only by its own process.)
 
 Query parameters: ``device`` (CUDA index, default the current device), ``dir`` (the index's base
-directory, default ``/dev/shm``), ``chunk_mb`` (256), ``max_mb`` (8192), ``grace_s`` (30),
-``sweep_interval_s`` (1).
+directory, default ``/dev/shm``), ``chunk_mb`` (256), ``max_mb`` (8192), ``device_max_mb``
+(8192), ``grace_s`` (30), ``reclaim_s`` (30), ``sweep_interval_s`` (1).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import heapq
 import itertools
-import logging
 import math
+import os
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import torch
@@ -79,16 +100,28 @@ from runtime.stores.cuda_ipc import ChunkShare, FreeList, IndexRecord, decode_re
 from runtime.stores.shm import ShmStore
 from schemas.tensors import dtype_name, torch_dtype
 
-log = logging.getLogger(__name__)
-
 PRODUCER_ID = uuid.uuid4().bytes
 """This process's identity in index records (a record with it is read from our own chunks)."""
-_NO_CHUNK = ChunkShare(bytes(16), -1, b"", 0, 0, b"", 0, b"", False)
+NO_DEVICE_UUID = bytes(16)
+"""The device UUID of a CPU chunk (the test mode)."""
+_NO_CHUNK = ChunkShare(bytes(16), -1, NO_DEVICE_UUID, b"", 0, 0, b"", 0, b"", False)
 _MIB = 1 << 20
 _INLINE_CHECKS = 32
 """Index look-ups a sweep does on the event loop; a bigger batch goes to a worker thread."""
 _KEYS_PER_PRODUCER = 16
-"""Keys remembered per foreign producer, to tell whether it still has entries in the index."""
+"""Keys remembered per foreign producer, to tell which of its chunks still hold entries."""
+_PARAMS = frozenset(
+    {"device", "dir", "chunk_mb", "max_mb", "device_max_mb", "grace_s", "reclaim_s",
+     "sweep_interval_s"}
+)  # fmt: skip
+
+
+class Fence(Protocol):
+    """What ``put`` needs of the event marking the end of its copy (a ``torch.cuda.Event``)."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -96,6 +129,8 @@ class _Chunk:
     share: ChunkShare
     buf: torch.Tensor  # uint8, the whole chunk
     slots: FreeList
+    empty_since: float | None = None
+    """When a sweep first saw it hold nothing (monotonic); None while it holds entries."""
 
 
 @dataclass(slots=True)
@@ -110,6 +145,11 @@ class _Held:
     due: float = math.inf
     """When the sweep next looks it up in the index (monotonic; its expiry); inf: only on a
     full check."""
+    fence: Fence | None = None
+    """The copy into the slot, on a device stream; the slot is not freed before it is done."""
+
+    def copy_done(self) -> bool:
+        return self.fence is None or self.fence.query()
 
 
 @dataclass(slots=True)
@@ -119,6 +159,7 @@ class _Producer:
     device: torch.device
     chunk_bytes: int
     max_bytes: int
+    live_dir: Path
     chunks: list[_Chunk] = field(default_factory=list)
     held: dict[str, _Held] = field(default_factory=dict)
     retired: list[_Held] = field(default_factory=list)
@@ -140,11 +181,13 @@ class _Producer:
             for c in self.chunks:
                 off = c.slots.alloc(nbytes)
                 if off is not None:
+                    c.empty_since = None
                     return c, off
         return None
 
-    def grow(self, nbytes: int) -> tuple[_Chunk, int]:
-        """A new chunk (a dedicated one for an entry bigger than ``chunk_bytes``)."""
+    def grow(self, nbytes: int, device_max_bytes: int) -> tuple[_Chunk, int]:
+        """A new chunk (a dedicated one for an entry bigger than ``chunk_bytes``), within both
+        bounds: this store's ``max_mb`` and the process's ``device_max_mb`` on this device."""
         size = max(self.chunk_bytes, FreeList.rounded(nbytes))
         with self.lock:
             if self.reserved + size > self.max_bytes:
@@ -153,8 +196,15 @@ class _Producer:
                     f"{self.max_bytes // _MIB} in use, {nbytes} more bytes wanted (entries are "
                     f"freed grace_s after they expire; raise max_mb or lower the TTL)"
                 )
-            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-            chunk = _Chunk(_share(buf), buf, FreeList(size))
+            _device_reserve(self.device, size, device_max_bytes, nbytes)
+            try:
+                buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+                if buf.device.type == "cuda":
+                    _announce_alive(self.live_dir)
+                chunk = _Chunk(_share(buf), buf, FreeList(size))
+            except BaseException:
+                _device_reserve(self.device, -size, device_max_bytes, 0)
+                raise
             self.chunks.append(chunk)
             _OWN_CHUNKS[chunk.share.chunk_id] = buf
             off = chunk.slots.alloc(nbytes)
@@ -164,6 +214,16 @@ class _Producer:
     def free(self, h: _Held) -> None:
         with self.lock:
             h.chunk.slots.free(h.offset, h.nbytes)
+
+    def abandon(self, h: _Held, now: float) -> None:
+        """A put gave up on ``h`` before publishing it: free the slot now if its copy is done,
+        else retire it behind the copy's fence (a sweep frees it once that has passed)."""
+        with self.lock:
+            if h.copy_done():
+                h.chunk.slots.free(h.offset, h.nbytes)
+            else:
+                h.dropped_at = now
+                self.retired.append(h)
 
     def hold(self, key: str, h: _Held, now: float, ttl_s: float | None) -> None:
         with self.lock:
@@ -193,13 +253,46 @@ class _Producer:
                 out.append((key, h))
         return out
 
+    def free_retired(self, now: float, grace_s: float) -> int:
+        """Free the retired slots whose grace has passed and whose copy is done. Locked."""
+        keep: list[_Held] = []
+        freed = 0
+        for h in self.retired:
+            assert h.dropped_at is not None
+            if now - h.dropped_at >= grace_s and h.copy_done():
+                h.chunk.slots.free(h.offset, h.nbytes)
+                freed += 1
+            else:
+                keep.append(h)
+        self.retired = keep
+        return freed
+
+    def release_empty(self, now: float, idle_s: float) -> list[_Chunk]:
+        """Take out the chunks that have held nothing for ``idle_s``; the caller drops them
+        (outside the lock). Torch's allocator gets the memory back; readers that mapped a
+        chunk unmap it on their next sweep, and no record names it any more."""
+        gone: list[_Chunk] = []
+        with self.lock:
+            for c in list(self.chunks):
+                if c.slots.used:
+                    c.empty_since = None
+                    continue
+                c.empty_since = now if c.empty_since is None else c.empty_since
+                if now - c.empty_since >= idle_s:
+                    self.chunks.remove(c)
+                    _OWN_CHUNKS.pop(c.share.chunk_id, None)
+                    _device_reserve(self.device, -c.slots.size, 0, 0)
+                    gone.append(c)
+        return gone
+
 
 @dataclass(slots=True)
 class _Foreign:
     """Another process's chunks opened here, and the last keys read from them (newest last)."""
 
     chunks: dict[bytes, torch.Tensor] = field(default_factory=dict)
-    keys: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    keys: OrderedDict[str, bytes] = field(default_factory=OrderedDict)
+    """Key -> the chunk it was read from."""
     reads: int = 0
 
 
@@ -212,11 +305,11 @@ class _Opened:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def chunk(self, producer: bytes, chunk_id: bytes, key: str) -> torch.Tensor | None:
-        """An opened chunk (None if not open), noting ``key`` as read from ``producer``."""
+        """An opened chunk (None if not open), noting ``key`` as read from it."""
         with self.lock:
             f = self.producers.setdefault(producer, _Foreign())
             f.reads += 1
-            f.keys[key] = None
+            f.keys[key] = chunk_id
             f.keys.move_to_end(key)
             while len(f.keys) > _KEYS_PER_PRODUCER:
                 f.keys.popitem(last=False)
@@ -228,40 +321,112 @@ class _Opened:
             f = self.producers.setdefault(producer, _Foreign())
             return f.chunks.setdefault(chunk_id, buf)
 
-    def sweep(self, references: Callable[[str, bytes], bool]) -> int:
-        """Drop (unmap) the chunks of every producer none of whose remembered keys the index
-        still holds under it (``references(key, producer)``, asked newest key first and only
-        until one answers yes); returns how many producers went."""
+    def sweep(self, references: Callable[[str, bytes, bytes], bool]) -> int:
+        """Drop (unmap) every opened chunk none of whose remembered keys the index still holds
+        in it (``references(key, producer, chunk_id)``, asked newest key first, until each
+        chunk has an answer yes); returns how many chunks went. Blocking: run it in a worker
+        thread, where the dropped chunks' last references go (torch syncs the stream then)."""
         with self.lock:
-            known = [(p, f, f.reads, list(f.keys)) for p, f in self.producers.items()]
-        gone = [
-            (p, f, reads)
-            for p, f, reads, keys in known
-            if not any(references(k, p) for k in reversed(keys))
-        ]
-        dropped = 0
+            known = [(p, f, f.reads, list(f.keys.items()), set(f.chunks)) for p, f in
+                     self.producers.items()]  # fmt: skip
+        verdicts = [(p, f, reads, _dead_chunks(p, keys, chunks, references))
+                    for p, f, reads, keys, chunks in known]  # fmt: skip
+        released: list[torch.Tensor] = []
         with self.lock:
-            for producer, f, reads in gone:
-                if self.producers.get(producer) is f and f.reads == reads:  # no read since
+            for producer, f, reads, dead in verdicts:
+                if self.producers.get(producer) is not f or f.reads != reads:
+                    continue  # read since the snapshot: judged again next time
+                released += [f.chunks.pop(c) for c in dead]
+                if not f.chunks:
                     del self.producers[producer]
-                    dropped += bool(f.chunks)
-        if dropped and torch.cuda.is_available():
+        count = len(released)
+        released.clear()  # the last references: unmapped here, off the event loop
+        if count and torch.cuda.is_available():
             torch.cuda.ipc_collect()  # let CUDA release what the dropped tensors mapped
-        return dropped
+        return count
+
+
+def _dead_chunks(
+    producer: bytes,
+    keys: list[tuple[str, bytes]],
+    chunks: set[bytes],
+    references: Callable[[str, bytes, bytes], bool],
+) -> set[bytes]:
+    """Of ``chunks``, those no remembered key (asked newest first) is still indexed in."""
+    live: set[bytes] = set()
+    for key, chunk_id in reversed(keys):
+        if live == chunks:
+            break
+        if chunk_id in chunks and chunk_id not in live and references(key, producer, chunk_id):
+            live.add(chunk_id)
+    return chunks - live
 
 
 _PRODUCERS: dict[tuple[str, str], _Producer] = {}
 _OWN_CHUNKS: dict[bytes, torch.Tensor] = {}
 _OPENED: dict[str, _Opened] = {}
 """Chunks of other processes this process has opened, per index directory."""
+_DEVICE_RESERVED: dict[str, int] = {}
+"""Bytes of chunks this process holds per device, over every store name."""
+_LIVE_FDS: dict[str, int] = {}
+"""Liveness directory -> the descriptor holding this process's shared lock in it."""
 _REGISTRY_LOCK = threading.Lock()
+
+
+def _device_reserve(device: torch.device, delta: int, limit: int, wanted: int) -> None:
+    """Count ``delta`` bytes of chunks on ``device``; a growth past ``limit`` is refused."""
+    with _REGISTRY_LOCK:
+        now = _DEVICE_RESERVED.get(str(device), 0)
+        if delta > 0 and now + delta > limit:
+            raise StoreUnavailable(
+                f"cuda stores of this process hold {now // _MIB} MiB on {device}, at "
+                f"device_max_mb={limit // _MIB}; {wanted} more bytes wanted (empty chunks go "
+                f"back reclaim_s after their last entry; raise device_max_mb or lower the TTL)"
+            )
+        _DEVICE_RESERVED[str(device)] = now + delta
+
+
+def _settle_ipc_count(ref_counter_handle: bytes, ref_counter_offset: int) -> None:
+    """Give back, at once, the one receiver reference torch counts for a share just made.
+
+    The one private torch call of this store, kept here. Why: torch frees a shared CUDA block
+    only once the share's cross-process counter is back at 0, and it expects one receiver per
+    share to bring it there. A chunk has any number of readers, or none (then the block would
+    sit in torch's limbo for ever). The store decides itself when a slot may be reused (grace_s
+    after its entry left the index), so it settles the count now, with the call torch's own
+    ``rebuild_cuda_tensor`` makes for a share it already holds; readers' releases only take the
+    counter below 0, which torch treats as free. No public API does this. Should the call fail
+    (a torch change), the chunk is only kept until the process ends, as before.
+    """
+    release = torch.UntypedStorage._release_ipc_counter  # type: ignore[attr-defined]
+    release(ref_counter_handle, ref_counter_offset)
+
+
+def _device_uuid(device: torch.device) -> bytes:
+    """The 16-byte UUID of a CUDA device (stable across processes, unlike its index)."""
+    props: Any = torch.cuda.get_device_properties(device)  # torch's stubs call .uuid a str
+    return bytes(props.uuid.bytes)
+
+
+def _local_index(device_uuid: bytes, producer_index: int) -> int:
+    """This process's index of the GPU with ``device_uuid``; StoreUnavailable when it cannot
+    see that GPU (``CUDA_VISIBLE_DEVICES`` hides it)."""
+    for i in range(torch.cuda.device_count()):
+        if _device_uuid(torch.device("cuda", i)) == device_uuid:
+            return i
+    raise StoreUnavailable(
+        f"cuda store: the entry lives on GPU-{uuid.UUID(bytes=device_uuid)} (device "
+        f"{producer_index} of its producer), which this process does not see "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); give "
+        f"readers and producers the same GPUs"
+    )
 
 
 def _share(buf: torch.Tensor) -> ChunkShare:
     """Share a chunk once through torch's public reductions; CPU chunks are not shareable."""
     chunk_id = uuid.uuid4().bytes
     if buf.device.type != "cuda":
-        return ChunkShare(chunk_id, -1, b"", buf.numel(), 0, b"", 0, b"", False)
+        return ChunkShare(chunk_id, -1, NO_DEVICE_UUID, b"", buf.numel(), 0, b"", 0, b"", False)
     from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
     rebuild, args = reduce_tensor(buf)
@@ -269,22 +434,70 @@ def _share(buf: torch.Tensor) -> ChunkShare:
         raise StoreError(f"torch shares CUDA tensors through {rebuild!r}, not rebuild_cuda_tensor")
     (_cls, _size, _stride, _offset, _storage_cls, _dtype, device, handle, size_b, off_b,
      _grad, rc_handle, rc_off, ev_handle, ev_sync) = args  # fmt: skip
+    if rc_handle:
+        _settle_ipc_count(bytes(rc_handle), int(rc_off))
     return ChunkShare(
-        chunk_id, int(device), bytes(handle), int(size_b), int(off_b), bytes(rc_handle or b""),
-        int(rc_off), bytes(ev_handle or b""), bool(ev_sync),
+        chunk_id, int(device), _device_uuid(buf.device), bytes(handle), int(size_b), int(off_b),
+        bytes(rc_handle or b""), int(rc_off), bytes(ev_handle or b""), bool(ev_sync),
     )  # fmt: skip
 
 
 def _open(share: ChunkShare) -> torch.Tensor:
-    """Another process's chunk as a uint8 tensor (mapped until the last reference goes)."""
+    """Another process's chunk as a uint8 tensor on our index of its GPU (mapped until the last
+    reference goes)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+    device = _local_index(share.device_uuid, share.device)
     return rebuild_cuda_tensor(
         torch.Tensor, torch.Size([share.storage_size_bytes]), (1,), 0, torch.UntypedStorage,
-        torch.uint8, share.device, share.handle, share.storage_size_bytes,
+        torch.uint8, device, share.handle, share.storage_size_bytes,
         share.storage_offset_bytes, False, share.ref_counter_handle, share.ref_counter_offset,
         share.event_handle, share.event_sync_required,
     )  # fmt: skip
+
+
+def _copy_fence(device: torch.device) -> Fence | None:
+    """An event marking the end of the copy just queued on ``device``'s current stream (None
+    on the CPU, where the copy is already done). Blocking-sync, so a thread waiting on it
+    sleeps instead of spinning a core."""
+    if device.type != "cuda":
+        return None
+    done = torch.cuda.Event(blocking=True)
+    done.record(torch.cuda.current_stream(device))
+    return done
+
+
+def _announce_alive(live_dir: Path) -> None:
+    """Hold a shared lock on ``<live_dir>/<our producer id>`` until the process ends (readers
+    tell a producer that is gone from broken IPC by it; see the module docstring)."""
+    with _REGISTRY_LOCK:
+        if str(live_dir) in _LIVE_FDS:
+            return
+        live_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        fd = os.open(live_dir / PRODUCER_ID.hex(), flags, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        _LIVE_FDS[str(live_dir)] = fd
+
+
+def producer_alive(live_dir: Path, producer: bytes) -> bool:
+    """Whether the process with id ``producer`` still holds its liveness lock in ``live_dir``.
+    A file nobody holds belongs to a process that ended: it is removed."""
+    path = live_dir / producer.hex()
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return False
+    finally:
+        os.close(fd)
 
 
 def _resolve_device(spec: str | None, override: torch.device | None) -> torch.device:
@@ -313,32 +526,31 @@ class CudaStore(EmbeddingStore):
             raise ValueError(f"not a cuda:// URL: {url!r}")
         name = (parts.netloc + parts.path).strip("/") or "epd"
         params = dict(parse_qsl(parts.query))
-        unknown = set(params) - {
-            "device",
-            "dir",
-            "chunk_mb",
-            "max_mb",
-            "grace_s",
-            "sweep_interval_s",
-        }
+        unknown = set(params) - _PARAMS
         if unknown:
             raise ValueError(f"cuda:// URL {url!r}: unknown parameter(s) {sorted(unknown)}")
         self._url = url
         self.device = _resolve_device(params.get("device"), device)
         self.grace_s = float(params.get("grace_s", "30"))
+        self.reclaim_s = float(params.get("reclaim_s", "30"))
         self.sweep_interval_s = float(params.get("sweep_interval_s", "1"))
         chunk_bytes = int(float(params.get("chunk_mb", "256")) * _MIB)
         max_bytes = int(float(params.get("max_mb", "8192")) * _MIB)
+        self.device_max_bytes = int(float(params.get("device_max_mb", "8192")) * _MIB)
         if chunk_bytes <= 0 or max_bytes < chunk_bytes or self.grace_s < 0:
             raise ValueError(f"cuda:// URL {url!r}: need 0 < chunk_mb <= max_mb and grace_s >= 0")
+        if self.device_max_bytes < chunk_bytes or self.reclaim_s < 0:
+            raise ValueError(f"cuda:// URL {url!r}: need chunk_mb <= device_max_mb, reclaim_s >= 0")
         index_q: dict[str, str] = {k: params[k] for k in ("dir", "sweep_interval_s") if k in params}
         index_url = f"shm://{name}.cuda-index" + (f"?{urlencode(index_q)}" if index_q else "")
         self._index = ShmStore(index_url)
+        self._live_dir = self._index.directory.with_name(f"{name}.cuda-live")
         key = (str(self._index.directory), str(self.device))
         with _REGISTRY_LOCK:
             prod = _PRODUCERS.get(key)
             if prod is None:
-                prod = _PRODUCERS[key] = _Producer(self.device, chunk_bytes, max_bytes)
+                prod = _Producer(self.device, chunk_bytes, max_bytes, self._live_dir)
+                _PRODUCERS[key] = prod
             opened = _OPENED.setdefault(key[0], _Opened())
         self._producer = prod
         self._opened = opened
@@ -370,9 +582,9 @@ class CudaStore(EmbeddingStore):
                 held = _Held(chunk, offset, nbytes, prod.generation)
             share = chunk.share
             try:
-                await self._copy_in(chunk.buf.narrow(0, offset, nbytes), t)
+                await self._copy_in(held, t)
             except BaseException:
-                prod.free(held)
+                prod.abandon(held, time.monotonic())
                 raise
         generation = held.generation if held else 0
         rec = IndexRecord(PRODUCER_ID, generation, share, offset, nbytes, dtype, tuple(t.shape))
@@ -380,7 +592,7 @@ class CudaStore(EmbeddingStore):
             await self._index.put_bytes(key, encode_record(rec), ttl_s)
         except BaseException:
             if held is not None:
-                prod.free(held)
+                prod.abandon(held, time.monotonic())
             raise
         if held is not None:
             prod.hold(key, held, time.monotonic(), ttl_s)
@@ -391,30 +603,42 @@ class CudaStore(EmbeddingStore):
             await self.sweep()
         slot = prod.alloc(nbytes)
         if slot is None:
-            await self.sweep(full=True)  # full: free what has gone before growing
-            slot = prod.alloc(nbytes) or prod.grow(nbytes)
+            # Free what has gone before growing, but keep empty chunks: this entry wants one.
+            await self.sweep(full=True, reclaim=False)
+            slot = prod.alloc(nbytes) or self._grow(nbytes)
         return slot
 
-    async def _copy_in(self, dst: torch.Tensor, t: torch.Tensor) -> None:
-        src = t.contiguous().reshape(-1).view(torch.uint8)
-        dst.copy_(src, non_blocking=True)
-        if dst.device.type == "cuda":
-            # Readers in other processes use other streams: publish only finished bytes.
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(dst.device))
-            if not done.query():
-                await asyncio.to_thread(done.synchronize)
+    def _grow(self, nbytes: int) -> tuple[_Chunk, int]:
+        prod = self._producer
+        try:
+            return prod.grow(nbytes, self.device_max_bytes)
+        except StoreUnavailable:
+            # Too big for every empty chunk (a dedicated one): give those back, then try again.
+            if not prod.release_empty(time.monotonic(), 0.0):
+                raise
+            return prod.grow(nbytes, self.device_max_bytes)
 
-    async def sweep(self, *, full: bool = False) -> int:
+    async def _copy_in(self, h: _Held, t: torch.Tensor) -> None:
+        """Copy ``t`` into the slot; return once the bytes are there (readers in other processes
+        use other streams, so only finished bytes may be published)."""
+        src = t.contiguous().reshape(-1).view(torch.uint8)
+        dst = h.chunk.buf.narrow(0, h.offset, h.nbytes)
+        dst.copy_(src, non_blocking=True)
+        h.fence = _copy_fence(dst.device)
+        if h.fence is not None and not h.fence.query():
+            await asyncio.to_thread(h.fence.synchronize)
+
+    async def sweep(self, *, full: bool = False, reclaim: bool = True) -> int:
         """Free the slots whose entries left the index ``grace_s`` ago; returns how many.
 
         Looks up in the index only the entries that are due (their expiry has come), or every
-        held entry when ``full``; also drops foreign chunks no longer referenced (see the module
+        held entry when ``full``; gives back chunks empty for ``reclaim_s`` (unless not
+        ``reclaim``); also drops foreign chunks no longer referenced (see the module
         docstring)."""
         prod = self._producer
         now = time.monotonic()
         prod.next_sweep = now + self.sweep_interval_s
-        self._sweep_opened(now)
+        await self._sweep_opened(now)
         with prod.lock:
             batch = list(prod.held.items()) if full else prod.pop_due(now)
             prod.lookups += len(batch)
@@ -437,17 +661,9 @@ class CudaStore(EmbeddingStore):
                     prod.retire(key, now)
                 elif not full:
                     prod.schedule(key, h, now + secs)  # a touch extended it: look again then
-        freed = 0
-        with prod.lock:
-            keep: list[_Held] = []
-            for h in prod.retired:
-                assert h.dropped_at is not None
-                if now - h.dropped_at >= self.grace_s:
-                    h.chunk.slots.free(h.offset, h.nbytes)
-                    freed += 1
-                else:
-                    keep.append(h)
-            prod.retired = keep
+            freed = prod.free_retired(now, self.grace_s)
+        if reclaim:
+            prod.release_empty(now, self.reclaim_s)  # dropped here: torch frees them
         return freed
 
     def _left(self, key: str, h: _Held) -> float | None:
@@ -466,17 +682,21 @@ class CudaStore(EmbeddingStore):
         except StoreCorrupt:
             return None
 
-    def _references(self, key: str, producer: bytes) -> bool:
+    def _references(self, key: str, producer: bytes, chunk_id: bytes) -> bool:
         rec = self._indexed(key)
-        return rec is not None and rec[0].producer_id == producer
+        return rec is not None and (rec[0].producer_id, rec[0].chunk.chunk_id) == (
+            producer,
+            chunk_id,
+        )
 
-    def _sweep_opened(self, now: float) -> int:
-        """Drop foreign chunks no live record references (at most every sweep_interval_s)."""
+    async def _sweep_opened(self, now: float) -> int:
+        """Drop foreign chunks no live record references (at most every sweep_interval_s), in
+        a worker thread: its look-ups read files, and torch syncs the stream as it unmaps."""
         opened = self._opened
         if now < opened.next_sweep or not opened.producers:
             return 0
         opened.next_sweep = now + self.sweep_interval_s
-        return opened.sweep(self._references)
+        return await asyncio.to_thread(opened.sweep, self._references)
 
     # --- read -------------------------------------------------------------------------------
 
@@ -486,8 +706,8 @@ class CudaStore(EmbeddingStore):
     def _chunk_of(self, rec: IndexRecord, key: str) -> torch.Tensor:
         if rec.producer_id == PRODUCER_ID:
             buf = _OWN_CHUNKS.get(rec.chunk.chunk_id)
-            if buf is None:
-                raise StoreCorrupt(f"cuda index record for {key!r} names an unknown own chunk")
+            if buf is None:  # given back after its last entry went: this record is stale
+                raise StoreKeyMissing(key)
             return buf
         if not rec.chunk.shareable:
             raise StoreError(f"{key!r} lives in another process's CPU-only cuda:// test store")
@@ -496,9 +716,15 @@ class CudaStore(EmbeddingStore):
             return buf
         try:
             buf = _open(rec.chunk)
-        except RuntimeError as exc:  # the producer is gone, or the handle is foreign
-            log.warning("cuda store: cannot open the chunk holding %r: %s", key, exc)
-            raise StoreKeyMissing(key) from None
+        except RuntimeError as exc:  # the producer is gone, or IPC does not work between us
+            if producer_alive(self._live_dir, rec.producer_id):
+                raise StoreUnavailable(
+                    f"cuda store: cannot open the chunk holding {key!r} through CUDA IPC although "
+                    f"its producer is running ({exc}); CUDA IPC does not work between these "
+                    f"processes (containers need a shared IPC namespace and the same GPU; some "
+                    f"drivers and devices refuse IPC): use shm:// or redis:// between them"
+                ) from exc
+            raise StoreKeyMissing(key) from None  # the entry went with its producer
         return self._opened.add(rec.producer_id, rec.chunk.chunk_id, buf)
 
     async def get(self, key: str) -> torch.Tensor:
@@ -507,7 +733,7 @@ class CudaStore(EmbeddingStore):
         if rec.nbytes == 0:
             return torch.empty(rec.shape, dtype=dt, device=self.device)
         if rec.producer_id != PRODUCER_ID:
-            self._sweep_opened(time.monotonic())
+            await self._sweep_opened(time.monotonic())
         buf = self._chunk_of(rec, key)
         out = buf.narrow(0, rec.offset, rec.nbytes).clone()
         return out.view(dt).view(rec.shape)
@@ -536,18 +762,23 @@ class CudaStore(EmbeddingStore):
             self._producer.retire(key, time.monotonic())
 
     def stats(self) -> dict[str, int]:
-        """This process's device memory for the store: chunks, reserved/used bytes, entries."""
+        """This process's device memory for the store: chunks, reserved/used bytes, entries, and
+        what the process holds on the device over every store name."""
         prod = self._producer
         with prod.lock:
-            return {
+            out = {
                 "chunks": len(prod.chunks),
                 "reserved_bytes": prod.reserved,
                 "used_bytes": sum(c.slots.used for c in prod.chunks),
                 "held": len(prod.held),
                 "retired": len(prod.retired),
-                "opened_producers": len(self._opened.producers),
-                "opened_chunks": sum(len(f.chunks) for f in self._opened.producers.values()),
             }
+        with self._opened.lock:
+            out["opened_producers"] = len(self._opened.producers)
+            out["opened_chunks"] = sum(len(f.chunks) for f in self._opened.producers.values())
+        with _REGISTRY_LOCK:
+            out["device_reserved_bytes"] = _DEVICE_RESERVED.get(str(self.device), 0)
+        return out
 
     async def close(self) -> None:
         """Close the index handle. The device memory belongs to the process (other handles on

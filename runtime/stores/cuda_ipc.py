@@ -4,7 +4,8 @@ Index record: what a reader in another process needs to find an entry in the pro
 memory, as explicit little-endian fields (never pickle)::
 
     magic "EPDC" | version u8 | dtype-name length u8 | ndim u8 | event_sync_required u8 |
-    producer id (16 bytes) | chunk id (16 bytes) | generation u64 | device i32 | pad u32 |
+    producer id (16 bytes) | chunk id (16 bytes) | device UUID (16 bytes) |
+    generation u64 | device i32 | pad u32 |
     offset u64 | nbytes u64 | storage_size_bytes u64 | storage_offset_bytes u64 |
     ref_counter_offset u64 | handle length u16 | ref-counter-handle length u16 |
     event-handle length u16 | pad u16 |
@@ -13,7 +14,11 @@ memory, as explicit little-endian fields (never pickle)::
 The IPC fields (``handle`` .. ``event_sync_required``) are the ones
 ``torch.multiprocessing.reductions.reduce_tensor`` returns for the producer's chunk and
 ``rebuild_cuda_tensor`` takes back; ``offset``/``nbytes`` place the entry inside that chunk.
-A chunk that cannot be shared (the CPU test mode) has an empty ``handle``.
+``device`` is the producer's device *index*, which means nothing to a reader started with
+another ``CUDA_VISIBLE_DEVICES``: readers find the GPU by its UUID (what
+``torch.cuda.get_device_properties(i).uuid`` gives) and keep the index only for messages.
+A chunk that cannot be shared (the CPU test mode) has an empty ``handle`` and a zero UUID.
+Version 2 added the UUID; a version-1 record is refused as corrupt (it could open the wrong GPU).
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ from schemas.errors import CodecError
 from schemas.tensors import nbytes_of
 
 RECORD_MAGIC = b"EPDC"
-RECORD_VERSION = 1
-_HEAD = struct.Struct("<4sBBBB16s16sQiIQQQQQHHHH")
+RECORD_VERSION = 2
+_HEAD = struct.Struct("<4sBBBB16s16s16sQiIQQQQQHHHH")
 SLOT_ALIGN = 256
 """Entries start on this boundary of their chunk (CUDA's own allocation alignment)."""
 
@@ -38,7 +43,8 @@ class ChunkShare:
     """The IPC fields of one shared chunk (a device buffer holding many entries)."""
 
     chunk_id: bytes  # 16 bytes, unique per chunk
-    device: int
+    device: int  # the producer's device index (for messages: readers go by device_uuid)
+    device_uuid: bytes  # 16 bytes, the GPU's UUID; zeros for a CPU chunk
     handle: bytes
     storage_size_bytes: int
     storage_offset_bytes: int
@@ -78,6 +84,7 @@ def encode_record(rec: IndexRecord) -> bytes:
         int(c.event_sync_required),
         rec.producer_id,
         c.chunk_id,
+        c.device_uuid,
         rec.generation,
         c.device,
         0,
@@ -99,8 +106,10 @@ def decode_record(raw: bytes, key: str = "?") -> IndexRecord:
     """Parse a record; :class:`StoreCorrupt` naming the key for anything malformed."""
     if len(raw) < _HEAD.size:
         raise StoreCorrupt(f"cuda index record for {key!r} is truncated ({len(raw)} bytes)")
-    (magic, version, name_len, ndim, sync, producer, chunk_id, gen, device, _pad, offset, nbytes,
-     size_b, off_b, rc_off, h_len, rc_len, ev_len, _pad2) = _HEAD.unpack_from(raw, 0)  # fmt: skip
+    (magic, version, name_len, ndim, sync, producer, chunk_id, device_uuid, gen, device, _pad,
+     offset, nbytes, size_b, off_b, rc_off, h_len, rc_len, ev_len, _pad2) = _HEAD.unpack_from(
+        raw, 0
+    )  # fmt: skip
     if magic != RECORD_MAGIC:
         raise StoreCorrupt(f"cuda index record for {key!r} has bad magic {bytes(magic)!r}")
     if version != RECORD_VERSION:
@@ -128,8 +137,8 @@ def decode_record(raw: bytes, key: str = "?") -> IndexRecord:
             f"bytes, record says {nbytes}"
         )
     chunk = ChunkShare(
-        bytes(chunk_id), device, bytes(handle), size_b, off_b, bytes(rc_handle), rc_off,
-        bytes(ev_handle), bool(sync),
+        bytes(chunk_id), device, bytes(device_uuid), bytes(handle), size_b, off_b,
+        bytes(rc_handle), rc_off, bytes(ev_handle), bool(sync),
     )  # fmt: skip
     if chunk.shareable and offset + nbytes > size_b:
         raise StoreCorrupt(f"cuda index record for {key!r} points past its chunk")

@@ -8,18 +8,23 @@ real thing, in one process and across two through CUDA IPC.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import gc
+import os
 import shutil
 import sys
 import textwrap
+import threading
 import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.multiprocessing.reductions as reductions
 
 import runtime.stores.cuda as cuda_mod
 from runtime.stores import StoreCorrupt, StoreError, StoreKeyMissing, StoreUnavailable, open_store
@@ -39,7 +44,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def _record(**kw: object) -> IndexRecord:
-    share = ChunkShare(b"c" * 16, 0, b"h" * 64, 1 << 20, 512, b"/torch_1_2", 3, b"e" * 64, True)
+    share = ChunkShare(
+        b"c" * 16, 0, b"u" * 16, b"h" * 64, 1 << 20, 512, b"/torch_1_2", 3, b"e" * 64, True
+    )
     base: dict[str, object] = {
         "producer_id": b"p" * 16,
         "generation": 7,
@@ -68,6 +75,8 @@ def test_record_round_trip_and_corruption() -> None:
         decode_record(encode_record(_record(offset=0, nbytes=23, dtype="float32", shape=(2, 3))))
     with pytest.raises(StoreCorrupt, match="past its chunk"):
         decode_record(encode_record(_record(offset=(1 << 20) - 8)))
+    with pytest.raises(StoreCorrupt, match="unsupported version 1"):  # no device UUID in it
+        decode_record(raw[:4] + b"\x01" + raw[5:], "k")
 
 
 def test_free_list_first_fit_and_merging() -> None:
@@ -132,9 +141,9 @@ async def test_slots_are_freed_after_expiry_delete_and_overwrite(cpu_store: Cuda
             break
         await asyncio.sleep(0.025)
     await cpu_store.put("c", mib)  # the full store sweeps: a's slot is reused
-    assert cpu_store.stats() | {"reserved_bytes": 0} == {
+    assert cpu_store.stats() | {"reserved_bytes": 0, "device_reserved_bytes": 0} == {
         "chunks": 2, "reserved_bytes": 0, "used_bytes": 2 << 20, "held": 2, "retired": 0,
-        "opened_producers": 0, "opened_chunks": 0,
+        "opened_producers": 0, "opened_chunks": 0, "device_reserved_bytes": 0,
     }  # fmt: skip
     await cpu_store.delete("c")
     await cpu_store.put("b", torch.ones(4))  # in c's freed slot; b's old one is retired...
@@ -250,9 +259,9 @@ async def test_sweep_follows_touches(counted_store: tuple[CudaStore, list[str]])
 # --- readers drop the chunks of producers the index no longer names ---------------------------
 
 
-def _foreign(producer: bytes, chunk: bytes) -> bytes:
+def _foreign(producer: bytes, chunk: bytes, device: bytes = b"u" * 16) -> bytes:
     """An index record naming another process's (shareable) chunk."""
-    share = ChunkShare(chunk * 16, 0, b"h" * 64, 4096, 0, b"/torch_1", 0, b"", False)
+    share = ChunkShare(chunk * 16, 0, device, b"h" * 64, 4096, 0, b"/torch_1", 0, b"", False)
     return encode_record(IndexRecord(producer * 16, 1, share, 256, 16, "float32", (4,)))
 
 
@@ -303,6 +312,232 @@ async def test_reader_drops_chunks_of_producers_gone_from_the_index(
     finally:
         await store.close()
         shutil.rmtree(f"/dev/shm/epd-test-{tag}.cuda-index", ignore_errors=True)
+
+
+# --- the defects only a device would show, shown on the CPU with stand-ins -------------------
+
+
+def _cpu_store(query: str) -> tuple[CudaStore, str]:
+    tag = uuid.uuid4().hex[:12]
+    return CudaStore(f"cuda://epd-test-{tag}?{query}", device=CPU), tag
+
+
+def _remove(tag: str) -> None:
+    for suffix in ("cuda-index", "cuda-live"):
+        shutil.rmtree(f"/dev/shm/epd-test-{tag}.{suffix}", ignore_errors=True)
+
+
+async def test_reader_opens_the_producers_gpu_by_uuid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The producer's device 0 is this reader's device 1 (another CUDA_VISIBLE_DEVICES): the
+    record's UUID, not its index, decides which GPU the chunk is opened on."""
+    uuids = [b"\x10" * 16, b"\x20" * 16]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda d: SimpleNamespace(uuid=SimpleNamespace(bytes=uuids[torch.device(d).index])),
+    )
+    opened_on: list[int] = []
+
+    def fake_rebuild(*args: object) -> torch.Tensor:
+        opened_on.append(int(args[6]))  # type: ignore[call-overload]  # storage_device
+        return torch.zeros(int(args[8]), dtype=torch.uint8)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", fake_rebuild)
+    store, tag = _cpu_store("chunk_mb=1&sweep_interval_s=3600")
+    try:
+        await store._index.put_bytes("k", _foreign(b"A", b"a", device=uuids[1]), 600)
+        assert decode_record(await store._index.get_bytes("k")).chunk.device == 0
+        assert torch.equal(await store.get("k"), torch.zeros(4))
+        assert opened_on == [1]
+        await store._index.put_bytes("gone", _foreign(b"B", b"b", device=b"\x30" * 16), 600)
+        with pytest.raises(StoreUnavailable, match=r"GPU-30303030.*CUDA_VISIBLE_DEVICES"):
+            await store.get("gone")
+    finally:
+        await store.close()
+        _remove(tag)
+
+
+def test_device_uuid_is_read_from_the_device_properties(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[object] = []
+
+    def props(d: object) -> SimpleNamespace:
+        asked.append(d)
+        return SimpleNamespace(uuid=SimpleNamespace(bytes=b"\x07" * 16))
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    assert cuda_mod._device_uuid(torch.device("cuda", 3)) == b"\x07" * 16
+    assert asked == [torch.device("cuda", 3)]
+
+
+async def test_reader_unmaps_dead_chunks_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A producer with a live chunk and a dead one: only the dead one is unmapped, and its last
+    reference (where torch syncs the stream) and ipc_collect run off the event loop's thread."""
+    loop_thread = threading.get_ident()
+    released_on: list[int] = []
+
+    def fake_open(share: ChunkShare) -> torch.Tensor:
+        buf = torch.zeros(share.storage_size_bytes, dtype=torch.uint8)
+        weakref.finalize(buf, lambda: released_on.append(threading.get_ident()))
+        return buf
+
+    collected_on: list[int] = []
+    monkeypatch.setattr(cuda_mod, "_open", fake_open)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "ipc_collect", lambda: collected_on.append(threading.get_ident())
+    )
+    store, tag = _cpu_store("chunk_mb=1&sweep_interval_s=0")
+    index = store._index
+    try:
+        await index.put_bytes("a1", _foreign(b"A", b"a"), 600)  # producer A, chunk a
+        await index.put_bytes("a2", _foreign(b"A", b"b"), 600)  # producer A, chunk b
+        await store.get("a1")
+        await store.get("a2")
+        assert store.stats()["opened_chunks"] == 2
+        await index.delete("a1")  # chunk a holds nothing any more; chunk b still holds a2
+        await store.get("a2")
+        assert store.stats()["opened_producers"] == 1 and store.stats()["opened_chunks"] == 1
+        gc.collect()
+        assert len(released_on) == 1 and released_on[0] != loop_thread
+        assert collected_on and loop_thread not in collected_on
+    finally:
+        await store.close()
+        _remove(tag)
+
+
+async def test_empty_chunks_go_back_and_the_device_total_is_bounded() -> None:
+    """Two store names share one device budget; deleted entries give their chunks back."""
+    held = cuda_mod._DEVICE_RESERVED.get("cpu", 0)  # earlier tests' stores in this process
+    cap_mb = (held + (2 << 20)) / (1 << 20)
+    query = f"chunk_mb=1&grace_s=0&reclaim_s=0&sweep_interval_s=3600&device_max_mb={cap_mb}"
+    a, tag_a = _cpu_store(query)
+    b, tag_b = _cpu_store(query)
+    kept, tag_k = _cpu_store("chunk_mb=1&grace_s=0&reclaim_s=600")
+    mib = torch.zeros(1 << 18, dtype=torch.float32)  # 1 MiB: one whole chunk
+    try:
+        await a.put("x", mib)
+        await a.put("y", mib)  # a holds all the device allows
+        with pytest.raises(StoreUnavailable, match="device_max_mb"):
+            await b.put("z", mib)
+        chunks = [weakref.ref(c.buf) for c in a._producer.chunks]
+        await a.delete("x")
+        await a.delete("y")
+        assert await a.sweep() == 2
+        assert a.stats() | {"device_reserved_bytes": 0} == {
+            "chunks": 0, "reserved_bytes": 0, "used_bytes": 0, "held": 0, "retired": 0,
+            "opened_producers": 0, "opened_chunks": 0, "device_reserved_bytes": 0,
+        }  # fmt: skip
+        gc.collect()
+        assert all(ref() is None for ref in chunks)  # the memory went back to torch
+        await b.put("z", mib)  # room on the device again
+        assert torch.equal(await b.get("z"), mib)
+        # Within reclaim_s an empty chunk is kept for the next entry.
+        await kept.put("k", mib)
+        await kept.delete("k")
+        await kept.sweep()
+        assert kept.stats()["chunks"] == 1 and kept.stats()["used_bytes"] == 0
+        await kept.put("k", mib)
+        assert kept.stats()["chunks"] == 1
+    finally:
+        for store, tag in ((a, tag_a), (b, tag_b), (kept, tag_k)):
+            await store.close()
+            _remove(tag)
+
+
+def test_copy_fence_is_a_blocking_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The put's wait sleeps on a blocking-sync event instead of spinning a core."""
+    made: list[SimpleNamespace] = []
+
+    class FakeEvent:
+        def __init__(self, **kw: object) -> None:
+            self.seen = SimpleNamespace(kw=kw, stream=None)
+            made.append(self.seen)
+
+        def record(self, stream: object) -> None:
+            self.seen.stream = stream
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
+    assert cuda_mod._copy_fence(torch.device("cuda", 0)) is not None
+    assert made[0].kw == {"blocking": True} and made[0].stream == "stream of cuda:0"
+    assert cuda_mod._copy_fence(CPU) is None  # a CPU copy is done when copy_ returns
+
+
+class _Gate:
+    """A copy still running on a device stream: done once ``done`` is set."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.waiting = threading.Event()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        self.waiting.set()
+        self.done.wait(30)
+
+
+async def test_cancelled_put_keeps_its_slot_until_its_copy_is_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gate = _Gate()
+    fences = iter([gate])
+    monkeypatch.setattr(cuda_mod, "_copy_fence", lambda device: next(fences, None))
+    store, tag = _cpu_store("chunk_mb=1&grace_s=0&reclaim_s=600&sweep_interval_s=3600")
+    try:
+        put = asyncio.create_task(store.put("k", torch.ones(64), ttl_s=60))
+        assert await asyncio.to_thread(gate.waiting.wait, 30)  # waiting in a thread, not here
+        put.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        assert not await store.exists("k")
+        assert store.stats()["used_bytes"] == SLOT_ALIGN and store.stats()["retired"] == 1
+        assert await store.sweep() == 0  # grace_s=0, but the copy may still write the slot
+        await store.put("k2", torch.ones(64))
+        assert decode_record(await store._index.get_bytes("k2")).offset == SLOT_ALIGN  # not 0
+        gate.done.set()
+        assert await store.sweep() == 1
+        assert store.stats()["used_bytes"] == SLOT_ALIGN
+    finally:
+        gate.done.set()
+        await store.close()
+        _remove(tag)
+
+
+async def test_unopenable_chunk_of_a_running_producer_is_unavailable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """IPC refused while the producer runs: StoreUnavailable naming CUDA IPC, not "missing";
+    once the producer has exited, its entries are missing (the pipeline re-encodes)."""
+
+    def refused(share: ChunkShare) -> torch.Tensor:
+        raise RuntimeError("CUDA error: operation not supported")
+
+    monkeypatch.setattr(cuda_mod, "_open", refused)
+    store, tag = _cpu_store("chunk_mb=1&sweep_interval_s=3600")
+    lock = Path(f"/dev/shm/epd-test-{tag}.cuda-live") / (b"A" * 16).hex()  # A's lock
+    try:
+        await store._index.put_bytes("k", _foreign(b"A", b"a"), 600)
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)  # producer A runs (it holds its lock)
+        try:
+            with pytest.raises(StoreUnavailable, match=r"CUDA IPC.*producer is running"):
+                await store.get("k")
+            with pytest.raises(StoreUnavailable):
+                await store.get_many(["k"])
+        finally:
+            os.close(fd)  # A exits
+        with pytest.raises(StoreKeyMissing):
+            await store.get("k")
+        assert not lock.exists()  # a dead producer's lock file is tidied away
+    finally:
+        await store.close()
+        _remove(tag)
 
 
 # --- on a GPU ----------------------------------------------------------------------------------
@@ -357,3 +592,28 @@ async def test_cuda_cross_process_ipc() -> None:
     finally:
         await store.close()
         shutil.rmtree(f"/dev/shm/epd-test-{tag}.cuda-index", ignore_errors=True)
+
+
+@needs_cuda
+async def test_cuda_reclaimed_chunk_memory_returns_to_torch() -> None:
+    """torch counts a reader per IPC share; the store settles that count when it shares a
+    chunk, so a chunk no reader ever opened is freed when given back (not kept in torch's
+    limbo)."""
+    tag = uuid.uuid4().hex[:12]
+    store = open_store(f"cuda://epd-test-{tag}?chunk_mb=64&grace_s=0&reclaim_s=0")
+    assert isinstance(store, CudaStore)
+    try:
+        base = torch.cuda.memory_allocated()
+        value = torch.ones(1 << 20, device="cuda")
+        await store.put("k", value)
+        del value
+        assert torch.cuda.memory_allocated() >= base + (64 << 20)
+        rec = decode_record(await store._index.get_bytes("k"))
+        assert rec.chunk.device_uuid == bytes(torch.cuda.get_device_properties(0).uuid.bytes)
+        await store.delete("k")
+        await store.sweep()
+        assert store.stats()["chunks"] == 0
+        assert torch.cuda.memory_allocated() < base + (64 << 20)
+    finally:
+        await store.close()
+        _remove(tag)
