@@ -96,53 +96,83 @@ async def store_times(url: str, emb: torch.Tensor, repeat: int, cpu_seam: bool) 
         await store.close()
 
 
+READER_TIMEOUT_S = 180.0
+"""How long the reader process may take before it is killed (with its CUDA context)."""
+
 CHILD = textwrap.dedent(
     """
-    import asyncio, json, sys, time, torch
+    import asyncio, json, sys
     sys.path.insert(0, {root!r})
-    from runtime.stores import open_store
-    async def main():
-        s = open_store({url!r})
-        await s.wait(["ready"], 120)
-        want = (await s.get("ready"))
-        times = []
-        for i in range({repeat}):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            got = await s.get("emb")
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        ok = bool(torch.equal(got, want))
-        await s.close()
-        print(json.dumps({{"times": times, "equal": ok, "device": str(got.device)}}))
-    asyncio.run(main())
+    from bench.gpu_stores import reader_report
+    print(json.dumps(asyncio.run(reader_report({url!r}, {repeat}))))
     """
 )
 
 
+async def read_times(store: Any, repeat: int, sync: Callable[[], None]) -> dict[str, Any]:
+    """The reader's side of the cross-process leg, on an open store: wait for ``ready``, then
+    time ``repeat`` gets of ``emb``. Nothing is read before the first timed get, so it is the
+    one that opens the producer's chunk (``ready`` lives in the same chunk: reading it first
+    would leave only warm reads to time); ``ready`` is read last, to check the bytes."""
+    await store.wait(["ready"], 120)
+    times: list[float] = []
+    got = None
+    for _ in range(repeat):
+        sync()
+        t0 = time.perf_counter()
+        got = await store.get("emb")
+        sync()
+        times.append(time.perf_counter() - t0)
+    want = await store.get("ready")
+    equal = got is not None and bool(torch.equal(got, want))
+    return {"times": times, "equal": equal, "device": str(getattr(got, "device", None))}
+
+
+async def reader_report(url: str, repeat: int) -> dict[str, Any]:
+    """What the reader process prints (its main, kept here so a test can run it)."""
+    from runtime.stores import open_store
+
+    store = open_store(url)
+    try:
+        return await read_times(store, repeat, torch.cuda.synchronize)
+    finally:
+        await store.close()
+
+
+async def run_child(argv: list[str], timeout_s: float) -> tuple[int, bytes, bytes]:
+    """Run ``argv`` to its end: (exit status, stdout, stderr). One that outlives ``timeout_s``
+    (or whose wait is cancelled) is killed and reaped, so it leaves no CUDA context behind."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        raise TimeoutError(f"reader process still running after {timeout_s:g} s: killed") from None
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return int(proc.returncode or 0), out, err
+
+
 async def cuda_cross_process(url: str, emb: torch.Tensor, repeat: int) -> dict[str, Any]:
-    """Another process opens our entry over CUDA IPC: its get time, and that the bytes match."""
+    """Another process opens our entry over CUDA IPC: its get time (the first get, which opens
+    the chunk, apart), and that the bytes match."""
     from runtime.stores import open_store
 
     store = open_store(url)
     try:
         await store.put("emb", emb, ttl_s=120)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            CHILD.format(root=str(ROOT), url=url, repeat=repeat),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
         await store.put("ready", emb, ttl_s=120)
-        out, err = await asyncio.wait_for(proc.communicate(), 180)
-        if proc.returncode != 0:
+        code = CHILD.format(root=str(ROOT), url=url, repeat=repeat)
+        rc, out, err = await run_child([sys.executable, "-c", code], READER_TIMEOUT_S)
+        if rc != 0:
             raise RuntimeError(f"reader process failed: {err.decode()[-2000:]}")
         rep = json.loads(out.decode().strip().splitlines()[-1])
-        first = rep["times"][0]
         return {
             "get_p50_ms": p50_ms(rep["times"][1:]),
-            "first_get_ms_opens_chunk": round(first * 1e3, 4),
+            "first_get_ms_opens_chunk": round(rep["times"][0] * 1e3, 4),
             "equal": rep["equal"],
             "device": rep["device"],
             "n": repeat - 1,
