@@ -23,10 +23,13 @@ the producer's own process uses its buffer directly) and returns a device-to-dev
 the entry, owned by the caller: a view into the chunk would be overwritten when the slot is
 reused. The copy is microseconds for an embedding. The record names the producer's GPU by UUID,
 and the reader opens it under its own index for that GPU (another ``CUDA_VISIBLE_DEVICES``
-numbers the GPUs differently). Opened chunks are kept by producer and chunk, with the last few
-keys read from each producer; at most every ``sweep_interval_s`` a reading ``get`` (and every
-``sweep``) checks those keys, newest first, and unmaps each chunk none of them is still in the
-index under, then calls ``torch.cuda.ipc_collect()``. That check runs in a worker thread: the
+numbers the GPUs differently), in a worker thread (the IPC calls take milliseconds); a chunk
+opened earlier at the same place of the same allocation (given back, its memory reused for the
+new one) is dropped first, or torch's cache would hand out the old mapping. Opened chunks are
+kept by producer and chunk, with the last few keys read from each producer; at most every
+``sweep_interval_s`` a reading ``get`` (and every ``sweep``) checks those keys, newest first,
+and unmaps each chunk none of them is still in the index under, then calls
+``torch.cuda.ipc_collect()``. That check runs in a worker thread: the
 look-ups are file reads, and torch synchronises the stream when it drops a mapped chunk. So the
 chunks of an encode worker that exited, restarted or gave a chunk back do not stay mapped in
 every reader. A chunk dropped while it still has entries the reader did not know of costs only
@@ -291,9 +294,15 @@ class _Foreign:
     """Another process's chunks opened here, and the last keys read from them (newest last)."""
 
     chunks: dict[bytes, torch.Tensor] = field(default_factory=dict)
+    places: dict[bytes, tuple[bytes, int]] = field(default_factory=dict)
+    """Chunk id -> (IPC handle, offset in that allocation): where the chunk's memory lies."""
     keys: OrderedDict[str, bytes] = field(default_factory=OrderedDict)
     """Key -> the chunk it was read from."""
     reads: int = 0
+
+    def pop(self, chunk_id: bytes) -> torch.Tensor:
+        self.places.pop(chunk_id, None)
+        return self.chunks.pop(chunk_id)
 
 
 @dataclass(slots=True)
@@ -315,11 +324,24 @@ class _Opened:
                 f.keys.popitem(last=False)
             return f.chunks.get(chunk_id)
 
-    def add(self, producer: bytes, chunk_id: bytes, buf: torch.Tensor) -> torch.Tensor:
+    def add(self, producer: bytes, share: ChunkShare, buf: torch.Tensor) -> torch.Tensor:
         """Keep ``buf`` open (or the one another caller opened meanwhile) and return it."""
         with self.lock:
             f = self.producers.setdefault(producer, _Foreign())
-            return f.chunks.setdefault(chunk_id, buf)
+            f.places[share.chunk_id] = (share.handle, share.storage_offset_bytes)
+            return f.chunks.setdefault(share.chunk_id, buf)
+
+    def pop_aliases(self, producer: bytes, share: ChunkShare) -> list[torch.Tensor]:
+        """Take out the other chunks of ``producer`` opened at the same place as ``share``:
+        the producer gave them back and torch put the new chunk in their memory. Left open,
+        torch's receiver cache would hand the new chunk the old mapping, at the old size."""
+        place = (share.handle, share.storage_offset_bytes)
+        with self.lock:
+            f = self.producers.get(producer)
+            if f is None:
+                return []
+            stale = [c for c, at in f.places.items() if at == place and c != share.chunk_id]
+            return [f.pop(c) for c in stale]
 
     def sweep(self, references: Callable[[str, bytes, bytes], bool]) -> int:
         """Drop (unmap) every opened chunk none of whose remembered keys the index still holds
@@ -336,7 +358,7 @@ class _Opened:
             for producer, f, reads, dead in verdicts:
                 if self.producers.get(producer) is not f or f.reads != reads:
                     continue  # read since the snapshot: judged again next time
-                released += [f.chunks.pop(c) for c in dead]
+                released += [f.pop(c) for c in dead]
                 if not f.chunks:
                     del self.producers[producer]
         count = len(released)
@@ -703,7 +725,7 @@ class CudaStore(EmbeddingStore):
     async def _record(self, key: str) -> IndexRecord:
         return decode_record(await self._index.get_bytes(key), key)
 
-    def _chunk_of(self, rec: IndexRecord, key: str) -> torch.Tensor:
+    async def _chunk_of(self, rec: IndexRecord, key: str) -> torch.Tensor:
         if rec.producer_id == PRODUCER_ID:
             buf = _OWN_CHUNKS.get(rec.chunk.chunk_id)
             if buf is None:  # given back after its last entry went: this record is stale
@@ -714,6 +736,13 @@ class CudaStore(EmbeddingStore):
         buf = self._opened.chunk(rec.producer_id, rec.chunk.chunk_id, key)
         if buf is not None:
             return buf
+        # Mapping a chunk takes CUDA IPC calls (and dropping an alias a stream sync): off the loop.
+        return await asyncio.to_thread(self._open_foreign, rec, key)
+
+    def _open_foreign(self, rec: IndexRecord, key: str) -> torch.Tensor:
+        """Open another process's chunk and keep it open; blocking (see :meth:`_chunk_of`)."""
+        stale = self._opened.pop_aliases(rec.producer_id, rec.chunk)
+        stale.clear()  # unmapped here, before torch's cache could hand the old mapping out
         try:
             buf = _open(rec.chunk)
         except RuntimeError as exc:  # the producer is gone, or IPC does not work between us
@@ -725,7 +754,7 @@ class CudaStore(EmbeddingStore):
                     f"drivers and devices refuse IPC): use shm:// or redis:// between them"
                 ) from exc
             raise StoreKeyMissing(key) from None  # the entry went with its producer
-        return self._opened.add(rec.producer_id, rec.chunk.chunk_id, buf)
+        return self._opened.add(rec.producer_id, rec.chunk, buf)
 
     async def get(self, key: str) -> torch.Tensor:
         rec = await self._record(key)
@@ -734,7 +763,7 @@ class CudaStore(EmbeddingStore):
             return torch.empty(rec.shape, dtype=dt, device=self.device)
         if rec.producer_id != PRODUCER_ID:
             await self._sweep_opened(time.monotonic())
-        buf = self._chunk_of(rec, key)
+        buf = await self._chunk_of(rec, key)
         out = buf.narrow(0, rec.offset, rec.nbytes).clone()
         return out.view(dt).view(rec.shape)
 

@@ -259,9 +259,14 @@ async def test_sweep_follows_touches(counted_store: tuple[CudaStore, list[str]])
 # --- readers drop the chunks of producers the index no longer names ---------------------------
 
 
-def _foreign(producer: bytes, chunk: bytes, device: bytes = b"u" * 16) -> bytes:
-    """An index record naming another process's (shareable) chunk."""
-    share = ChunkShare(chunk * 16, 0, device, b"h" * 64, 4096, 0, b"/torch_1", 0, b"", False)
+def _foreign(
+    producer: bytes, chunk: bytes, device: bytes = b"u" * 16, handle: bytes | None = None
+) -> bytes:
+    """An index record naming another process's (shareable) chunk (its own IPC handle unless
+    ``handle`` says otherwise)."""
+    share = ChunkShare(
+        chunk * 16, 0, device, handle or chunk * 64, 4096, 0, b"/torch_1", 0, b"", False
+    )
     return encode_record(IndexRecord(producer * 16, 1, share, 256, 16, "float32", (4,)))
 
 
@@ -403,6 +408,41 @@ async def test_reader_unmaps_dead_chunks_off_the_event_loop(
         gc.collect()
         assert len(released_on) == 1 and released_on[0] != loop_thread
         assert collected_on and loop_thread not in collected_on
+    finally:
+        await store.close()
+        _remove(tag)
+
+
+async def test_reader_opens_off_the_loop_and_drops_an_alias_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The producer gave chunk a back and torch put chunk b in the same memory (same IPC handle,
+    same offset): the reader unmaps a before opening b, whose mapping torch's cache would
+    otherwise answer with a's; opening runs off the event loop's thread."""
+    loop_thread = threading.get_ident()
+    events: list[tuple[str, bytes]] = []
+    threads: set[int] = set()
+
+    def fake_open(share: ChunkShare) -> torch.Tensor:
+        threads.add(threading.get_ident())
+        events.append(("open", share.chunk_id[:1]))
+        buf = torch.zeros(share.storage_size_bytes, dtype=torch.uint8)
+        weakref.finalize(buf, events.append, ("drop", share.chunk_id[:1]))
+        return buf
+
+    monkeypatch.setattr(cuda_mod, "_open", fake_open)
+    store, tag = _cpu_store("chunk_mb=1&sweep_interval_s=3600")
+    index = store._index
+    try:
+        await index.put_bytes("k1", _foreign(b"A", b"a", handle=b"h" * 64), 600)
+        await store.get("k1")
+        await index.put_bytes("k2", _foreign(b"A", b"b", handle=b"h" * 64), 600)  # a's memory
+        await index.put_bytes("k3", _foreign(b"A", b"c"), 600)  # elsewhere: b stays open
+        await store.get("k2")
+        await store.get("k3")
+        assert events == [("open", b"a"), ("drop", b"a"), ("open", b"b"), ("open", b"c")]
+        assert loop_thread not in threads
+        assert store.stats()["opened_chunks"] == 2
     finally:
         await store.close()
         _remove(tag)
