@@ -81,6 +81,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -134,6 +135,9 @@ class _Chunk:
     slots: FreeList
     empty_since: float | None = None
     """When a sweep first saw it hold nothing (monotonic); None while it holds entries."""
+    reclaimable: bool = True
+    """False when torch's IPC count could not be settled: kept, since dropping it would only
+    move it to torch's limbo (see :func:`_settle_ipc_count`)."""
 
 
 @dataclass(slots=True)
@@ -204,7 +208,8 @@ class _Producer:
                 buf = torch.empty(size, dtype=torch.uint8, device=self.device)
                 if buf.device.type == "cuda":
                     _announce_alive(self.live_dir)
-                chunk = _Chunk(_share(buf), buf, FreeList(size))
+                share, reclaimable = _share(buf)
+                chunk = _Chunk(share, buf, FreeList(size), reclaimable=reclaimable)
             except BaseException:
                 _device_reserve(self.device, -size, device_max_bytes, 0)
                 raise
@@ -277,7 +282,7 @@ class _Producer:
         gone: list[_Chunk] = []
         with self.lock:
             for c in list(self.chunks):
-                if c.slots.used:
+                if c.slots.used or not c.reclaimable:
                     c.empty_since = None
                     continue
                 c.empty_since = now if c.empty_since is None else c.empty_since
@@ -408,7 +413,7 @@ def _device_reserve(device: torch.device, delta: int, limit: int, wanted: int) -
         _DEVICE_RESERVED[str(device)] = now + delta
 
 
-def _settle_ipc_count(ref_counter_handle: bytes, ref_counter_offset: int) -> None:
+def _settle_ipc_count(ref_counter_handle: bytes, ref_counter_offset: int) -> bool:
     """Give back, at once, the one receiver reference torch counts for a share just made.
 
     The one private torch call of this store, kept here. Why: torch frees a shared CUDA block
@@ -417,11 +422,17 @@ def _settle_ipc_count(ref_counter_handle: bytes, ref_counter_offset: int) -> Non
     sit in torch's limbo for ever). The store decides itself when a slot may be reused (grace_s
     after its entry left the index), so it settles the count now, with the call torch's own
     ``rebuild_cuda_tensor`` makes for a share it already holds; readers' releases only take the
-    counter below 0, which torch treats as free. No public API does this. Should the call fail
-    (a torch change), the chunk is only kept until the process ends, as before.
+    counter below 0, which torch treats as free. No public API does this. Returns False when
+    the call fails (a torch change): that chunk is then kept for the life of the process, as
+    every chunk was before, rather than dropped into the limbo.
     """
-    release = torch.UntypedStorage._release_ipc_counter  # type: ignore[attr-defined]
-    release(ref_counter_handle, ref_counter_offset)
+    try:
+        release = torch.UntypedStorage._release_ipc_counter  # type: ignore[attr-defined]
+        release(ref_counter_handle, ref_counter_offset)
+    except (AttributeError, TypeError, RuntimeError) as exc:
+        warnings.warn(f"cuda store: chunks cannot be given back ({exc!r})", stacklevel=2)
+        return False
+    return True
 
 
 def _device_uuid(device: torch.device) -> bytes:
@@ -444,11 +455,13 @@ def _local_index(device_uuid: bytes, producer_index: int) -> int:
     )
 
 
-def _share(buf: torch.Tensor) -> ChunkShare:
-    """Share a chunk once through torch's public reductions; CPU chunks are not shareable."""
+def _share(buf: torch.Tensor) -> tuple[ChunkShare, bool]:
+    """Share a chunk once through torch's public reductions (CPU chunks are not shareable);
+    and whether it may be given back later (torch's IPC count settled)."""
     chunk_id = uuid.uuid4().bytes
     if buf.device.type != "cuda":
-        return ChunkShare(chunk_id, -1, NO_DEVICE_UUID, b"", buf.numel(), 0, b"", 0, b"", False)
+        share = ChunkShare(chunk_id, -1, NO_DEVICE_UUID, b"", buf.numel(), 0, b"", 0, b"", False)
+        return share, True
     from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
     rebuild, args = reduce_tensor(buf)
@@ -456,12 +469,12 @@ def _share(buf: torch.Tensor) -> ChunkShare:
         raise StoreError(f"torch shares CUDA tensors through {rebuild!r}, not rebuild_cuda_tensor")
     (_cls, _size, _stride, _offset, _storage_cls, _dtype, device, handle, size_b, off_b,
      _grad, rc_handle, rc_off, ev_handle, ev_sync) = args  # fmt: skip
-    if rc_handle:
-        _settle_ipc_count(bytes(rc_handle), int(rc_off))
-    return ChunkShare(
+    settled = _settle_ipc_count(bytes(rc_handle), int(rc_off)) if rc_handle else True
+    share = ChunkShare(
         chunk_id, int(device), _device_uuid(buf.device), bytes(handle), int(size_b), int(off_b),
         bytes(rc_handle or b""), int(rc_off), bytes(ev_handle or b""), bool(ev_sync),
     )  # fmt: skip
+    return share, settled
 
 
 def _open(share: ChunkShare) -> torch.Tensor:

@@ -487,6 +487,36 @@ async def test_empty_chunks_go_back_and_the_device_total_is_bounded() -> None:
             _remove(tag)
 
 
+def test_settling_torchs_ipc_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one private torch call: the share's count given back at once; should it fail, the
+    chunk is marked to be kept rather than dropped into torch's limbo."""
+    calls: list[tuple[object, ...]] = []
+    monkeypatch.setattr(
+        torch.UntypedStorage, "_release_ipc_counter", lambda *a: calls.append(a), raising=False
+    )
+    assert cuda_mod._settle_ipc_count(b"/torch_1_2", 7) is True and calls == [(b"/torch_1_2", 7)]
+
+    def broken(*a: object) -> None:
+        raise RuntimeError("torch changed")
+
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter", broken, raising=False)
+    with pytest.warns(UserWarning, match="cannot be given back"):
+        assert cuda_mod._settle_ipc_count(b"/torch_1_2", 7) is False
+
+
+async def test_a_chunk_whose_count_is_unsettled_is_kept() -> None:
+    store, tag = _cpu_store("chunk_mb=1&grace_s=0&reclaim_s=0")
+    try:
+        await store.put("k", torch.ones(4))
+        store._producer.chunks[0].reclaimable = False
+        await store.delete("k")
+        assert await store.sweep() == 1
+        assert store.stats()["chunks"] == 1 and store.stats()["used_bytes"] == 0
+    finally:
+        await store.close()
+        _remove(tag)
+
+
 def test_copy_fence_is_a_blocking_event(monkeypatch: pytest.MonkeyPatch) -> None:
     """The put's wait sleeps on a blocking-sync event instead of spinning a core."""
     made: list[SimpleNamespace] = []
