@@ -266,9 +266,12 @@ async def read_topic(settings: Settings, topic: str, *, timeout_s: float = 30.0)
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"reading {topic} did not reach the end offsets in {timeout_s}s")
             batch = await consumer.getmany(timeout_ms=500)
-            for tp, recs in batch.items():
+            for recs in batch.values():
                 records.extend(recs)
-                if recs and recs[-1].offset + 1 >= end[tp]:
+            # The position, not the last record's offset: transaction markers take offsets too,
+            # so a read_committed reader's last record sits below the end it is told about.
+            for tp in list(remaining):
+                if await consumer.position(tp) >= end[tp]:
                     remaining.discard(tp)
         return records
     finally:

@@ -1,32 +1,36 @@
-"""Where the test suite's Kafka broker and Redis come from: one layer, three modes.
+"""Where the test suite's Kafka broker and Redis come from: one layer, three modes, two brokers.
+
+Modes (``EPD_TEST_SERVICES=env|containers|embedded`` forces one; a forced mode that cannot start
+fails loudly instead of falling back):
 
 1. ``env``: ``EPD_KAFKA_BOOTSTRAP`` / ``EPD_REDIS_URL`` are set -> use them as they are (a staging
-   Kafka, a cluster, services someone else runs). Nothing is started.
+   Kafka, a cluster, services someone else runs). Nothing is started; fault tests skip.
 2. ``containers``: a Docker engine answers -> testcontainers: one broker container and one Redis
-   container for the test session, removed at the end even after a failure. Images: the official
-   ``apache/kafka`` (KRaft, single node) and ``redis:7``, or ``EPD_TC_KAFKA_IMAGE`` /
-   ``EPD_TC_REDIS_IMAGE``; where no registry can be reached and the official images are not
-   present, the ``FROM scratch`` images that ``docker/build-images.sh`` builds from binaries on
-   this machine (Tansu, redis-server). Host networking, bound to 127.0.0.1.
-3. ``embedded``: otherwise -> a Tansu broker and a redis-server as child processes (what
-   ``epd services run`` does), on free ports, tied to the pytest process.
-   ``EPD_TEST_KAFKA=apache`` makes the embedded broker a real Apache Kafka node run from Maven
-   jars (:mod:`epd.apache_kafka`; the jars are resolved once into a cache, then a start takes
-   seconds) instead of Tansu.
+   container for the test session, removed at the end even after a failure. Host networking,
+   bound to 127.0.0.1. The images are built ``FROM scratch`` from this machine's files by
+   ``docker/build-images.sh`` (no registry needed): ``epd-kafka`` (a jlink'd Java runtime of the
+   machine's JDK and the cached Apache Kafka jars), ``epd-tansu`` (the Tansu binary) and
+   ``epd-redis`` (redis-server); ``redis:7`` is used when present. ``EPD_TC_KAFKA_IMAGE`` /
+   ``EPD_TC_REDIS_IMAGE`` name others (a Kafka image that is not ours is configured as the
+   official ``apache/kafka`` one is, through ``KAFKA_*`` variables).
+3. ``embedded``: otherwise -> the broker and a redis-server as child processes on free ports,
+   tied to the pytest process (what ``epd services run`` does).
 
-Transaction tests need a broker with transactions: :func:`transactional_kafka` gives the
-session's broker when it is real Kafka, else starts one Apache Kafka node for the session (or
-says why it cannot: no java/mvn, no Maven registry, no ``EPD_KAFKA_LIBS``).
-
-``EPD_TEST_SERVICES=env|containers|embedded`` forces a mode; a forced mode that cannot start fails
-loudly instead of falling back. Real Apache Kafka gets idempotent producers and the default
-timings; the Tansu-only settings (no idempotence, short group timings, a short fetch wait) are
-applied only when the broker is Tansu.
+The broker, in containers and embedded mode: ``EPD_TEST_BROKER=apache|tansu|auto`` (default
+``auto``: Apache Kafka 4.4 when Java 17+ and its jars, or ``mvn`` to fetch them, are here, else
+Tansu, and the pytest header says why). Real Apache Kafka gets idempotent producers and the
+default timings; the Tansu-only settings (no idempotence, short group timings, a short fetch
+wait) are applied only to Tansu.
 
 Faults (``ServiceHandle.pause``/``unpause``/``restart``) are done to what this layer started:
-``docker pause``/``restart`` in container mode, SIGSTOP/SIGCONT and a restart of the process in
-embedded mode; ``restart(down_s)`` keeps the service down (refusing connections) that long.
-In ``env`` mode the services are not ours, so fault tests skip.
+``docker pause``/``kill``/``restart`` in container mode, signals and a new process in embedded
+mode. ``restart(down_s, hard=...)`` keeps the service down that long; ``hard`` is a SIGKILL
+instead of a clean stop. What comes back: Apache Kafka with its log directory (topics, records,
+committed offsets), Tansu and Redis empty.
+
+Transaction tests need a broker with transactions: :func:`transactional_kafka` gives the
+session's broker when it is Apache Kafka, else starts one Apache Kafka node for the session (or
+says why it cannot).
 """
 
 from __future__ import annotations
@@ -45,16 +49,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from epd import services
+from epd.services import kafka as apache
+from epd.services import kafka_image
 
 Mode = Literal["env", "containers", "embedded"]
 MODES: tuple[Mode, ...] = ("env", "containers", "embedded")
+BROKER_CHOICES = ("auto", "apache", "tansu")
 ROOT = Path(__file__).resolve().parents[1]
 BUILD_IMAGES = ROOT / "docker" / "build-images.sh"
-OFFICIAL_KAFKA = "apache/kafka:3.9.1"
 OFFICIAL_REDIS = "redis:7"
 LABEL = "epd-tests"
 READY_TIMEOUT_S = 90.0
-PULL_TIMEOUT_S = 120.0
+DATA_DIR_IN_IMAGE = kafka_image.IMAGE_LOG_DIR
 
 # testcontainers reads this when its config is first used: no reaper container (it would need a
 # pull); this layer removes its containers itself, also those a killed run left behind.
@@ -62,10 +68,10 @@ os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
 
 
 class ServicesUnavailable(RuntimeError):
-    """The requested (or forced) mode cannot provide the services."""
+    """The requested (or forced) mode or broker cannot provide the services."""
 
 
-# ----------------------------------------------------------------------------- mode choice
+# ----------------------------------------------------------------------------- choices
 
 
 def docker_client() -> Any | None:
@@ -96,6 +102,24 @@ def choose_mode(environ: dict[str, str] | os._Environ[str] = os.environ) -> tupl
     return "embedded", False
 
 
+def choose_broker(environ: dict[str, str] | os._Environ[str] = os.environ) -> tuple[str, str]:
+    """``(kind, how)`` from ``EPD_TEST_BROKER``: ``how`` says whether it was asked for or, under
+    ``auto``, why Apache Kafka could not be had. A broker asked for that cannot run is an error."""
+    raw = (environ.get("EPD_TEST_BROKER") or "auto").strip().lower()
+    if raw not in BROKER_CHOICES:
+        raise ServicesUnavailable(
+            f"EPD_TEST_BROKER={raw!r}: choose one of {', '.join(BROKER_CHOICES)}"
+        )
+    if raw == "tansu":
+        return "tansu", "EPD_TEST_BROKER=tansu"
+    reason = apache.unavailable_reason()
+    if raw == "apache":
+        if reason:
+            raise ServicesUnavailable(f"EPD_TEST_BROKER=apache: {reason}")
+        return "apache", "EPD_TEST_BROKER=apache"
+    return ("tansu", f"auto; {reason}") if reason else ("apache", "auto")
+
+
 # ----------------------------------------------------------------------------- images
 
 
@@ -107,24 +131,11 @@ def _image_present(client: Any, image: str) -> bool:
         return False
 
 
-def _try_pull(image: str) -> bool:
-    """Pull ``image`` with a time limit (a closed network refuses at once; a slow one times out)."""
-    try:
-        proc = subprocess.run(
-            ["docker", "pull", "-q", image],
-            capture_output=True,
-            timeout=PULL_TIMEOUT_S,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return proc.returncode == 0
-
-
-def scratch_images(*, build: bool) -> dict[str, str]:
-    """``{"tansu": ..., "redis": ...}`` from docker/build-images.sh (built when ``build``)."""
+def scratch_images(names: list[str], *, build: bool) -> dict[str, str]:
+    """``{name: image}`` for ``names`` (kafka, tansu, redis) from docker/build-images.sh (built
+    when ``build`` and missing)."""
     env = {**os.environ, "PYTHON": sys.executable}
-    args = ["bash", str(BUILD_IMAGES)] + ([] if build else ["--tags"])
+    args = ["bash", str(BUILD_IMAGES), *([] if build else ["--tags"]), *names]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise ServicesUnavailable(f"docker/build-images.sh failed:\n{proc.stderr}")
@@ -135,32 +146,29 @@ def scratch_images(*, build: bool) -> dict[str, str]:
 class Images:
     kafka: str
     redis: str
-    kafka_is_tansu: bool
-    source: str  # "override", "official" or "scratch"
+    broker: str  # "apache" or "tansu"
+
+    @property
+    def kafka_is_ours(self) -> bool:
+        """Built by build-images.sh (configured by arguments, not ``KAFKA_*`` variables)."""
+        return self.kafka.startswith(("epd-kafka:", "epd-tansu:"))
 
 
-def choose_images(client: Any, *, build: bool) -> Images:
+def choose_images(client: Any, broker: str, *, build: bool) -> Images:
     """The broker and Redis images for container mode (see the module docstring)."""
     kafka = os.environ.get("EPD_TC_KAFKA_IMAGE")
     redis = os.environ.get("EPD_TC_REDIS_IMAGE")
-    if kafka or redis:
-        kafka = kafka or OFFICIAL_KAFKA
-        redis = redis or OFFICIAL_REDIS
-        if build:
-            for image in (kafka, redis):
-                if not _image_present(client, image) and not _try_pull(image):
-                    raise ServicesUnavailable(f"image {image} is neither present nor pullable")
-        return Images(kafka, redis, "tansu" in kafka, "override")
-    official = all(_image_present(client, i) for i in (OFFICIAL_KAFKA, OFFICIAL_REDIS))
-    if not official and build:
-        official = all(_image_present(client, i) or _try_pull(i) for i in (OFFICIAL_KAFKA,))
-        official = official and (
-            _image_present(client, OFFICIAL_REDIS) or _try_pull(OFFICIAL_REDIS)
-        )
-    if official:
-        return Images(OFFICIAL_KAFKA, OFFICIAL_REDIS, False, "official")
-    tags = scratch_images(build=build)
-    return Images(tags["tansu"], tags["redis"], True, "scratch")
+    if redis is None and _image_present(client, OFFICIAL_REDIS):
+        redis = OFFICIAL_REDIS
+    broker_image = "kafka" if broker == "apache" else "tansu"
+    names = ([] if kafka else [broker_image]) + ([] if redis else ["redis"])
+    built = scratch_images(names, build=build) if names else {}
+    kafka = kafka or built[broker_image]
+    redis = redis or built["redis"]
+    for image in (kafka, redis):
+        if build and not _image_present(client, image):
+            raise ServicesUnavailable(f"image {image} is not present (and nothing is pulled)")
+    return Images(kafka, redis, broker)
 
 
 # ----------------------------------------------------------------------------- handles
@@ -175,7 +183,9 @@ class ServiceHandle:
     pause: Callable[[], None] | None = None
     unpause: Callable[[], None] | None = None
     restart: Callable[..., None] | None = None
-    """``restart(down_s=0.0)``: stop it, keep it down ``down_s`` seconds, start it (empty)."""
+    """``restart(down_s=0.0, hard=False)``: stop it (``hard``: SIGKILL), keep it down
+    ``down_s`` seconds, start it again on the same address (and, for Apache Kafka, the same
+    log directory)."""
 
     @property
     def controllable(self) -> bool:
@@ -192,10 +202,15 @@ class TestServices:
     forced: bool
     kafka: ServiceHandle
     redis: ServiceHandle
-    kafka_is_tansu: bool
+    broker: str
+    """``apache``, ``tansu``, or ``external`` (env mode: not ours to know)."""
     description: str
     env: dict[str, str]
     _closers: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def kafka_is_tansu(self) -> bool:
+        return self.broker == "tansu"
 
     def close(self) -> None:
         """Stop and remove everything this layer started (reverse order, errors ignored)."""
@@ -207,10 +222,14 @@ class TestServices:
 def settings_env(bootstrap: str, redis_url: str, *, tansu: bool) -> dict[str, str]:
     """EPD_* variables for these services: Tansu-only settings only for Tansu."""
     rec = services.ServiceRecord("kafka", bootstrap, False)
-    env = services.services_env(rec, redis_url, tansu)
+    env = services.services_env(rec, redis_url, "tansu" if tansu else "apache")
     if not tansu:
         env["EPD_KAFKA_IDEMPOTENCE"] = "true"  # real Kafka: idempotent producers on
     return env
+
+
+def _broker_name(broker: str) -> str:
+    return services.describe(broker)
 
 
 # ----------------------------------------------------------------------------- env mode
@@ -232,7 +251,7 @@ def _from_env() -> TestServices:
         forced=False,
         kafka=ServiceHandle("kafka", s.kafka_bootstrap),
         redis=ServiceHandle("redis", s.redis_url),
-        kafka_is_tansu=not s.kafka_idempotence,
+        broker="tansu" if not s.kafka_idempotence else "external",
         description=f"env (kafka={s.kafka_bootstrap}, redis={s.redis_url})",
         env=env,
     )
@@ -284,38 +303,40 @@ def _start_container(
     return wrapped
 
 
-def _kafka_container_args(image: str, port: int, tansu: bool) -> tuple[list[str] | None, dict]:
+def _kafka_container_args(images: Images, port: int) -> tuple[list[str] | None, dict[str, str]]:
+    """The broker container's command and environment."""
+    from runtime.settings import Settings
+
     url = f"127.0.0.1:{port}"
-    if tansu:
+    if images.broker == "tansu":
         listener = f"tcp://{url}"
         cmd = ["--listener-url", listener, "--advertised-listener-url", listener]
         return [*cmd, "--storage-engine", "memory://tansu/"], {}
-    controller = services.free_port()
-    return None, {
-        "KAFKA_NODE_ID": "1",
-        "KAFKA_PROCESS_ROLES": "broker,controller",
-        "KAFKA_LISTENERS": f"PLAINTEXT://{url},CONTROLLER://127.0.0.1:{controller}",
-        "KAFKA_ADVERTISED_LISTENERS": f"PLAINTEXT://{url}",
-        "KAFKA_CONTROLLER_LISTENER_NAMES": "CONTROLLER",
-        "KAFKA_LISTENER_SECURITY_PROTOCOL_MAP": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
-        "KAFKA_CONTROLLER_QUORUM_VOTERS": f"1@127.0.0.1:{controller}",
-        "KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR": "1",
-        "KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR": "1",
-        "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR": "1",
-        "KAFKA_GROUP_INITIAL_REBALANCE_DELAY_MS": "0",
-        "KAFKA_MESSAGE_MAX_BYTES": "16777216",
-        "KAFKA_REPLICA_FETCH_MAX_BYTES": "16777216",
-    }
+    settings = Settings()
+    props = apache.server_properties(
+        port=port,
+        controller_port=services.free_port(),
+        log_dir=DATA_DIR_IN_IMAGE,
+        max_message_bytes=settings.max_message_bytes,
+        partitions=settings.topic_partitions,
+    )
+    if images.kafka_is_ours:
+        env = {"CLUSTER_ID": apache.cluster_id(), "JAVA_OPTS": kafka_image.container_options()}
+        return [f"{k}={v}" for k, v in props.items()], env
+    # An official-style image: every property as KAFKA_<NAME> (dots -> underscores, upper case).
+    env = {"KAFKA_" + k.replace(".", "_").upper(): v for k, v in props.items()}
+    env["CLUSTER_ID"] = apache.cluster_id()
+    return None, env
 
 
 def _container_handle(name: str, address: str, wrapped: Any, ready: Callable[[], bool]) -> Any:
-    def restart(down_s: float = 0.0) -> None:
-        if down_s > 0:
-            wrapped.stop(timeout=5)
-            time.sleep(down_s)
-            wrapped.start()
+    def restart(down_s: float = 0.0, hard: bool = False) -> None:
+        if hard:
+            wrapped.kill(signal="SIGKILL")
         else:
-            wrapped.restart(timeout=5)
+            wrapped.stop(timeout=10)
+        time.sleep(down_s)
+        wrapped.start()
         if not services.wait_until(ready, READY_TIMEOUT_S, alive=lambda: True):
             raise ServicesUnavailable(f"{name} did not come back after a restart")
 
@@ -327,12 +348,13 @@ def _containers(forced: bool) -> TestServices:
     if client is None:
         raise ServicesUnavailable("no Docker engine answers (docker/ensure-dockerd.sh starts one)")
     _remove_stale_containers(client)
-    images = choose_images(client, build=True)
+    broker, how = choose_broker()
+    images = choose_images(client, broker, build=True)
     closers: list[Callable[[], None]] = []
     try:
         kport = services.free_port()
         bootstrap = f"127.0.0.1:{kport}"
-        cmd, kenv = _kafka_container_args(images.kafka, kport, images.kafka_is_tansu)
+        cmd, kenv = _kafka_container_args(images, kport)
 
         def kafka_ready() -> bool:
             return services.kafka_answers(bootstrap, 2.0)
@@ -362,9 +384,12 @@ def _containers(forced: bool) -> TestServices:
         forced=forced,
         kafka=_container_handle("kafka", bootstrap, kafka, kafka_ready),
         redis=_container_handle("redis", redis_url, redis, redis_ready),
-        kafka_is_tansu=images.kafka_is_tansu,
-        description=f"testcontainers (kafka={images.kafka}, redis={images.redis})",
-        env=settings_env(bootstrap, redis_url, tansu=images.kafka_is_tansu),
+        broker=broker,
+        description=(
+            f"testcontainers (kafka={_broker_name(broker)} [{images.kafka}; {how}], "
+            f"redis={images.redis})"
+        ),
+        env=settings_env(bootstrap, redis_url, tansu=broker == "tansu"),
         _closers=closers,
     )
 
@@ -374,7 +399,8 @@ def _containers(forced: bool) -> TestServices:
 
 def _process_handle(
     name: str, record: services.ServiceRecord, start: Callable[[], services.ServiceRecord]
-) -> ServiceHandle:
+) -> tuple[ServiceHandle, Callable[[], None]]:
+    """A handle that faults the process behind ``record`` and the closer that stops it."""
     current = {"rec": record}
 
     def send(sig: int) -> None:
@@ -382,9 +408,11 @@ def _process_handle(
         if pid is not None:
             os.kill(pid, sig)
 
-    def restart(down_s: float = 0.0) -> None:
+    def restart(down_s: float = 0.0, hard: bool = False) -> None:
         old = current["rec"]
-        services.stop_process(old.pid, old.command)
+        if hard and old.pid is not None:
+            os.kill(old.pid, signal.SIGKILL)
+        services.stop_process(old.pid, old.command)  # reaps it (and ends it, if not hard)
         time.sleep(down_s)
         current["rec"] = start()
 
@@ -395,39 +423,33 @@ def _process_handle(
         lambda: send(signal.SIGCONT),
         restart,
     )
-    handle._current = current  # type: ignore[attr-defined]
-    return handle
 
+    def close() -> None:
+        with contextlib.suppress(Exception):
+            send(signal.SIGCONT)  # a frozen process cannot act on SIGTERM
+        services.stop_records([current["rec"]])
 
-def test_broker_kind() -> str:
-    """The embedded broker: ``$EPD_TEST_KAFKA`` (``tansu`` by default, or ``apache``)."""
-    kind = (os.environ.get("EPD_TEST_KAFKA") or "tansu").strip().lower()
-    if kind not in services.BROKERS:
-        raise ServicesUnavailable(
-            f"EPD_TEST_KAFKA={kind!r}: choose one of {', '.join(services.BROKERS)}"
-        )
-    return kind
+    return handle, close
 
 
 def _embedded(forced: bool, log_dir: Path) -> TestServices:
     log_dir.mkdir(parents=True, exist_ok=True)
     closers: list[Callable[[], None]] = []
-
-    def stop(rec_holder: dict[str, services.ServiceRecord]) -> Callable[[], None]:
-        return lambda: services.stop_records([rec_holder["rec"]])
-
-    kind = test_broker_kind()
+    broker, how = choose_broker()
     try:
-        kafka_rec = services.start_broker(kind, log_dir, log_dir=log_dir, tie_to_parent=True)
+        kafka_rec = services.start_broker(
+            broker, log_dir, log_dir=log_dir, tie_to_parent=True, fresh=True
+        )
         port = int(kafka_rec.address.rsplit(":", 1)[1])
 
         def start_kafka() -> services.ServiceRecord:
+            # The same port and, for Apache Kafka, the same log directory: a broker restart.
             return services.start_broker(
-                kind, log_dir, port=port, log_dir=log_dir, tie_to_parent=True
+                broker, log_dir, port=port, log_dir=log_dir, tie_to_parent=True
             )
 
-        kafka = _process_handle("kafka", kafka_rec, start_kafka)
-        closers.append(stop(kafka._current))  # type: ignore[attr-defined]
+        kafka, close_kafka = _process_handle("kafka", kafka_rec, start_kafka)
+        closers.append(close_kafka)
         if shutil.which("redis-server"):
             url = f"redis://127.0.0.1:{services.free_port()}/0"
             redis_rec = services.start_redis(log_dir, url, log_dir=log_dir, tie_to_parent=True)
@@ -437,8 +459,8 @@ def _embedded(forced: bool, log_dir: Path) -> TestServices:
                     log_dir, redis_rec.address, log_dir=log_dir, tie_to_parent=True
                 )
 
-            redis = _process_handle("redis", redis_rec, start_redis)
-            closers.append(stop(redis._current))  # type: ignore[attr-defined]
+            redis, close_redis = _process_handle("redis", redis_rec, start_redis)
+            closers.append(close_redis)
             redis_desc = "redis-server"
         else:  # no redis-server to start: a Redis that already answers, not ours to fault
             url = os.environ.get("EPD_REDIS_URL") or services.DEFAULT_REDIS_URL
@@ -456,9 +478,9 @@ def _embedded(forced: bool, log_dir: Path) -> TestServices:
         forced=forced,
         kafka=kafka,
         redis=redis,
-        kafka_is_tansu=kind == "tansu",
-        description=f"embedded (kafka={kind} process, redis={redis_desc})",
-        env=settings_env(kafka.address, redis.address, tansu=kind == "tansu"),
+        broker=broker,
+        description=f"embedded (kafka={_broker_name(broker)} process [{how}], redis={redis_desc})",
+        env=settings_env(kafka.address, redis.address, tansu=broker == "tansu"),
         _closers=closers,
     )
 
@@ -470,24 +492,28 @@ def describe_planned() -> str:
     """The header line, decided without starting anything (images by name)."""
     try:
         mode, forced = choose_mode()
+        broker, how = choose_broker() if mode != "env" else ("external", "")
     except ServicesUnavailable as exc:
         return f"services: error ({exc})"
-    how = "forced by EPD_TEST_SERVICES" if forced else "auto"
+    why = "forced by EPD_TEST_SERVICES" if forced else "auto"
     if mode == "env":
         kafka = os.environ.get("EPD_KAFKA_BOOTSTRAP", "default")
         redis = os.environ.get("EPD_REDIS_URL", "default")
-        return f"services: env (kafka={kafka}, redis={redis}; {how})"
+        return f"services: env (kafka={kafka}, redis={redis}; {why})"
+    name = _broker_name(broker)
     if mode == "containers":
         client = docker_client()
         if client is None:
-            return f"services: testcontainers (no Docker engine answers; {how})"
+            return f"services: testcontainers (no Docker engine answers; {why})"
         try:
-            images = choose_images(client, build=False)
+            images = choose_images(client, broker, build=False)
         except ServicesUnavailable as exc:
             return f"services: testcontainers (images unavailable: {exc})"
-        return f"services: testcontainers (kafka={images.kafka}, redis={images.redis}; {how})"
-    broker = "Apache Kafka" if os.environ.get("EPD_TEST_KAFKA") == "apache" else "Tansu"
-    return f"services: embedded ({broker} and redis-server processes; {how})"
+        return (
+            f"services: testcontainers (kafka={name} [{images.kafka}; {how}], "
+            f"redis={images.redis}; {why})"
+        )
+    return f"services: embedded (kafka={name} process [{how}], redis-server; {why})"
 
 
 def provide(log_dir: Path) -> TestServices:
@@ -523,7 +549,7 @@ class TransactionalKafka:
 
 
 def transactional_kafka(session: TestServices, log_dir: Path) -> TransactionalKafka:
-    """The session's broker when it is real Kafka; else a new Apache Kafka node (from jars).
+    """The session's broker when it has transactions; else a new Apache Kafka node (from jars).
 
     Raises :class:`ServicesUnavailable` saying why no such broker can be had here.
     """
@@ -531,7 +557,7 @@ def transactional_kafka(session: TestServices, log_dir: Path) -> TransactionalKa
         return TransactionalKafka(session.kafka.address, f"session broker ({session.mode})")
     t0 = time.monotonic()
     try:
-        rec = services.start_apache_kafka(log_dir, log_dir=log_dir, tie_to_parent=True)
+        rec = services.start_apache_kafka(log_dir, log_dir=log_dir, tie_to_parent=True, fresh=True)
     except services.ServiceError as exc:
         raise ServicesUnavailable(f"no broker with transactions: {exc}") from exc
     return TransactionalKafka(

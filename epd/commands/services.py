@@ -21,7 +21,15 @@ def _info(msg: str) -> None:
 
 def _describe(rec: services.ServiceRecord) -> str:
     how = f"started pid {rec.pid}, log {rec.log}" if rec.started else "already running, reused"
-    return f"{rec.name} at {rec.address} ({how})"
+    what = f"{rec.name} ({services.describe(rec.kind)})" if rec.kind else rec.name
+    return f"{what} at {rec.address} ({how})"
+
+
+def _report(state: services.ServicesState) -> None:
+    for note in state.notes:
+        _info(note)
+    for rec in (state.kafka, state.redis):
+        _info(_describe(rec))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -30,9 +38,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         state, _ = services.up(args.state_dir, kafka_port=args.kafka_port)
     except services.ServiceError as exc:
         _info(f"error: {exc}")
-        return 1
-    for rec in (state.kafka, state.redis):
-        _info(_describe(rec))
+        return 2 if isinstance(exc, services.KafkaJarsUnavailable) else 1
+    _report(state)
     print("\n".join(services.shell_lines(state.env, export=not args.plain)))
     return 0
 
@@ -105,9 +112,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     except services.ServiceError as exc:
         _info(f"error: {exc}")
-        return 1
-    for rec in (state.kafka, state.redis):
-        _info(_describe(rec))
+        return 2 if isinstance(exc, services.KafkaJarsUnavailable) else 1
+    _report(state)
     env = {**os.environ, **state.env}
     code = 1
     try:
@@ -149,7 +155,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
             "--kafka-port",
             type=int,
             default=None,
-            help="Tansu port (default: $EPD_KAFKA_PORT, else free)",
+            help="the embedded broker's port (default: $EPD_KAFKA_PORT, else free)",
         )
         p.add_argument("--plain", action="store_true", help="print K=V lines without 'export'")
         p.set_defaults(func=cmd_up)
@@ -163,11 +169,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         p.add_argument("--plain", action="store_true", help="print K=V lines without 'export'")
         p.set_defaults(func=cmd_env)
 
-    add_up(sub.add_parser("up", help="start a local Kafka (Tansu) and Redis; print env lines"))
+    add_up(
+        sub.add_parser(
+            "up",
+            help="start a local Kafka broker (EPD_BROKER) and Redis; print env lines",
+        )
+    )
     add_down(sub.add_parser("down", help="stop what `epd up` started"))
     add_env(sub.add_parser("env", help='print the env lines of `epd up` (eval "$(epd env)")'))
 
-    svc = sub.add_parser("services", help="local Kafka (Tansu) and Redis for tests and the demo")
+    svc = sub.add_parser("services", help="local Kafka broker and Redis for tests and the demo")
     svc_sub = svc.add_subparsers(dest="services_command", metavar="ACTION", required=True)
     add_up(svc_sub.add_parser("up", help="same as `epd up`"))
     add_down(svc_sub.add_parser("down", help="same as `epd down`"))

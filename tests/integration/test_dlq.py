@@ -117,7 +117,7 @@ async def test_list_show_and_replay_without_loops(
         backoff_max_s=0.02,
         commit_interval_s=0.05,
         poll_timeout_ms=100,
-        consumer_overrides={"session_timeout_ms": 3000, "heartbeat_interval_ms": 500},
+        consumer_overrides={"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000},
     )
     loop = ConsumeLoop(settings, config, handler)
     task = asyncio.create_task(loop.run_forever())

@@ -46,7 +46,7 @@ def _config(src: str, dlq: str, **kw: object) -> ConsumerConfig:
         "commit_interval_s": 0.05,
         "poll_timeout_ms": 100,
         # Tansu holds a JoinGroup for about half the session timeout: keep joins quick.
-        "consumer_overrides": {"session_timeout_ms": 3000, "heartbeat_interval_ms": 500},
+        "consumer_overrides": {"session_timeout_ms": 6000, "heartbeat_interval_ms": 1000},
     }
     base.update(kw)
     return ConsumerConfig(**base)  # type: ignore[arg-type]

