@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from aiokafka import TopicPartition
 
 from consumers.loop import ERROR_HEADER_PREFIX
-from runtime.kafka import make_consumer, read_topic
+from runtime.kafka import make_consumer, read_topic, topic_partitions
 from runtime.settings import Settings
 from schemas import codec
 from schemas.errors import CodecError, ValidationError
@@ -218,10 +218,7 @@ async def fetch_dead_letter(
     consumer = make_consumer(settings, group_id=None)
     try:
         await consumer.start()
-        parts = consumer.partitions_for_topic(topic)
-        if parts is None:
-            await consumer._client.force_metadata_update()
-            parts = consumer.partitions_for_topic(topic) or set()
+        parts = set((await topic_partitions(settings, [topic])).get(topic, []))
         if not parts:
             raise NotFound(f"topic {topic!r} does not exist")
         tps = [TopicPartition(topic, p) for p in sorted(parts)]

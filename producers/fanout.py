@@ -21,6 +21,7 @@ worker casts to its model dtype anyway, so a bf16 model sees the same values eit
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable
@@ -289,6 +290,12 @@ class FanOut:
 
         ``foreign_labels``: see :func:`hash_items` (the events keep the render's labels)."""
         validate_render_event(ev, self._vconfig)
+        if ev.deadline_ms is None:
+            # The door every request passes: one without a deadline gets the default one, so
+            # no request can stay unfinished for ever (the sweep ends it past its deadline).
+            ev = dataclasses.replace(
+                ev, deadline_ms=now_ms() + int(self.settings.request_timeout_s * 1000)
+            )
         f = ev.features
         # Hashing reads every inline tensor's bytes (megabytes): off the event loop.
         hashed = await asyncio.to_thread(hash_items, ev, self.hasher, foreign_labels=foreign_labels)
@@ -373,7 +380,11 @@ class FanOut:
             ev.request_id,
             "encoding" if plan.encode else "prefilling",
             timings={"fanout": (time.perf_counter() - t0) * 1000},
-            info={"encode_events": str(len(plan.encode)), "cache_hits": str(len(plan.cached))},
+            info={
+                "encode_events": str(len(plan.encode)),
+                "cache_hits": str(len(plan.cached)),
+                "deadline_ms": str(plan.prefill.deadline_ms),
+            },
         )
         # The encode events go at once: the encoder's marks carry "encoding" too, so one that
         # reaches the record before this update costs a client streaming the statuses nothing.

@@ -240,6 +240,22 @@ class KafkaPublisher:
         return len(value)
 
 
+async def topic_partitions(settings: Settings, topics: Sequence[str]) -> dict[str, list[int]]:
+    """The partition ids of each of ``topics`` that exists (the admin client's metadata: a new
+    consumer knows no topic's partitions until it subscribes or is assigned)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    await admin.start()
+    try:
+        described = await admin.describe_topics(list(topics))
+    finally:
+        await admin.close()
+    return {
+        d["topic"]: sorted(p["partition"] for p in d["partitions"])
+        for d in described
+        if not d.get("error_code") and d.get("partitions")
+    }
+
+
 async def read_topic(settings: Settings, topic: str, *, timeout_s: float = 30.0) -> list[Any]:
     """Every record of ``topic`` from the beginning up to its current end (no consumer group).
 
@@ -249,11 +265,8 @@ async def read_topic(settings: Settings, topic: str, *, timeout_s: float = 30.0)
     consumer = make_consumer(settings, group_id=None)
     try:
         await consumer.start()
-        partitions = consumer.partitions_for_topic(topic)
-        if partitions is None:
-            await consumer._client.force_metadata_update()
-            partitions = consumer.partitions_for_topic(topic) or set()
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        partitions = (await topic_partitions(settings, [topic])).get(topic, [])
+        tps = [TopicPartition(topic, p) for p in partitions]
         if not tps:
             return []
         consumer.assign(tps)

@@ -93,6 +93,25 @@ class Settings(BaseSettings):
         10.0, gt=0, description="longest a command waits for a free Redis connection"
     )
     status_ttl_s: int = 3600
+    request_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="deadline of a request that brings none (seconds from its fan-out): no "
+        "request can stay unfinished for ever, whatever the broker lost",
+    )
+    sweep_interval_s: float = Field(
+        5.0,
+        ge=0,
+        description="how often the results collector sweeps unfinished requests: past their "
+        "deadline -> expired, their events gone from the broker -> failed broker-lost (0: off)",
+    )
+    sweep_stale_s: float = Field(
+        60.0,
+        gt=0,
+        description="a request's record unchanged this long may be judged lost by the sweep; "
+        "longer than a producer retries a send (40 s), so an event on its way is not taken "
+        "for a lost one",
+    )
 
     # Embedding store and claim checks
     store_url: str = Field("", description="embedding store URI; empty means EPD_REDIS_URL")

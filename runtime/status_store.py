@@ -120,16 +120,23 @@ def new_record(request_id: str, created_ms: int | None = None) -> dict[str, Any]
 
 # KEYS: record, its event stream, the in-flight set. ARGV: the record text the fold started
 # from ("" = no record), the new text, TTL s, the stream entry ("" = the status did not
-# change), the notify channel, the stream's cap, "1" when terminal, the request id.
-# Returns {1} once written, or {0, text Redis holds} when the start was stale.
+# change), the notify channel, the stream's cap, "1" when terminal, the request id, now (ms).
+# Returns {1} once written, or {0, text Redis holds} when the start was stale. A request that
+# is not finished is in the in-flight set whoever wrote its record (the API's admission adds it
+# first; a router's or a submitter's record joins here), so the sweep sees every one of them.
 _CAS_SCRIPT = """
 local current = redis.call('GET', KEYS[1])
 if (current or '') ~= ARGV[1] then return {0, current} end
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+if ARGV[7] == '1' then
+    redis.call('ZREM', KEYS[3], ARGV[8])
+else
+    redis.call('ZADD', KEYS[3], 'NX', ARGV[9], ARGV[8])
+    redis.call('EXPIRE', KEYS[3], ARGV[3])
+end
 if ARGV[4] ~= '' then
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'data', ARGV[4])
     redis.call('EXPIRE', KEYS[2], ARGV[3])
-    if ARGV[7] == '1' then redis.call('ZREM', KEYS[3], ARGV[8]) end
     redis.call('PUBLISH', ARGV[5], ARGV[8])
 end
 return {1}
@@ -189,7 +196,7 @@ class StatusStore:
 
     @property
     def inflight_key(self) -> str:
-        """Sorted set of admitted, unfinished requests (score: admission time in ms)."""
+        """Sorted set of unfinished requests (score: admission, or first record, time in ms)."""
         return f"{self.prefix}:inflight"
 
     async def get(self, request_id: str) -> dict[str, Any] | None:
@@ -209,6 +216,9 @@ class StatusStore:
         pipe.expire(self.events_key(rid), self.ttl_s)
         if rec["status"] in TERMINAL_STATUSES:
             pipe.zrem(self.inflight_key, rid)
+        else:
+            pipe.zadd(self.inflight_key, {rid: rec["updated_ms"]}, nx=True)
+            pipe.expire(self.inflight_key, self.ttl_s)
         pipe.publish(self.notify_channel, rid)
 
     async def create(self, request_id: str, fields: dict[str, Any]) -> bool:
@@ -307,6 +317,7 @@ class StatusStore:
                     STREAM_MAXLEN,
                     "1" if rec["status"] in TERMINAL_STATUSES else "",
                     request_id,
+                    now_ms(),
                 ],
             )
             if int(reply[0]) == 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -146,7 +147,38 @@ async def _build_prefill(ctx: StageContext) -> Handler:
 async def _build_results(ctx: StageContext) -> Handler:
     from consumers.results import ResultsCollector
 
-    return ResultsCollector(ctx.status_store()).handle
+    status = ctx.status_store()
+    if ctx.settings.sweep_interval_s > 0:
+        await _start_sweep(ctx, status)
+    return ResultsCollector(status).handle
+
+
+async def _start_sweep(ctx: StageContext, status: Any) -> None:
+    """The sweep of requests nobody will finish (:mod:`consumers.sweeper`), beside the loop."""
+    from consumers.sweeper import BrokerProgress, Sweeper
+    from runtime.kafka import KafkaPublisher, ResultReporter
+
+    publisher = ctx.publisher
+    if ctx.settings.kafka_transactions:
+        # The loop's producer sends only inside its batches' transactions; the sweep's
+        # outcomes are not part of any batch, so they go through a plain producer.
+        publisher = KafkaPublisher.for_pipeline(
+            ctx.settings.model_copy(update={"kafka_transactions": False}), ctx.topics
+        )
+        await publisher.start()
+        ctx.closers.append(publisher.stop)
+    progress = BrokerProgress(ctx.settings)
+    reporter = ResultReporter(publisher, ctx.topics.results, "sweep", ctx.worker_id)
+    sweeper = Sweeper(ctx.settings, status, reporter.send, progress)
+    task = asyncio.create_task(sweeper.run(), name="sweep")
+
+    async def stop() -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await progress.close()
+
+    ctx.closers.append(stop)
 
 
 async def _build_router(ctx: StageContext) -> Handler:

@@ -25,7 +25,7 @@ from consumers.dlq import (
 from consumers.loop import ConsumedEvent, ConsumeLoop, ConsumerConfig
 from epd.cli import build_parser
 from epd.commands import dlq as dlq_cmd
-from runtime.kafka import make_producer, send_event
+from runtime.kafka import make_producer, send_event, topic_partitions
 from runtime.redis_client import redis_client
 from runtime.settings import Settings
 from schemas.topics import Topics
@@ -67,10 +67,12 @@ def _invalid_prefill() -> PrefillEvent:
 
 
 async def _end_offsets(settings: Settings, topics: list[str]) -> dict[TopicPartition, int]:
+    parts = await topic_partitions(settings, topics)
+    tps = [TopicPartition(t, p) for t in topics for p in parts.get(t, [])]
+    assert tps, f"no partitions found for {topics}"  # an empty answer would prove nothing
     c = AIOKafkaConsumer(bootstrap_servers=settings.kafka_bootstrap)
     await c.start()
     try:
-        tps = [TopicPartition(t, p) for t in topics for p in c.partitions_for_topic(t) or ()]
         return dict(await c.end_offsets(tps))
     finally:
         await c.stop()

@@ -1,0 +1,285 @@
+"""The sweep: requests nobody will finish end anyway, with a code that says why.
+
+A request normally ends because a stage reports its outcome. Two things can leave one unfinished
+for good: its events are gone from the broker (Tansu keeps everything in memory, so a restart
+loses every record it held; an Apache Kafka topic deleted or truncated does the same), or every
+stage that held it died past retrying. The results collector runs this sweep every
+``EPD_SWEEP_INTERVAL_S`` over the unfinished requests (the in-flight set of the status store):
+
+* **past its deadline** (by more than ``GRACE_MS``, so a stage that is still working reports its
+  own ``expired`` with the tokens so far first): ``expired``, code ``deadline``;
+* **its events are gone**: its record has not changed for ``EPD_SWEEP_STALE_S`` (longer than a
+  producer retries a send, so an event still on its way is not taken for a lost one) and a
+  stage that should have seen it has consumed everything on the partition its event went to
+  (the group's committed offset is the partition's end: every record there was handled, and the
+  loop commits only after a handler is done) without leaving a mark in the record: ``failed``, code
+  ``broker-lost``. The prefill event is keyed by the request id, so its partition is known; the
+  encode events are keyed by the items' hashes, which the record does not keep, so for them the
+  whole encode topic must be consumed.
+
+Every request has a deadline (``EPD_REQUEST_TIMEOUT_S`` when the client gave none), so none can
+hang. The outcome is written through to the record (the first terminal status wins, so a stage
+that reports at the same moment is not overridden twice) and, when it changed the record, sent
+on ``{prefix}.results`` like any stage's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import TopicPartition
+from aiokafka.partitioner import DefaultPartitioner
+
+from runtime.settings import Settings
+from runtime.status_store import StatusStore
+from schemas.topics import Topics
+from schemas.types import TERMINAL_STATUSES, ErrorInfo, ResultEvent, now_ms
+
+log = logging.getLogger(__name__)
+
+GRACE_MS = 5000
+"""How long past its deadline a request is left to the stage that holds it."""
+SCAN_LIMIT = 10000
+"""Unfinished requests looked at per sweep (the oldest first)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """How the sweep ends one request."""
+
+    request_id: str
+    status: str
+    code: str
+    message: str
+
+    def event(self) -> ResultEvent:
+        """The outcome as a stage update (stage ``sweep``)."""
+        return ResultEvent(
+            request_id=self.request_id,
+            stage="sweep",
+            status=self.status,
+            error=ErrorInfo(self.code, self.message),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What the stages' consumer groups have finished: per topic, the partitions whose committed
+    offset is their end offset, and the topic's partition count."""
+
+    idle: dict[str, frozenset[int]]
+    partitions: dict[str, int]
+
+    def idle_for_key(self, topic: str, key: str) -> bool:
+        """Whether the partition a record keyed ``key`` went to has been consumed to its end."""
+        count = self.partitions.get(topic, 0)
+        if count == 0:
+            return False
+        parts = list(range(count))
+        return DefaultPartitioner()(key.encode(), parts, parts) in self.idle.get(topic, ())
+
+    def idle_topic(self, topic: str) -> bool:
+        """Whether every partition of ``topic`` has been consumed to its end."""
+        count = self.partitions.get(topic, 0)
+        return count > 0 and len(self.idle.get(topic, ())) == count
+
+
+def judge(
+    rec: dict[str, Any],
+    *,
+    now: int,
+    stale_ms: int,
+    progress: Progress,
+    topics: Topics,
+) -> Verdict | None:
+    """The sweep's verdict on one record, or None when it is not the sweep's to end (pure)."""
+    if rec.get("status") in TERMINAL_STATUSES:
+        return None
+    rid = str(rec["request_id"])
+    deadline = _deadline_ms(rec)
+    if deadline is not None and now > deadline + GRACE_MS:
+        return Verdict(
+            rid,
+            "expired",
+            "deadline",
+            f"no stage finished the request within its deadline ({now - deadline} ms ago); "
+            "its events were still queued, or lost by the broker",
+        )
+    if now - int(rec.get("updated_ms") or rec.get("created_ms") or now) < stale_ms:
+        return None
+    stages = rec.get("stages") or {}
+    fanned_out = any(k.startswith("fanout:") for k in stages)
+    if not fanned_out:
+        return None  # not on the encode/prefill topics yet: only its deadline can end it
+    if not any(k.startswith("prefill:") for k in stages) and progress.idle_for_key(
+        topics.prefill, rid
+    ):
+        return Verdict(
+            rid,
+            "failed",
+            "broker-lost",
+            "its prefill event is no longer on the broker: the prefill workers consumed their "
+            "partition to its end without seeing it (a broker restart lost it?); resubmit",
+        )
+    if _items_pending(rec) and progress.idle_topic(topics.encode):
+        return Verdict(
+            rid,
+            "failed",
+            "broker-lost",
+            "an encode event of it is no longer on the broker: the encode workers consumed "
+            "their topic to its end without encoding the item (a broker restart lost it?); "
+            "resubmit",
+        )
+    return None
+
+
+def _deadline_ms(rec: dict[str, Any]) -> int | None:
+    raw = (rec.get("info") or {}).get("deadline_ms")
+    try:
+        return int(raw) if raw not in (None, "") else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _items_pending(rec: dict[str, Any]) -> bool:
+    """Whether fewer items are marked encoded than the fan-out sent encode events for."""
+    info = rec.get("info") or {}
+    try:
+        sent = int(info.get("encode_events") or 0)
+    except (TypeError, ValueError):
+        return False
+    marked = sum(1 for k in info if k.startswith(("encoded.", "encode_failed.")))
+    return marked < sent
+
+
+ProgressReader = Callable[[], Awaitable[Progress]]
+
+
+class Sweeper:
+    """Ends the requests :func:`judge` says nobody will finish; run it beside a results loop."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        status: StatusStore,
+        send: Callable[[ResultEvent], Awaitable[object]],
+        progress: ProgressReader,
+    ) -> None:
+        self.settings = settings
+        self.status = status
+        self.send = send
+        self.progress = progress
+        self.topics = Topics(settings.topic_prefix)
+        self.ended = 0
+
+    async def sweep_once(self) -> list[Verdict]:
+        """One pass: read the unfinished records, judge them, end the ones judged."""
+        records = await self._unfinished()
+        if not records:
+            return []
+        progress = await self.progress()
+        now = now_ms()
+        verdicts = [
+            v
+            for rec in records
+            if (
+                v := judge(
+                    rec,
+                    now=now,
+                    stale_ms=int(self.settings.sweep_stale_s * 1000),
+                    progress=progress,
+                    topics=self.topics,
+                )
+            )
+        ]
+        for v in verdicts:
+            ev = v.event()
+            if await self.status.apply(ev):  # False: a stage ended it first
+                self.ended += 1
+                log.warning(
+                    "sweep: request %s %s (%s): %s", v.request_id, v.status, v.code, v.message
+                )
+                await self.send(ev)
+        return verdicts
+
+    async def _unfinished(self) -> list[dict[str, Any]]:
+        ids: list[Any] = await self.status.client.zrange(
+            self.status.inflight_key, 0, SCAN_LIMIT - 1
+        )
+        names = [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
+        if not names:
+            return []
+        raws = await self.status.client.mget([self.status.key(n) for n in names])
+        return [json.loads(raw) for raw in raws if raw]
+
+    async def run(self) -> None:
+        """Sweep every ``EPD_SWEEP_INTERVAL_S`` until cancelled; a failed pass is logged."""
+        interval = self.settings.sweep_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.sweep_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis or the broker away: the next pass tries again
+                log.warning("sweep failed: %r", exc)
+
+
+def _consumed(committed: Any, end: int) -> bool:
+    """Whether a group's committed offset (None or -1: nothing committed) reaches ``end``."""
+    if end == 0:
+        return True  # an empty partition: nothing there to handle
+    return committed is not None and committed.offset >= end
+
+
+class BrokerProgress:
+    """Reads :class:`Progress` of the encode and prefill groups from the broker (admin API)."""
+
+    def __init__(self, settings: Settings) -> None:
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        from runtime.kafka import make_consumer
+
+        self.topics = Topics(settings.topic_prefix)
+        self._admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+        self._offsets = make_consumer(settings, group_id=None)
+        self._started = False
+
+    async def _start(self) -> None:
+        if not self._started:
+            await self._admin.start()
+            await self._offsets.start()
+            self._started = True
+
+    async def __call__(self) -> Progress:
+        await self._start()
+        idle: dict[str, frozenset[int]] = {}
+        counts: dict[str, int] = {}
+        for stage, topic in (("encode", self.topics.encode), ("prefill", self.topics.prefill)):
+            described = await self._admin.describe_topics([topic])
+            parts = [p["partition"] for d in described for p in d.get("partitions", [])]
+            counts[topic] = len(parts)
+            tps = [TopicPartition(topic, p) for p in parts]
+            if not tps:
+                continue
+            ends = await self._offsets.end_offsets(tps)
+            committed = await self._admin.list_consumer_group_offsets(
+                self.topics.group(stage), partitions=tps
+            )
+            idle[topic] = frozenset(
+                tp.partition for tp in tps if _consumed(committed.get(tp), ends[tp])
+            )
+        return Progress(idle, counts)
+
+    async def close(self) -> None:
+        if self._started:
+            with contextlib.suppress(Exception):
+                await self._offsets.stop()
+            with contextlib.suppress(Exception):
+                await self._admin.close()

@@ -1,0 +1,102 @@
+"""The sweep's verdicts (consumers.sweeper.judge): pure, on records as the status store keeps them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiokafka.partitioner import DefaultPartitioner
+
+from consumers.sweeper import GRACE_MS, Progress, judge
+from schemas.topics import Topics
+
+T = Topics("p")
+NOW = 1_000_000_000
+STALE = 60_000
+
+
+def record(**over: Any) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "request_id": "r1",
+        "status": "prefilling",
+        "stages": {"api:queued": NOW - 90_000, "fanout:prefilling": NOW - 90_000},
+        "info": {"encode_events": "0", "cache_hits": "1", "deadline_ms": str(NOW + 500_000)},
+        "updated_ms": NOW - 90_000,
+        "created_ms": NOW - 90_000,
+    }
+    rec.update(over)
+    return rec
+
+
+def progress(prefill_idle: set[int] = frozenset(), encode_idle: set[int] = frozenset()) -> Progress:
+    return Progress(
+        idle={T.prefill: frozenset(prefill_idle), T.encode: frozenset(encode_idle)},
+        partitions={T.prefill: 4, T.encode: 4},
+    )
+
+
+def partition_of(key: str) -> int:
+    parts = [0, 1, 2, 3]
+    return int(DefaultPartitioner()(key.encode(), parts, parts))
+
+
+def verdict(rec: dict[str, Any], prog: Progress) -> tuple[str, str] | None:
+    v = judge(rec, now=NOW, stale_ms=STALE, progress=prog, topics=T)
+    return None if v is None else (v.status, v.code)
+
+
+def test_a_prefill_event_its_partition_no_longer_holds_is_broker_lost() -> None:
+    p = partition_of("r1")
+    assert verdict(record(), progress(prefill_idle={p})) == ("failed", "broker-lost")
+
+
+def test_a_queued_prefill_event_is_left_alone() -> None:
+    """Its partition still has unconsumed records: it may be waiting in a backlog."""
+    others = {0, 1, 2, 3} - {partition_of("r1")}
+    assert verdict(record(), progress(prefill_idle=others)) is None
+
+
+def test_a_request_the_prefill_worker_took_is_not_judged_by_its_topic() -> None:
+    rec = record(stages={**record()["stages"], "prefill:prefilling": NOW - 80_000})
+    assert verdict(rec, progress(prefill_idle={0, 1, 2, 3})) is None
+
+
+def test_a_recent_change_means_it_is_alive() -> None:
+    assert verdict(record(updated_ms=NOW - 1000), progress(prefill_idle={0, 1, 2, 3})) is None
+
+
+def test_an_unencoded_item_is_lost_only_once_the_whole_encode_topic_is_consumed() -> None:
+    rec = record(
+        status="encoding",
+        stages={
+            "api:queued": NOW - 90_000,
+            "fanout:encoding": NOW - 90_000,
+            "prefill:prefilling": NOW - 89_000,
+        },
+        info={
+            "encode_events": "2",
+            "encoded.aaaaaaaaaaaa": "encoded",
+            "deadline_ms": str(NOW + 500_000),
+        },
+    )
+    assert verdict(rec, progress(encode_idle={0, 1, 2})) is None
+    assert verdict(rec, progress(encode_idle={0, 1, 2, 3})) == ("failed", "broker-lost")
+    done = {**rec["info"], "encoded.bbbbbbbbbbbb": "cache_hit"}
+    assert verdict({**rec, "info": done}, progress(encode_idle={0, 1, 2, 3})) is None
+
+
+def test_past_the_deadline_and_its_grace_it_expires_whatever_the_broker_says() -> None:
+    info = {**record()["info"], "deadline_ms": str(NOW - GRACE_MS - 1)}
+    assert verdict(record(info=info), progress()) == ("expired", "deadline")
+    info = {**record()["info"], "deadline_ms": str(NOW - GRACE_MS + 1000)}
+    assert verdict(record(info=info, updated_ms=NOW), progress()) is None  # the stage's to say
+
+
+def test_finished_or_not_yet_fanned_out_records_are_not_the_sweeps() -> None:
+    assert verdict(record(status="completed"), progress(prefill_idle={0, 1, 2, 3})) is None
+    queued = record(status="queued", stages={"api:queued": NOW - 90_000})
+    assert verdict(queued, progress(prefill_idle={0, 1, 2, 3})) is None
+
+
+def test_an_unreadable_deadline_is_no_deadline() -> None:
+    info = {**record()["info"], "deadline_ms": "soon"}
+    assert verdict(record(info=info, updated_ms=NOW), progress()) is None
