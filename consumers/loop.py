@@ -288,6 +288,8 @@ class ConsumeLoop:
         self._capacity = asyncio.Event()
         self._paused_by_us: set[TopicPartition] = set()
         self._next_offset: dict[TopicPartition, int] = {}
+        self.log_rewinds = 0
+        """Partitions found to have lost records and read again from the start."""
         self._last_commit = 0.0
         self._started = False
         self._running = False
@@ -430,6 +432,7 @@ class ConsumeLoop:
         if batch is not None:
             self._dispatch(batch)
             self._record_lag()
+        await self._rewind_shrunk_logs()
 
     async def _fetch(
         self,
@@ -542,6 +545,40 @@ class ConsumeLoop:
             lag = max(0, high - nxt)
             self._metrics.lag.labels(self.config.group_id, tp.topic, str(tp.partition)).set(lag)
 
+    async def _rewind_shrunk_logs(self) -> None:
+        """A partition whose log ends below where this member reads has lost records (a memory
+        broker restarted, a topic deleted and made again): read its new log from the start.
+
+        Kafka never reports a high watermark below an offset it handed out, nor commits past
+        one; without this the member would wait at its old (or an old committed) position while
+        the new log's records went unread."""
+        consumer = self.consumer
+        for tp in consumer.assignment():
+            high = consumer.highwater(tp)  # from the last fetch: known once one answered
+            if high is None:
+                continue
+            at = self._next_offset.get(tp)
+            if at is None:
+                at = await consumer.position(tp)  # a fetch answered: the position is known
+            if high < at:
+                self._forget_lost_log(tp, at, high)
+                consumer.seek_to_beginning(tp)
+
+    def _forget_lost_log(self, tp: TopicPartition, expected: int, found: int) -> None:
+        """Drop what this member tracked of ``tp``'s old log (its unfinished work is delivered
+        again, its commits would point into a log that is gone)."""
+        log.warning(
+            "%s: %s went back from offset %d to %d: the broker lost records (a restart of a "
+            "memory broker?); reading its log again from the start",
+            self.config.group_id,
+            tp,
+            expected,
+            found,
+        )
+        self._tracker.forget(tp)
+        self._next_offset.pop(tp, None)
+        self.log_rewinds += 1
+
     def _dispatch(
         self, batch: dict[TopicPartition, list[Any]], span: BatchSpan | None = None
     ) -> None:
@@ -550,6 +587,10 @@ class ConsumeLoop:
         for tp, records in batch.items():
             if tp not in assigned:
                 continue  # revoked while the poll was returning
+            expected = self._next_offset.get(tp)
+            if records and expected is not None and records[0].offset < expected:
+                # aiokafka reset an out-of-range position to the start of a new log.
+                self._forget_lost_log(tp, expected, records[0].offset)
             for i, rec in enumerate(records):
                 if len(self._tasks) >= self.config.max_in_flight:
                     # Give the rest back: the next poll after a slot frees returns them again.
@@ -845,6 +886,7 @@ class ConsumeLoop:
         await self.commit(revoked)
         for tp in revoked:
             self._tracker.forget(tp)
+            self._next_offset.pop(tp, None)  # a later assignment starts from its committed offset
         self._paused_by_us -= revoked
 
     async def _shutdown(self) -> None:

@@ -75,9 +75,13 @@ class Progress:
 
     idle: dict[str, frozenset[int]]
     partitions: dict[str, int]
+    missing: frozenset[str] = frozenset()
+    """Topics the broker no longer has at all: whatever was on them is gone."""
 
     def idle_for_key(self, topic: str, key: str) -> bool:
         """Whether the partition a record keyed ``key`` went to has been consumed to its end."""
+        if topic in self.missing:
+            return True
         count = self.partitions.get(topic, 0)
         if count == 0:
             return False
@@ -86,6 +90,8 @@ class Progress:
 
     def idle_topic(self, topic: str) -> bool:
         """Whether every partition of ``topic`` has been consumed to its end."""
+        if topic in self.missing:
+            return True
         count = self.partitions.get(topic, 0)
         return count > 0 and len(self.idle.get(topic, ())) == count
 
@@ -261,13 +267,20 @@ class BrokerProgress:
         await self._start()
         idle: dict[str, frozenset[int]] = {}
         counts: dict[str, int] = {}
+        missing: set[str] = set()
         for stage, topic in (("encode", self.topics.encode), ("prefill", self.topics.prefill)):
             described = await self._admin.describe_topics([topic])
-            parts = [p["partition"] for d in described for p in d.get("partitions", [])]
+            parts = [
+                p["partition"]
+                for d in described
+                if not d.get("error_code")
+                for p in d.get("partitions", [])
+            ]
             counts[topic] = len(parts)
-            tps = [TopicPartition(topic, p) for p in parts]
-            if not tps:
+            if not parts:
+                missing.add(topic)
                 continue
+            tps = [TopicPartition(topic, p) for p in parts]
             ends = await self._offsets.end_offsets(tps)
             committed = await self._admin.list_consumer_group_offsets(
                 self.topics.group(stage), partitions=tps
@@ -275,7 +288,7 @@ class BrokerProgress:
             idle[topic] = frozenset(
                 tp.partition for tp in tps if _consumed(committed.get(tp), ends[tp])
             )
-        return Progress(idle, counts)
+        return Progress(idle, counts, frozenset(missing))
 
     async def close(self) -> None:
         if self._started:

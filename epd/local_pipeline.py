@@ -46,6 +46,8 @@ class WorkerProcesses:
         self.kinds = list(kinds)
         self.procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
         self.ready_files: list[Path] = []
+        self.retired: set[int] = set()
+        """Workers stopped on purpose for good (:meth:`retire`): no longer expected alive."""
 
     def start(self) -> None:
         """Spawn every worker; they join their consumer groups on their own."""
@@ -87,6 +89,25 @@ class WorkerProcesses:
         if proc.poll() is None:
             raise RuntimeError(f"{kind} worker {index} is still running")
         self.procs[index] = (kind, *self._spawn(kind, index))
+        await self._until_ready(index, timeout_s)
+
+    async def add(self, kind: str, timeout_s: float = 180.0) -> int:
+        """Start one more worker of ``kind`` (it joins its group: a rebalance); once it holds
+        partitions, its index."""
+        index = len(self.procs)
+        self.ready_files.append(self.log_dir / f"{kind}-{index}.ready")
+        self.procs.append((kind, *self._spawn(kind, index)))
+        await self._until_ready(index, timeout_s)
+        return index
+
+    def retire(self, index: int) -> int:
+        """Stop worker ``index`` for good with SIGTERM (a graceful leave: it drains, commits and
+        leaves its group); its exit code."""
+        self.retired.add(index)
+        return self.kill(index, signal.SIGTERM)
+
+    async def _until_ready(self, index: int, timeout_s: float) -> None:
+        kind = self.procs[index][0]
         deadline = time.monotonic() + timeout_s
         while not self.ready_files[index].exists():
             self.check_alive()
@@ -95,8 +116,10 @@ class WorkerProcesses:
             await asyncio.sleep(0.2)
 
     def check_alive(self) -> None:
-        """Raise WorkerDied (with the log's tail) when a worker has exited."""
-        for kind, proc, log_path in self.procs:
+        """Raise WorkerDied (with the log's tail) when a worker has exited (retired ones aside)."""
+        for i, (kind, proc, log_path) in enumerate(self.procs):
+            if i in self.retired:
+                continue
             if proc.poll() is not None:
                 tail = log_path.read_text(errors="replace")[-3000:]
                 raise WorkerDied(f"{kind} worker exited with {proc.returncode}; log tail:\n{tail}")
@@ -130,6 +153,7 @@ class WorkerProcesses:
             codes[f"{kind}-{i}"] = proc.returncode
         self.procs.clear()
         self.ready_files.clear()
+        self.retired.clear()
         return codes
 
     def __enter__(self) -> WorkerProcesses:

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -20,25 +20,24 @@ import torch
 from aiokafka.errors import MessageSizeTooLargeError
 
 from epd.local_pipeline import LocalRun, local_pipeline
-from producers.sample_images import synthetic_image
 from runtime.kafka import make_producer, read_topic, send_event
 from runtime.settings import Settings
-from schemas.codec import decode, get_codec
-from schemas.types import (
-    TERMINAL_STATUSES,
-    DeadLetter,
-    EncodeEvent,
-    RenderEvent,
-    ResultEvent,
-    SamplingParams,
-    TensorRef,
-)
+from schemas.codec import get_codec
+from schemas.types import DeadLetter, EncodeEvent, TensorRef
 from tests import services as layer
+from tests.fault.traffic import (
+    dead_letters_of,
+    figures,
+    outcomes,
+    render_one,
+    stream,
+    terminal_results,
+    worker_rss,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 KINDS = ("results", "encode", "prefill", "router")
-WAIT_S = 180.0
 DOWN_S = 5.0
 """How long the Redis faults last (a restart or a freeze of a few seconds)."""
 WAIT_OUTAGE_S = 60.0
@@ -55,92 +54,6 @@ async def pipeline(
     cfg = settings.model_copy(update={"max_message_bytes": MAX_MESSAGE_BYTES})
     async with local_pipeline(cfg, spawn_workers=True, log_dir=log_dir, kinds=KINDS) as run:
         yield run
-
-
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def worker_rss(run: LocalRun) -> dict[str, float]:
-    assert run.workers is not None
-    out = {}
-    for i, (kind, proc, _) in enumerate(run.workers.procs):
-        if proc.poll() is None:
-            out[f"{kind}-{i}"] = round(_rss_mb(proc.pid), 1)
-    return out
-
-
-async def _render(run: LocalRun, seed: int, salt: str) -> RenderEvent:
-    return await run.submitter.renderer.render_async(
-        f"fault-{uuid.uuid4().hex[:10]}",
-        prompt="Describe <image>.",
-        images=[synthetic_image(56 + 14 * (seed % 3), 70, seed=seed)],
-        sampling=SamplingParams(max_tokens=3),
-        cache_salt=salt,
-    )
-
-
-async def stream(
-    run: LocalRun,
-    n: int,
-    *,
-    every_s: float,
-    fault_after: int,
-    fault: Callable[[], Awaitable[None]],
-    render_only: bool = False,
-) -> list[str]:
-    """Send ``n`` requests, one every ``every_s`` (alternately through the Submitter's fan-out and
-    through the render topic and the router; ``render_only``: all through the router), running
-    ``fault`` after ``fault_after`` of them while the rest keep coming. Returns the request ids."""
-    salt = uuid.uuid4().hex
-    sent: list[str] = []
-    fault_task: asyncio.Task[None] | None = None
-    for i in range(n):
-        if i == fault_after:
-            fault_task = asyncio.create_task(fault())
-        ev = await _render(run, 500 + i, salt)
-        if i % 2 and not render_only:
-            await run.submitter.submit_rendered(ev)
-        else:
-            topic = f"{run.settings.topic_prefix}.render"
-            await send_event(run.publisher.producer, topic, ev.request_id, ev)
-        sent.append(ev.request_id)
-        await asyncio.sleep(every_s)
-    if fault_task is not None:
-        await fault_task
-    return sent
-
-
-async def outcomes(run: LocalRun, ids: list[str]) -> dict[str, dict]:
-    """Every request's terminal record (TimeoutError for one that never ends: a lost request)."""
-    recs = await asyncio.gather(
-        *(run.submitter.wait(r, timeout_s=WAIT_S) for r in ids), return_exceptions=True
-    )
-    pairs = zip(ids, recs, strict=True)
-    return {
-        r: (rec if isinstance(rec, dict) else {"status": "lost", "error": repr(rec)[:200]})
-        for r, rec in pairs
-    }
-
-
-def figures(name: str, ids: list[str], got: dict[str, dict], **extra: object) -> dict:
-    done = [r for r in ids if got[r]["status"] == "completed"]
-    lost = [r for r in ids if got[r]["status"] == "lost"]
-    fig = {
-        "fault": name,
-        "sent": len(ids),
-        "completed": len(done),
-        "lost": len(lost),
-        "other": {r: got[r]["status"] for r in ids if r not in done and r not in lost},
-        "lost_errors": sorted({got[r].get("error", "") for r in lost}),
-        **extra,
-    }
-    print(f"\nfault figures: {fig}")
-    return fig
 
 
 @pytest.mark.parametrize("kind", ["encode", "prefill", "results", "router"])
@@ -163,43 +76,6 @@ async def test_kill_9_a_worker_mid_stream_and_restart_it(pipeline: LocalRun, kin
     fig = figures(f"kill -9 {kind}", ids, got, rss_before=before, rss_after=worker_rss(run))
     run.workers.check_alive()  # no other worker died
     assert fig["completed"] == fig["sent"], fig
-
-
-async def terminal_results(
-    run: LocalRun, ids: list[str], timeout_s: float
-) -> dict[str, list[ResultEvent]]:
-    """The terminal ResultEvents of ``ids`` on the results topic (durable, unlike the status
-    records a Redis restart wipes), once each has one or ``timeout_s`` is over."""
-    topic = f"{run.settings.topic_prefix}.results"
-    wanted = set(ids)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found: dict[str, list[ResultEvent]] = {}
-        for rec in await read_topic(run.settings, topic):
-            ev = decode(rec.value)
-            if isinstance(ev, ResultEvent) and ev.request_id in wanted:
-                if ev.status in TERMINAL_STATUSES:
-                    found.setdefault(ev.request_id, []).append(ev)
-        if set(found) == wanted or time.monotonic() >= deadline:
-            return found
-        await asyncio.sleep(0.5)
-
-
-async def dead_letters_of(run: LocalRun, ids: list[str]) -> list[DeadLetter]:
-    """Dead letters whose original event belongs to one of ``ids`` (valid traffic: must be none)."""
-    wanted = set(ids)
-    out = []
-    for rec in await read_topic(run.settings, f"{run.settings.topic_prefix}.dlq"):
-        letter = decode(rec.value, DeadLetter)
-        try:
-            rid = getattr(decode(letter.value), "request_id", None) if letter.value else None
-        except Exception:
-            rid = None
-        if rid is None:
-            rid = (letter.key or b"").decode(errors="replace")
-        if rid in wanted:
-            out.append(letter)
-    return out
 
 
 async def test_redis_down_5s_and_restarted_empty_mid_stream(
@@ -232,7 +108,7 @@ async def test_redis_down_5s_and_restarted_empty_mid_stream(
     for i in range(30):
         if i == 5:
             fault_task = asyncio.create_task(fault())
-        ev = await _render(run, 600 + i, salt)
+        ev = await render_one(run, 600 + i, salt)
         await send_event(run.publisher.producer, topic, ev.request_id, ev)
         ids.append(ev.request_id)
         await asyncio.sleep(0.2)
@@ -312,7 +188,7 @@ async def test_poison_records_land_in_the_dlq_and_valid_traffic_finishes(
     salt = uuid.uuid4().hex
 
     # Real encode events to corrupt: rendered and planned by the real fan-out.
-    base = await _render(run, 900, salt)
+    base = await render_one(run, 900, salt)
     plan = await run.submitter.fanout.plan(base)
     enc = plan.encode[0]
     framed = codec.encode(enc)

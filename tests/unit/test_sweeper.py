@@ -100,3 +100,8 @@ def test_finished_or_not_yet_fanned_out_records_are_not_the_sweeps() -> None:
 def test_an_unreadable_deadline_is_no_deadline() -> None:
     info = {**record()["info"], "deadline_ms": "soon"}
     assert verdict(record(info=info, updated_ms=NOW), progress()) is None
+
+
+def test_a_topic_the_broker_no_longer_has_held_nothing_that_can_still_come() -> None:
+    gone = Progress(idle={}, partitions={}, missing=frozenset({T.prefill, T.encode}))
+    assert verdict(record(), gone) == ("failed", "broker-lost")
