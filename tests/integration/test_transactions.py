@@ -130,6 +130,58 @@ async def test_a_killed_batch_leaves_no_outputs_and_a_restart_gives_exactly_one_
     assert max(counts.values()) == 1, f"duplicated: {[v for v, n in counts.items() if n > 1]}"
 
 
+async def test_a_zombie_with_the_same_transactional_id_is_fenced(
+    txn_settings: Settings, pair: tuple[str, str], tmp_path: Path
+) -> None:
+    """A worker stalls mid-batch (alive: a GC pause, a frozen VM); its successor starts with the
+    same transactional id. The successor's start fences the stalled one and aborts its open
+    transaction; when the stalled one wakes, its commit is refused and it stops. Readers see
+    each input's output exactly once, none of the zombie's batch."""
+    src, out = pair
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    settings = txn_settings.model_copy(update={"kafka_transactional_id": f"w-{group}"})
+    values = (
+        [f"v{i}".encode() for i in range(10)] + [b"hang"] + [f"w{i}".encode() for i in range(5)]
+    )
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        for v in values:
+            await producer.send_and_wait(src, value=v, key=v)
+    finally:
+        await producer.stop()
+
+    marker = tmp_path / "hang-sent"
+    zombie = _worker(settings, src, out, group, marker, hang=True)
+    successor = None
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not marker.exists():
+            assert zombie.poll() is None, "the worker died before reaching the hanging record"
+            assert time.monotonic() < deadline, "the worker never reached the hanging record"
+            await asyncio.sleep(0.1)
+        successor = _worker(settings, src, out, group, tmp_path / "unused", hang=False)
+        seen: list[bytes] = []
+        deadline = time.monotonic() + WAIT_S
+        while len(seen) < len(values) and time.monotonic() < deadline:
+            seen = await _committed_outputs(settings, out)
+            await asyncio.sleep(0.5)
+        marker.with_name(marker.name + ".release").write_text("go\n")  # the zombie wakes
+        zombie_code = zombie.wait(timeout=60)
+        await asyncio.sleep(2.0)  # anything the zombie could still commit would be visible now
+        seen = await _committed_outputs(settings, out)
+    finally:
+        for proc in (zombie, successor):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=30)
+    counts = Counter(seen)
+    print(f"\ntransactions: zombie exited with {zombie_code}; {len(seen)} outputs committed")
+    assert set(counts) == set(values)
+    assert max(counts.values()) == 1, f"duplicated: {[v for v, n in counts.items() if n > 1]}"
+    assert zombie_code != 0, "the fenced worker kept running as if it owned the id"
+
+
 async def test_results_stage_runs_transactionally_end_to_end(
     txn_settings: Settings, topics: object, redis_client: object, redis_prefix: str
 ) -> None:

@@ -3,7 +3,9 @@
 ``python -m tests.integration.txn_worker IN OUT GROUP MARKER``: copies every record of IN to OUT
 (same key and value) through the loop's transactional producer. With ``EPD_TEST_HANG=1`` the
 handler of a record whose value is ``hang`` first sends its output, then touches MARKER and waits
-forever: the test kills the process there, mid-transaction. Settings come from ``EPD_*``.
+until a file ``MARKER.release`` appears (or for ever): the test kills the process there,
+mid-transaction, or lets a newer incarnation fence it and then releases it. Settings come from
+``EPD_*``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ async def main(src: str, out: str, group: str, marker: Path) -> None:
         await producer.send_and_wait(out, value=ce.value, key=ce.key)
         if hang and ce.value == b"hang":
             await asyncio.to_thread(marker.write_text, "sent\n")
-            await asyncio.Event().wait()
+            release = marker.with_name(marker.name + ".release")
+            while not release.exists():
+                await asyncio.sleep(0.1)
 
     config = ConsumerConfig(topics=[src], group_id=group, dlq_topic=f"{src}.dlq")
     loop = ConsumeLoop(settings, config, handler, decode=lambda b: b, producer=producer)
