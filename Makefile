@@ -2,6 +2,7 @@
 #
 #   make install   .venv with PyTorch (TORCH_SPEC) and the project, editable, with test tools
 #   make test      the full suite; services from tests/services.py (env, testcontainers or embedded)
+#   make test-tansu  the Tansu pass: what the demo's light broker must do (e2e, faults, layer)
 #   make demo      the end-to-end demo on local services
 #   make bench     the side-by-side benchmarks
 #   make soak      the pipeline under steady load, memory per minute (MINUTES=5 RPS=2)
@@ -30,7 +31,7 @@ EPD := $(VENV)/bin/epd
 STAMP := $(VENV)/.epd-installed
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 
-.PHONY: help install test test-unit demo bench soak up down services services-down dockerd dockerd-stop \
+.PHONY: help install test test-tansu test-unit demo bench soak up down services services-down dockerd dockerd-stop \
 	lint imports fmt clean
 
 help:
@@ -54,10 +55,18 @@ $(STAMP): pyproject.toml
 # left running for the next run; `make dockerd-stop` ends it), else embedded Tansu + redis-server
 # processes. EPD_TEST_SERVICES=env|containers|embedded forces one. Pytest's exit code 5 (no
 # tests collected) is an error.
+# The broker: EPD_TEST_BROKER=apache|tansu|auto (auto, the default: Apache Kafka 4.4 where Java
+# 17+ and its jars, or mvn to fetch them once, are at hand; else Tansu). The header says which.
 test: install imports
 	@docker/ensure-dockerd.sh --pidfile $(STATE_DIR)/dockerd.pid --log $(STATE_DIR)/dockerd.log || \
 		echo "make: no Docker daemon; tests run on embedded services (EPD_TEST_SERVICES=containers would fail)" >&2
 	@rc=0; $(VPY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests" >&2; fi; exit $$rc
+
+# The tests marked `tansu` on the Tansu broker, as processes (what `epd up` runs without Java).
+test-tansu: install
+	@rc=0; EPD_TEST_BROKER=tansu EPD_TEST_SERVICES=$${EPD_TEST_TANSU_SERVICES:-embedded} \
+		$(VPY) -m pytest $(PYTEST_ARGS) -m tansu || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests" >&2; fi; exit $$rc
 
 test-unit: install

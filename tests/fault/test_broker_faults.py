@@ -169,6 +169,7 @@ async def test_an_encode_worker_joins_and_one_leaves_under_load(
     assert moves[-1].endswith("left with 0"), moves
 
 
+@pytest.mark.tansu
 async def test_a_tansu_restart_loses_what_it_held_and_those_requests_end(
     pipeline: LocalRun, test_services: layer.TestServices
 ) -> None:

@@ -56,6 +56,7 @@ async def pipeline(
         yield run
 
 
+@pytest.mark.tansu
 @pytest.mark.parametrize("kind", ["encode", "prefill", "results", "router"])
 async def test_kill_9_a_worker_mid_stream_and_restart_it(pipeline: LocalRun, kind: str) -> None:
     run = pipeline

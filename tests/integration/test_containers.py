@@ -10,9 +10,11 @@ on the services, and framed events and tensor values cross them bit-exact.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ import yaml
 
 from epd import services
 from epd.cli import build_parser
-from runtime.kafka import ensure_topics, make_consumer, make_producer, send_event
+from runtime.kafka import ensure_topics, make_consumer, make_producer, read_topic, send_event
 from runtime.settings import Settings
 from schemas.codec import SCHEMA_HEADER, get_codec
 from schemas.types import ECTransfer, EncodeEvent, ResultEvent
@@ -61,6 +63,7 @@ def test_tansu_only_settings_only_for_tansu() -> None:
     assert not {k for k in kafka if "TIMEOUT" in k or "FETCH" in k or "HEARTBEAT" in k}
 
 
+@pytest.mark.tansu
 async def test_events_and_values_cross_the_services(settings: Settings) -> None:
     import redis.asyncio as aioredis
 
@@ -108,6 +111,7 @@ async def test_events_and_values_cross_the_services(settings: Settings) -> None:
     assert back == raw
 
 
+@pytest.mark.tansu
 def test_faults_act_on_the_services(test_services: layer.TestServices) -> None:
     """Pause makes Redis stop answering, unpause brings it back; restart empties it."""
     if not test_services.redis.controllable:
@@ -132,6 +136,33 @@ def test_faults_act_on_the_services(test_services: layer.TestServices) -> None:
         assert client.get("test:layer:fault") is None  # restarted empty, same address
     finally:
         client.close()
+
+
+@pytest.mark.tansu
+async def test_a_broker_restart_keeps_apache_kafkas_log_and_empties_tansu(
+    settings: Settings, test_services: layer.TestServices
+) -> None:
+    """``kafka.restart(hard=True)``: SIGKILL, then the same address; Apache Kafka comes back
+    with its log directory (the records are still there), Tansu empty (memory storage)."""
+    handle = test_services.kafka
+    if handle.restart is None:
+        pytest.skip(f"the broker is not ours to restart in mode {test_services.mode}")
+    topic = f"layer-{uuid.uuid4().hex[:8]}"
+    await ensure_topics(settings, [topic], partitions=1)
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        for i in range(3):
+            await producer.send_and_wait(topic, value=f"v{i}".encode(), key=b"k")
+    finally:
+        await producer.stop()
+    await asyncio.to_thread(handle.restart, 0.0, hard=True)
+    assert services.kafka_answers(handle.address)
+    values = [r.value for r in await read_topic(settings, topic)]
+    if test_services.kafka_is_tansu:
+        assert values == []
+    else:
+        assert values == [b"v0", b"v1", b"v2"]
 
 
 def test_compose_file_is_a_valid_stack() -> None:

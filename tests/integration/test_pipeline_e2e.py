@@ -24,7 +24,7 @@ from schemas.codec import get_codec
 from schemas.modalities import GRID_FIELDS, metadata_of
 from schemas.types import DeadLetter, EncodedEvent, PrefillEvent, SamplingParams, TensorRef
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.tansu]
 
 
 @pytest.fixture(scope="module")
