@@ -30,6 +30,7 @@ from typing import Any
 from bench.common import machine_facts, sig
 
 BENCHMARKS: dict[str, str] = {
+    "brokers": "bench.brokers",
     "prefill_bytes": "bench.prefill_bytes",
     "codec": "bench.codec",
     "stores": "bench.stores",
@@ -39,6 +40,8 @@ BENCHMARKS: dict[str, str] = {
     "gpu": "bench.gpu",
 }
 """Benchmark name -> module exposing ``run(*, quick, out, ...) -> dict``, in run order."""
+FIGURES_ONLY = frozenset({"brokers"})
+"""Benchmarks that report figures without a DESIGN.md budget (no ``meets_budget``)."""
 OPT_IN = frozenset({"gpu"})
 """Run only when named: ``gpu`` needs CUDA (without it, it reports ``skipped: no CUDA``)."""
 NEEDS_REDIS = frozenset({"stores", "encoder_cache", "pipeline", "throughput"})
@@ -122,7 +125,8 @@ def run_selected(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-    verdicts = {n: report[n].get("meets_budget") for n in names}
+    # A benchmark without a budget (figures only, e.g. ``brokers``) has no verdict.
+    verdicts = {n: report[n].get("meets_budget") for n in names if "meets_budget" in report[n]}
     errors = [n for n in names if "error" in report[n]]
     report["summary"] = {
         "meets_budget": verdicts,

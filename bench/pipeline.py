@@ -1,40 +1,44 @@
-"""The real pipeline on loopback: per-request overhead, and prefill-path throughput vs full kwargs.
+"""The real pipeline on loopback: per-request overhead on both brokers, and prefill-path throughput.
 
-Two DESIGN.md budgets, measured in one run against a real broker (``EPD_KAFKA_BOOTSTRAP``) and
-Redis (DB 11, every key under one ``bench-...`` prefix, deleted afterwards):
+Two DESIGN.md budgets, measured in one run against real brokers and Redis (DB 11, every key
+under one ``bench-...`` prefix, deleted afterwards):
 
-1. **Overhead** (end-to-end minus model compute, p50 <= 5 ms). ``local_pipeline`` spawns the
-   results, encode and prefill workers (tiny model, CPU). Single-image requests (224x224, a new
-   image each, so the encoder really runs) are submitted one at a time: nothing queues behind
-   anything. Per request, end-to-end runs from just before ``submit_rendered`` (the ``queued``
-   status write; rendering is done before, and reported apart) to the moment the client sees
-   the terminal status record, read when the record's change notification wakes it (Redis
-   pub/sub, as the API's long-poll and event stream wait; not ``Submitter.wait``'s 20-250 ms
-   back-off, which would add up to 250 ms of detection delay, nor a 1 ms polling loop, which
-   would load the cores the pipeline runs on). Model compute is
-   (a) ``prefill_decode``, which the prefill worker times around ``generate_from_embeddings``
-   alone, plus (b) the vision tower: the encode worker's ``encode.image0`` also covers the
-   claim-check fetch, digest and value checks, the micro-batcher's linger and the store put,
-   so it is NOT subtracted; instead this process runs ``encode_images`` on the same pixels
-   with the same tiny model right after each request (workers idle), and that time is.
-   A second, smaller set repeats one image (an encoder-cache hit: no encode at all).
-2. **Throughput vs shipping full kwargs_data to prefill** (higher, reported). The model compute
-   is identical either way, so only the prefill event's transport differs: its Avro encode,
-   the produce through the broker, the fetch and the decode. Our metadata-only PrefillEvents
-   (from ``FanOut.plan`` of the same requests) and the same events with ``kwargs_data`` filled
-   in (pixel values inline) are pushed through one-partition topics by one producer and read
-   back by one consumer, concurrently; events/s = N / (last decode - first encode). The
-   baseline is run with the pipeline's prefill compression and without compression; the
-   ratio is judged against the faster of the two. That consumer uses a 5 ms fetch wait, so
-   the rate is per-event cost, not the tail of an idle long-poll.
+1. **Overhead** (end-to-end minus model compute, p50 <= 5 ms, judged **on Apache Kafka**, for a
+   new and for a cached image), measured on **both embedded brokers side by side**: Apache Kafka
+   4.4 and Tansu, each started here on a fresh data directory (``epd.services``) and run with the
+   fetch wait it suits, as ``epd up`` runs it (500 ms for Apache Kafka, which answers a waiting
+   fetch when a record lands; 10 ms for Tansu, which answers only when the wait ends).
+   ``EPD_BENCH_BROKERS=apache,tansu`` (the default) picks them; ``env`` runs on the broker of
+   ``EPD_KAFKA_BOOTSTRAP`` instead. ``local_pipeline`` spawns the results, encode and prefill
+   workers (tiny model, CPU). Single-image requests (224x224, a new image each, so the encoder
+   really runs) are submitted one at a time: nothing queues behind anything. Per request,
+   end-to-end runs from just before ``submit_rendered`` (the ``queued`` status write; rendering
+   is done before, and reported apart) to the moment the client sees the terminal status
+   record, read when the record's change notification wakes it (Redis pub/sub, as the API's
+   long-poll and event stream wait; not ``Submitter.wait``'s 20-250 ms back-off, which would add
+   up to 250 ms of detection delay, nor a 1 ms polling loop, which would load the cores the
+   pipeline runs on). Model compute is (a) ``prefill_decode``, which the prefill worker times
+   around ``generate_from_embeddings`` alone, plus (b) the vision tower: the encode worker's
+   ``encode.image0`` also covers the claim-check fetch, digest and value checks, the
+   micro-batcher and the store put, so it is NOT subtracted; instead this process runs
+   ``encode_images`` on the same pixels with the same tiny model right after each request
+   (workers idle), and that time is. A second, smaller set repeats one image (an encoder-cache
+   hit: no encode at all).
+2. **Throughput vs shipping full kwargs_data to prefill** (higher, reported; on the first
+   broker). The model compute is identical either way, so only the prefill event's transport
+   differs: its Avro encode, the produce through the broker, the fetch and the decode. Our
+   metadata-only PrefillEvents (from ``FanOut.plan`` of the same requests) and the same events
+   with ``kwargs_data`` filled in (pixel values inline) are pushed through one-partition topics
+   by one producer and read back by one consumer, concurrently; events/s = N / (last decode -
+   first encode). The baseline is run with the pipeline's prefill compression and without
+   compression; the ratio is judged against the faster of the two. That consumer uses a 5 ms
+   fetch wait, so the rate is per-event cost, not the tail of an idle long-poll.
 
-``kafka_hop`` explains most of the overhead: one small record's produce -> fetch latency with
-the consumer settings the workers use (``EPD_KAFKA_FETCH_MAX_WAIT_MS``) and with a 5 ms fetch
-wait, each record sent at a random point of the consumer's fetch wait, as a request's are. The
-embedded Tansu broker holds every fetch for its whole wait and answers at the end of it, data
-or not (its fetch loop sleeps out the remaining wait before it looks again), so each hop
-(fan-out -> encode or prefill) costs about half the wait on average, up to all of it; Apache
-Kafka answers as soon as ``fetch_min_bytes`` are there.
+``kafka_hop`` takes one broker hop apart, per broker: a 100-byte record's produce and its ack
+(``send_and_wait``), the time from the ack until the waiting fetch returns it (the broker's
+answer, and aiokafka's parse of the response), the decode of a real PrefillEvent with our codec,
+and the hand-off to a handler task (as the consume loop dispatches one), each record sent at a
+random point of the consumer's fetch wait, as a request's records are.
 """
 
 from __future__ import annotations
@@ -102,12 +106,19 @@ async def render_request(run: Any, image: Any, salt: str) -> Any:
     )
 
 
-def pipeline_settings(redis_url: str | None) -> tuple[Any, str]:
+def pipeline_settings(
+    redis_url: str | None, broker_env: dict[str, str] | None = None
+) -> tuple[Any, str]:
     """Settings for a benchmark pipeline (tiny model on CPU, Redis DB 11) and its unique prefix:
-    topics, status records and embeddings all live under it and are deleted afterwards."""
+    topics, status records and embeddings all live under it and are deleted afterwards.
+    ``broker_env``: ``EPD_*`` lines of a broker started here (they replace the environment's)."""
     from runtime.settings import Settings
 
-    env = Settings()
+    given: dict[str, Any] = {
+        k.removeprefix("EPD_").lower(): v for k, v in (broker_env or {}).items()
+    }
+    given.pop("redis_url", None)  # the benchmark's Redis stays the environment's
+    env = Settings().model_validate({**Settings().model_dump(), **given})
     db_url = _redis_db_url(redis_url or env.redis_url)
     prefix = f"bench-{uuid.uuid4().hex[:12]}"
     settings = env.model_copy(
@@ -367,37 +378,98 @@ async def _transport(settings: Any, topic: str, events: list[Any], compression: 
         await consumer.stop()
 
 
-async def _kafka_hop(settings: Any, topic: str, n: int, **consumer_overrides: Any) -> Stats:
-    """Latency of one small record from ``send_and_wait`` to ``getmany`` returning it."""
+async def _kafka_hop(
+    settings: Any, topic: str, n: int, **consumer_overrides: Any
+) -> dict[str, Any]:
+    """One small record's hop, taken apart: produce + ack, ack -> the fetch returns it, our
+    decode of a real event, hand-off to a handler task (see the module docstring)."""
     from aiokafka import TopicPartition
 
     from runtime.kafka import ensure_topics, make_consumer, make_producer
+    from schemas.codec import get_codec
 
+    codec = get_codec()
+    event = codec.encode(_sample_prefill_event())
     await ensure_topics(settings, [topic], partitions=1)
     producer = make_producer(settings)
     consumer = make_consumer(settings, group_id=None, **consumer_overrides)
     await producer.start()
     await consumer.start()
+    parts: dict[str, list[float]] = {k: [] for k in HOP_PARTS}
     try:
         tp = TopicPartition(topic, 0)
         consumer.assign([tp])
         await consumer.seek_to_beginning(tp)
         await consumer.position(tp)
-        samples = []
         wait_ms = consumer_overrides.get("fetch_max_wait_ms", settings.kafka_fetch_max_wait_ms)
-        for _ in range(n + 1):  # the first is a warm-up
+        for i in range(n + 1):  # the first is a warm-up
             # Let the consumer settle into idle fetches, then send at a random point of one, as a
             # request does: a fixed pause would land every send at the same phase of the wait.
             await asyncio.sleep(0.02 + random.uniform(0, wait_ms / 1000))
             t0 = time.perf_counter()
-            await producer.send_and_wait(topic, value=b"x" * 100)
-            while not (await consumer.getmany(tp, timeout_ms=2000)).get(tp):
+            await producer.send_and_wait(topic, value=event)
+            t1 = time.perf_counter()
+            while not (batch := await consumer.getmany(tp, timeout_ms=2000)).get(tp):
                 pass
-            samples.append(time.perf_counter() - t0)
-        return Stats(samples[1:])
+            t2 = time.perf_counter()
+            codec.decode(batch[tp][0].value)
+            t3 = time.perf_counter()
+            started: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+
+            async def handler(done: asyncio.Future[float] = started) -> None:
+                done.set_result(time.perf_counter())
+
+            asyncio.get_running_loop().create_task(handler())
+            t4 = await started
+            if i == 0:
+                continue
+            for key, value in zip(
+                HOP_PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True
+            ):
+                parts[key].append(value)
+        return {
+            "fetch_max_wait_ms": wait_ms,
+            "event_bytes": len(event),
+            **{key: Stats(values).to_json("ms") for key, values in parts.items()},
+        }
     finally:
         await producer.stop()
         await consumer.stop()
+
+
+HOP_PARTS = ("produce_ack", "fetch_answer", "decode", "handoff", "total")
+"""The parts of one hop, in order (``total``: produce to the handler starting)."""
+
+
+def _sample_prefill_event() -> Any:
+    """A cached image's PrefillEvent of the benchmark's request (1 image, 64 placeholders)."""
+    import torch
+
+    from schemas.types import (
+        ECTransfer,
+        Features,
+        PlaceholderRange,
+        PrefillEvent,
+        SamplingParams,
+    )
+
+    grid = torch.tensor([[1, 16, 16]], dtype=torch.int64)
+    h = "a" * 64
+    return PrefillEvent(
+        request_id=uuid.uuid4().hex,
+        model="tiny",
+        token_ids=[1] * 10 + [268] * 64 + [2] * 10,
+        features=Features(
+            {"image": [h]},
+            {"image": [PlaceholderRange(10, 64)]},
+            None,
+            {"image": [{"image_grid_thw": grid}]},
+        ),
+        ec_transfer_params={
+            h: ECTransfer(h, "redis://127.0.0.1:6379/0", f"ec:tiny:{h}", 1, "0" * 64)
+        },
+        sampling=SamplingParams(max_tokens=MAX_TOKENS),
+    )
 
 
 async def _hops(settings: Any, n: int) -> dict[str, Any]:
@@ -410,9 +482,12 @@ async def _hops(settings: Any, n: int) -> dict[str, Any]:
     finally:
         await _delete_topics(settings, topics)
     return {
-        "what": "one 100-byte record, send_and_wait -> getmany returns it, 1 partition",
-        "worker_consumer_settings": default.to_json("ms"),
-        f"fetch_max_wait_{FAST_FETCH_WAIT_MS}ms": fast.to_json("ms"),
+        "what": "one record (a PrefillEvent's bytes), 1 partition, taken apart: produce_ack "
+        "(send_and_wait), fetch_answer (from the ack until getmany returns it: the broker "
+        "answering the waiting fetch, and aiokafka parsing the response), decode (our codec), "
+        "handoff (a handler task starting, as the consume loop dispatches one), total",
+        "worker_consumer_settings": default,
+        f"fetch_max_wait_{FAST_FETCH_WAIT_MS}ms": fast,
     }
 
 
@@ -513,7 +588,11 @@ async def _cleanup_redis(redis_url: str, prefix: str) -> int:
         await client.aclose()
 
 
-async def _run(settings: Any, sizes: Sizes, log_dir: Path, prefix: str) -> dict[str, Any]:
+async def _run(
+    settings: Any, sizes: Sizes, log_dir: Path, prefix: str, with_throughput: bool
+) -> dict[str, Any]:
+    """One broker's block: start-up, overhead, idle CPU, the hop taken apart, and (when
+    ``with_throughput``) the prefill-path transport comparison."""
     from bench.worker_profile import CpuMeter, WorkerProfiler, idle_cpu
     from epd.local_pipeline import local_pipeline
     from schemas.topics import Topics
@@ -537,7 +616,7 @@ async def _run(settings: Any, sizes: Sizes, log_dir: Path, prefix: str) -> dict[
             # ...and what waiting costs: CPU of the idle workers (fetch polls, heartbeats) and
             # of the broker and Redis answering them.
             idle = await asyncio.to_thread(idle_cpu, meter.pids, sizes.idle_s)
-            throughput = await _throughput(run, renders, sizes.events)
+            throughput = await _throughput(run, renders, sizes.events) if with_throughput else None
             hops = await _hops(run.settings, sizes.hops)
     finally:
         await _cleanup_redis(settings.redis_url, prefix)
@@ -554,56 +633,115 @@ async def _run(settings: Any, sizes: Sizes, log_dir: Path, prefix: str) -> dict[
             **idle,
         },
         "profile": profile,
-        "throughput": throughput,
+        **({"throughput": throughput} if throughput is not None else {}),
     }
+
+
+BROKERS_ENV = "EPD_BENCH_BROKERS"
+"""Which brokers the overhead runs on: ``apache,tansu`` (default), one of them, or ``env``."""
+
+
+def bench_brokers() -> tuple[list[str], dict[str, str]]:
+    """(brokers to run on, {broker: why it is skipped})."""
+    import os
+
+    from epd.services import kafka
+
+    raw = os.environ.get(BROKERS_ENV, "apache,tansu")
+    wanted = [b.strip() for b in raw.split(",") if b.strip()]
+    skipped = {}
+    if "apache" in wanted and (reason := kafka.unavailable_reason()) is not None:
+        skipped["apache"] = reason
+    return [b for b in wanted if b not in skipped], skipped
+
+
+@contextlib.contextmanager
+def embedded_broker(kind: str, work: Path) -> Any:
+    """A fresh broker of ``kind`` for one benchmark block; yields its ``EPD_*`` lines."""
+    from epd import services
+
+    rec = services.start_broker(kind, work, log_dir=work, tie_to_parent=True, fresh=True)
+    try:
+        yield services.services_env(rec, "", kind) | {"EPD_KAFKA_BOOTSTRAP": rec.address}
+    finally:
+        services.stop_records([rec])
+
+
+def _judged(blocks: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The block the budget is judged on: Apache Kafka's, else the first there is."""
+    name = "apache" if "apache" in blocks else next(iter(blocks))
+    return name, blocks[name]
 
 
 def run(
     *, quick: bool = False, out: Path | None = None, redis_url: str | None = None
 ) -> dict[str, Any]:
-    """Run the pipeline on loopback and return the report block (needs Kafka and Redis)."""
-    settings, prefix = pipeline_settings(redis_url)
+    """Run the pipeline on loopback on each broker and return the report block (needs Redis;
+    starts the brokers itself unless ``EPD_BENCH_BROKERS=env``)."""
     sizes = QUICK if quick else FULL
-    log_dir = (out / "pipeline-logs") if out else Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
-    res = asyncio.run(_run(settings, sizes, log_dir, prefix))
-    overhead_p50 = res["overhead"]["miss"]["overhead_ms"]["p50_ms"]
-    tp_ratio = res["throughput"]["ratio_vs_full_kwargs"]
-    hop_p50 = res["kafka_hop"]["worker_consumer_settings"]["p50_ms"]
+    base = (out / "pipeline-logs") if out else Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
+    names, skipped = bench_brokers()
+    blocks: dict[str, Any] = {}
+    prefixes: dict[str, str] = {}
+    for i, kind in enumerate(names):
+        log_dir = base / kind
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.ExitStack() as stack:
+            broker_env = (
+                None if kind == "env" else stack.enter_context(embedded_broker(kind, log_dir))
+            )
+            settings, prefixes[kind] = pipeline_settings(redis_url, broker_env)
+            blocks[kind] = asyncio.run(_run(settings, sizes, log_dir, prefixes[kind], i == 0))
+    if not blocks:
+        raise RuntimeError(f"no broker to benchmark on: {skipped or 'none asked for'}")
+    judged_on, judged = _judged(blocks)
+    miss_p50 = judged["overhead"]["miss"]["overhead_ms"]["p50_ms"]
+    hit_p50 = judged["overhead"]["hit"]["overhead_ms"]["p50_ms"]
+    throughput = blocks[names[0]]["throughput"]
+    tp_ratio = throughput["ratio_vs_full_kwargs"]
     return {
         "request": f"one {IMAGE_SIDE}x{IMAGE_SIDE} image (256 patches, 1.2 MB fp32 pixels, "
         f"claim-checked), {MAX_TOKENS} new tokens, tiny model on CPU",
         "completion_seen_by": "client woken by the status record's change notification "
         "(Redis pub/sub, as the API's long-poll and event stream are), then reading the record",
         "redis_db": REDIS_DB,
-        "redis_key_prefix": prefix,
-        "worker_logs": str(log_dir),
-        **res,
-        "overhead_p50_ms": overhead_p50,
-        "overhead_less_broker_hop": {
-            "what": "overhead p50 less one kafka_hop p50: the one broker hop on each request's "
-            "critical path (fan-out -> encode for a new image, whose prefill event travels "
-            "meanwhile; fan-out -> prefill for a cached one). The embedded Tansu broker holds "
-            "every fetch for its whole wait (EPD_KAFKA_FETCH_MAX_WAIT_MS) and answers at its "
-            "end, so the hop costs about half that wait plus the produce; a shorter wait buys "
-            "it back with idle CPU on every consumer and the broker (worker_idle_cpu_pct). "
-            "Apache Kafka answers a fetch when the data lands.",
-            **{
-                kind: sig(res["overhead"][kind]["overhead_ms"]["p50_ms"] - hop_p50)
-                for kind in ("miss", "hit")
-            },
+        "redis_key_prefixes": prefixes,
+        "worker_logs": str(base),
+        "judged_on": judged_on,
+        "brokers": blocks,
+        "skipped_brokers": skipped,
+        "side_by_side": {
+            kind: {
+                "overhead_p50_ms": {
+                    case: b["overhead"][case]["overhead_ms"]["p50_ms"] for case in ("miss", "hit")
+                },
+                "hop_p50_ms": b["kafka_hop"]["worker_consumer_settings"]["total"]["p50_ms"],
+                "cpu_ms_per_request": {
+                    case: b["overhead"]["cpu_ms_per_request"][case]["total"]
+                    for case in ("miss", "hit")
+                },
+            }
+            for kind, b in blocks.items()
         },
+        "overhead_p50_ms": miss_p50,
+        "overhead_hit_p50_ms": hit_p50,
+        "throughput": throughput,
         "throughput_ratio": tp_ratio,
         "headroom": {
-            "overhead_p50": headroom(overhead_p50, MAX_OVERHEAD_P50_MS, higher_is_better=False),
+            "overhead_p50": headroom(miss_p50, MAX_OVERHEAD_P50_MS, higher_is_better=False),
+            "overhead_hit_p50": headroom(hit_p50, MAX_OVERHEAD_P50_MS, higher_is_better=False),
             "throughput_ratio": headroom(tp_ratio, MIN_THROUGHPUT_RATIO, higher_is_better=True),
         },
         "budget": budget(
             "Pipeline overhead (end-to-end minus model compute) p50 <= 5 ms per request on "
-            "loopback (judged: encoder-miss requests, one at a time); throughput vs the same "
-            "pipeline shipping full kwargs_data to prefill: higher (judged: prefill-event "
-            "transport rate vs the faster full-kwargs variant; model compute is the same)",
+            "loopback on Apache Kafka, for a new and for a cached image (requests one at a "
+            "time), reported beside Tansu's; throughput vs the same pipeline shipping full "
+            "kwargs_data to prefill: higher (judged: prefill-event transport rate vs the faster "
+            "full-kwargs variant; model compute is the same)",
             max_overhead_p50_ms=MAX_OVERHEAD_P50_MS,
             min_throughput_ratio=MIN_THROUGHPUT_RATIO,
         ),
-        "meets_budget": overhead_p50 <= MAX_OVERHEAD_P50_MS and tp_ratio > MIN_THROUGHPUT_RATIO,
+        "meets_budget": miss_p50 <= MAX_OVERHEAD_P50_MS
+        and hit_p50 <= MAX_OVERHEAD_P50_MS
+        and tp_ratio > MIN_THROUGHPUT_RATIO,
     }

@@ -91,22 +91,38 @@ OVERHEAD_PARTS = (
 """Parts of the ``pipeline`` overhead block, in request order, then the totals."""
 
 
+def pipeline_blocks(pipeline: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each broker's block of a ``pipeline`` report (one unnamed block in older reports)."""
+    return pipeline.get("brokers") or {"": pipeline}
+
+
+SERIES_COLORS = {
+    ("miss", 0): "#4c72b0",
+    ("hit", 0): "#dd8452",
+    ("miss", 1): "#8fa8d6",
+    ("hit", 1): "#f0b88a",
+}
+
+
 def _overhead_parts(report: dict[str, Any], plt: Any) -> Any:
-    block = report["pipeline"]["overhead"]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    blocks = pipeline_blocks(report["pipeline"])
+    series = [(broker, case) for broker in blocks for case in ("miss", "hit")]
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.45 * len(OVERHEAD_PARTS) * len(series) / 2))
     labels = [label for _, label in OVERHEAD_PARTS]
-    width = 0.38
-    for i, (case, color) in enumerate((("miss", "#4c72b0"), ("hit", "#dd8452"))):
-        rows = block.get(case, {})
+    width = 0.8 / len(series)
+    for i, (broker, case) in enumerate(series):
+        rows = blocks[broker]["overhead"].get(case, {})
         # A part this case does not have (a cached image is never encoded) is marked n/a.
         found = [rows.get(key, {}).get("p50_ms") for key, _ in OVERHEAD_PARTS]
         values = [v or 0.0 for v in found]
-        ys = [j + (i - 0.5) * width for j in range(len(labels))]
+        ys = [j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))]
         name = "new image" if case == "miss" else "cached image"
-        ax.barh(ys, values, height=width, color=color, label=f"{name} (p50)")
+        shade = list(blocks).index(broker) % 2
+        label = f"{broker_label(broker)}{name} (p50)"
+        ax.barh(ys, values, height=width, color=SERIES_COLORS[(case, shade)], label=label)
         for y, v in zip(ys, found, strict=True):
             text = " n/a" if v is None else (f" {v:.3g}" if v >= 0.01 else " 0")
-            ax.text(v or 0.0, y, text, va="center", fontsize=8)
+            ax.text(v or 0.0, y, text, va="center", fontsize=7)
     budget_ms = report["pipeline"].get("budget", {}).get("max_overhead_p50_ms")
     if budget_ms:
         ax.axvline(budget_ms, color="black", linestyle="--", linewidth=1)
@@ -114,9 +130,14 @@ def _overhead_parts(report: dict[str, Any], plt: Any) -> Any:
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("ms per request (p50)")
-    ax.set_title("Pipeline overhead by part (one request at a time, tiny model)")
-    ax.legend(loc="center right", fontsize=8)
+    ax.set_title("Pipeline overhead by part, per broker (one request at a time, tiny model)")
+    ax.legend(loc="lower right", fontsize=7)
     return fig
+
+
+def broker_label(broker: str) -> str:
+    names = {"apache": "Apache Kafka: ", "tansu": "Tansu: ", "env": "env broker: "}
+    return names.get(broker, "")
 
 
 def _throughput(report: dict[str, Any], plt: Any) -> Any:

@@ -1,0 +1,151 @@
+"""The two embedded brokers side by side: start-up time, idle memory and idle CPU.
+
+For each broker that can run here (Apache Kafka 4.4 from its jars, Tansu; ``epd.services``
+starts them as ``epd up`` does): ``starts`` cold starts on a fresh data directory, each timed
+from spawn to the first answered metadata request (Apache Kafka's include its storage format,
+as a first ``epd up`` does; the jars are resolved before the clock starts); then, on the last
+one, its resident memory once settled, its CPU over ``idle_s`` with no client, and its CPU and
+the clients' with the pipeline's four consumers attached and idle at the fetch wait each broker
+is run with (``epd up``'s settings: 10 ms for Tansu, which answers a waiting fetch only when the
+wait ends; 500 ms for Apache Kafka, which answers as soon as a record lands).
+
+Not a budget: the figures behind the README's choice of default broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import Stats, sig
+from bench.worker_profile import cpu_seconds
+
+CONSUMERS = 4
+"""The pipeline's idle consumers: encode, prefill, router, results (which reads two topics)."""
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _cpu_pct(pids: list[int], seconds: float) -> float:
+    """% of one core ``pids`` used together over the next ``seconds``."""
+    before = sum(cpu_seconds(p) for p in pids)
+    time.sleep(seconds)
+    return 100 * (sum(cpu_seconds(p) for p in pids) - before) / seconds
+
+
+async def _idle_consumers(bootstrap: str, fetch_wait_ms: int, seconds: float) -> float:
+    """CPU % of this process while ``CONSUMERS`` consumers poll an empty topic each."""
+    import os
+
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    names = [f"idle-{i}-{os.getpid()}" for i in range(CONSUMERS)]
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    with contextlib.suppress(Exception):
+        await admin.create_topics([NewTopic(n, 1, 1) for n in names])
+    consumers = [
+        AIOKafkaConsumer(bootstrap_servers=bootstrap, fetch_max_wait_ms=fetch_wait_ms)
+        for _ in names
+    ]
+    stop = asyncio.Event()
+
+    async def poll(c: AIOKafkaConsumer, topic: str) -> None:
+        await c.start()
+        c.assign([TopicPartition(topic, 0)])
+        while not stop.is_set():
+            await c.getmany(timeout_ms=1000)
+
+    tasks = [asyncio.create_task(poll(c, n)) for c, n in zip(consumers, names, strict=True)]
+    try:
+        await asyncio.sleep(2.0)  # settled into idle fetches
+        before = time.process_time()
+        await asyncio.sleep(seconds)
+        return 100 * (time.process_time() - before) / seconds
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in consumers:
+            with contextlib.suppress(Exception):
+                await c.stop()
+        with contextlib.suppress(Exception):
+            await admin.delete_topics(names)
+        await admin.close()
+
+
+def _one_broker(kind: str, starts: int, idle_s: float, work: Path) -> dict[str, Any]:
+    from epd import services
+
+    fetch_wait = int(
+        services.services_env(services.ServiceRecord("kafka", "", False), "", kind).get(
+            "EPD_KAFKA_FETCH_MAX_WAIT_MS", "500"
+        )
+    )
+    times: list[float] = []
+    rec = None
+    for i in range(starts):
+        node = work / f"{kind}-{i}"
+        t0 = time.perf_counter()
+        rec = services.start_broker(kind, node, log_dir=node, tie_to_parent=True, fresh=True)
+        times.append(time.perf_counter() - t0)
+        if i < starts - 1:
+            services.stop_records([rec])
+    assert rec is not None and rec.pid is not None
+    try:
+        time.sleep(3.0)  # settled
+        rss = _rss_mb(rec.pid)
+        alone = _cpu_pct([rec.pid], idle_s)
+        broker_before = cpu_seconds(rec.pid)
+        clients = asyncio.run(_idle_consumers(rec.address, fetch_wait, idle_s))
+        broker_with = 100 * (cpu_seconds(rec.pid) - broker_before) / (idle_s + 2.0)
+    finally:
+        services.stop_records([rec])
+    return {
+        "version": services.describe(kind),
+        "start_s": Stats(times).to_json("s"),
+        "idle_rss_mb": sig(rss),
+        "idle_cpu_pct_no_clients": sig(alone),
+        "fetch_max_wait_ms": fetch_wait,
+        "idle_cpu_pct_with_pipeline_consumers": {
+            "broker": sig(broker_with),
+            "clients": sig(clients),
+            "consumers": CONSUMERS,
+        },
+    }
+
+
+def run(*, quick: bool = False, out: Path | None = None, redis_url: str | None = None) -> dict:
+    """Start each available broker ``starts`` times and measure it idle (see the module doc)."""
+    from epd import services
+    from epd.services import kafka
+
+    starts, idle_s = (1, 2.0) if quick else (3, 10.0)
+    brokers: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    reason = kafka.unavailable_reason()
+    if reason is None:
+        kafka.resolve_jars()  # once, before any clock: a first run fetches them (seconds)
+    with tempfile.TemporaryDirectory(prefix="bench-brokers-") as tmp:
+        for kind in services.BROKERS:
+            if kind == "apache" and reason is not None:
+                skipped[kind] = reason
+                continue
+            brokers[kind] = _one_broker(kind, starts, idle_s, Path(tmp))
+    return {
+        "what": "embedded brokers as epd up starts them: cold start to first metadata answer "
+        "(fresh data directory), idle RSS, idle CPU (% of one core) alone and with the "
+        f"pipeline's {CONSUMERS} consumers polling at the broker's fetch wait",
+        "brokers": brokers,
+        "skipped": skipped,
+    }
