@@ -259,6 +259,9 @@ def server_properties(
         "share.coordinator.state.topic.replication.factor": "1",
         "share.coordinator.state.topic.min.isr": "1",
         "group.initial.rebalance.delay.ms": "0",
+        # As in production (docker-compose.yml): topics are made by `epd topics create` and
+        # the workers, with their partitions and caps, never by a stray produce or fetch.
+        "auto.create.topics.enable": "false",
         "message.max.bytes": str(max_message_bytes),
         "replica.fetch.max.bytes": str(max_message_bytes),
         "socket.request.max.bytes": str(max(max_message_bytes * 2, 104857600)),
@@ -271,6 +274,19 @@ def server_properties(
         "log.cleaner.dedupe.buffer.size": str(8 * 1024 * 1024),
         "log.retention.hours": "24",
     }
+
+
+SHARED_WITH_COMPOSE = (
+    "offsets.topic.replication.factor",
+    "transaction.state.log.replication.factor",
+    "transaction.state.log.min.isr",
+    "group.initial.rebalance.delay.ms",
+    "auto.create.topics.enable",
+    "message.max.bytes",
+    "replica.fetch.max.bytes",
+)
+"""Broker settings the production stack (docker-compose.yml) and this node must agree on (a
+test checks it): the rest are ports, paths, and the sizing of a small test node."""
 
 
 def render_properties(props: dict[str, str]) -> str:

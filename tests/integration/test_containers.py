@@ -194,6 +194,28 @@ def test_compose_file_is_a_valid_stack() -> None:
     assert "/readyz" in " ".join(svcs["api"]["healthcheck"]["test"])
 
 
+def test_compose_runs_the_broker_the_tests_run() -> None:
+    """The production stack's Apache Kafka is the version and single-node policy of the one
+    the suite, the fault tests and the benchmark run (epd.services.kafka)."""
+    from epd.services import kafka
+
+    svc = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["kafka"]
+    assert svc["image"] == f"apache/kafka:{kafka.KAFKA_VERSION}"
+    ours = kafka.server_properties(
+        port=1,
+        controller_port=2,
+        log_dir="/x",
+        max_message_bytes=Settings().max_message_bytes,
+        partitions=4,
+    )
+    env = svc["environment"]
+    for key in kafka.SHARED_WITH_COMPOSE:
+        name = "KAFKA_" + key.replace(".", "_").upper()
+        assert str(env.get(name)) == ours[key], (
+            f"{name}: compose {env.get(name)!r}, tests {ours[key]!r}"
+        )
+
+
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
 def test_compose_file_parses_with_docker_compose() -> None:
     proc = subprocess.run(
