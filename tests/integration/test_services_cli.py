@@ -258,3 +258,34 @@ def test_topics_create_reports_an_unreachable_broker(tmp_path: Path) -> None:
     proc = _run(["topics", "create", "--timeout", "3"], env)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr and "127.0.0.1" in proc.stderr
+
+
+def test_without_the_registry_auto_falls_back_to_tansu_and_apache_says_why(
+    tmp_path: Path,
+) -> None:
+    """No cached jars and a Maven that cannot reach its registry: ``auto`` starts Tansu and says
+    why; ``apache`` refuses in one line (the Maven error in it), exit 2."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    mvn = bin_dir / "mvn"
+    mvn.write_text(
+        "#!/bin/sh\necho '[ERROR] Failed to execute goal: Could not transfer artifact "
+        "org.apache.kafka:kafka_2.13:pom:4.4.0 from/to central: no route to host'\nexit 1\n"
+    )
+    mvn.chmod(0o755)
+    path = f"{bin_dir}:{os.environ['PATH']}"
+    cache = tmp_path / "no-jars-yet"
+    auto = _env(tmp_path / "a", EPD_BROKER="auto", PATH=path, EPD_KAFKA_CACHE=str(cache))
+    up = _run(["up"], auto)
+    try:
+        assert up.returncode == 0, up.stderr
+        assert "starting Tansu instead" in up.stderr and "no route to host" in up.stderr
+        assert _lines(up.stdout)["EPD_KAFKA_IDEMPOTENCE"] == "false"  # Tansu's settings
+    finally:
+        _run(["down"], auto)
+    forced = _env(tmp_path / "b", EPD_BROKER="apache", PATH=path, EPD_KAFKA_CACHE=str(cache))
+    proc = _run(["up"], forced)
+    assert proc.returncode == 2, proc.stderr
+    message = proc.stderr.strip()
+    assert len(message.splitlines()) == 1 and "no route to host" in message
+    assert "Traceback" not in proc.stderr
