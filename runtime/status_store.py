@@ -252,6 +252,21 @@ class StatusStore:
         """Fold one ResultEvent into its record atomically; False when it was a duplicate."""
         return await self._modify(ev.request_id, lambda rec: fold(rec, ev), stage=ev.stage)
 
+    async def end_if_unchanged(self, ev: ResultEvent, seen_updated_ms: int) -> bool:
+        """Fold the outcome ``ev`` only into a record that is unfinished and unchanged since it
+        was judged (its ``updated_ms`` still ``seen_updated_ms``); True when it was written.
+        For a judge that read the record earlier (the sweep): a stage that moved the request on
+        in between wins, and the judge sends no second outcome."""
+
+        def change(rec: dict[str, Any] | None) -> dict[str, Any] | None:
+            if rec is None or rec["status"] in TERMINAL_STATUSES:
+                return None
+            if rec.get("updated_ms") != seen_updated_ms:
+                return None
+            return fold(rec, ev)
+
+        return await self._modify(ev.request_id, change, stage=ev.stage)
+
     async def _modify(
         self,
         request_id: str,

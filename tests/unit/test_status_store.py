@@ -239,3 +239,33 @@ async def test_an_update_of_a_known_record_is_one_round_trip(store: StatusStore)
     events = await store.events("s3")
     assert [e["status"] for _, e in events] == ["queued", "encoding", "completed"]
     assert await store.in_flight() == 0  # the outcome released the request's slot
+
+
+async def test_every_unfinished_request_is_in_flight_whoever_wrote_it(store: StatusStore) -> None:
+    """A record a router or a submitter wrote (no admission) is in the in-flight set too, until
+    its outcome: the sweep must see every request that could still hang."""
+    rid = f"r-{uuid.uuid4().hex[:8]}"
+    assert await store.apply(ResultEvent(rid, "fanout", "encoding"))
+    assert rid in {m.decode() for m in await store.client.zrange(store.inflight_key, 0, -1)}
+    assert await store.apply(ResultEvent(rid, "prefill", "completed", token_ids=[1]))
+    assert rid not in {m.decode() for m in await store.client.zrange(store.inflight_key, 0, -1)}
+
+
+async def test_a_judged_outcome_lands_only_on_the_record_as_judged(store: StatusStore) -> None:
+    """The sweep's outcome: written only while the record is unfinished and unchanged since the
+    sweep read it, so neither a stage's progress nor its outcome is overridden twice."""
+    rid = f"r-{uuid.uuid4().hex[:8]}"
+    lost = ResultEvent(rid, "sweep", "failed", error=ErrorInfo("broker-lost", "gone"))
+    await store.apply(ResultEvent(rid, "fanout", "prefilling"))
+    seen = (await store.get(rid))["updated_ms"]  # type: ignore[index]
+    await asyncio.sleep(0.002)
+    await store.apply(ResultEvent(rid, "prefill", "decoding"))  # moved on after the read
+    assert not await store.end_if_unchanged(lost, seen)
+    now = await store.get(rid)
+    assert now is not None and now["status"] == "decoding"
+    assert await store.end_if_unchanged(lost, now["updated_ms"])
+    done = await store.get(rid)
+    assert (
+        done is not None and done["status"] == "failed" and done["error"]["code"] == "broker-lost"
+    )
+    assert not await store.end_if_unchanged(lost, done["updated_ms"])  # finished: never again
