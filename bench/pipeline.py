@@ -257,56 +257,69 @@ def _summarise(rows: list[dict[str, float]]) -> dict[str, Any]:
     return {k: _ms_stats([r[k] for r in rows if k in r]) for k in keys}
 
 
-async def _overhead(run: Any, sizes: Sizes, meter: Any) -> tuple[dict[str, Any], list[Any]]:
-    """Warm up, then the miss and hit sets; also returns RenderEvents for the throughput part.
+@dataclasses.dataclass
+class Arm:
+    """One broker's pipeline in the interleaved run: its workers, its meter, its client."""
 
-    ``meter`` (a CpuMeter over the workers, broker and Redis) gives each set's CPU per request."""
-    from producers.sample_images import synthetic_image
-    from runtime.model import load_model
-    from runtime.status_store import StatusNotifier
+    kind: str
+    run: Any
+    meter: Any
+    notifier: Any
+    bundle: Any
+    salt: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
+    seeds: Any = dataclasses.field(default_factory=lambda: iter(range(1000, 100000)))
 
-    bundle = await asyncio.to_thread(load_model, run.settings.model, device="cpu")
-    salt = uuid.uuid4().hex  # images of this run hash apart from any earlier run's
-    seeds = iter(range(1000, 100000))
-    # Completion is seen the way the API's long-poll and event stream see it: woken by the
-    # record's change notification (a 1 ms polling loop would load the 2 cores it measures).
-    notifier = StatusNotifier(run.submitter.status)
-    await notifier.start()
-    try:
+    async def one(self, image: Any) -> dict[str, float]:
+        return await _one_request(self.run, self.notifier, self.bundle, image, self.salt)
 
-        async def one(image: Any) -> dict[str, float]:
-            return await _one_request(run, notifier, bundle, image, salt)
+    def new_image(self) -> Any:
+        from producers.sample_images import synthetic_image
 
+        return synthetic_image(IMAGE_SIDE, IMAGE_SIDE, next(self.seeds))
+
+
+async def _interleaved_sets(arms: list[Arm], sizes: Sizes) -> dict[str, dict[str, Any]]:
+    """The miss and hit sets on every arm, one request at a time, the arms taking turns (the
+    order swapped every round): a busy neighbour slows both brokers alike, not one block."""
+    for arm in arms:
         for _ in range(sizes.warmup):
-            await one(synthetic_image(IMAGE_SIDE, IMAGE_SIDE, next(seeds)))
-        await asyncio.to_thread(_vision_ms, bundle, _render(run, IMAGE_SIDE))  # warm this too
-        meter.restart()
-        misses = [
-            await one(synthetic_image(IMAGE_SIDE, IMAGE_SIDE, next(seeds)))
-            for _ in range(sizes.misses)
-        ]
-        miss_cpu = meter.per_request(len(misses))
-        repeated = synthetic_image(IMAGE_SIDE, IMAGE_SIDE, next(seeds))
-        await one(repeated)  # puts its embedding in the store
-        meter.restart()
-        hits = [await one(repeated) for _ in range(sizes.hits)]
-        hit_cpu = meter.per_request(len(hits))
-    finally:
-        await notifier.close()
-    if any("encode_stage_ms" in h for h in hits):
-        raise AssertionError("a repeated image was encoded again: the hit set is not all hits")
-    events = [_render(run, IMAGE_SIDE, seed=s) for s in range(7, 7 + min(8, sizes.events))]
-    return {
-        "miss": _summarise(misses),
-        "hit": _summarise(hits),
-        "cpu_ms_per_request": {
-            "what": "CPU ms each process spent per request over the set (requests one at a "
-            "time, with the gaps between them: idle fetch polls count too); the client's own "
-            "CPU from submit to seeing the outcome is client_cpu_ms above",
-            "miss": miss_cpu,
-            "hit": hit_cpu,
-        },
-    }, events
+            await arm.one(arm.new_image())
+        await asyncio.to_thread(_vision_ms, arm.bundle, _render(arm.run, IMAGE_SIDE))
+    rows: dict[str, dict[str, list[dict[str, float]]]] = {
+        a.kind: {"miss": [], "hit": []} for a in arms
+    }
+    cpu: dict[str, dict[str, Any]] = {a.kind: {} for a in arms}
+
+    async def one_set(case: str, n: int, image_of: Any) -> None:
+        for arm in arms:
+            arm.meter.restart()
+        for i in range(n):
+            for arm in arms if i % 2 == 0 else reversed(arms):
+                rows[arm.kind][case].append(await arm.one(image_of(arm)))
+        for arm in arms:
+            cpu[arm.kind][case] = arm.meter.per_request(n)
+
+    await one_set("miss", sizes.misses, lambda arm: arm.new_image())
+    repeated = {arm.kind: arm.new_image() for arm in arms}
+    for arm in arms:
+        await arm.one(repeated[arm.kind])  # puts its embedding in the store
+    await one_set("hit", sizes.hits, lambda arm: repeated[arm.kind])
+    out = {}
+    for arm in arms:
+        if any("encode_stage_ms" in h for h in rows[arm.kind]["hit"]):
+            raise AssertionError(f"{arm.kind}: a repeated image was encoded again")
+        out[arm.kind] = {
+            "miss": _summarise(rows[arm.kind]["miss"]),
+            "hit": _summarise(rows[arm.kind]["hit"]),
+            "cpu_ms_per_request": {
+                "what": "CPU ms each of this broker's processes (workers, broker, Redis) spent "
+                "per request over the set (requests one at a time, with the gaps between them: "
+                "idle fetch polls count too); the client's own CPU from submit to seeing the "
+                "outcome is client_cpu_ms above",
+                **cpu[arm.kind],
+            },
+        }
+    return out
 
 
 def _render(run: Any, side: int, seed: int = 3) -> Any:
@@ -602,54 +615,80 @@ async def _cleanup_redis(redis_url: str, prefix: str) -> int:
         await client.aclose()
 
 
-async def _run(
-    settings: Any, sizes: Sizes, log_dir: Path, prefix: str, with_throughput: bool
-) -> dict[str, Any]:
-    """One broker's block: start-up, overhead, idle CPU, the hop taken apart, and (when
-    ``with_throughput``) the prefill-path transport comparison."""
+@dataclasses.dataclass
+class Target:
+    """One broker to benchmark on: its settings (own topics, Redis, key prefix) and logs."""
+
+    kind: str
+    settings: Any
+    prefix: str
+    log_dir: Path
+
+
+async def _run_all(targets: list[Target], sizes: Sizes) -> dict[str, Any]:
+    """Every target's pipeline up at once; the request sets interleaved across them; then each
+    one's idle CPU, broker hop and (the first only) prefill-path throughput."""
     from bench.worker_profile import CpuMeter, WorkerProfiler, idle_cpu
     from epd.local_pipeline import local_pipeline
+    from runtime.model import load_model
+    from runtime.status_store import StatusNotifier
+
+    blocks: dict[str, Any] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        arms: list[Arm] = []
+        profilers: dict[str, Any] = {}
+        for t in targets:
+            await _warm_broker(t.settings, sizes.broker_warmup)
+            t0 = time.perf_counter()
+            run = await stack.enter_async_context(
+                local_pipeline(t.settings, spawn_workers=True, log_dir=t.log_dir)
+            )
+            stack.push_async_callback(_forget_run, t, run.settings)
+            assert run.workers is not None
+            pids = {f"{k}-{i}": p.pid for i, (k, p, _) in enumerate(run.workers.procs)}
+            notifier = StatusNotifier(run.submitter.status)
+            await notifier.start()
+            stack.push_async_callback(notifier.close)
+            bundle = await asyncio.to_thread(load_model, run.settings.model, device="cpu")
+            meter = CpuMeter({**pids, **_service_pids(run.settings)})
+            arms.append(Arm(t.kind, run, meter, notifier, bundle))
+            blocks[t.kind] = {"startup_s": sig(time.perf_counter() - t0)}
+            # Where the overhead goes: each worker sampled by py-spy while the requests run.
+            profilers[t.kind] = WorkerProfiler(pids, t.log_dir / "profiles")
+        for p in profilers.values():
+            p.start()
+        try:
+            overhead = await _interleaved_sets(arms, sizes)
+        finally:
+            profiles = {k: await asyncio.to_thread(p.stop) for k, p in profilers.items()}
+        for i, arm in enumerate(arms):
+            # ...and what waiting costs: CPU of the idle workers (fetch polls, heartbeats) and
+            # of the broker and Redis answering them (every pipeline idle meanwhile).
+            idle = await asyncio.to_thread(idle_cpu, arm.meter.pids, sizes.idle_s)
+            block = blocks[arm.kind]
+            block["overhead"] = overhead[arm.kind]
+            block["kafka_hop"] = await _hops(arm.run.settings, sizes.hops)
+            block["worker_idle_cpu_pct"] = {
+                "what": f"% of one core each worker (and the broker and Redis, where visible) "
+                f"used over {sizes.idle_s:g} s with no requests",
+                "fetch_max_wait_ms": arm.run.settings.kafka_fetch_max_wait_ms,
+                **idle,
+            }
+            block["profile"] = profiles[arm.kind]
+            if i == 0:
+                renders = [
+                    _render(arm.run, IMAGE_SIDE, seed=s) for s in range(7, 7 + min(8, sizes.events))
+                ]
+                block["throughput"] = await _throughput(arm.run, renders, sizes.events)
+    return blocks
+
+
+async def _forget_run(target: Target, run_settings: Any) -> None:
+    """Delete what one target's run left: its Redis keys and its topics."""
     from schemas.topics import Topics
 
-    await _warm_broker(settings, sizes.broker_warmup)
-    t0 = time.perf_counter()
-    run_settings = None
-    try:
-        async with local_pipeline(settings, spawn_workers=True, log_dir=log_dir) as run:
-            run_settings = run.settings
-            startup_s = time.perf_counter() - t0
-            assert run.workers is not None
-            pids = {f"{kind}-{i}": p.pid for i, (kind, p, _) in enumerate(run.workers.procs)}
-            meter = CpuMeter({**pids, **_service_pids(run.settings)})
-            # Where the overhead goes: each worker sampled by py-spy while the requests run.
-            profiler = WorkerProfiler(pids, log_dir / "profiles")
-            profiler.start()
-            try:
-                overhead, renders = await _overhead(run, sizes, meter)
-            finally:
-                profile = await asyncio.to_thread(profiler.stop)
-            # ...and what waiting costs: CPU of the idle workers (fetch polls, heartbeats) and
-            # of the broker and Redis answering them.
-            idle = await asyncio.to_thread(idle_cpu, meter.pids, sizes.idle_s)
-            throughput = await _throughput(run, renders, sizes.events) if with_throughput else None
-            hops = await _hops(run.settings, sizes.hops)
-    finally:
-        await _cleanup_redis(settings.redis_url, prefix)
-        if run_settings is not None:
-            await _delete_topics(run_settings, Topics(run_settings.topic_prefix).all())
-    return {
-        "startup_s": sig(startup_s),
-        "overhead": overhead,
-        "kafka_hop": hops,
-        "worker_idle_cpu_pct": {
-            "what": f"% of one core each worker (and the broker and Redis, where visible) used "
-            f"over {sizes.idle_s:g} s with no requests",
-            "fetch_max_wait_ms": run_settings.kafka_fetch_max_wait_ms if run_settings else None,
-            **idle,
-        },
-        "profile": profile,
-        **({"throughput": throughput} if throughput is not None else {}),
-    }
+    await _cleanup_redis(target.settings.redis_url, target.prefix)
+    await _delete_topics(run_settings, Topics(run_settings.topic_prefix).all())
 
 
 BROKERS_ENV = "EPD_BENCH_BROKERS"
@@ -682,6 +721,26 @@ def embedded_broker(kind: str, work: Path) -> Any:
         services.stop_records([rec])
 
 
+@contextlib.contextmanager
+def private_redis(work: Path) -> Any:
+    """A redis-server of this block's own (CPU per request is then this broker's alone);
+    yields its URL, or None where redis-server is not installed (the environment's is used)."""
+    import shutil
+
+    from epd import services
+
+    if shutil.which("redis-server") is None:
+        yield None
+        return
+    rec = services.start_redis(
+        work, f"redis://127.0.0.1:{services.free_port()}/0", log_dir=work, tie_to_parent=True
+    )
+    try:
+        yield rec.address
+    finally:
+        services.stop_records([rec])
+
+
 def _judged(blocks: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """The block the budget is judged on: Apache Kafka's, else the first there is."""
     name = "apache" if "apache" in blocks else next(iter(blocks))
@@ -691,28 +750,34 @@ def _judged(blocks: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 def run(
     *, quick: bool = False, out: Path | None = None, redis_url: str | None = None
 ) -> dict[str, Any]:
-    """Run the pipeline on loopback on each broker and return the report block (needs Redis;
-    starts the brokers itself unless ``EPD_BENCH_BROKERS=env``)."""
+    """Run the pipeline on loopback on each broker, interleaved, and return the report block
+    (starts the brokers, and a Redis for each where ``redis-server`` is installed, itself,
+    unless ``EPD_BENCH_BROKERS=env``)."""
     sizes = QUICK if quick else FULL
     base = (out / "pipeline-logs") if out else Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
     names, skipped = bench_brokers()
-    blocks: dict[str, Any] = {}
     prefixes: dict[str, str] = {}
-    for i, kind in enumerate(names):
-        log_dir = base / kind
-        log_dir.mkdir(parents=True, exist_ok=True)
-        with contextlib.ExitStack() as stack:
-            broker_env = (
-                None if kind == "env" else stack.enter_context(embedded_broker(kind, log_dir))
+    with contextlib.ExitStack() as stack:
+        targets = []
+        for kind in names:
+            log_dir = base / kind
+            log_dir.mkdir(parents=True, exist_ok=True)
+            broker_env = None
+            if kind != "env":
+                broker_env = stack.enter_context(embedded_broker(kind, log_dir))
+                own_redis = stack.enter_context(private_redis(log_dir))
+                broker_env = {**broker_env, **({"EPD_REDIS_URL": own_redis} if own_redis else {})}
+            settings, prefixes[kind] = pipeline_settings(
+                (broker_env or {}).get("EPD_REDIS_URL") or redis_url, broker_env
             )
-            settings, prefixes[kind] = pipeline_settings(redis_url, broker_env)
-            blocks[kind] = asyncio.run(_run(settings, sizes, log_dir, prefixes[kind], i == 0))
+            targets.append(Target(kind, settings, prefixes[kind], log_dir))
+        blocks = asyncio.run(_run_all(targets, sizes)) if targets else {}
     if not blocks:
         raise RuntimeError(f"no broker to benchmark on: {skipped or 'none asked for'}")
     judged_on, judged = _judged(blocks)
     miss_p50 = judged["overhead"]["miss"]["overhead_ms"]["p50_ms"]
     hit_p50 = judged["overhead"]["hit"]["overhead_ms"]["p50_ms"]
-    throughput = blocks[names[0]]["throughput"]
+    throughput = next(b["throughput"] for b in blocks.values() if "throughput" in b)
     tp_ratio = throughput["ratio_vs_full_kwargs"]
     return {
         "request": f"one {IMAGE_SIDE}x{IMAGE_SIDE} image (256 patches, 1.2 MB fp32 pixels, "

@@ -51,6 +51,14 @@ class Settings(BaseSettings):
         "stages write their updates through to the status record, so the collector is off the "
         "client's path and can poll a short-wait broker (Tansu) less often",
     )
+    results_fetch_min_bytes: int = Field(
+        16384,
+        ge=1,
+        description="bytes the broker gathers for the results collector before it answers "
+        "(within its fetch wait): the collector is off the client's path, so it takes the "
+        "updates of many requests per fetch instead of one fetch (and one broker round trip) "
+        "per update",
+    )
     kafka_transactions: bool = Field(
         False,
         description="transactional consume loops: a batch's output records, dead letters and "

@@ -192,8 +192,16 @@ async def _build_router(ctx: StageContext) -> Handler:
     return RenderRouter(fanout).handle
 
 
-def _fetch_overrides(fetch_wait_ms: int | None) -> dict[str, Any]:
-    return {} if fetch_wait_ms is None else {"fetch_max_wait_ms": fetch_wait_ms}
+def _fetch_overrides(stage: Stage, settings: Settings) -> dict[str, Any]:
+    """The stage's own fetch settings over the consumer defaults (none for most stages)."""
+    out: dict[str, Any] = {}
+    wait_ms = stage.fetch_wait_ms(settings)
+    if wait_ms is not None:
+        out["fetch_max_wait_ms"] = wait_ms
+    min_bytes = stage.fetch_min_bytes(settings)
+    if min_bytes is not None:
+        out["fetch_min_bytes"] = min_bytes
+    return out
 
 
 @dataclass(frozen=True)
@@ -214,6 +222,8 @@ class Stage:
     """Whether the stage loads the model (or its render info): checked at start-up."""
     fetch_wait_ms: Callable[[Settings], int | None] = lambda _: None
     """The stage's own fetch wait, if it has one (None: ``EPD_KAFKA_FETCH_MAX_WAIT_MS``)."""
+    fetch_min_bytes: Callable[[Settings], int | None] = lambda _: None
+    """Bytes the broker gathers before answering this stage's fetch (None: one record)."""
 
 
 STAGES: dict[str, Stage] = {
@@ -247,6 +257,7 @@ STAGES: dict[str, Stage] = {
             keyed_by_request=True,
             uses_model=False,
             fetch_wait_ms=lambda s: s.results_fetch_max_wait_ms,
+            fetch_min_bytes=lambda s: s.results_fetch_min_bytes,
         ),
         Stage(
             "router",
@@ -396,7 +407,7 @@ async def run_worker(
                 max_in_flight=settings.max_in_flight,
                 max_attempts=settings.max_attempts,
                 transient_retry_s=settings.transient_retry_s,
-                consumer_overrides=_fetch_overrides(stage.fetch_wait_ms(settings)),
+                consumer_overrides=_fetch_overrides(stage, settings),
             ),
             on_event,
             producer=publisher.producer,
