@@ -22,18 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Stats, sig
-from bench.worker_profile import cpu_seconds
+from bench.worker_profile import cpu_seconds, rss_mb
 
 CONSUMERS = 4
 """The pipeline's idle consumers: encode, prefill, router, results (which reads two topics)."""
-
-
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _cpu_pct(pids: list[int], seconds: float) -> float:
@@ -104,7 +96,7 @@ def _one_broker(kind: str, starts: int, idle_s: float, work: Path) -> dict[str, 
     assert rec is not None and rec.pid is not None
     try:
         time.sleep(3.0)  # settled
-        rss = _rss_mb(rec.pid)
+        rss = rss_mb(rec.pid) or 0.0
         alone = _cpu_pct([rec.pid], idle_s)
         broker_before = cpu_seconds(rec.pid)
         clients = asyncio.run(_idle_consumers(rec.address, fetch_wait, idle_s))

@@ -44,6 +44,7 @@ from typing import Any
 
 from bench.common import machine_facts, quantile, sig
 from bench.pipeline import REDIS_DB, _cleanup_redis, _delete_topics, _redis_db_url, render_request
+from bench.worker_profile import rss_mb
 
 KINDS = ("results", "encode", "prefill", "router")
 SMALL_SIDE = 56
@@ -59,19 +60,6 @@ MB = 1024 * 1024
 
 # ---------------------------------------------------------------------------------------------
 # Memory probes
-
-
-def rss_mb(pid: int | None) -> float | None:
-    """Resident set size of ``pid`` in MiB from ``/proc/<pid>/status``; None if unreadable."""
-    if not pid:
-        return None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024  # kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def _listen_inodes(port: int) -> set[str]:

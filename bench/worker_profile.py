@@ -49,6 +49,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def rss_mb(pid: int | None) -> float | None:
+    """Resident set size of ``pid`` in MiB from ``/proc/<pid>/status``; None if unreadable."""
+    if not pid:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def listener_pid(port: int) -> int | None:
     """The process listening on TCP ``port`` on this host (the broker, Redis), if it can be
     seen from here (not in another network namespace, permissions allowing)."""

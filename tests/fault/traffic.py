@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 
+from bench.worker_profile import rss_mb
 from epd.local_pipeline import LocalRun
 from producers.sample_images import synthetic_image
 from runtime.kafka import read_topic, send_event
@@ -21,20 +22,12 @@ from schemas.types import TERMINAL_STATUSES, DeadLetter, RenderEvent, ResultEven
 WAIT_S = 180.0
 
 
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def worker_rss(run: LocalRun) -> dict[str, float]:
     assert run.workers is not None
     out = {}
     for i, (kind, proc, _) in enumerate(run.workers.procs):
         if proc.poll() is None:
-            out[f"{kind}-{i}"] = round(_rss_mb(proc.pid), 1)
+            out[f"{kind}-{i}"] = round(rss_mb(proc.pid) or 0.0, 1)
     return out
 
 

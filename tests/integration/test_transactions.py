@@ -77,6 +77,26 @@ def _results_worker(env: dict[str, str]) -> subprocess.Popen[bytes]:
     )
 
 
+async def _produce(settings: Settings, topic: str, values: list[bytes]) -> None:
+    """The inputs, each keyed by itself, one at a time (one partition: in this order)."""
+    producer = make_producer(settings)
+    await producer.start()
+    try:
+        for v in values:
+            await producer.send_and_wait(topic, value=v, key=v)
+    finally:
+        await producer.stop()
+
+
+async def _until_hung(worker: subprocess.Popen[bytes], marker: Path) -> None:
+    """Until ``worker`` has sent the hanging record's output and hangs (its marker exists)."""
+    deadline = time.monotonic() + WAIT_S
+    while not await asyncio.to_thread(marker.exists):
+        assert worker.poll() is None, "the worker died before reaching the hanging record"
+        assert time.monotonic() < deadline, "the worker never reached the hanging record"
+        await asyncio.sleep(0.1)
+
+
 async def _committed_outputs(settings: Settings, topic: str) -> list[bytes]:
     records = await read_topic(settings, topic)  # read_committed: EPD_KAFKA_TRANSACTIONS is on
     return [r.value for r in records]
@@ -91,21 +111,10 @@ async def test_a_killed_batch_leaves_no_outputs_and_a_restart_gives_exactly_one_
     values = (
         [f"v{i}".encode() for i in range(20)] + [b"hang"] + [f"w{i}".encode() for i in range(5)]
     )
-    producer = make_producer(settings)
-    await producer.start()
-    try:
-        for v in values:
-            await producer.send_and_wait(src, value=v, key=v)
-    finally:
-        await producer.stop()
-
+    await _produce(settings, src, values)
     marker = tmp_path / "hang-sent"
     first = _worker(settings, src, out, group, marker, hang=True)
-    deadline = time.monotonic() + WAIT_S
-    while not marker.exists():
-        assert first.poll() is None, "the worker died before reaching the hanging record"
-        assert time.monotonic() < deadline, "the worker never reached the hanging record"
-        await asyncio.sleep(0.1)
+    await _until_hung(first, marker)
     os.kill(first.pid, signal.SIGKILL)  # mid-transaction: outputs sent, nothing committed
     first.wait()
 
@@ -143,23 +152,12 @@ async def test_a_zombie_with_the_same_transactional_id_is_fenced(
     values = (
         [f"v{i}".encode() for i in range(10)] + [b"hang"] + [f"w{i}".encode() for i in range(5)]
     )
-    producer = make_producer(settings)
-    await producer.start()
-    try:
-        for v in values:
-            await producer.send_and_wait(src, value=v, key=v)
-    finally:
-        await producer.stop()
-
+    await _produce(settings, src, values)
     marker = tmp_path / "hang-sent"
     zombie = _worker(settings, src, out, group, marker, hang=True)
     successor = None
     try:
-        deadline = time.monotonic() + WAIT_S
-        while not marker.exists():
-            assert zombie.poll() is None, "the worker died before reaching the hanging record"
-            assert time.monotonic() < deadline, "the worker never reached the hanging record"
-            await asyncio.sleep(0.1)
+        await _until_hung(zombie, marker)
         successor = _worker(settings, src, out, group, tmp_path / "unused", hang=False)
         seen: list[bytes] = []
         deadline = time.monotonic() + WAIT_S
