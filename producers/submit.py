@@ -1,29 +1,35 @@
-"""Submitting requests into the pipeline and waiting for their outcome (client side).
+"""Submitting requests into the pipeline from this process, and waiting for their outcome.
 
-Render (in a worker thread) -> ``queued`` status -> fan-out publish. ``wait`` polls the status
-record: the submit-and-poll contract the HTTP API exposes too.
+The ``Submitter`` is a front of the :class:`producers.intake.Intake`, as the HTTP API is: the
+same status record, render bound and failure recording (no admission: an in-process caller is
+trusted). ``wait`` polls the status record: the submit-and-poll contract the HTTP API exposes
+too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
-from producers.fanout import FanOut, FanoutStats
+from producers.fanout import FanOut, FanoutStats, build_fanout
+from producers.intake import Intake, RenderContext, Submission
 from producers.render import ImageInput, Renderer
 from producers.video import VideoInput
+from runtime.publisher import Publisher
 from runtime.settings import Settings
 from runtime.status_store import StatusStore
-from runtime.tracing import TRACEPARENT, new_traceparent, stage_span, trace_id_of
-from schemas.types import TERMINAL_STATUSES, RenderEvent, ResultEvent, SamplingParams
+from schemas.types import TERMINAL_STATUSES, RenderEvent, SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.model import RenderInfo
+    from runtime.stores.base import EmbeddingStore
 
 
 class Submitter:
-    """Renders and publishes requests; reads their status records."""
+    """Renders and publishes requests through an :class:`Intake`; reads their status records."""
 
     def __init__(
         self,
@@ -36,28 +42,27 @@ class Submitter:
         self.renderer = renderer
         self.fanout = fanout
         self.status = status
+        self.intake = Intake(fanout, status, span="submit")
+
+    @classmethod
+    def for_pipeline(
+        cls,
+        settings: Settings,
+        info: RenderInfo,
+        *,
+        store: EmbeddingStore,
+        publisher: Publisher,
+        status: StatusStore,
+    ) -> Submitter:
+        """The submitter of a pipeline (renderer and fan-out from ``settings``)."""
+        fanout = build_fanout(settings, store, info, publisher, record=status.apply)
+        return cls(settings, Renderer.for_settings(info, settings), fanout, status)
 
     async def submit_rendered(self, ev: RenderEvent) -> FanoutStats:
         """Publish an already rendered request (it gets a W3C ``traceparent`` if it has none)."""
-        ev.trace.setdefault(TRACEPARENT, new_traceparent())
-        with stage_span("submit", ev.trace, request_id=ev.request_id):
-            queued = ResultEvent(
-                request_id=ev.request_id,
-                stage="api",
-                status="queued",
-                info={"trace_id": trace_id_of(ev.trace[TRACEPARENT]) or ""},
-            )
-            # The record's "queued" is written while the fan-out plans (hashes, store lookups);
-            # the fan-out waits for it before it records or sends anything.
-            recorded = asyncio.ensure_future(self.status.apply(queued))
-            try:
-                return await self.fanout.publish(ev, after=recorded)
-            finally:
-                # The planning failed first: "queued" is still recorded (before the caller
-                # records the failure), and its own error, if any, is the lesser one.
-                await asyncio.wait([recorded])
-                if not recorded.cancelled():
-                    recorded.exception()
+        accepted = await self.intake.submit(Submission.rendered(ev))
+        assert accepted.stats is not None
+        return accepted.stats
 
     async def submit(
         self,
@@ -72,18 +77,30 @@ class Submitter:
         request_id: str | None = None,
     ) -> tuple[RenderEvent, FanoutStats]:
         """Render and publish one request; returns the rendered event and fan-out stats."""
-        rid = request_id or uuid.uuid4().hex
-        ev = await self.renderer.render_async(
-            rid,
-            prompt=prompt,
-            token_ids=token_ids,
-            images=images,
-            videos=videos,
-            sampling=sampling,
-            cache_salt=cache_salt,
-            deadline_ms=deadline_ms,
+
+        async def render(ctx: RenderContext) -> RenderEvent:
+            return await self.renderer.render_async(
+                ctx.request_id,
+                prompt=prompt,
+                token_ids=token_ids,
+                images=images,
+                videos=videos,
+                sampling=ctx.sampling,
+                cache_salt=ctx.cache_salt,
+                deadline_ms=ctx.deadline_ms,
+            )
+
+        accepted = await self.intake.submit(
+            Submission(
+                render=render,
+                sampling=sampling or SamplingParams(),
+                cache_salt=cache_salt,
+                deadline_ms=deadline_ms,
+                request_id=request_id,
+            )
         )
-        return ev, await self.submit_rendered(ev)
+        assert accepted.event is not None and accepted.stats is not None
+        return accepted.event, accepted.stats
 
     async def wait(
         self, request_id: str, timeout_s: float = 120.0, poll_s: float = 0.02

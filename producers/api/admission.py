@@ -1,7 +1,8 @@
-"""Backpressure: the encode topic's consumer lag, sampled in the background.
+"""Admission at the API: a connected broker, the encoders' backlog, the in-flight bound.
 
-Asking the broker on every request would put two admin round trips on the submit path; a
-sample a second old is good enough to tell "the encoders are far behind" from "they are not".
+The encode topic's consumer lag is sampled in the background: asking the broker on every
+request would put two admin round trips on the submit path, and a sample a second old is good
+enough to tell "the encoders are far behind" from "they are not".
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import time
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from producers.refusal import Refused
 from runtime.kafka import make_consumer
 from runtime.settings import Settings
+from runtime.status_store import StatusStore
 from schemas.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -93,3 +96,50 @@ class LagMonitor:
         if limit <= 0 or self.lag is None:
             return False
         return time.monotonic() - self.sampled_at < 10 and self.lag > limit
+
+
+class ApiAdmission:
+    """The API's :class:`producers.intake.Admission`: refuses while the broker is not connected
+    (``unavailable``), while the encoders lag more than ``EPD_API_MAX_ENCODE_LAG`` events, and
+    once ``EPD_API_MAX_IN_FLIGHT`` requests are unfinished across all replicas (``throttled``)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        status: StatusStore,
+        lag: LagMonitor,
+        kafka_ready: asyncio.Event,
+    ) -> None:
+        self.settings = settings
+        self.status = status
+        self.lag = lag
+        self.kafka_ready = kafka_ready
+
+    async def admit(self, request_id: str) -> None:
+        """Count ``request_id`` in flight, or raise ``Refused``."""
+        s = self.settings
+        if not self.kafka_ready.is_set():
+            raise Refused(
+                "unavailable",
+                "Kafka is not connected yet",
+                rule="kafka",
+                retry_after_s=s.api_retry_after_s,
+            )
+        if self.lag.over(s.api_max_encode_lag):
+            raise Refused(
+                "throttled",
+                f"the encoders are {self.lag.lag} events behind (limit {s.api_max_encode_lag})",
+                rule="admission.encode_lag",
+                retry_after_s=s.api_retry_after_s,
+            )
+        if not await self.status.admit(request_id, s.api_max_in_flight):
+            raise Refused(
+                "throttled",
+                f"{s.api_max_in_flight} requests are in flight",
+                rule="admission.in_flight",
+                retry_after_s=s.api_retry_after_s,
+            )
+
+    async def release(self, request_id: str) -> None:
+        """Give the in-flight slot back."""
+        await self.status.release(request_id)

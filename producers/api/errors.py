@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from producers.refusal import Refused
 from schemas.errors import ValidationError
 
 # Renderer rules that mean "too big" rather than "invalid": the client must send less.
@@ -96,3 +97,25 @@ def unavailable(message: str, retry_after_s: int, *, rule: str) -> ApiError:
 
 def not_found(request_id: str) -> ApiError:
     return ApiError(404, "not_found", f"no request {request_id!r}", field="request_id")
+
+
+REFUSAL_STATUS = {"malformed": 400, "conflict": 409, "throttled": 429, "unavailable": 503}
+REFUSAL_CODE = {
+    "malformed": "malformed",
+    "conflict": "conflict",
+    "throttled": "throttled",
+    "unavailable": "unavailable",
+}
+
+
+def from_refusal(exc: Refused) -> ApiError:
+    """An intake refusal as an API error (``Retry-After`` where the intake gave one)."""
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else {}
+    return ApiError(
+        REFUSAL_STATUS[exc.kind],
+        exc.code or REFUSAL_CODE[exc.kind],
+        exc.message,
+        rule=exc.rule,
+        field=exc.field,
+        headers=headers,
+    )

@@ -1,113 +1,141 @@
-"""What the API's handlers share: connections, the renderer and fan-out, metrics."""
+"""What the API's routes share, and the one place it is wired (the API's composition root)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from producers.api.admission import LagMonitor
-from producers.api.idempotency import IdempotencyStore
-from producers.fanout import FanOut
+from producers.api.admission import ApiAdmission, LagMonitor
+from producers.api.metrics import Metrics
+from producers.api.tenants import Tenants
+from producers.fanout import build_fanout
+from producers.idempotency import IdempotencyStore
+from producers.intake import Intake
 from producers.render import Renderer
 from runtime.kafka import KafkaPublisher
+from runtime.redis_client import redis_client
 from runtime.settings import Settings
 from runtime.status_store import StatusNotifier, StatusStore
 from schemas.topics import Topics
+
+if TYPE_CHECKING:
+    from runtime.model import RenderInfo
+    from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger("epd.api")
 
 
 @dataclass
 class ApiState:
-    """Everything the handlers share (one per process)."""
+    """Everything the routes share (one per process), built by :meth:`open`."""
 
     settings: Settings
     topics: Topics
     redis: aioredis.Redis
     status: StatusStore
     notifier: StatusNotifier
-    idempotency: IdempotencyStore
-    renderer: Renderer
-    fanout: FanOut
     lag: LagMonitor
-    tenants: dict[str, str]
-    render_slots: asyncio.Semaphore
+    tenants: Tenants
+    store: EmbeddingStore
+    info: RenderInfo
+    renderer: Renderer
     publisher: KafkaPublisher
+    intake: Intake
     kafka_ready: asyncio.Event = field(default_factory=asyncio.Event)
-    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
+    @classmethod
+    async def open(cls, settings: Settings, metrics: Metrics) -> ApiState:
+        """Connect the API's pieces for ``settings``: Redis (status records, idempotency,
+        admission), the embedding store, the Kafka publisher, the renderer and the intake."""
+        from runtime.model import load_render_info
+        from runtime.stores import open_store
 
-class Metrics:
-    """Prometheus metrics of one app (own registry, so several apps can live in one process)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "epd_api_requests",
-            "submissions by API outcome (queued, duplicate, rejected, throttled, unavailable)",
-            ["status"],
-            registry=self.registry,
+        topics = Topics(settings.topic_prefix)
+        # A bounded pool that waits: a burst of submits queues for connections, never fails.
+        client = redis_client(settings, socket_connect_timeout=2.0, socket_timeout=10.0)
+        status = StatusStore(client, prefix=settings.topic_prefix, ttl_s=settings.status_ttl_s)
+        info = await asyncio.to_thread(load_render_info, settings.model)
+        store = open_store(settings.embedding_store_url)
+        publisher = KafkaPublisher.for_pipeline(settings, topics)
+        lag = LagMonitor(settings, topics)
+        ready = asyncio.Event()
+        tenants = Tenants(settings.api_tenants())
+        intake = Intake(
+            build_fanout(settings, store, info, publisher, record=status.apply),
+            status,
+            idempotency=IdempotencyStore(
+                client, settings.topic_prefix, settings.api_idempotency_ttl_s
+            ),
+            admission=ApiAdmission(settings, status, lag, ready),
+            salts=tenants.salt,
+            render_concurrency=settings.api_render_concurrency,
+            observer=metrics,
+            span="api",
+            retry_after_s=settings.api_retry_after_s,
         )
-        self.latency = Histogram(
-            "epd_api_http_request_seconds",
-            "HTTP latency by route",
-            ["method", "route", "code"],
-            registry=self.registry,
-        )
-        self.in_flight = Gauge(
-            "epd_api_in_flight", "admitted requests without an outcome", registry=self.registry
-        )
-        self.by_status = Gauge(
-            "epd_api_unfinished_requests",
-            "admitted, unfinished requests by status (all replicas; read at scrape time)",
-            ["status"],
-            registry=self.registry,
-        )
-        self.http_in_flight = Gauge(
-            "epd_api_http_in_flight", "HTTP requests being handled", registry=self.registry
-        )
-        self.render = Histogram(
-            "epd_api_render_seconds",
-            "render time (decode + image processor)",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-            registry=self.registry,
+        return cls(
+            settings=settings,
+            topics=topics,
+            redis=client,
+            status=status,
+            notifier=StatusNotifier(status),
+            lag=lag,
+            tenants=tenants,
+            store=store,
+            info=info,
+            renderer=Renderer.for_settings(
+                info, settings, max_video_bytes=settings.api_max_video_bytes
+            ),
+            publisher=publisher,
+            intake=intake,
+            kafka_ready=ready,
         )
 
+    async def start(self) -> None:
+        """Status notifications, the lag sampler, and the broker connection (in the
+        background: Kafka may come up after the API; until then submissions answer 503 and
+        ``/readyz`` says why)."""
+        await self.notifier.start()
+        await self.lag.start()
+        self._tasks.append(asyncio.create_task(self._connect_kafka(), name="kafka-connect"))
 
-def tenant_salt(tenant: str | None, salt: str | None) -> str | None:
-    """The cache salt a request runs with: the tenant's own namespace, then the client's salt.
+    async def close(self) -> None:
+        """Stop everything :meth:`start` began, after the enqueues still running finish."""
+        for task in self._tasks:
+            task.cancel()
+        pending = [*self._tasks, *self.intake.tasks]
+        if pending:
+            # Together, not one timeout each: a stuck enqueue costs the shutdown 10 s once.
+            await asyncio.wait(pending, timeout=10)
+        await self.lag.close()
+        await self.notifier.close()
+        with contextlib.suppress(Exception):
+            await self.publisher.stop()
+        await self.store.close()
+        await self.redis.aclose()
 
-    Tenants therefore never share encoder-cache entries, whatever salt they send. JSON framing
-    keeps the pair unambiguous (tenant "a" with salt "b:c" never meets tenant "a:b").
-    """
-    if tenant is None:
-        return salt
-    return "tenant:" + json.dumps([tenant, salt])
-
-
-async def connect_kafka(st: ApiState) -> None:
-    """Start the producers, retrying with backoff until the broker answers."""
-    delay = 0.5
-    while True:
-        try:
-            await st.publisher.start()
-            st.kafka_ready.set()
-            log.info("connected to Kafka at %s", st.settings.kafka_bootstrap)
-            return
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("Kafka not reachable yet (%s); retrying in %.1fs", exc, delay)
-            with contextlib.suppress(Exception):
-                await st.publisher.stop()
-            st.publisher = KafkaPublisher.for_pipeline(st.settings, st.topics)
-            st.fanout.publisher = st.publisher
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+    async def _connect_kafka(self) -> None:
+        """Start the producers, retrying with backoff until the broker answers."""
+        delay = 0.5
+        while True:
+            try:
+                await self.publisher.start()
+                self.kafka_ready.set()
+                log.info("connected to Kafka at %s", self.settings.kafka_bootstrap)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("Kafka not reachable yet (%s); retrying in %.1fs", exc, delay)
+                with contextlib.suppress(Exception):
+                    await self.publisher.stop()
+                self.publisher = KafkaPublisher.for_pipeline(self.settings, self.topics)
+                self.intake.fanout.publisher = self.publisher
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)

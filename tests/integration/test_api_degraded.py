@@ -134,13 +134,13 @@ async def test_renders_are_bounded_and_never_stall_the_event_loop(
                 if st.kafka_ready.is_set():
                     break
                 await asyncio.sleep(0.05)
-            await st.render_slots.acquire()  # the one render slot is busy
+            await st.intake.render_slots.acquire()  # the one render slot is busy
             post = asyncio.create_task(c.post("/v1/requests", json=body))
             await asyncio.sleep(0.5)
             assert not post.done()  # waits for a slot instead of rendering beside it
             health = await asyncio.wait_for(c.get("/healthz"), 2)
             assert health.status_code == 200  # the loop keeps serving meanwhile
-            st.render_slots.release()
+            st.intake.render_slots.release()
             # the render itself runs in a thread: the loop answers during it too
             t = asyncio.create_task(c.post("/v1/requests", json={**body, "max_tokens": 2}))
             pings = [await asyncio.wait_for(c.get("/healthz"), 2) for _ in range(5)]

@@ -9,14 +9,10 @@ import pytest
 from aiokafka import TopicPartition
 
 from producers.api.admission import consumer_lag
+from producers.api.bodies import parse_json_submit
+from producers.api.data_strings import check_image_bytes, decode_image_string, sniff_image_type
 from producers.api.errors import ApiError
-from producers.api.intake import (
-    check_image_bytes,
-    decode_image_string,
-    parse_json_submit,
-    sniff_image_type,
-)
-from producers.api.state import tenant_salt
+from producers.api.tenants import Tenants
 from producers.api.views import iso, status_view
 from producers.sample_images import png_bytes, synthetic_image
 from runtime.settings import Settings
@@ -106,6 +102,7 @@ def test_consumer_lag_counts_unconsumed_events() -> None:
 
 
 def test_tenant_salt_keeps_tenants_apart_whatever_salt_they_send() -> None:
+    tenant_salt = Tenants.salt
     assert tenant_salt(None, "s") == "s" and tenant_salt(None, None) is None
     assert tenant_salt("alice", None) != tenant_salt("bob", None)
     assert tenant_salt("alice", "x") != tenant_salt("bob", "x")

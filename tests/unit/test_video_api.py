@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from producers.api.bodies import parse_json_submit
 from producers.api.errors import ApiError
-from producers.api.intake import parse_json_submit
 from producers.render import Renderer
 from producers.sample_images import png_bytes
 from producers.sample_videos import encode_animation, synthetic_frames, synthetic_mp4
@@ -87,7 +87,7 @@ def test_frame_list_count_has_its_own_rule_and_message() -> None:
 
 def test_video_and_image_strings_share_one_decoder() -> None:
     """A malformed data: URL is refused the same way in both fields, each naming its own."""
-    from producers.api.intake import parse_json_submit as parse
+    from producers.api.bodies import parse_json_submit as parse
 
     s = Settings()
     for field, rule in (("images", "image.encoding"), ("videos", "video.encoding")):

@@ -9,8 +9,6 @@ base64 or ``data:`` URLs. Nothing here opens a file or fetches a URL.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -20,18 +18,11 @@ from pydantic import ValidationError as PydanticValidationError
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
+from producers.api.checks import pydantic_error
+from producers.api.data_strings import check_image_bytes, decode_image_string
 from producers.api.errors import ApiError, bad_request
 from producers.api.models import SubmitRequest
-
-# Magic bytes of the image formats the renderer accepts; anything else is 415.
-IMAGE_MAGIC: tuple[tuple[str, bytes, int], ...] = (
-    ("image/png", b"\x89PNG\r\n\x1a\n", 0),
-    ("image/jpeg", b"\xff\xd8\xff", 0),
-    ("image/gif", b"GIF87a", 0),
-    ("image/gif", b"GIF89a", 0),
-    ("image/webp", b"WEBP", 8),  # RIFF....WEBP
-)
-IMAGE_TYPES = frozenset(t for t, _, _ in IMAGE_MAGIC)
+from producers.api.videos import decode_videos
 
 
 @dataclass(slots=True)
@@ -93,130 +84,29 @@ async def read_body(request: Request, limit: int) -> bytes:
         if total > limit:
             raise _body_too_large(total, limit)
         chunks.append(chunk)
-    body = b"".join(chunks)
-    # Later readers (request.form()) parse these bytes instead of the consumed stream.
-    request._body = body
-    return body
+    return b"".join(chunks)
+
+
+def replayed(request: Request, body: bytes) -> Request:
+    """A request over the same scope whose body is ``body`` (already read and counted), for
+    parsers that read the body themselves (``Request.form``): Starlette's public
+    ``Request(scope, receive)`` with a ``receive`` that hands the bytes over once."""
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return Request(request.scope, receive)
 
 
 def _body_too_large(size: int, limit: int) -> ApiError:
     return ApiError(
         413, "too_large", f"body is at least {size} bytes; the limit is {limit}", rule="body.size"
     )
-
-
-def sniff_image_type(data: bytes) -> str | None:
-    """The image type from magic bytes, or None when it is not an accepted format."""
-    for mime, magic, offset in IMAGE_MAGIC:
-        if data[offset : offset + len(magic)] == magic:
-            if mime == "image/webp" and data[:4] != b"RIFF":
-                continue
-            return mime
-    return None
-
-
-def check_image_bytes(data: bytes, index: int, limit: int) -> str:
-    """Size and type of one image's file bytes; returns its MIME type (413/415 otherwise)."""
-    if len(data) > limit:
-        raise ApiError(
-            413,
-            "too_large",
-            f"image is {len(data)} bytes; the limit is {limit}",
-            rule="image.size",
-            field="images",
-            item=index,
-            modality="image",
-        )
-    if not data:
-        raise bad_request("image is empty", rule="image.empty", field="images", item=index)
-    mime = sniff_image_type(data)
-    if mime is None:
-        raise ApiError(
-            415,
-            "unsupported_media_type",
-            f"image is not one of {sorted(IMAGE_TYPES)} (checked by its leading bytes)",
-            rule="image.type",
-            field="images",
-            item=index,
-            modality="image",
-        )
-    return mime
-
-
-@dataclass(frozen=True, slots=True)
-class DataField:
-    """How one request field's base64 / ``data:`` URL strings are named in errors."""
-
-    field: str
-    """The body field (``images``, ``videos``)."""
-    rule: str
-    """Rule prefix: ``image`` gives ``image.encoding``, ``image.type``, ``image.size``."""
-    noun: str
-    """What one string holds, for messages (``image``, ``video``, ``video frames``)."""
-    example: str
-    """A ``data:`` type for the help text."""
-    hint: str
-    """What the field accepts, for the 400 message."""
-    modality: str
-
-
-IMAGE_FIELD = DataField(
-    "images", "image", "image", "image/png", "images must be base64 or data: URLs", "image"
-)
-
-
-def decode_data_string(
-    text: str, index: int, limit: int, types: frozenset[str], where: DataField
-) -> bytes:
-    """Bytes of a base64 string or ``data:`` URL; size checked before decoding (413), the
-    declared type checked against ``types`` (415); anything else, file paths included, is 400."""
-    payload = text
-    if text.startswith("data:"):
-        header, sep, payload = text.partition(",")
-        if not sep or not header.endswith(";base64"):
-            raise bad_request(
-                f"a data: URL must look like data:{where.example};base64,<data>",
-                rule=f"{where.rule}.encoding",
-                field=where.field,
-                item=index,
-            )
-        mime = header[5:].split(";", 1)[0].strip().lower()
-        if mime not in types:
-            raise ApiError(
-                415,
-                "unsupported_media_type",
-                f"data: URL type {mime!r} is not one of {sorted(types)}",
-                rule=f"{where.rule}.type",
-                field=where.field,
-                item=index,
-                modality=where.modality,
-            )
-    # Upper bound of the decoded size, known without decoding anything.
-    if len(payload) // 4 * 3 > limit + 3:
-        raise ApiError(
-            413,
-            "too_large",
-            f"{where.noun} is about {len(payload) // 4 * 3} bytes; the limit is {limit}",
-            rule=f"{where.rule}.size",
-            field=where.field,
-            item=index,
-            modality=where.modality,
-        )
-    compact = "".join(payload.split()) if any(c.isspace() for c in payload[:4096]) else payload
-    try:
-        return base64.b64decode(compact, validate=True)
-    except (binascii.Error, ValueError):
-        raise bad_request(
-            f"{where.hint} (file paths and URLs are not accepted)",
-            rule=f"{where.rule}.encoding",
-            field=where.field,
-            item=index,
-        ) from None
-
-
-def decode_image_string(text: str, index: int, limit: int) -> bytes:
-    """Bytes of one ``images`` string (:func:`decode_data_string`)."""
-    return decode_data_string(text, index, limit, IMAGE_TYPES, IMAGE_FIELD)
 
 
 def _from_model(req: SubmitRequest, images: list[bytes], types: list[str]) -> SubmitInput:
@@ -234,27 +124,17 @@ def _from_model(req: SubmitRequest, images: list[bytes], types: list[str]) -> Su
     )
 
 
-def pydantic_error(exc: PydanticValidationError) -> ApiError:
-    """The first pydantic error as a 422 naming the field."""
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
-    loc = [str(x) for x in first.get("loc", ())]
-    item = next((int(x) for x in loc[1:] if x.isdigit()), None)
-    return ApiError(
-        422,
-        "validation_failed",
-        f"{'.'.join(loc) or 'body'}: {first.get('msg')}",
-        rule="request.schema",
-        field=loc[0] if loc else None,
-        item=item,
-    )
+def parse_json(body: bytes | str, *, where: str = "body") -> Any:
+    """JSON text as Python values; 400 ``body.json`` for anything else."""
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request(f"{where} is not JSON: {e}", rule="body.json") from None
 
 
 def parse_json_submit(body: bytes, settings: Any) -> SubmitInput:
     """A JSON submission (400 bad JSON, 422 schema, 413/415/400 per image)."""
-    try:
-        obj = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad_request(f"body is not JSON: {e}", rule="body.json") from None
+    obj = parse_json(body)
     if not isinstance(obj, dict):
         raise bad_request("body must be a JSON object", rule="body.json")
     # Image strings are size-checked before pydantic copies them around.
@@ -278,17 +158,16 @@ def parse_json_submit(body: bytes, settings: Any) -> SubmitInput:
         images.append(data)
     inp = _from_model(req, images, types)
     if req.videos:
-        from producers.api.video_intake import decode_videos  # it imports this module
-
         inp.videos = decode_videos(req.videos, settings)
     return inp
 
 
-async def parse_multipart_submit(request: Request, settings: Any) -> SubmitInput:
-    """A ``multipart/form-data`` submission: image files (or base64 strings) in ``images``
-    parts, the other fields as form values (``token_ids`` and ``metadata`` as JSON)."""
+async def parse_multipart_submit(request: Request, body: bytes, settings: Any) -> SubmitInput:
+    """A ``multipart/form-data`` submission (``body``: the bytes :func:`read_body` read):
+    image files (or base64 strings) in ``images`` parts, the other fields as form values
+    (``token_ids`` and ``metadata`` as JSON)."""
     try:
-        form = await request.form(
+        form = await replayed(request, body).form(
             max_files=settings.api_max_images, max_fields=64, max_part_size=1024 * 1024
         )
     except Exception as e:  # python-multipart and Starlette raise several types here
@@ -313,12 +192,7 @@ async def parse_multipart_submit(request: Request, settings: Any) -> SubmitInput
             elif isinstance(value, UploadFile):
                 raise bad_request(f"unexpected file part {name!r}", rule="body.form", field=name)
             elif name in ("token_ids", "metadata"):
-                try:
-                    fields[name] = json.loads(value)
-                except json.JSONDecodeError:
-                    raise bad_request(
-                        f"{name} must be JSON in a form", rule="body.form", field=name
-                    ) from None
+                fields[name] = parse_json(value, where=f"form field {name}")
             else:
                 fields[name] = value
         try:

@@ -1,5 +1,6 @@
 """``Idempotency-Key``: the key and the body's fingerprint live in Redis, so every API replica
-sees the same claim. Same key + same body -> the same request; same key + other body -> 409."""
+sees the same claim. Same key + same body -> the same request; same key + other body -> a
+``conflict`` refusal (409 at the HTTP API)."""
 
 from __future__ import annotations
 
@@ -8,32 +9,31 @@ import json
 
 import redis.asyncio as aioredis
 
-from producers.api.errors import ApiError
-
-MAX_KEY_LENGTH = 255
+from producers.refusal import Refused
 
 
 class IdempotencyStore:
     """Claims of ``(tenant, key)`` -> ``{fingerprint, request_id}`` with a TTL."""
 
-    def __init__(self, client: aioredis.Redis, prefix: str, ttl_s: int) -> None:
+    def __init__(
+        self, client: aioredis.Redis, prefix: str, ttl_s: int, *, max_key_chars: int = 255
+    ) -> None:
         self.client = client
         self.prefix = prefix
         self.ttl_s = ttl_s
+        self.max_key_chars = max_key_chars
 
     def _key(self, tenant: str | None, key: str) -> str:
         # Hashed: client keys may hold any characters; the tenant keeps tenants apart.
         digest = hashlib.sha256(key.encode()).hexdigest()
         return f"{self.prefix}:idem:{tenant or '-'}:{digest}"
 
-    @staticmethod
-    def check_key(key: str) -> None:
-        """400 for an empty or oversized key."""
-        if not key or len(key) > MAX_KEY_LENGTH:
-            raise ApiError(
-                400,
+    def check_key(self, key: str) -> None:
+        """Refuse (``malformed``) an empty or oversized key."""
+        if not key or len(key) > self.max_key_chars:
+            raise Refused(
                 "malformed",
-                f"Idempotency-Key must have 1 to {MAX_KEY_LENGTH} characters",
+                f"Idempotency-Key must have 1 to {self.max_key_chars} characters",
                 rule="idempotency.key",
                 field="Idempotency-Key",
             )
@@ -42,7 +42,7 @@ class IdempotencyStore:
         self, tenant: str | None, key: str, fingerprint: str, request_id: str
     ) -> tuple[bool, str]:
         """``(True, request_id)`` when this call owns the key now; ``(False, earlier_id)`` when
-        the same body was sent before with it; 409 when another body was."""
+        the same body was sent before with it; a ``conflict`` refusal when another body was."""
         rkey = self._key(tenant, key)
         value = json.dumps({"fingerprint": fingerprint, "request_id": request_id})
         for _ in range(3):
@@ -53,20 +53,20 @@ class IdempotencyStore:
                 continue  # expired or released between SET and GET: try to claim again
             held = json.loads(raw)
             if held["fingerprint"] != fingerprint:
-                raise ApiError(
-                    409,
-                    "idempotency_conflict",
+                raise Refused(
+                    "conflict",
                     "this Idempotency-Key was used with a different request body",
                     rule="idempotency.body_mismatch",
                     field="Idempotency-Key",
+                    code="idempotency_conflict",
                 )
             return False, str(held["request_id"])
-        raise ApiError(
-            409,
-            "idempotency_conflict",
+        raise Refused(
+            "conflict",
             "Idempotency-Key is contended; retry",
             rule="idempotency.contended",
             field="Idempotency-Key",
+            code="idempotency_conflict",
         )
 
     async def release(self, tenant: str | None, key: str, request_id: str) -> None:

@@ -10,8 +10,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from producers.api.data_strings import (
+    IMAGE_TYPES,
+    DataField,
+    decode_data_string,
+    sniff_image_type,
+)
 from producers.api.errors import ApiError, bad_request
-from producers.api.intake import IMAGE_TYPES, DataField, decode_data_string, sniff_image_type
 
 VIDEO_TYPES = frozenset(
     {"video/mp4", "video/quicktime", "video/webm", "video/x-matroska", "image/gif", "image/webp"}

@@ -1,0 +1,50 @@
+"""Prometheus metrics of one API app (its own registry, so several apps can share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    """The API's metrics; also the intake's observer (:class:`producers.intake.IntakeObserver`)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "epd_api_requests",
+            "submissions by API outcome (queued, duplicate, rejected, throttled, unavailable)",
+            ["status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "epd_api_http_request_seconds",
+            "HTTP latency by route",
+            ["method", "route", "code"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "epd_api_in_flight", "admitted requests without an outcome", registry=self.registry
+        )
+        self.by_status = Gauge(
+            "epd_api_unfinished_requests",
+            "admitted, unfinished requests by status (all replicas; read at scrape time)",
+            ["status"],
+            registry=self.registry,
+        )
+        self.http_in_flight = Gauge(
+            "epd_api_http_in_flight", "HTTP requests being handled", registry=self.registry
+        )
+        self.render = Histogram(
+            "epd_api_render_seconds",
+            "render time (decode + image processor)",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+
+    def outcome(self, label: str) -> None:
+        """One submission's outcome (``queued``, ``duplicate``, ``rejected``, a refusal)."""
+        self.requests.labels(label).inc()
+
+    def rendered(self, seconds: float) -> None:
+        """One render's duration."""
+        self.render.observe(seconds)

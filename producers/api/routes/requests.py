@@ -1,0 +1,157 @@
+"""``/v1/requests``: submit (render + fan-out), poll and long-poll, events, cancel."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from producers.api.bodies import SubmitInput, parse_json_submit, parse_multipart_submit, read_body
+from producers.api.checks import JSON, MULTIPART, content_type, greedy_only, refuse_finished
+from producers.api.deps import OwnedRecord, State, Tenant
+from producers.api.errors import ApiError, bad_request
+from producers.api.events import SSE_EVENT_SCHEMA, event_stream, is_stream_id
+from producers.api.models import ERROR_RESPONSES, Accepted, RequestStatus, Status
+from producers.api.openapi import IDEMPOTENCY_PARAM, SUBMIT_BODY, SUBMIT_RESPONSES, with_errors
+from producers.api.state import ApiState
+from producers.api.submissions import SubmitHeaders, accepted_response
+from producers.api.views import status_view
+from producers.intake import RenderContext, Submission
+from schemas.types import TERMINAL_STATUSES, RenderEvent, SamplingParams, now_ms
+
+router = APIRouter(prefix="/v1", tags=["requests"])
+
+
+@router.post(
+    "/requests",
+    status_code=202,
+    response_model=Accepted,
+    responses=SUBMIT_RESPONSES,
+    openapi_extra={"requestBody": SUBMIT_BODY, "parameters": [IDEMPOTENCY_PARAM]},
+    summary="Submit a request (render + enqueue); answers 202 without waiting for a GPU",
+)
+async def submit(request: Request, st: State, tenant: Tenant) -> JSONResponse:
+    ctype = content_type(request, JSON, MULTIPART)
+    body = await read_body(request, st.settings.api_max_body_bytes)
+    if ctype == JSON:
+        inp = parse_json_submit(body, st.settings)
+    else:
+        inp = await parse_multipart_submit(request, body, st.settings)
+    greedy_only(inp.temperature, "temperature")
+    if (inp.prompt is None) == (inp.token_ids is None):
+        raise ApiError(
+            422,
+            "validation_failed",
+            "give exactly one of prompt or token_ids",
+            rule="render.prompt",
+            field="prompt",
+        )
+    sub = native_submission(st, inp, tenant, SubmitHeaders.of(request))
+    return accepted_response(await st.intake.submit(sub))
+
+
+def native_submission(
+    st: ApiState, inp: SubmitInput, tenant: str | None, headers: SubmitHeaders
+) -> Submission:
+    """A parsed ``/v1/requests`` body as the intake's :class:`Submission`."""
+
+    async def render(ctx: RenderContext) -> RenderEvent:
+        return await st.renderer.render_async(
+            ctx.request_id,
+            timeout_s=st.settings.api_render_timeout_s,
+            prompt=inp.prompt,
+            token_ids=inp.token_ids,
+            images=inp.images,
+            videos=inp.videos,
+            sampling=ctx.sampling,
+            cache_salt=ctx.cache_salt,
+            deadline_ms=ctx.deadline_ms,
+        )
+
+    deadline = None if inp.deadline_s is None else now_ms() + int(inp.deadline_s * 1000)
+    return Submission(
+        render=render,
+        sampling=SamplingParams(
+            max_tokens=inp.max_tokens, temperature=0.0, ignore_eos=inp.ignore_eos
+        ),
+        tenant=tenant,
+        cache_salt=inp.cache_salt,
+        deadline_ms=deadline,
+        metadata=inp.metadata,
+        traceparent=headers.traceparent,
+        idempotency_key=headers.idempotency_key,
+        fingerprint=inp.fingerprint(),
+    )
+
+
+@router.get(
+    "/requests/{request_id}",
+    response_model=RequestStatus,
+    responses=ERROR_RESPONSES,
+    summary="Status, stage timings and result; ?wait=SECONDS long-polls for a change",
+)
+async def get_status(
+    request_id: str,
+    st: State,
+    rec: OwnedRecord,
+    wait: Annotated[
+        float,
+        Query(
+            ge=0, le=3600, description="long-poll up to this many seconds until the status changes"
+        ),
+    ] = 0.0,
+    changed_from: Annotated[
+        Status | None,
+        Query(
+            description="with wait: answer as soon as the status differs from this one (pass "
+            "the last status you saw, so no change slips between two polls); without it, "
+            "the long-poll waits for a change from the status the call finds",
+        ),
+    ] = None,
+) -> JSONResponse:
+    if wait > 0 and rec["status"] not in TERMINAL_STATUSES:
+        timeout = min(wait, st.settings.api_max_wait_s)
+        since = changed_from or rec["status"]
+        rec = await st.notifier.wait_change(request_id, since, timeout) or rec
+    return JSONResponse(status_view(rec))
+
+
+@router.get(
+    "/requests/{request_id}/events",
+    responses=with_errors(
+        {
+            200: {
+                "description": "Server-Sent Events: one `status` event per status change, "
+                "closing after the terminal one. Resume with `Last-Event-ID`.",
+                "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+            }
+        }
+    ),
+    summary="Server-Sent Events of every status change",
+)
+async def events(
+    request: Request, request_id: str, st: State, rec: OwnedRecord
+) -> StreamingResponse:
+    last = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+    if last is not None and not is_stream_id(last):
+        raise bad_request("Last-Event-ID must be an id this API sent", rule="events.last_event_id")
+    return StreamingResponse(
+        event_stream(st, request_id, last or "0"),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@router.delete(
+    "/requests/{request_id}",
+    response_model=RequestStatus,
+    responses=ERROR_RESPONSES,
+    summary="Cancel: status 'cancelled' at once; workers skip the request's work",
+)
+async def cancel(request_id: str, st: State, rec: OwnedRecord) -> JSONResponse:
+    refuse_finished(rec)
+    await st.status.cancel(request_id)
+    rec = await st.status.get(request_id) or rec
+    refuse_finished(rec)  # it finished between the read and the cancel
+    return JSONResponse(status_view(rec))

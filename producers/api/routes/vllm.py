@@ -1,0 +1,113 @@
+"""``/v1/vllm/generate``: a vLLM render response / ``GenerateRequest``, validated and fanned out."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from producers.api.bodies import parse_json, read_body
+from producers.api.checks import JSON, content_type, greedy_only
+from producers.api.deps import State, Tenant
+from producers.api.errors import ApiError
+from producers.api.models import Accepted
+from producers.api.openapi import IDEMPOTENCY_PARAM, SUBMIT_RESPONSES, VLLM_BODY
+from producers.api.state import ApiState
+from producers.api.submissions import SubmitHeaders, accepted_response
+from producers.intake import RenderContext, Submission
+from schemas.errors import ValidationError
+from schemas.types import RenderEvent, SamplingParams
+
+router = APIRouter(prefix="/v1/vllm", tags=["vllm"])
+
+
+@router.post(
+    "/generate",
+    status_code=202,
+    response_model=Accepted,
+    responses=SUBMIT_RESPONSES,
+    openapi_extra={"requestBody": VLLM_BODY, "parameters": [IDEMPOTENCY_PARAM]},
+    summary="Fan out a vLLM render response / GenerateRequest (full encoder inputs)",
+)
+async def vllm_generate(request: Request, st: State, tenant: Tenant) -> JSONResponse:
+    content_type(request, JSON)
+    obj = parse_json(await read_body(request, st.settings.api_max_body_bytes))
+    # Base64 + msgpack decoding of megabytes of tensors: off the event loop.
+    req, sp = await asyncio.to_thread(parse_render, st, obj)
+    max_tokens = sp.get("max_tokens", 16)
+    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 4096:
+        raise ApiError(
+            422,
+            "validation_failed",
+            "sampling_params.max_tokens must be an integer in [1, 4096]",
+            rule="request.schema",
+            field="sampling_params.max_tokens",
+        )
+    greedy_only(sp.get("temperature", 0), "sampling_params.temperature")
+
+    async def render(ctx: RenderContext) -> RenderEvent:
+        return RenderEvent(
+            request_id=ctx.request_id,
+            model=st.renderer.info.model_name,
+            token_ids=list(req.token_ids),
+            features=req.features,
+            sampling=ctx.sampling,
+            cache_salt=ctx.cache_salt,
+            trace={"vllm_request_id": str(req.request_id)} if req.request_id else {},
+        )
+
+    headers = SubmitHeaders.of(request)
+    sub = Submission(
+        render=render,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        tenant=tenant,
+        cache_salt=req.cache_salt,
+        metadata={"vllm_request_id": str(req.request_id)} if req.request_id else None,
+        foreign_labels=True,
+        traceparent=headers.traceparent,
+        idempotency_key=headers.idempotency_key,
+        fingerprint=fingerprint(obj),
+    )
+    return accepted_response(await st.intake.submit(sub))
+
+
+def fingerprint(obj: Any) -> str:
+    """The body's meaning, not its formatting: key order and whitespace do not matter."""
+    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(canonical).hexdigest()
+
+
+def parse_render(st: ApiState, obj: Any) -> tuple[Any, dict[str, Any]]:
+    """The request and its ``sampling_params``, validated as the pipeline's rules say.
+
+    Embedding keys are the fan-out's to sign: a client naming its own would choose where
+    prefill reads from. So every item must bring its encoder inputs."""
+    from schemas.validator import ValidationConfig, validate_features
+    from schemas.vllm_wire import parse_generate_request
+
+    req = parse_generate_request(obj)
+    if req.features is None:
+        raise ValidationError("vllm.features", "a render response needs features")
+    validate_features(
+        req.token_ids,
+        req.features,
+        req.ec_transfer_params or {},
+        ValidationConfig.from_settings(
+            st.settings, max_tensor_bytes=st.intake.fanout.limits.max_tensor_bytes
+        ),
+    )
+    for modality, index, _ in req.features.items():
+        slot = (req.features.kwargs_data or {}).get(modality, [None] * (index + 1))
+        if index >= len(slot) or slot[index] is None:
+            raise ValidationError(
+                "vllm.encoder_inputs_required",
+                "this endpoint fans out render responses: every item needs its kwargs_data "
+                "(ec_transfer_params are signed by the fan-out, not given)",
+                modality=modality,
+                item=index,
+            )
+    return req, obj.get("sampling_params") or {}

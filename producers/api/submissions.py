@@ -1,0 +1,39 @@
+"""The HTTP side of a submission, shared by the submit routes: the headers the intake takes
+(``Idempotency-Key``, ``traceparent``) and its answer as ``202``/``200 Accepted``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+
+from producers.intake import Accepted
+from runtime.tracing import TRACEPARENT
+
+API_PREFIX = "/v1"
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitHeaders:
+    """What a submit route passes from the request's headers to the intake."""
+
+    idempotency_key: str | None
+    traceparent: str | None
+
+    @classmethod
+    def of(cls, request: Request) -> SubmitHeaders:
+        return cls(request.headers.get("idempotency-key"), request.headers.get(TRACEPARENT))
+
+
+def accepted_response(accepted: Accepted) -> JSONResponse:
+    """``202`` for a new request, ``200`` for one found again by its Idempotency-Key."""
+    url = f"{API_PREFIX}/requests/{accepted.request_id}"
+    body = {
+        "request_id": accepted.request_id,
+        "status": accepted.status,
+        "status_url": url,
+        "events_url": f"{url}/events",
+    }
+    code = 200 if accepted.duplicate else 202
+    return JSONResponse(body, status_code=code, headers={"Location": url})
