@@ -191,6 +191,7 @@ def render_info() -> Any:
         eos_token_id=tid(EOS_TOKEN),
         merge_size=QWEN2VL_PROCESSOR["merge_size"],
         vocab_size=TINY_VOCAB_SIZE,
+        context_length=32768,  # Qwen2-VL's max_position_embeddings (the tiny models' too)
     )
 
 

@@ -7,6 +7,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from pydantic import ValidationError as PydanticValidationError
+
 from runtime.errors import ModelLoadError
 
 # Each module exposes ``register(subparsers)``, adding parsers whose default ``func(args) -> int``
@@ -25,6 +27,10 @@ COMMAND_MODULES = [
     "epd.commands.submit",
     "epd.commands.bench",
 ]
+
+
+SETTINGS_MODELS = frozenset({"Settings", "LocalServices"})
+"""Settings models whose validation errors are a user's setting, printed as one line."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +66,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A model that cannot be served (unsupported family, missing checkpoint) is the user's
         # input, not a crash: one line naming the problem, exit code 2.
         print(f"epd: {exc}", file=sys.stderr)
+        return 2
+    except PydanticValidationError as exc:
+        # A bad EPD_* setting, found when the settings were built (before anything started).
+        if exc.title not in SETTINGS_MODELS:
+            raise
+        from runtime.settings import settings_error
+
+        print(f"epd: {settings_error(exc)}", file=sys.stderr)
         return 2
 
 

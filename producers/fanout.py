@@ -34,7 +34,8 @@ from runtime.kafka import ResultReporter, StatusWriter
 from runtime.limits import InputLimits, input_limits, pixel_dtype
 from runtime.publisher import Publisher
 from runtime.settings import Settings
-from schemas.errors import ValidationError
+from schemas.codec import get_codec
+from schemas.errors import CodecError, ValidationError
 from schemas.modalities import ENCODER_INPUT_FIELDS, METADATA_FIELDS
 from schemas.signing import ItemHasher, claim_key, embedding_key, make_ec_transfer, tensor_digest
 from schemas.tensors import dtype_name
@@ -288,7 +289,10 @@ class FanOut:
     async def plan(self, ev: RenderEvent, *, foreign_labels: bool = False) -> FanoutPlan:
         """Validate a RenderEvent and build its encode and prefill events (claim checks stored).
 
-        ``foreign_labels``: see :func:`hash_items` (the events keep the render's labels)."""
+        Every event is built and encoded before anything is stored or sent: an event the wire
+        format cannot carry (a token id beyond int64) is refused (rule ``event-encoding``)
+        before it can leave half a request behind. ``foreign_labels``: see :func:`hash_items`
+        (the events keep the render's labels)."""
         validate_render_event(ev, self._vconfig)
         if ev.deadline_ms is None:
             # The door every request passes: one without a deadline gets the default one, so
@@ -296,7 +300,6 @@ class FanOut:
             ev = dataclasses.replace(
                 ev, deadline_ms=now_ms() + int(self.settings.request_timeout_s * 1000)
             )
-        f = ev.features
         # Hashing reads every inline tensor's bytes (megabytes): off the event loop.
         hashed = await asyncio.to_thread(hash_items, ev, self.hasher, foreign_labels=foreign_labels)
         items = _unique(hashed)
@@ -306,6 +309,37 @@ class FanOut:
             it.label: self.ec_transfer(ev.request_id, it.label, it.key_hash, ev.deadline_ms)
             for it in hashed
         }
+        prefill = self._prefill_event(ev, params)
+        _encodable(prefill)
+        encode, cached, claim_bytes = await self._encode_events(ev, items, params)
+        for enc in encode:
+            _encodable(enc)
+        return FanoutPlan(encode=encode, prefill=prefill, cached=cached, claim_bytes=claim_bytes)
+
+    def _prefill_event(self, ev: RenderEvent, params: dict[str, ECTransfer]) -> PrefillEvent:
+        f = ev.features
+        return PrefillEvent(
+            request_id=ev.request_id,
+            model=ev.model,
+            token_ids=list(ev.token_ids),
+            features=Features(
+                mm_hashes=f.mm_hashes,
+                mm_placeholders=f.mm_placeholders,
+                kwargs_data=None,
+                mm_metadata=prefill_metadata(f),
+            ),
+            ec_transfer_params=params,
+            sampling=ev.sampling,
+            cache_salt=ev.cache_salt,
+            deadline_ms=ev.deadline_ms,
+            trace=dict(ev.trace),
+        )
+
+    async def _encode_events(
+        self, ev: RenderEvent, items: list[HashedItem], params: dict[str, ECTransfer]
+    ) -> tuple[list[EncodeEvent], list[str], int]:
+        """The encode events of the items not in the store yet (their large inputs parked as
+        claim checks), the labels of those that are, and the bytes claim-checked."""
 
         async def lookup(it: HashedItem) -> tuple[ItemData, int] | None:
             """None for a hit; else the item's encode-event data and its claimed bytes."""
@@ -338,23 +372,7 @@ class FanOut:
                     trace=dict(ev.trace),
                 )
             )
-        prefill = PrefillEvent(
-            request_id=ev.request_id,
-            model=ev.model,
-            token_ids=list(ev.token_ids),
-            features=Features(
-                mm_hashes=f.mm_hashes,
-                mm_placeholders=f.mm_placeholders,
-                kwargs_data=None,
-                mm_metadata=prefill_metadata(f),
-            ),
-            ec_transfer_params=params,
-            sampling=ev.sampling,
-            cache_salt=ev.cache_salt,
-            deadline_ms=ev.deadline_ms,
-            trace=dict(ev.trace),
-        )
-        return FanoutPlan(encode=encode, prefill=prefill, cached=cached, claim_bytes=claim_bytes)
+        return encode, cached, claim_bytes
 
     async def publish(
         self,
@@ -423,6 +441,19 @@ class FanOut:
             claim_bytes=plan.claim_bytes,
         )
         return stats
+
+
+def _encodable(event: EncodeEvent | PrefillEvent) -> None:
+    """Rule ``event-encoding``: the event encodes (Avro longs are int64: a larger token id or
+    offset cannot travel). Checked by encoding it, so no other limit can drift from the wire's.
+    The encode is repeated when the event is sent; the events are small, or carry at most
+    ``EPD_INLINE_LIMIT_BYTES`` of pixels (larger ones are claim checks)."""
+    try:
+        get_codec().encode(event)
+    except (CodecError, ValueError, OverflowError, TypeError) as exc:
+        raise ValidationError(
+            "event-encoding", f"the {type(event).__name__} cannot be encoded: {exc}"
+        ) from None
 
 
 def build_fanout(

@@ -31,6 +31,7 @@ from redis.exceptions import RedisError
 from producers.fanout import FanOut, FanoutStats
 from producers.idempotency import IdempotencyStore
 from producers.refusal import Refused
+from runtime.request_limits import RequestLimits
 from runtime.status_store import StatusStore
 from runtime.tracing import TRACEPARENT, current_carrier, new_traceparent, stage_span, trace_id_of
 from schemas.errors import ValidationError
@@ -156,6 +157,7 @@ class Intake:
         fanout: FanOut,
         status: StatusStore,
         *,
+        limits: RequestLimits | None = None,
         idempotency: IdempotencyStore | None = None,
         admission: Admission | None = None,
         salts: SaltPolicy = _verbatim,
@@ -166,6 +168,8 @@ class Intake:
     ) -> None:
         self.fanout = fanout
         self.status = status
+        self.limits = limits
+        """Checked for every submission (None: a trusted caller, held to the workers' own)."""
         self.idempotency = idempotency
         self.admission = admission
         self.salts = salts
@@ -190,6 +194,8 @@ class Intake:
             raise
 
     async def _submit(self, sub: Submission) -> Accepted:
+        if self.limits is not None:
+            self.limits.check_submission(sub.sampling, sub.cache_salt, sub.metadata)
         rid = sub.request_id or new_request_id()
         if sub.idempotency_key is not None:
             earlier = await self._claim(sub, rid)
@@ -233,27 +239,29 @@ class Intake:
     async def _enqueue(
         self, rid: str, sub: Submission, traceparent: str
     ) -> tuple[RenderEvent, FanoutStats]:
+        """Render and check (nothing stored yet), then record and fan out (side by side)."""
         with stage_span(self.span, {TRACEPARENT: traceparent}, request_id=rid):
-            created = asyncio.ensure_future(self._create_record(rid, sub, traceparent))
-            recorded: asyncio.Future[Any] = created
             try:
                 ev, timing = (sub.event, None) if sub.event else await self._render(rid, sub)
-                if timing is not None:
-                    recorded = asyncio.ensure_future(self._note_render(created, rid, ev, timing))
+                if self.limits is not None:
+                    self.limits.check_event(ev)
             except BaseException:
-                await self._forget(rid, sub, created, recorded)
+                await self._forget(rid, sub, None)
                 raise
+            # The record is written while the fan-out plans (hashes, store lookups); the
+            # fan-out waits for it before it records or sends anything.
+            created = asyncio.ensure_future(self._create_record(rid, sub, traceparent, ev, timing))
             try:
                 ev.trace.update(current_carrier())  # the request's trace travels with its events
                 stats = await self.fanout.publish(
-                    ev, foreign_labels=sub.foreign_labels, after=recorded
+                    ev, foreign_labels=sub.foreign_labels, after=created
                 )
             except ValidationError:
                 # Refused by the fan-out's plan, before anything was sent.
-                await self._forget(rid, sub, created, recorded)
+                await self._forget(rid, sub, created)
                 raise
             except BaseException as exc:
-                await self._fail(rid, sub, created, recorded, exc)
+                await self._fail(rid, sub, created, exc)
                 if isinstance(exc, OUTAGES):
                     raise Refused(
                         "unavailable",
@@ -265,16 +273,22 @@ class Intake:
             await self._note_cached(rid, stats)
             return ev, stats
 
-    async def _create_record(self, rid: str, sub: Submission, traceparent: str) -> bool:
+    async def _create_record(
+        self,
+        rid: str,
+        sub: Submission,
+        traceparent: str,
+        ev: RenderEvent,
+        render_timing: dict[str, Any] | None,
+    ) -> bool:
         fields: dict[str, Any] = {
             "tenant": sub.tenant,
             "metadata": sub.metadata,
             "info": {"trace_id": trace_id_of(traceparent) or ""},
+            "items": _items(ev),
         }
-        if sub.event is not None:
-            fields["items"] = _items(sub.event)
-        else:
-            fields["render"] = {"started_ms": now_ms()}
+        if render_timing is not None:
+            fields["render"] = render_timing
         return await self.status.create(rid, fields)
 
     async def _render(self, rid: str, sub: Submission) -> tuple[RenderEvent, dict[str, Any]]:
@@ -294,13 +308,6 @@ class Intake:
         self.observer.rendered(seconds)
         return ev, {"started_ms": started, "finished_ms": now_ms(), "ms": seconds * 1000}
 
-    async def _note_render(
-        self, created: asyncio.Future[bool], rid: str, ev: RenderEvent, timing: dict[str, Any]
-    ) -> None:
-        """The render's timing and the items, once the record exists (beside the planning)."""
-        await created
-        await self.status.update_fields(rid, {"render": timing, "items": _items(ev)})
-
     async def _note_cached(self, rid: str, stats: FanoutStats) -> None:
         """Which items were cache hits (for the status view; the request is enqueued already,
         so a failed write is logged, not answered as a failure)."""
@@ -310,17 +317,13 @@ class Intake:
             log.warning("request %s: cannot note its cache hits: %r", rid, exc)
 
     async def _forget(
-        self,
-        rid: str,
-        sub: Submission,
-        created: asyncio.Future[bool],
-        recorded: asyncio.Future[Any],
+        self, rid: str, sub: Submission, created: asyncio.Future[bool] | None
     ) -> None:
         """Undo a request that was never enqueued: its record, in-flight slot and key."""
-        await _settle(created, recorded)
-        with contextlib.suppress(Exception):
-            if created.done() and not created.cancelled() and created.exception() is None:
-                if created.result():
+        if created is not None:
+            await _settle(created)
+            with contextlib.suppress(Exception):
+                if not created.cancelled() and created.exception() is None and created.result():
                     await self.status.delete(rid)
         if self.admission is not None:
             with contextlib.suppress(Exception):
@@ -328,32 +331,23 @@ class Intake:
         await self._release_claim(sub, rid)
 
     async def _fail(
-        self,
-        rid: str,
-        sub: Submission,
-        created: asyncio.Future[bool],
-        recorded: asyncio.Future[Any],
-        exc: BaseException,
+        self, rid: str, sub: Submission, created: asyncio.Future[bool], exc: BaseException
     ) -> None:
         """Record a request whose fan-out may have begun as ``failed`` (terminal: no worker
         result can override it, and it no longer counts as in flight)."""
-        await _settle(created, recorded)
+        await _settle(created)
         why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        failed = ResultEvent(
+            rid, "api", "failed", error=ErrorInfo("enqueue_failed", f"enqueue failed: {why}")
+        )
         with contextlib.suppress(Exception):
-            await self.status.apply(
-                ResultEvent(
-                    rid,
-                    "api",
-                    "failed",
-                    error=ErrorInfo("enqueue_failed", f"enqueue failed: {why}"),
-                )
-            )
+            await self.status.apply(failed)
         if self.admission is not None:
             with contextlib.suppress(Exception):
                 await self.admission.release(rid)
         await self._release_claim(sub, rid)
         if not isinstance(exc, (*OUTAGES, asyncio.CancelledError)):
-            log.exception("request %s: enqueue failed", rid, exc_info=exc)
+            log.error("request %s: enqueue failed", rid, exc_info=exc)
 
 
 def _traceparent(sub: Submission) -> str:
@@ -363,12 +357,11 @@ def _traceparent(sub: Submission) -> str:
     return str(sub.traceparent)
 
 
-async def _settle(*futures: asyncio.Future[Any]) -> None:
-    """Wait for record writes still in flight, ignoring how they ended (their own errors are
-    the lesser ones: the caller handles the first failure)."""
-    for fut in futures:
-        with contextlib.suppress(BaseException):
-            await asyncio.shield(fut)
+async def _settle(fut: asyncio.Future[Any]) -> None:
+    """Wait for a record write still in flight, ignoring how it ended (its own error is the
+    lesser one: the caller handles the first failure)."""
+    with contextlib.suppress(BaseException):
+        await asyncio.shield(fut)
 
 
 def _settled(task: asyncio.Task[Any]) -> None:

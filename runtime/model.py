@@ -104,6 +104,8 @@ class RenderInfo:
     eos_token_id: int
     merge_size: int
     vocab_size: int
+    context_length: int
+    """The text model's ``max_position_embeddings``: prompt + generated tokens fit in it."""
 
 
 @dataclass(slots=True)
@@ -141,6 +143,7 @@ class ModelBundle:
             eos_token_id=self.eos_token_id,
             merge_size=self.merge_size,
             vocab_size=int(text_config(self.config).vocab_size),
+            context_length=int(text_config(self.config).max_position_embeddings),
         )
 
 
@@ -545,6 +548,7 @@ def load_render_info(spec: str = TINY) -> RenderInfo:
         tokenizer=ld.tokenizer,
         merge_size=_check_processor(ld.processor, ld.config),
         vocab_size=int(text_config(ld.config).vocab_size),
+        context_length=int(text_config(ld.config).max_position_embeddings),
         **_special_ids(ld.tokenizer, ld.config),
     )
 

@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from functools import cache
+from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import ValidationError as PydanticValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from runtime.api_tokens import parse_tokens
 from schemas import defaults
 from schemas.families import MODEL_HELP
 
-SIGNING_WORKERS = frozenset({"encode", "prefill", "router"})
-"""Workers that sign or verify ``ec_transfer_params``."""
+SIGNING_WORKERS = frozenset({"encode", "prefill", "router", "api"})
+"""Processes that sign or verify ``ec_transfer_params`` (the API's fan-out signs them)."""
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+_TOPIC_PREFIX = re.compile(r"[A-Za-z0-9._-]{1,200}")
+SECRET_FIELDS = frozenset({"ec_secret", "api_tokens"})
 PLACEHOLDER_SECRETS = frozenset({"change-me", "changeme", "secret", "password", "test"})
 MIN_SECRET_CHARS = 16
 
@@ -29,7 +38,8 @@ class InsecureSettings(SystemExit):
 class Settings(BaseSettings):
     """Every knob of the pipeline. Read from the environment with the ``EPD_`` prefix."""
 
-    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore")
+    # Errors never echo a value (a secret may be the bad one); settings_error names the variable.
+    model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore", hide_input_in_errors=True)
 
     # Kafka
     kafka_bootstrap: str = Field("127.0.0.1:9092", description="bootstrap servers, comma separated")
@@ -279,6 +289,90 @@ class Settings(BaseSettings):
         description="largest encoded video (file bytes, or all of one video's frame images "
         "together); base64 makes it 4/3 larger in a JSON body (EPD_API_MAX_BODY_BYTES)",
     )
+    api_tokens_file: Path | None = Field(
+        None,
+        description="a file of bearer tokens, one TOKEN=TENANT per line ('#' comments), "
+        "instead of EPD_API_TOKENS (keeps secrets out of the environment)",
+    )
+    api_max_prompt_chars: int = Field(
+        262_144, ge=1, description="characters of a prompt (the context is checked once tokenized)"
+    )
+    api_max_cache_salt_chars: int = Field(256, ge=1, description="characters of a cache_salt")
+    api_max_metadata_keys: int = Field(16, ge=0, description="metadata labels per request")
+    api_max_metadata_chars: int = Field(
+        256, ge=1, description="characters of one metadata key or value"
+    )
+    api_max_metadata_bytes: int = Field(
+        4096, ge=1, description="UTF-8 bytes of all of a request's metadata keys and values"
+    )
+    api_max_id_chars: int = Field(
+        255,
+        ge=1,
+        description="characters of an id a client gives: a vLLM request_id, an "
+        "Idempotency-Key, an item's mm_hash label",
+    )
+    api_max_json_depth: int = Field(
+        32, ge=2, description="nesting of objects and arrays in a JSON body (deeper: 400)"
+    )
+
+    @field_validator("store_url")
+    @classmethod
+    def _store_scheme(cls, url: str) -> str:
+        scheme = urlsplit(url).scheme if url else ""
+        if url and scheme not in defaults.STORE_SCHEMES:
+            known = ", ".join(f"{s}://" for s in defaults.STORE_SCHEMES)
+            raise ValueError(f"unknown embedding store scheme {scheme!r} (known: {known})")
+        return url
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, url: str) -> str:
+        if urlsplit(url).scheme not in REDIS_SCHEMES:
+            raise ValueError(f"a Redis URL must start with {', '.join(REDIS_SCHEMES)}://")
+        return url
+
+    @field_validator("kafka_bootstrap")
+    @classmethod
+    def _bootstrap(cls, servers: str) -> str:
+        for server in servers.split(","):
+            host, sep, port = server.strip().rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{server.strip()!r} is not HOST:PORT (comma-separated list)")
+        return servers
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, device: str) -> str:
+        if not _DEVICE.fullmatch(device.strip().lower()):
+            raise ValueError(f"{device!r} is not auto, cpu, cuda or cuda:N")
+        return device
+
+    @field_validator("topic_prefix")
+    @classmethod
+    def _topic_prefix(cls, prefix: str) -> str:
+        if not _TOPIC_PREFIX.fullmatch(prefix):
+            raise ValueError("a topic prefix is 1-200 of A-Z a-z 0-9 . _ -")
+        return prefix
+
+    @field_validator("api_tokens")
+    @classmethod
+    def _tokens(cls, tokens: SecretStr | None) -> SecretStr | None:
+        if tokens is not None:
+            parse_tokens(tokens.get_secret_value(), source="EPD_API_TOKENS")
+        return tokens
+
+    @field_validator("api_tokens_file")
+    @classmethod
+    def _tokens_file(cls, path: Path | None) -> Path | None:
+        if path is not None:
+            _read_tokens_file(path)
+        return path
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> Settings:
+        if self.api_tokens is not None and self.api_tokens_file is not None:
+            raise ValueError("give EPD_API_TOKENS or EPD_API_TOKENS_FILE, not both")
+        return self
 
     def require_transactions_possible(self) -> None:
         """Refuse ``EPD_KAFKA_TRANSACTIONS=true`` beside ``EPD_KAFKA_IDEMPOTENCE=false``.
@@ -300,19 +394,13 @@ class Settings(BaseSettings):
         return self.store_url or self.redis_url
 
     def api_tenants(self) -> dict[str, str]:
-        """Bearer token -> tenant, from ``api_tokens`` (``TOKEN=TENANT,TOKEN2=TENANT2``)."""
+        """Bearer token -> tenant, from ``EPD_API_TOKENS`` (``TOKEN=TENANT,TOKEN2=TENANT2``)
+        or ``EPD_API_TOKENS_FILE``; empty for an open API (see :mod:`runtime.api_tokens`)."""
+        if self.api_tokens_file is not None:
+            return _read_tokens_file(self.api_tokens_file)
         if self.api_tokens is None:
             return {}
-        out: dict[str, str] = {}
-        for pair in self.api_tokens.get_secret_value().split(","):
-            pair = pair.strip()
-            if not pair:
-                continue
-            token, sep, tenant = pair.partition("=")
-            if not sep or not token.strip() or not tenant.strip():
-                raise ValueError("EPD_API_TOKENS: each entry must be TOKEN=TENANT")
-            out[token.strip()] = tenant.strip()
-        return out
+        return parse_tokens(self.api_tokens.get_secret_value(), source="EPD_API_TOKENS")
 
     def secret_bytes(self) -> bytes | None:
         return self.ec_secret.get_secret_value().encode() if self.ec_secret else None
@@ -365,13 +453,37 @@ class Settings(BaseSettings):
             problem = f"EPD_EC_SECRET has {len(secret)} characters, fewer than {MIN_SECRET_CHARS}"
         else:
             return
+        what = "the API" if kind == "api" else f"the {kind} worker"
         raise InsecureSettings(
-            f"refusing to start the {kind} worker: {problem}. Without a real secret anyone "
+            f"refusing to start {what}: {problem}. Without a real secret anyone "
             "who can write to the topics can point workers at other tenants' embeddings. Set "
             "EPD_EC_SECRET to a random value shared by the router, encode and prefill workers "
             "(e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`), or set "
             "EPD_ALLOW_UNSIGNED=true for a local experiment."
         )
+
+
+def _read_tokens_file(path: Path) -> dict[str, str]:
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    return parse_tokens(text, source=f"EPD_API_TOKENS_FILE ({path})", comments=True)
+
+
+def settings_error(exc: PydanticValidationError) -> str:
+    """One line naming the variable and what is wrong with it (a secret's value never shown)."""
+    err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
+    loc = [str(x) for x in err.get("loc", ())]
+    name = env_name(loc[0]) if loc else "settings"
+    msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    value = err.get("input")
+    shown = ""
+    if loc and loc[0] not in SECRET_FIELDS and isinstance(value, str | int | float):
+        shown = f" (got {str(value)[:80]!r})"
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    head = "" if msg.startswith("EPD_") else f"{name}: "
+    return f"{head}{msg}{shown}{more}"
 
 
 def env_name(field: str) -> str:

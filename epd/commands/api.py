@@ -17,8 +17,11 @@ Serve the HTTP front door of the pipeline:
   GET    /healthz /readyz /metrics /docs /openapi.json
 
 Configuration comes from EPD_* variables (Kafka, Redis, model, EPD_API_* limits). Set
-EPD_API_TOKENS=TOKEN=TENANT,... to require bearer tokens; without it the API is open.
-Replicas (--workers, or several hosts) share every piece of state through Redis.
+EPD_API_TOKENS=TOKEN=TENANT,... (or EPD_API_TOKENS_FILE=PATH, one pair per line) to require
+bearer tokens; without either the API is open. EPD_EC_SECRET is required, as for the workers
+(it signs embedding entries and keys tenant salts). A malformed setting stops the API before
+it starts (exit 2, the variable named). Replicas (--workers, or several hosts) share every
+piece of state through Redis.
 """
 
 
@@ -42,6 +45,13 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     import uvicorn
+
+    from runtime.settings import Settings
+
+    # Checked here, before uvicorn starts (or forks workers): a bad setting is one line, not a
+    # traceback per worker. Settings() validates the tokens; the secret is checked as the
+    # workers check theirs (InsecureSettings: the message, exit 1).
+    Settings().require_signing("api")
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -25,9 +25,11 @@ from producers.api.checks import pydantic_error
 from producers.api.docs import mount_docs
 from producers.api.errors import ApiError, from_refusal, from_validation, unavailable
 from producers.api.metrics import Metrics
+from producers.api.openapi import install_openapi
 from producers.api.routes import ops, requests, vllm
 from producers.api.state import ApiState
 from producers.refusal import Refused
+from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
 from schemas.errors import ValidationError
 
@@ -71,6 +73,19 @@ def create_app(settings: Settings) -> FastAPI:
         redoc_url=None,
     )
     app.state.metrics = metrics
+
+    def limits() -> RequestLimits:
+        state: ApiState | None = getattr(app.state, "api", None)
+        if state is not None:
+            return state.limits
+        from runtime.model import load_render_info  # a schema asked for before start-up
+
+        info = load_render_info(settings.model)
+        return RequestLimits.from_settings(
+            settings, vocab_size=info.vocab_size, model_context=info.context_length
+        )
+
+    install_openapi(app, limits)
     mount_docs(app)
     add_error_handlers(app, settings)
     add_observation(app, metrics)

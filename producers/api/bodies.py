@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +22,11 @@ from starlette.requests import Request
 
 from producers.api.checks import pydantic_error
 from producers.api.data_strings import check_image_bytes, decode_image_string
-from producers.api.errors import ApiError, bad_request
+from producers.api.errors import ApiError, bad_request, from_validation
 from producers.api.models import SubmitRequest
 from producers.api.videos import decode_videos
+from runtime.request_limits import RequestLimits
+from schemas.errors import ValidationError
 
 
 @dataclass(slots=True)
@@ -124,51 +128,116 @@ def _from_model(req: SubmitRequest, images: list[bytes], types: list[str]) -> Su
     )
 
 
-def parse_json(body: bytes | str, *, where: str = "body") -> Any:
-    """JSON text as Python values; 400 ``body.json`` for anything else."""
+def _not_json_number(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (RFC 8259); send a finite number")
+
+
+def parse_json(body: bytes | str, max_depth: int, *, where: str = "body") -> Any:
+    """JSON text as Python values; 400 ``body.json`` for anything else: malformed text,
+    ``NaN``/``Infinity`` (Python's parser takes them, JSON has none), or objects and arrays
+    nested deeper than ``max_depth`` (a deep body would exhaust the parser's recursion or the
+    code that walks it)."""
     try:
-        return json.loads(body)
+        obj = json.loads(body, parse_constant=_not_json_number)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad_request(f"{where} is not JSON: {e}", rule="body.json") from None
+    except ValueError as e:  # NaN / Infinity
+        raise bad_request(f"{where}: {e}", rule="body.json") from None
+    except RecursionError:
+        raise bad_request(
+            f"{where} is nested too deeply (the limit is {max_depth} levels)", rule="body.json"
+        ) from None
+    if _deeper_than(obj, max_depth):
+        raise bad_request(
+            f"{where} is nested too deeply (the limit is {max_depth} levels, "
+            "EPD_API_MAX_JSON_DEPTH)",
+            rule="body.json",
+        )
+    return obj
 
 
-def parse_json_submit(body: bytes, settings: Any) -> SubmitInput:
-    """A JSON submission (400 bad JSON, 422 schema, 413/415/400 per image)."""
-    obj = parse_json(body)
+def _deeper_than(obj: Any, limit: int) -> bool:
+    """Whether objects/arrays nest more than ``limit`` levels (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, dict | list):
+            continue  # a scalar body
+        children = node.values() if isinstance(node, dict) else node
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
+
+
+def _checked(req: SubmitRequest, limits: RequestLimits) -> None:
+    """The bounds of a submission the body alone decides (the intake checks the rest)."""
+    if (req.prompt is None) == (req.token_ids is None):
+        raise ValidationError(
+            "render.prompt", "give exactly one of prompt or token_ids", field="prompt"
+        )
+    limits.check_prompt(req.prompt, req.token_ids)
+    limits.check_deadline(req.deadline_s)
+
+
+@contextmanager
+def _answered() -> Iterator[None]:
+    """A limit's ``ValidationError`` as the API error it is answered with."""
+    try:
+        yield
+    except ValidationError as e:
+        raise from_validation(e) from None
+
+
+def parse_json_submit(body: bytes, limits: RequestLimits, settings: Any) -> SubmitInput:
+    """A JSON submission (400 bad JSON, 422 schema, 413/415/400 per image). CPU-bound for a
+    large body (parsing, base64): run it in a worker thread."""
+    with _answered():
+        return _parse_json_submit(body, limits, settings)
+
+
+def _parse_json_submit(body: bytes, limits: RequestLimits, settings: Any) -> SubmitInput:
+    obj = parse_json(body, limits.max_json_depth)
     if not isinstance(obj, dict):
         raise bad_request("body must be a JSON object", rule="body.json")
-    # Image strings are size-checked before pydantic copies them around.
-    raw_images = obj.get("images")
-    if isinstance(raw_images, list) and len(raw_images) > settings.api_max_images:
-        raise ApiError(
-            413,
-            "too_large",
-            f"{len(raw_images)} images; the limit is {settings.api_max_images}",
-            rule="image.count",
-            field="images",
-        )
+    # Counted before pydantic copies megabytes of image strings around.
+    images, videos = obj.get("images"), obj.get("videos")
+    limits.check_counts(
+        len(images) if isinstance(images, list) else 0,
+        len(videos) if isinstance(videos, list) else 0,
+    )
     try:
         req = SubmitRequest.model_validate(obj)
     except PydanticValidationError as e:
         raise pydantic_error(e) from None
-    images, types = [], []
+    _checked(req, limits)
+    datas, types = [], []
     for i, text in enumerate(req.images):
         data = decode_image_string(text, i, settings.api_max_image_bytes)
         types.append(check_image_bytes(data, i, settings.api_max_image_bytes))
-        images.append(data)
-    inp = _from_model(req, images, types)
+        datas.append(data)
+    inp = _from_model(req, datas, types)
     if req.videos:
         inp.videos = decode_videos(req.videos, settings)
     return inp
 
 
-async def parse_multipart_submit(request: Request, body: bytes, settings: Any) -> SubmitInput:
+async def parse_multipart_submit(
+    request: Request, body: bytes, limits: RequestLimits, settings: Any
+) -> SubmitInput:
     """A ``multipart/form-data`` submission (``body``: the bytes :func:`read_body` read):
     image files (or base64 strings) in ``images`` parts, the other fields as form values
     (``token_ids`` and ``metadata`` as JSON)."""
+    with _answered():
+        return await _parse_multipart_submit(request, body, limits, settings)
+
+
+async def _parse_multipart_submit(
+    request: Request, body: bytes, limits: RequestLimits, settings: Any
+) -> SubmitInput:
     try:
         form = await replayed(request, body).form(
-            max_files=settings.api_max_images, max_fields=64, max_part_size=1024 * 1024
+            max_files=limits.max_images + 1, max_fields=64, max_part_size=1024 * 1024
         )
     except Exception as e:  # python-multipart and Starlette raise several types here
         raise bad_request(f"cannot parse the form: {e}", rule="body.form") from None
@@ -178,11 +247,8 @@ async def parse_multipart_submit(request: Request, body: bytes, settings: Any) -
         types: list[str] = []
         for name, value in form.multi_items():
             if name in ("images", "image", "images[]"):
+                limits.check_counts(len(images) + 1, 0)
                 i = len(images)
-                if len(images) >= settings.api_max_images:
-                    raise ApiError(
-                        413, "too_large", "too many images", rule="image.count", field="images"
-                    )
                 if isinstance(value, UploadFile):
                     data = await value.read(settings.api_max_image_bytes + 1)
                 else:
@@ -192,13 +258,14 @@ async def parse_multipart_submit(request: Request, body: bytes, settings: Any) -
             elif isinstance(value, UploadFile):
                 raise bad_request(f"unexpected file part {name!r}", rule="body.form", field=name)
             elif name in ("token_ids", "metadata"):
-                fields[name] = parse_json(value, where=f"form field {name}")
+                fields[name] = parse_json(value, limits.max_json_depth, where=f"form field {name}")
             else:
                 fields[name] = value
         try:
             req = SubmitRequest.model_validate(fields)
         except PydanticValidationError as e:
             raise pydantic_error(e) from None
+        _checked(req, limits)
         return _from_model(req, images, types)
     finally:
         await form.close()

@@ -59,16 +59,3 @@ def pydantic_error(exc: PydanticValidationError | Any, *, prefix: str = "") -> A
         field=(f"{prefix}.{loc[0]}" if prefix and loc else (loc[0] if loc else prefix or None)),
         item=item,
     )
-
-
-def greedy_only(temperature: object, field: str) -> None:
-    """422 ``sampling.temperature`` unless ``temperature`` is 0 (or absent): decoding is greedy,
-    so another temperature is refused rather than ignored."""
-    if temperature not in (0, 0.0, None):
-        raise ApiError(
-            422,
-            "validation_failed",
-            "only greedy decoding (temperature 0) is supported",
-            rule="sampling.temperature",
-            field=field,
-        )

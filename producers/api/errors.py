@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from producers.refusal import Refused
+from runtime.request_limits import SIZE_RULES
 from schemas.errors import ValidationError
 
 # Renderer rules that mean "too big" rather than "invalid": the client must send less.
@@ -17,6 +18,7 @@ TOO_LARGE_RULES = frozenset(
         "render.video_too_long",
         "render.video_too_many_frames",
         "render.video_decode_budget",
+        *SIZE_RULES,
     }
 )
 TIMEOUT_RULE = "render.timeout"

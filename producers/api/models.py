@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
 Status = Literal[
     "queued",
@@ -25,6 +25,17 @@ EXAMPLE_PNG_B64 = (
 )
 
 
+def _not_bool(value: Any) -> Any:
+    # JSON true is not the integer 1 (pydantic's lax mode would take it as one).
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+Integer = Annotated[int, BeforeValidator(_not_bool)]
+Number = Annotated[float, BeforeValidator(_not_bool), Field(allow_inf_nan=False)]
+
+
 class SubmitRequest(BaseModel):
     """A generation request: a prompt (``<image>`` marks each image, ``<video>`` each video) or
     token ids, plus images and videos (JSON bodies only for videos).
@@ -32,6 +43,10 @@ class SubmitRequest(BaseModel):
     Images are base64 strings or ``data:image/...;base64,`` URLs: data, never file paths or
     URLs; videos likewise (``data:video/mp4;base64,...``) or lists of frame images. Decoding
     is greedy (``temperature`` 0).
+
+    The model holds the fields' types; their bounds come from the settings
+    (:class:`runtime.request_limits.RequestLimits`), which the routes check and
+    ``/openapi.json`` documents.
     """
 
     model_config = ConfigDict(
@@ -47,33 +62,28 @@ class SubmitRequest(BaseModel):
         },
     )
 
-    prompt: str | None = Field(
-        None, max_length=65536, description="text; <image> per image, <video> per video"
+    prompt: str | None = Field(None, description="text; <image> per image, <video> per video")
+    token_ids: list[Annotated[int, Strict()]] | None = Field(
+        None, description="prompt token ids; one <|image_pad|> per image"
     )
-    token_ids: list[int] | None = Field(
-        None, max_length=65536, description="prompt token ids; one <|image_pad|> per image"
-    )
-    images: list[str] = Field(
-        default_factory=list, max_length=64, description="base64 or data: URL per image"
-    )
+    images: list[str] = Field(default_factory=list, description="base64 or data: URL per image")
     videos: list[str | list[str]] = Field(
         default_factory=list,
-        max_length=64,
         description="per video (<video> in the prompt, one <|video_pad|> in token_ids): a "
         "base64 or data: URL of an MP4/MOV, WebM/MKV, animated GIF or WebP file, or a list of "
         "base64/data: URL frame images (taken as already sampled at EPD_VIDEO_FPS). Frames are "
         "sampled at EPD_VIDEO_FPS (at most EPD_VIDEO_MAX_FRAMES); duration, frame count and "
         "frame size are checked from the file's headers before decoding",
     )
-    max_tokens: int = Field(16, ge=1, le=4096)
-    temperature: float = Field(0.0, ge=0.0, le=2.0, description="only 0 (greedy) is supported")
+    max_tokens: Integer = Field(16, description="tokens to generate")
+    temperature: Number = Field(0.0, description="only 0 (greedy) is supported")
     ignore_eos: bool = Field(False, description="keep decoding past the end-of-sequence token")
-    cache_salt: str | None = Field(None, max_length=256, description="encoder-cache isolation")
-    deadline_s: float | None = Field(
-        None, gt=0, le=86400, description="seconds from now after which work is not started"
+    cache_salt: str | None = Field(None, description="encoder-cache isolation")
+    deadline_s: Number | None = Field(
+        None, description="seconds from now after which work is not started"
     )
     metadata: dict[str, str] | None = Field(
-        None, max_length=16, description="opaque labels returned with the status"
+        None, description="opaque labels returned with the status"
     )
 
 

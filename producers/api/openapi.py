@@ -1,19 +1,45 @@
-"""What ``/openapi.json`` says beyond the routes' own signatures: request bodies the routes
-parse themselves (JSON or multipart, read and counted by ``read_body``), the
-``Idempotency-Key`` header, and the error responses."""
+"""What ``/openapi.json`` says beyond the routes' own signatures.
+
+Request bodies the routes parse themselves (JSON or multipart, read and counted by
+``read_body``), the ``Idempotency-Key`` header and the error responses, and every bound written
+from the same :class:`runtime.request_limits.RequestLimits` the routes check: the documented
+limits are the server's, whatever the settings say. The bearer security scheme comes from the
+routes' tenant dependency (``producers.api.deps.bearer``), so Swagger UI can send a token.
+"""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
 from producers.api.models import ERROR_RESPONSES, Accepted, SubmitRequest
+from runtime.request_limits import MAX_TEMPERATURE, RequestLimits
+
+SUBMIT_PATH = "/v1/requests"
+VLLM_PATH = "/v1/vllm/generate"
+STATUS_PATH = "/v1/requests/{request_id}"
 
 IDEMPOTENCY_PARAM: dict[str, Any] = {
     "name": "Idempotency-Key",
     "in": "header",
     "required": False,
-    "schema": {"type": "string", "maxLength": 255},
+    "schema": {"type": "string", "minLength": 1},
     "description": "same key + same body: the same request; same key + other body: 409",
+}
+
+_MULTIPART_FIELDS: dict[str, Any] = {
+    "prompt": {"type": "string"},
+    "token_ids": {"type": "string", "description": "JSON list of token ids"},
+    "images": {"type": "array", "items": {"type": "string", "format": "binary"}},
+    "max_tokens": {"type": "integer"},
+    "temperature": {"type": "number"},
+    "ignore_eos": {"type": "boolean"},
+    "cache_salt": {"type": "string"},
+    "deadline_s": {"type": "number"},
+    "metadata": {"type": "string", "description": "JSON object of string labels"},
 }
 
 SUBMIT_BODY: dict[str, Any] = {
@@ -23,25 +49,7 @@ SUBMIT_BODY: dict[str, Any] = {
             "schema": SubmitRequest.model_json_schema(),
             "example": SubmitRequest.model_config["json_schema_extra"]["examples"][0],  # type: ignore[index]
         },
-        "multipart/form-data": {
-            "schema": {
-                "type": "object",
-                "properties": {
-                    "prompt": {"type": "string"},
-                    "token_ids": {"type": "string", "description": "JSON list"},
-                    "images": {
-                        "type": "array",
-                        "items": {"type": "string", "format": "binary"},
-                    },
-                    "max_tokens": {"type": "integer", "minimum": 1, "maximum": 4096},
-                    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-                    "ignore_eos": {"type": "boolean"},
-                    "cache_salt": {"type": "string"},
-                    "deadline_s": {"type": "number"},
-                    "metadata": {"type": "string", "description": "JSON object"},
-                },
-            }
-        },
+        "multipart/form-data": {"schema": {"type": "object", "properties": _MULTIPART_FIELDS}},
     },
 }
 
@@ -51,12 +59,29 @@ VLLM_BODY: dict[str, Any] = {
         "application/json": {
             "schema": {
                 "type": "object",
-                "description": "a vLLM render response or GenerateRequest",
+                "description": "a vLLM render response or GenerateRequest; every item brings "
+                "its kwargs_data (the fan-out signs the embedding entries)",
                 "required": ["token_ids", "features"],
                 "properties": {
+                    "request_id": {"type": "string"},
                     "token_ids": {"type": "array", "items": {"type": "integer"}},
-                    "features": {"type": "object"},
-                    "sampling_params": {"type": "object"},
+                    "features": {
+                        "type": "object",
+                        "properties": {
+                            "mm_hashes": {"type": "object"},
+                            "mm_placeholders": {"type": "object"},
+                            "kwargs_data": {"type": ["object", "null"]},
+                            "mm_metadata": {"type": ["object", "null"]},
+                        },
+                    },
+                    "sampling_params": {
+                        "type": "object",
+                        "properties": {
+                            "max_tokens": {"type": "integer"},
+                            "temperature": {"type": "number"},
+                        },
+                    },
+                    "cache_salt": {"type": ["string", "null"]},
                 },
             }
         }
@@ -72,3 +97,101 @@ def with_errors(responses: dict[int | str, dict[str, Any]]) -> dict[int | str, d
 SUBMIT_RESPONSES = with_errors(
     {200: {"model": Accepted, "description": "seen before (Idempotency-Key)"}}
 )
+
+
+def install_openapi(app: FastAPI, limits_of: Any) -> None:
+    """Serve ``/openapi.json`` with the bounds of ``limits_of()`` written in (made once)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title,
+                version=app.version,
+                description=app.description,
+                routes=app.routes,
+            )
+            document_limits(schema, limits_of())
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _bound(prop: dict[str, Any], **bounds: Any) -> None:
+    """Add ``bounds`` to a property schema (to its non-null branch when it is nullable)."""
+    branches = [b for b in prop.get("anyOf", []) if b.get("type") != "null"]
+    for target in branches or [prop]:
+        target.update(bounds)
+
+
+def document_limits(schema: dict[str, Any], limits: RequestLimits) -> None:
+    """Write the limits into the submit, vLLM and status operations of ``schema``."""
+    paths = schema.get("paths", {})
+    submit = paths.get(SUBMIT_PATH, {}).get("post")
+    if submit is not None:
+        content = submit["requestBody"]["content"]
+        body = content["application/json"]["schema"] = copy.deepcopy(
+            content["application/json"]["schema"]
+        )
+        _submit_bounds(body["properties"], limits)
+        form = content["multipart/form-data"]["schema"] = copy.deepcopy(
+            content["multipart/form-data"]["schema"]
+        )
+        _submit_bounds(form["properties"], limits, form=True)
+    vllm = paths.get(VLLM_PATH, {}).get("post")
+    if vllm is not None:
+        body = vllm["requestBody"]["content"]["application/json"]["schema"] = copy.deepcopy(
+            vllm["requestBody"]["content"]["application/json"]["schema"]
+        )
+        _vllm_bounds(body["properties"], limits)
+    for op in (submit, vllm):
+        for param in (op or {}).get("parameters", []):
+            if param.get("name") == "Idempotency-Key":
+                param["schema"] = {**param["schema"], "maxLength": limits.max_id_chars}
+    status = paths.get(STATUS_PATH, {}).get("get")
+    for param in (status or {}).get("parameters", []):
+        if param.get("name") == "wait":
+            _bound(param["schema"], maximum=limits.max_wait_s)
+
+
+def _submit_bounds(props: dict[str, Any], limits: RequestLimits, *, form: bool = False) -> None:
+    _bound(props["prompt"], maxLength=limits.max_prompt_chars)
+    if not form:
+        _bound(
+            props["token_ids"],
+            maxItems=limits.context_tokens - 1,
+            items={"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1},
+        )
+        _bound(props["videos"], maxItems=limits.max_videos)
+        _bound(
+            props["metadata"],
+            maxProperties=limits.max_metadata_keys,
+            propertyNames={"maxLength": limits.max_metadata_chars},
+            additionalProperties={"type": "string", "maxLength": limits.max_metadata_chars},
+            description=f"opaque labels returned with the status; keys and values together at "
+            f"most {limits.max_metadata_bytes} bytes (UTF-8)",
+        )
+    _bound(props["images"], maxItems=limits.max_images)
+    _bound(props["max_tokens"], minimum=1, maximum=limits.max_tokens)
+    _bound(
+        props["temperature"],
+        minimum=0,
+        maximum=MAX_TEMPERATURE,
+        description="only 0 (greedy) is supported for now",
+    )
+    _bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
+    _bound(props["deadline_s"], exclusiveMinimum=0, maximum=limits.max_deadline_s)
+
+
+def _vllm_bounds(props: dict[str, Any], limits: RequestLimits) -> None:
+    _bound(props["request_id"], minLength=1, maxLength=limits.max_id_chars)
+    _bound(
+        props["token_ids"],
+        minItems=1,
+        maxItems=limits.context_tokens - 1,
+        items={"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1},
+    )
+    _bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
+    sampling = props["sampling_params"]["properties"]
+    _bound(sampling["max_tokens"], minimum=1, maximum=limits.max_tokens)
+    _bound(sampling["temperature"], minimum=0, maximum=MAX_TEMPERATURE)

@@ -19,6 +19,7 @@ from producers.intake import Intake
 from producers.render import Renderer
 from runtime.kafka import KafkaPublisher
 from runtime.redis_client import redis_client
+from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
 from runtime.status_store import StatusNotifier, StatusStore
 from schemas.topics import Topics
@@ -43,6 +44,7 @@ class ApiState:
     tenants: Tenants
     store: EmbeddingStore
     info: RenderInfo
+    limits: RequestLimits
     renderer: Renderer
     publisher: KafkaPublisher
     intake: Intake
@@ -52,9 +54,15 @@ class ApiState:
     @classmethod
     async def open(cls, settings: Settings, metrics: Metrics) -> ApiState:
         """Connect the API's pieces for ``settings``: Redis (status records, idempotency,
-        admission), the embedding store, the Kafka publisher, the renderer and the intake."""
+        admission), the embedding store, the Kafka publisher, the renderer and the intake.
+
+        Refuses (``InsecureSettings``) to run without a real ``EPD_EC_SECRET``, as the workers
+        do: the fan-out signs every embedding entry with it, and tenant salts derive from it."""
         from runtime.model import load_render_info
         from runtime.stores import open_store
+
+        settings.require_signing("api")
+        tenants = Tenants(settings.api_tenants(), secret=settings.secret_bytes())
 
         topics = Topics(settings.topic_prefix)
         # A bounded pool that waits: a burst of submits queues for connections, never fails.
@@ -65,12 +73,18 @@ class ApiState:
         publisher = KafkaPublisher.for_pipeline(settings, topics)
         lag = LagMonitor(settings, topics)
         ready = asyncio.Event()
-        tenants = Tenants(settings.api_tenants())
+        limits = RequestLimits.from_settings(
+            settings, vocab_size=info.vocab_size, model_context=info.context_length
+        )
         intake = Intake(
             build_fanout(settings, store, info, publisher, record=status.apply),
             status,
+            limits=limits,
             idempotency=IdempotencyStore(
-                client, settings.topic_prefix, settings.api_idempotency_ttl_s
+                client,
+                settings.topic_prefix,
+                settings.api_idempotency_ttl_s,
+                max_key_chars=limits.max_id_chars,
             ),
             admission=ApiAdmission(settings, status, lag, ready),
             salts=tenants.salt,
@@ -89,6 +103,7 @@ class ApiState:
             tenants=tenants,
             store=store,
             info=info,
+            limits=limits,
             renderer=Renderer.for_settings(
                 info, settings, max_video_bytes=settings.api_max_video_bytes
             ),

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
@@ -12,6 +15,17 @@ from producers.intake import Accepted
 from runtime.tracing import TRACEPARENT
 
 API_PREFIX = "/v1"
+OFF_LOOP_BYTES = 64 * 1024
+"""Bodies above this are parsed in a worker thread (JSON, base64, msgpack of megabytes)."""
+T = TypeVar("T")
+
+
+async def off_the_loop(size: int, parse: Callable[..., T], *args: Any) -> T:
+    """``parse(*args)``, in a worker thread when the body is large (small ones parse faster
+    here than a thread hop costs)."""
+    if size > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(parse, *args)
+    return parse(*args)
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,15 +58,8 @@ def _unsupported(msg: str, index: int) -> ApiError:
 
 
 def decode_videos(raw: list[Any], settings: Any) -> list[bytes | list[bytes]]:
-    """Every video of a submission as file bytes or a list of frame bytes (not yet decoded)."""
-    if len(raw) > settings.api_max_videos:
-        raise ApiError(
-            413,
-            "too_large",
-            f"{len(raw)} videos; the limit is {settings.api_max_videos}",
-            rule="video.count",
-            field="videos",
-        )
+    """Every video of a submission as file bytes or a list of frame bytes (not yet decoded;
+    their number was checked against the request limits already)."""
     limit = settings.api_max_video_bytes
     out: list[bytes | list[bytes]] = []
     for i, item in enumerate(raw):

@@ -16,8 +16,9 @@ from runtime.stores.base import (
     StoreTimeout,
     StoreUnavailable,
 )
+from schemas.defaults import STORE_SCHEMES
 
-SUPPORTED_SCHEMES = ("redis", "rediss", "shm", "local", "cuda")
+SUPPORTED_SCHEMES = STORE_SCHEMES
 
 
 def open_store(url: str) -> EmbeddingStore:

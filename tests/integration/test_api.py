@@ -576,7 +576,7 @@ async def test_every_error_is_json_with_code_and_rule(
         "validation_failed",
         "render.marker_count",
     )
-    _err(await post({"prompt": "x", "max_tokens": 0}), 422, "validation_failed", "request.schema")
+    _err(await post({"prompt": "x", "max_tokens": 0}), 422, "validation_failed", "max-tokens")
     _err(
         await post({"prompt": "x", "temperature": 0.7}),
         422,

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
 import pytest
+from pydantic import SecretStr
 
 from producers.api import create_app
 from runtime.settings import Settings
@@ -20,6 +22,8 @@ pytestmark = pytest.mark.integration
 
 @asynccontextmanager
 async def in_process(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    if settings.ec_secret is None:  # the API refuses to start without one
+        settings = settings.model_copy(update={"ec_secret": SecretStr(secrets.token_hex(16))})
     app = create_app(settings)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)

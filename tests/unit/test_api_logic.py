@@ -3,22 +3,45 @@
 from __future__ import annotations
 
 import base64
+import functools
 import json
+from typing import Any
 
 import pytest
 from aiokafka import TopicPartition
 
+from producers.api import bodies
 from producers.api.admission import consumer_lag
-from producers.api.bodies import parse_json_submit
 from producers.api.data_strings import check_image_bytes, decode_image_string, sniff_image_type
 from producers.api.errors import ApiError
 from producers.api.tenants import Tenants
 from producers.api.views import iso, status_view
 from producers.sample_images import png_bytes, synthetic_image
+from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
 
 PNG = png_bytes(synthetic_image(28, 28, seed=1))
 LIMIT = 1024 * 1024
+
+
+def limits_of(s: Settings) -> RequestLimits:
+    """The request limits of ``s`` for the tiny model (its vocabulary and context)."""
+    info = _tiny_info()
+    return RequestLimits.from_settings(
+        s, vocab_size=info.vocab_size, model_context=info.context_length
+    )
+
+
+@functools.cache
+def _tiny_info() -> Any:
+    from runtime.model import load_render_info
+
+    return load_render_info("tiny")
+
+
+def parse_json_submit(body: bytes, s: Settings) -> Any:
+    """The JSON body parser with the request limits of ``s``."""
+    return bodies.parse_json_submit(body, limits_of(s), s)
 
 
 def _code(exc: pytest.ExceptionInfo[ApiError]) -> tuple[int, str | None]:
@@ -102,14 +125,40 @@ def test_consumer_lag_counts_unconsumed_events() -> None:
 
 
 def test_tenant_salt_keeps_tenants_apart_whatever_salt_they_send() -> None:
-    tenant_salt = Tenants.salt
-    assert tenant_salt(None, "s") == "s" and tenant_salt(None, None) is None
+    tenants = Tenants({"tok-a": "alice", "tok-b": "bob"}, secret=b"s" * 32)
+    tenant_salt = tenants.salt
     assert tenant_salt("alice", None) != tenant_salt("bob", None)
     assert tenant_salt("alice", "x") != tenant_salt("bob", "x")
     # a tenant cannot pick a salt that lands in another tenant's namespace
     assert tenant_salt("alice", "y") != tenant_salt("bob", None)
     assert tenant_salt("mallory", "tenant:bob") != tenant_salt("bob", None)
     assert tenant_salt("a", "b:c") != tenant_salt("a:b", "c") != tenant_salt("a:b:c", None)
+    # every replica with the same secret derives the same salt; another secret does not
+    again = Tenants({"tok-a": "alice"}, secret=b"s" * 32)
+    assert again.salt("alice", "x") == tenant_salt("alice", "x")
+    assert Tenants({}, secret=b"t" * 32).salt("alice", "x") != tenant_salt("alice", "x")
+
+
+@pytest.mark.parametrize("tenant", ["alice", "bob"])
+def test_no_client_salt_on_an_open_api_equals_a_tenant_salt(tenant: str) -> None:
+    """An open replica (no tokens) beside tenanted ones: whatever salt a client sends, even
+    a tenant's derived salt itself or the old plain-text form, it runs in the client
+    namespace, never as that tenant's."""
+    secret = b"k" * 32
+    tenanted = Tenants({"tok": tenant}, secret=secret)
+    open_api = Tenants({}, secret=secret)
+    theirs = {tenanted.salt(tenant, None), tenanted.salt(tenant, "x")}
+    forged = [
+        *theirs,
+        f'tenant:["{tenant}", null]',
+        "tenant:" + json.dumps([tenant, None]),
+        "",
+        "x",
+    ]
+    assert open_api.open
+    for salt in forged:
+        assert open_api.salt(None, salt) not in theirs
+    assert open_api.salt(None, None) is None  # no salt: the shared open namespace
 
 
 def test_status_view_stages_and_items() -> None:

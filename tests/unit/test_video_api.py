@@ -4,17 +4,40 @@ base64 decoding (413), types by declared type and magic bytes (415); the parsed 
 from __future__ import annotations
 
 import base64
+import functools
 import json
+from typing import Any
 
 import pytest
 
-from producers.api.bodies import parse_json_submit
+from producers.api import bodies
 from producers.api.errors import ApiError
 from producers.render import Renderer
 from producers.sample_images import png_bytes
 from producers.sample_videos import encode_animation, synthetic_frames, synthetic_mp4
 from runtime.model import load_render_info
+from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
+
+
+def limits_of(s: Settings) -> RequestLimits:
+    """The request limits of ``s`` for the tiny model (its vocabulary and context)."""
+    info = _tiny_info()
+    return RequestLimits.from_settings(
+        s, vocab_size=info.vocab_size, model_context=info.context_length
+    )
+
+
+@functools.cache
+def _tiny_info() -> Any:
+    from runtime.model import load_render_info
+
+    return load_render_info("tiny")
+
+
+def parse_json_submit(body: bytes, s: Settings) -> Any:
+    """The JSON body parser with the request limits of ``s``."""
+    return bodies.parse_json_submit(body, limits_of(s), s)
 
 
 def url(mime: str, data: bytes) -> str:
@@ -87,7 +110,7 @@ def test_frame_list_count_has_its_own_rule_and_message() -> None:
 
 def test_video_and_image_strings_share_one_decoder() -> None:
     """A malformed data: URL is refused the same way in both fields, each naming its own."""
-    from producers.api.bodies import parse_json_submit as parse
+    parse = parse_json_submit
 
     s = Settings()
     for field, rule in (("images", "image.encoding"), ("videos", "video.encoding")):

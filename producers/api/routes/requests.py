@@ -8,14 +8,14 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from producers.api.bodies import SubmitInput, parse_json_submit, parse_multipart_submit, read_body
-from producers.api.checks import JSON, MULTIPART, content_type, greedy_only, refuse_finished
+from producers.api.checks import JSON, MULTIPART, content_type, refuse_finished
 from producers.api.deps import OwnedRecord, State, Tenant
 from producers.api.errors import ApiError, bad_request
 from producers.api.events import SSE_EVENT_SCHEMA, event_stream, is_stream_id
 from producers.api.models import ERROR_RESPONSES, Accepted, RequestStatus, Status
 from producers.api.openapi import IDEMPOTENCY_PARAM, SUBMIT_BODY, SUBMIT_RESPONSES, with_errors
 from producers.api.state import ApiState
-from producers.api.submissions import SubmitHeaders, accepted_response
+from producers.api.submissions import SubmitHeaders, accepted_response, off_the_loop
 from producers.api.views import status_view
 from producers.intake import RenderContext, Submission
 from schemas.types import TERMINAL_STATUSES, RenderEvent, SamplingParams, now_ms
@@ -35,18 +35,9 @@ async def submit(request: Request, st: State, tenant: Tenant) -> JSONResponse:
     ctype = content_type(request, JSON, MULTIPART)
     body = await read_body(request, st.settings.api_max_body_bytes)
     if ctype == JSON:
-        inp = parse_json_submit(body, st.settings)
+        inp = await off_the_loop(len(body), parse_json_submit, body, st.limits, st.settings)
     else:
-        inp = await parse_multipart_submit(request, body, st.settings)
-    greedy_only(inp.temperature, "temperature")
-    if (inp.prompt is None) == (inp.token_ids is None):
-        raise ApiError(
-            422,
-            "validation_failed",
-            "give exactly one of prompt or token_ids",
-            rule="render.prompt",
-            field="prompt",
-        )
+        inp = await parse_multipart_submit(request, body, st.limits, st.settings)
     sub = native_submission(st, inp, tenant, SubmitHeaders.of(request))
     return accepted_response(await st.intake.submit(sub))
 
@@ -73,7 +64,7 @@ def native_submission(
     return Submission(
         render=render,
         sampling=SamplingParams(
-            max_tokens=inp.max_tokens, temperature=0.0, ignore_eos=inp.ignore_eos
+            max_tokens=inp.max_tokens, temperature=inp.temperature, ignore_eos=inp.ignore_eos
         ),
         tenant=tenant,
         cache_salt=inp.cache_salt,
@@ -98,7 +89,10 @@ async def get_status(
     wait: Annotated[
         float,
         Query(
-            ge=0, le=3600, description="long-poll up to this many seconds until the status changes"
+            ge=0,
+            allow_inf_nan=False,
+            description="long-poll up to this many seconds (at most EPD_API_MAX_WAIT_S) until "
+            "the status changes",
         ),
     ] = 0.0,
     changed_from: Annotated[
@@ -110,8 +104,16 @@ async def get_status(
         ),
     ] = None,
 ) -> JSONResponse:
+    if wait > st.limits.max_wait_s:
+        raise ApiError(
+            422,
+            "validation_failed",
+            f"wait is {wait:g} s; the limit is {st.limits.max_wait_s:g} (EPD_API_MAX_WAIT_S)",
+            rule="request.wait",
+            field="wait",
+        )
     if wait > 0 and rec["status"] not in TERMINAL_STATUSES:
-        timeout = min(wait, st.settings.api_max_wait_s)
+        timeout = wait
         since = changed_from or rec["status"]
         rec = await st.notifier.wait_change(request_id, since, timeout) or rec
     return JSONResponse(status_view(rec))

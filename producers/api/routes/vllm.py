@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 from typing import Any
@@ -11,13 +10,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from producers.api.bodies import parse_json, read_body
-from producers.api.checks import JSON, content_type, greedy_only
+from producers.api.checks import JSON, content_type
 from producers.api.deps import State, Tenant
-from producers.api.errors import ApiError
 from producers.api.models import Accepted
 from producers.api.openapi import IDEMPOTENCY_PARAM, SUBMIT_RESPONSES, VLLM_BODY
 from producers.api.state import ApiState
-from producers.api.submissions import SubmitHeaders, accepted_response
+from producers.api.submissions import SubmitHeaders, accepted_response, off_the_loop
 from producers.intake import RenderContext, Submission
 from schemas.errors import ValidationError
 from schemas.types import RenderEvent, SamplingParams
@@ -35,19 +33,12 @@ router = APIRouter(prefix="/v1/vllm", tags=["vllm"])
 )
 async def vllm_generate(request: Request, st: State, tenant: Tenant) -> JSONResponse:
     content_type(request, JSON)
-    obj = parse_json(await read_body(request, st.settings.api_max_body_bytes))
+    body = await read_body(request, st.settings.api_max_body_bytes)
+    obj = await off_the_loop(len(body), parse_json, body, st.limits.max_json_depth)
+    sampling = door_checks(st, obj)
     # Base64 + msgpack decoding of megabytes of tensors: off the event loop.
-    req, sp = await asyncio.to_thread(parse_render, st, obj)
-    max_tokens = sp.get("max_tokens", 16)
-    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 4096:
-        raise ApiError(
-            422,
-            "validation_failed",
-            "sampling_params.max_tokens must be an integer in [1, 4096]",
-            rule="request.schema",
-            field="sampling_params.max_tokens",
-        )
-    greedy_only(sp.get("temperature", 0), "sampling_params.temperature")
+    req = await off_the_loop(len(body), parse_render, st, obj)
+    vllm_id = None if obj.get("request_id") is None else str(obj["request_id"])
 
     async def render(ctx: RenderContext) -> RenderEvent:
         return RenderEvent(
@@ -57,22 +48,41 @@ async def vllm_generate(request: Request, st: State, tenant: Tenant) -> JSONResp
             features=req.features,
             sampling=ctx.sampling,
             cache_salt=ctx.cache_salt,
-            trace={"vllm_request_id": str(req.request_id)} if req.request_id else {},
+            trace={"vllm_request_id": vllm_id} if vllm_id else {},
         )
 
     headers = SubmitHeaders.of(request)
     sub = Submission(
         render=render,
-        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        sampling=sampling,
         tenant=tenant,
-        cache_salt=req.cache_salt,
-        metadata={"vllm_request_id": str(req.request_id)} if req.request_id else None,
+        cache_salt=obj.get("cache_salt"),
+        metadata={"vllm_request_id": vllm_id} if vllm_id else None,
         foreign_labels=True,
         traceparent=headers.traceparent,
         idempotency_key=headers.idempotency_key,
-        fingerprint=fingerprint(obj),
+        fingerprint=await off_the_loop(len(body), fingerprint, obj),
     )
     return accepted_response(await st.intake.submit(sub))
+
+
+def door_checks(st: ApiState, obj: Any) -> SamplingParams:
+    """What the request limits say of the body's own fields, before its tensors are decoded:
+    the same limits ``/v1/requests`` is held to (the intake checks the rendered request)."""
+    if not isinstance(obj, dict):
+        raise ValidationError("request.schema", "the body must be a JSON object")
+    st.limits.check_id(obj.get("request_id"), "request_id")
+    st.limits.check_cache_salt(obj.get("cache_salt"))
+    sp = obj.get("sampling_params")
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise ValidationError(
+            "request.schema", "sampling_params must be an object", field="sampling_params"
+        )
+    max_tokens, temperature = sp.get("max_tokens", 16), sp.get("temperature")
+    st.limits.check_sampling(max_tokens, temperature, prefix="sampling_params.")
+    return SamplingParams(max_tokens=max_tokens, temperature=float(temperature or 0.0))
 
 
 def fingerprint(obj: Any) -> str:
@@ -81,8 +91,8 @@ def fingerprint(obj: Any) -> str:
     return hashlib.sha256(canonical).hexdigest()
 
 
-def parse_render(st: ApiState, obj: Any) -> tuple[Any, dict[str, Any]]:
-    """The request and its ``sampling_params``, validated as the pipeline's rules say.
+def parse_render(st: ApiState, obj: Any) -> Any:
+    """The request, validated as the pipeline's rules say.
 
     Embedding keys are the fan-out's to sign: a client naming its own would choose where
     prefill reads from. So every item must bring its encoder inputs."""
@@ -110,4 +120,4 @@ def parse_render(st: ApiState, obj: Any) -> tuple[Any, dict[str, Any]]:
                 modality=modality,
                 item=index,
             )
-    return req, obj.get("sampling_params") or {}
+    return req

@@ -1,0 +1,307 @@
+"""Every bound a request is held to at the door, from the settings and the model: one home.
+
+The HTTP routes (native, vLLM, and later OpenAI-compatible), the intake and ``/openapi.json``
+read the same :class:`RequestLimits`, built once from the settings and the model's render
+info (vocabulary, context), so what is documented, what is refused at the door and what the
+workers refuse agree. Each check raises ``schemas.errors.ValidationError`` naming its rule and
+field; rules that mean "send less" are answered 413 by the API, the others 422.
+
+What the door cannot know (an embedding that never arrives, a deadline passing in a queue)
+stays the workers' to report.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from schemas.errors import ValidationError
+
+if TYPE_CHECKING:
+    from runtime.settings import Settings
+    from schemas.types import RenderEvent, SamplingParams
+
+MAX_TEMPERATURE = 2.0
+MAX_DEADLINE_S = 86400.0
+
+SIZE_RULES = frozenset(
+    {
+        "request.metadata",
+        "request.cache_salt",
+        "request.request_id",
+        "request.mm_hash",
+        "request.prompt",
+        "image.count",
+        "video.count",
+    }
+)
+"""Rules of this module that mean "too large" (the client must send less)."""
+
+
+def context_limit(settings: Settings, model_context: int) -> int:
+    """Most tokens (prompt + generated) one request may hold: the model's context, capped by
+    ``EPD_MAX_CONTEXT_TOKENS`` when that is set (never above the model's)."""
+    if settings.max_context_tokens:
+        return min(model_context, settings.max_context_tokens)
+    return model_context
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one deployment accepts per request; see the settings named on each field."""
+
+    max_tokens: int
+    """``EPD_MAX_TOKENS_LIMIT``: largest ``max_tokens``."""
+    context_tokens: int
+    """Prompt tokens + ``max_tokens``: the model's context (``EPD_MAX_CONTEXT_TOKENS``)."""
+    vocab_size: int
+    """Every token id is below this (the model's vocabulary)."""
+    max_images: int
+    """``EPD_API_MAX_IMAGES``."""
+    max_videos: int
+    """``EPD_API_MAX_VIDEOS``."""
+    max_prompt_chars: int
+    """``EPD_API_MAX_PROMPT_CHARS``."""
+    max_cache_salt_chars: int
+    """``EPD_API_MAX_CACHE_SALT_CHARS``."""
+    max_metadata_keys: int
+    """``EPD_API_MAX_METADATA_KEYS``."""
+    max_metadata_chars: int
+    """``EPD_API_MAX_METADATA_CHARS``: one key or one value."""
+    max_metadata_bytes: int
+    """``EPD_API_MAX_METADATA_BYTES``: all keys and values together, UTF-8."""
+    max_id_chars: int
+    """``EPD_API_MAX_ID_CHARS``: a client's request id, ``Idempotency-Key``, item label."""
+    max_json_depth: int
+    """``EPD_API_MAX_JSON_DEPTH``: nesting of objects and arrays in a JSON body."""
+    max_wait_s: float
+    """``EPD_API_MAX_WAIT_S``: longest long-poll."""
+    max_deadline_s: float = MAX_DEADLINE_S
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, *, vocab_size: int, model_context: int
+    ) -> RequestLimits:
+        """The limits of ``settings`` for a model with this vocabulary and context."""
+        return cls(
+            max_tokens=settings.max_tokens_limit,
+            context_tokens=context_limit(settings, model_context),
+            vocab_size=vocab_size,
+            max_images=settings.api_max_images,
+            max_videos=settings.api_max_videos,
+            max_prompt_chars=settings.api_max_prompt_chars,
+            max_cache_salt_chars=settings.api_max_cache_salt_chars,
+            max_metadata_keys=settings.api_max_metadata_keys,
+            max_metadata_chars=settings.api_max_metadata_chars,
+            max_metadata_bytes=settings.api_max_metadata_bytes,
+            max_id_chars=settings.api_max_id_chars,
+            max_json_depth=settings.api_max_json_depth,
+            max_wait_s=settings.api_max_wait_s,
+        )
+
+    # ---------------------------------------------------------------- before anything runs
+
+    def check_sampling(self, max_tokens: Any, temperature: Any, *, prefix: str = "") -> None:
+        """``max_tokens`` an integer (not a boolean) in ``[1, max_tokens]``; ``temperature``
+        a finite number in ``[0, 2]``, and 0 for now: decoding is greedy, so any other value
+        is refused rather than ignored (the one place that decides which are accepted)."""
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+            raise ValidationError(
+                "request.schema", "max_tokens must be an integer", field=f"{prefix}max_tokens"
+            )
+        if not 1 <= max_tokens <= self.max_tokens:
+            raise ValidationError(
+                "max-tokens",
+                f"max_tokens is {max_tokens}; it must be between 1 and {self.max_tokens} "
+                "(EPD_MAX_TOKENS_LIMIT)",
+                field=f"{prefix}max_tokens",
+            )
+        field = f"{prefix}temperature"
+        if temperature is None:
+            return
+        if not _number(temperature) or not math.isfinite(temperature):
+            raise ValidationError(
+                "sampling.temperature", "temperature must be a finite number", field=field
+            )
+        if not 0.0 <= temperature <= MAX_TEMPERATURE:
+            raise ValidationError(
+                "sampling.temperature",
+                f"temperature is {temperature}; it must be between 0 and {MAX_TEMPERATURE:g}",
+                field=field,
+            )
+        if temperature != 0.0:
+            raise ValidationError(
+                "sampling.temperature",
+                "only greedy decoding (temperature 0) is supported",
+                field=field,
+            )
+
+    def check_deadline(self, deadline_s: Any, field: str = "deadline_s") -> None:
+        """A deadline in seconds from now: a finite number in ``(0, 86400]``."""
+        if deadline_s is None:
+            return
+        if not _number(deadline_s) or not math.isfinite(deadline_s):
+            raise ValidationError(
+                "request.deadline", "deadline_s must be a finite number", field=field
+            )
+        if not 0 < deadline_s <= self.max_deadline_s:
+            raise ValidationError(
+                "request.deadline",
+                f"deadline_s is {deadline_s}; it must be above 0 and at most "
+                f"{self.max_deadline_s:g}",
+                field=field,
+            )
+
+    def check_cache_salt(self, salt: Any, field: str = "cache_salt") -> None:
+        """A string of at most ``max_cache_salt_chars`` characters (or none)."""
+        if salt is None:
+            return
+        if not isinstance(salt, str):
+            raise ValidationError("request.schema", "cache_salt must be a string", field=field)
+        if len(salt) > self.max_cache_salt_chars:
+            raise ValidationError(
+                "request.cache_salt",
+                f"cache_salt has {len(salt)} characters; the limit is "
+                f"{self.max_cache_salt_chars} (EPD_API_MAX_CACHE_SALT_CHARS)",
+                field=field,
+            )
+
+    def check_id(self, value: Any, field: str, rule: str = "request.request_id") -> None:
+        """A client-given id: a non-empty string of at most ``max_id_chars`` (or none)."""
+        if value is None:
+            return
+        if not isinstance(value, str) or not value:
+            raise ValidationError("request.schema", f"{field} must be a string", field=field)
+        if len(value) > self.max_id_chars:
+            raise ValidationError(
+                rule,
+                f"{field} has {len(value)} characters; the limit is {self.max_id_chars} "
+                "(EPD_API_MAX_ID_CHARS)",
+                field=field,
+            )
+
+    def check_metadata(self, metadata: Mapping[str, Any] | None) -> None:
+        """At most ``max_metadata_keys`` string labels, each key and value at most
+        ``max_metadata_chars``, all together at most ``max_metadata_bytes`` (UTF-8)."""
+        if metadata is None:
+            return
+        if len(metadata) > self.max_metadata_keys:
+            raise ValidationError(
+                "request.metadata",
+                f"metadata has {len(metadata)} keys; the limit is {self.max_metadata_keys} "
+                "(EPD_API_MAX_METADATA_KEYS)",
+                field="metadata",
+            )
+        total = 0
+        for key, value in metadata.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise ValidationError(
+                    "request.schema", "metadata keys and values must be strings", field="metadata"
+                )
+            longest = max(len(key), len(value))
+            if longest > self.max_metadata_chars:
+                raise ValidationError(
+                    "request.metadata",
+                    f"metadata[{key[:32]!r}] has {longest} characters; the limit is "
+                    f"{self.max_metadata_chars} per key or value (EPD_API_MAX_METADATA_CHARS)",
+                    field="metadata",
+                )
+            total += len(key.encode()) + len(value.encode())
+        if total > self.max_metadata_bytes:
+            raise ValidationError(
+                "request.metadata",
+                f"metadata holds {total} bytes; the limit is {self.max_metadata_bytes} "
+                "(EPD_API_MAX_METADATA_BYTES)",
+                field="metadata",
+            )
+
+    def check_prompt(self, prompt: str | None, token_ids: list[int] | None) -> None:
+        """A prompt of at most ``max_prompt_chars`` characters; at most ``context_tokens``
+        token ids (the context holds no more, whatever ``max_tokens`` is)."""
+        if prompt is not None and len(prompt) > self.max_prompt_chars:
+            raise ValidationError(
+                "request.prompt",
+                f"prompt has {len(prompt)} characters; the limit is {self.max_prompt_chars} "
+                "(EPD_API_MAX_PROMPT_CHARS)",
+                field="prompt",
+            )
+        if token_ids is not None and len(token_ids) >= self.context_tokens:
+            raise ValidationError(
+                "context-length",
+                f"{len(token_ids)} token ids leave no room in the context of "
+                f"{self.context_tokens} tokens",
+                field="token_ids",
+            )
+
+    def check_counts(self, images: int, videos: int) -> None:
+        """At most ``max_images`` images and ``max_videos`` videos."""
+        for n, most, what, setting in (
+            (images, self.max_images, "image", "EPD_API_MAX_IMAGES"),
+            (videos, self.max_videos, "video", "EPD_API_MAX_VIDEOS"),
+        ):
+            if n > most:
+                raise ValidationError(
+                    f"{what}.count",
+                    f"{n} {what}s; the limit is {most} ({setting})",
+                    modality=what,
+                    field=f"{what}s",
+                )
+
+    def check_submission(
+        self,
+        sampling: SamplingParams,
+        cache_salt: Any,
+        metadata: Mapping[str, Any] | None,
+        deadline_s: float | None = None,
+    ) -> None:
+        """What the intake checks of every submission before rendering it."""
+        self.check_sampling(sampling.max_tokens, sampling.temperature)
+        self.check_cache_salt(cache_salt)
+        self.check_metadata(metadata)
+        self.check_deadline(deadline_s)
+
+    # -------------------------------------------------------------- once the tokens are known
+
+    def check_event(self, ev: RenderEvent) -> None:
+        """A rendered request, before anything of it is stored or sent: items per modality,
+        item labels, every token id inside the vocabulary, prompt + ``max_tokens`` inside the
+        context."""
+        counts = {m: len(h) for m, h in ev.features.mm_hashes.items()}
+        self.check_counts(counts.get("image", 0), counts.get("video", 0))
+        for modality, index, label in ev.features.items():
+            if len(label) > self.max_id_chars:
+                raise ValidationError(
+                    "request.mm_hash",
+                    f"the item's mm_hash has {len(label)} characters; the limit is "
+                    f"{self.max_id_chars} (EPD_API_MAX_ID_CHARS)",
+                    modality=modality,
+                    item=index,
+                    field="features.mm_hashes",
+                )
+        self.check_tokens(ev.token_ids, ev.sampling.max_tokens)
+
+    def check_tokens(self, token_ids: list[int], max_tokens: int) -> None:
+        """Rules ``render.token_ids`` (every id in ``[0, vocab)``: on CUDA an id outside the
+        embedding table kills the worker) and ``context-length``."""
+        vocab = self.vocab_size
+        for i, t in enumerate(token_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValidationError(
+                    "render.token_ids",
+                    f"token_ids[{i}] = {t!r} is outside the vocabulary [0, {vocab})",
+                    field="token_ids",
+                    item=i,
+                )
+        if len(token_ids) + max_tokens > self.context_tokens:
+            raise ValidationError(
+                "context-length",
+                f"{len(token_ids)} prompt tokens + max_tokens {max_tokens} exceed the context "
+                f"of {self.context_tokens} tokens",
+                field="token_ids",
+            )
