@@ -1,7 +1,8 @@
 """Python client of the HTTP API (httpx): ``EPDClient`` (async) and ``SyncEPDClient``.
 
 Both speak the same routes with the same typed results; server errors become typed exceptions
-carrying the server's ``code`` and ``rule``; 429 and 503 are retried, honouring ``Retry-After``.
+carrying the server's ``code`` and ``rule``; 429 and 503 are retried, honouring ``Retry-After``
+with jitter (:class:`RetryPolicy`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import math
+import random
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -179,12 +182,43 @@ def _raise_for(resp: httpx.Response) -> None:
     raise _ERRORS.get(resp.status_code, EPDError)(resp.status_code, body, resp.text[:500])
 
 
-def _retry_after(resp: httpx.Response, attempt: int) -> float:
-    value = resp.headers.get("retry-after", "")
-    try:
-        return max(0.0, min(float(value), 60.0))
-    except ValueError:
-        return min(0.25 * 2**attempt, 5.0)
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """When a call is tried again, and after how long: one loop for both clients, no
+    recursion however many tries.
+
+    429 and 503 are retried after the server's ``Retry-After`` (a number of seconds, at most
+    ``max_delay_s``), or else an exponential backoff from ``base_s``; either way stretched by a
+    random factor in ``[1, 1 + jitter]``, so clients throttled together do not come back
+    together. A broken connection is retried the same way when the call is safe to repeat (a
+    GET or DELETE, or a POST under an ``Idempotency-Key``).
+    """
+
+    retries: int = 5
+    base_s: float = 0.25
+    max_delay_s: float = 30.0
+    jitter: float = 0.5
+
+    def delay(self, attempt: int, retry_after: str | None, rng: random.Random) -> float:
+        """Seconds to wait before try ``attempt + 1`` (``attempt`` counts from 0)."""
+        backoff = min(self.base_s * 2 ** min(attempt, 32), self.max_delay_s)
+        try:
+            given = float(retry_after) if retry_after else None
+        except ValueError:
+            given = None  # an HTTP date or garbage: back off on our own
+        wait = backoff if given is None or not math.isfinite(given) else given
+        wait = min(max(wait, 0.0), self.max_delay_s)
+        return wait * (1.0 + self.jitter * rng.random())
+
+    def retryable(self, resp: httpx.Response | None, method: str, idempotent: bool) -> bool:
+        """Whether an answer (``resp``) or a broken connection (None) is worth another try."""
+        if resp is not None:
+            return resp.status_code in (429, 503)
+        return method in ("GET", "DELETE", "HEAD") or idempotent
+
+
+RETRYABLE_TRANSPORT = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)
+"""Connection failures where the server may not have seen the call (or a repeat is safe)."""
 
 
 # ----------------------------------------------------------------------------- requests
@@ -279,8 +313,10 @@ class EPDClient:
         timeout_s: float = 30.0,
         retries: int = 5,
         transport: httpx.AsyncBaseTransport | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
-        self.retries = retries
+        self.retry = retry or RetryPolicy(retries=retries)
+        self._rng = random.Random()
         self._http = httpx.AsyncClient(
             base_url=base_url.rstrip("/"),
             headers=_headers(token),
@@ -298,14 +334,25 @@ class EPDClient:
         await self._http.aclose()
 
     async def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
-        for attempt in range(self.retries + 1):
-            resp = await self._http.request(method, url, **kw)
-            if resp.status_code in (429, 503) and attempt < self.retries:
-                await asyncio.sleep(_retry_after(resp, attempt))
-                continue
-            _raise_for(resp)
-            return resp
-        raise AssertionError("unreachable")
+        idempotent = "Idempotency-Key" in (kw.get("headers") or {})
+        attempt = 0
+        while True:
+            try:
+                resp: httpx.Response | None = await self._http.request(method, url, **kw)
+            except RETRYABLE_TRANSPORT:
+                if attempt >= self.retry.retries or not self.retry.retryable(
+                    None, method, idempotent
+                ):
+                    raise
+                resp = None
+            if resp is not None and (
+                attempt >= self.retry.retries or not self.retry.retryable(resp, method, idempotent)
+            ):
+                _raise_for(resp)
+                return resp
+            after = resp.headers.get("retry-after") if resp is not None else None
+            await asyncio.sleep(self.retry.delay(attempt, after, self._rng))
+            attempt += 1
 
     async def submit(
         self,
@@ -403,8 +450,10 @@ class SyncEPDClient:
         token: str | None = None,
         timeout_s: float = 30.0,
         retries: int = 5,
+        retry: RetryPolicy | None = None,
     ) -> None:
-        self.retries = retries
+        self.retry = retry or RetryPolicy(retries=retries)
+        self._rng = random.Random()
         self._http = httpx.Client(
             base_url=base_url.rstrip("/"), headers=_headers(token), timeout=timeout_s
         )
@@ -419,14 +468,25 @@ class SyncEPDClient:
         self._http.close()
 
     def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
-        for attempt in range(self.retries + 1):
-            resp = self._http.request(method, url, **kw)
-            if resp.status_code in (429, 503) and attempt < self.retries:
-                time.sleep(_retry_after(resp, attempt))
-                continue
-            _raise_for(resp)
-            return resp
-        raise AssertionError("unreachable")
+        idempotent = "Idempotency-Key" in (kw.get("headers") or {})
+        attempt = 0
+        while True:
+            try:
+                resp: httpx.Response | None = self._http.request(method, url, **kw)
+            except RETRYABLE_TRANSPORT:
+                if attempt >= self.retry.retries or not self.retry.retryable(
+                    None, method, idempotent
+                ):
+                    raise
+                resp = None
+            if resp is not None and (
+                attempt >= self.retry.retries or not self.retry.retryable(resp, method, idempotent)
+            ):
+                _raise_for(resp)
+                return resp
+            after = resp.headers.get("retry-after") if resp is not None else None
+            time.sleep(self.retry.delay(attempt, after, self._rng))
+            attempt += 1
 
     def submit(
         self,

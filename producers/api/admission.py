@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -130,16 +131,22 @@ class ApiAdmission:
                 "throttled",
                 f"the encoders are {self.lag.lag} events behind (limit {s.api_max_encode_lag})",
                 rule="admission.encode_lag",
-                retry_after_s=s.api_retry_after_s,
+                retry_after_s=spread(s.api_retry_after_s),
             )
         if not await self.status.admit(request_id, s.api_max_in_flight):
             raise Refused(
                 "throttled",
                 f"{s.api_max_in_flight} requests are in flight",
                 rule="admission.in_flight",
-                retry_after_s=s.api_retry_after_s,
+                retry_after_s=spread(s.api_retry_after_s),
             )
 
     async def release(self, request_id: str) -> None:
         """Give the in-flight slot back."""
         await self.status.release(request_id)
+
+
+def spread(base_s: int) -> int:
+    """A ``Retry-After`` between ``base_s`` and twice it: clients throttled in one burst are
+    told different times, so they do not all come back in the same second."""
+    return random.randint(max(1, base_s), 2 * max(1, base_s))

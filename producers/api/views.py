@@ -5,6 +5,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from runtime.status_store import encoded_items
+
+ENCODE_MARK = "encode."
+"""Stage names of the per-item encode marks (``encode.<hash12>``, from ``encoded_update``)."""
+
 
 def iso(ms: float | int | None) -> str | None:
     """Milliseconds since the epoch as ISO-8601 UTC with milliseconds."""
@@ -20,6 +25,18 @@ def _stage(started: float | None, finished: float | None, ms: float | None = Non
     return {"started": iso(started), "finished": iso(finished), "ms": ms}
 
 
+def _encode_finished(stages: dict[str, float], last: dict[str, float]) -> float | None:
+    """When the last item's encode mark landed: each item's stage writes its own mark
+    (``encode.<hash12>:encoding``); a stage that reported as a whole wrote ``encode:encoding``."""
+    marks = [
+        t
+        for seen in (stages, last)
+        for key, t in seen.items()
+        if key.endswith(":encoding") and (key.startswith(ENCODE_MARK) or key == "encode:encoding")
+    ]
+    return max(marks) if marks else None
+
+
 def status_view(rec: dict[str, Any]) -> dict[str, Any]:
     """``RequestStatus`` from a record: stage timings from the stage updates' times."""
     stages: dict[str, float] = rec.get("stages", {})
@@ -28,12 +45,13 @@ def status_view(rec: dict[str, Any]) -> dict[str, Any]:
     info: dict[str, str] = rec.get("info", {})
     status = rec["status"]
     render = rec.get("render") or {}
-    encode_ms = [v for k, v in timings.items() if k.startswith("encode.")]
-    enc_done = last.get("encode:encoding", stages.get("encode:encoding"))
+    encode_ms = [v for k, v in timings.items() if k.startswith(ENCODE_MARK)]
+    enc_done = _encode_finished(stages, last)
     prefill_start = stages.get("prefill:prefilling")
     decode_start = stages.get("prefill:decoding")
     done = stages.get("prefill:completed")
     cached = set(rec.get("cached") or [])
+    encoded = encoded_items(info)
     items = []
     for it in rec.get("items") or []:
         h = it["mm_hash"]
@@ -43,7 +61,7 @@ def status_view(rec: dict[str, Any]) -> dict[str, Any]:
                 "modality": it["modality"],
                 "mm_hash": h,
                 "cache_hit": hit,
-                "encoded": bool(hit) or f"encoded.{h[:12]}" in info or status == "completed",
+                "encoded": bool(hit) or h[:12] in encoded or status == "completed",
             }
         )
     result = None

@@ -162,39 +162,74 @@ def test_no_client_salt_on_an_open_api_equals_a_tenant_salt(tenant: str) -> None
 
 
 def test_status_view_stages_and_items() -> None:
-    rec = {
-        "request_id": "r",
-        "status": "completed",
-        "created_ms": 1_000,
-        "updated_ms": 2_000,
-        "stages": {
-            "api:queued": 1_000,
-            "fanout:encoding": 1_100,
-            "encode:encoding": 1_200,
-            "prefill:prefilling": 1_300,
-            "prefill:decoding": 1_350,
-            "prefill:completed": 1_500,
-        },
-        "stages_last": {"encode:encoding": 1_250},
-        "timings": {"encode.image0": 40.0, "encode.image1": 10.0},
-        "info": {"encoded.aaaaaaaaaaaa": "1"},
-        "render": {"started_ms": 1_000, "finished_ms": 1_050, "ms": 48.0},
-        "items": [
-            {"modality": "image", "index": 0, "mm_hash": "a" * 64},
-            {"modality": "image", "index": 1, "mm_hash": "b" * 64},
-        ],
-        "cached": ["b" * 64],
-        "token_ids": [1, 2],
-        "text": "hi",
-        "error": None,
-    }
+    """The record is folded from the updates the stages really send (the encoder's per-item
+    marks included), not built by hand: a view reading a key nothing writes shows up here."""
+    from runtime.status_store import encoded_update, fold, new_record
+    from schemas.types import ResultEvent
+
+    a, b = "a" * 64, "b" * 64
+    rec: Any = new_record("r", created_ms=1_000)
+    rec["stages"]["api:queued"] = 1_000
+    rec.update(
+        {
+            "render": {"started_ms": 1_000, "finished_ms": 1_050, "ms": 48.0},
+            "items": [
+                {"modality": "image", "index": 0, "mm_hash": a},
+                {"modality": "image", "index": 1, "mm_hash": b},
+            ],
+            "cached": [],
+        }
+    )
+    updates = [
+        ResultEvent("r", "fanout", "encoding", created_ms=1_100),
+        encoded_update(_encoded(a, 40.0, 1_200)),
+        encoded_update(_encoded(b, 10.0, 1_250)),
+        ResultEvent("r", "prefill", "prefilling", created_ms=1_300),
+        ResultEvent("r", "prefill", "decoding", created_ms=1_350),
+        ResultEvent("r", "prefill", "completed", token_ids=[1, 2], text="hi", created_ms=1_500),
+    ]
+    for ev in updates:
+        rec = fold(rec, ev) or rec
     v = status_view(rec)
     assert v["created_at"] == iso(1_000) == "1970-01-01T00:00:01.000Z"
     assert v["stages"]["render"]["ms"] == 48.0
     assert v["stages"]["encode"] == {"started": iso(1_100), "finished": iso(1_250), "ms": 50.0}
     assert v["stages"]["prefill"]["ms"] == 50.0 and v["stages"]["decode"]["ms"] == 150.0
-    assert [(i["cache_hit"], i["encoded"]) for i in v["items"]] == [(False, True), (True, True)]
+    assert [(i["cache_hit"], i["encoded"]) for i in v["items"]] == [(False, True), (False, True)]
     assert v["result"] == {"token_ids": [1, 2], "text": "hi"}
+
+
+def _encoded(mm_hash: str, ms: float, at: int) -> Any:
+    from schemas.types import EncodedEvent
+
+    return EncodedEvent(
+        mm_hash,
+        "r",
+        "m",
+        "redis://",
+        f"ec:x:{mm_hash}",
+        "fp32",
+        [4, 8],
+        encode_ms=ms,
+        created_ms=at,
+    )
+
+
+def test_a_cancelled_record_shows_the_tokens_it_has() -> None:
+    """A request cancelled mid-decode: when its record holds the tokens generated before the
+    cancel took effect, the view returns them with the ``cancelled`` status."""
+    rec = {
+        "request_id": "r",
+        "status": "cancelled",
+        "created_ms": 1_000,
+        "stages": {"api:cancelled": 1_400},
+        "token_ids": [5, 6, 7],
+        "text": "abc",
+        "error": {"code": "cancelled", "message": "cancelled by the client"},
+    }
+    v = status_view(rec)
+    assert v["status"] == "cancelled" and v["result"] == {"token_ids": [5, 6, 7], "text": "abc"}
+    assert v["error"]["code"] == "cancelled"
 
 
 def test_api_statuses_are_the_pipelines_statuses() -> None:
