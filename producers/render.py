@@ -112,6 +112,26 @@ def _check_time(give_up_at: float | None, modality: str, item: int) -> None:
         raise _timeout(modality, item)
 
 
+def _bomb_pixels(exc: Exception) -> int | None:
+    """The pixel count in Pillow's decompression-bomb message ("Image size (N pixels) ...")."""
+    found = re.search(r"\((\d+) pixels\)", str(exc))
+    return int(found.group(1)) if found else None
+
+
+def _marker_count_message(
+    prompt: str, kind: str, marker: str, block: str, found: int, given: int
+) -> str:
+    """Marks of one modality vs the items given, each spelling of a mark counted apart (the
+    chat template's block counts as a mark, which a prompt mixing both spellings trips on)."""
+    blocks = prompt.count(block)
+    spelled = f"{found - blocks} {marker!r}"
+    if blocks:
+        spelled += f" and {blocks} {block!r} (the chat template's {kind} block, also a mark)"
+    items = f"{given} {kind} was" if given == 1 else f"{given} {kind}s were"
+    marks = f"{found} {kind}" + ("" if found == 1 else "s")
+    return f"the prompt marks {marks} ({spelled}) but {items} given"
+
+
 def _placeholder_count(grid: torch.Tensor, merge_size: int) -> int:
     t, h, w = (int(x) for x in grid.reshape(-1).tolist())
     return t * h * w // (merge_size * merge_size)
@@ -243,25 +263,41 @@ class Renderer:
                 item=index,
             )
         with _pil_errors(index):
-            if isinstance(src, Image.Image):
-                img = src
-            elif isinstance(src, str | Path):
-                img = Image.open(Path(src), formats=IMAGE_FORMATS)
-            else:
-                # Image.open reads only the header here; pixels are decoded by load() below,
-                # after the size check.
-                img = Image.open(io.BytesIO(bytes(src)), formats=IMAGE_FORMATS)
+            try:
+                if isinstance(src, Image.Image):
+                    img = src
+                elif isinstance(src, str | Path):
+                    img = Image.open(Path(src), formats=IMAGE_FORMATS)
+                else:
+                    # Image.open reads only the header here; pixels are decoded by load()
+                    # below, after the size check.
+                    img = Image.open(io.BytesIO(bytes(src)), formats=IMAGE_FORMATS)
+            except Image.DecompressionBombError as e:
+                # Pillow's own guard answers first for a huge header; say ours.
+                raise self._too_large(_bomb_pixels(e), index) from None
         w, h = img.size
         if w <= 0 or h <= 0 or w * h > self.max_image_pixels:
-            raise RenderError(
-                "render.image_too_large",
-                f"image is {w}x{h} = {w * h} pixels; the limit is {self.max_image_pixels}",
-                modality="image",
-                item=index,
-            )
+            raise self._too_large(w * h, index, f"{w}x{h} = ")
         with _pil_errors(index):
             img.load()
             return upright_rgb(img)
+
+    def _too_large(self, pixels: int | None, index: int, size: str = "") -> RenderError:
+        """Rule ``render.image_too_large``, naming this renderer's limit."""
+        limit = self.max_image_pixels
+        guard = f"Pillow's decompression bomb guard ({2 * (Image.MAX_IMAGE_PIXELS or 0)} pixels)"
+        if pixels is None:
+            what = f"image is larger than {guard}"
+        elif pixels <= limit:  # above Pillow's guard though within ours
+            what = f"image is {size}{pixels} pixels, above {guard}"
+        else:
+            what = f"image is {size}{pixels} pixels"
+        return RenderError(
+            "render.image_too_large",
+            f"{what}; the limit is {limit} pixels (EPD_MAX_IMAGE_PIXELS)",
+            modality="image",
+            item=index,
+        )
 
     def process_image(self, img: Image.Image, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Processor output for one image: ``pixel_values (patches, dim)``, grid ``(3,)`` int64."""
@@ -303,15 +339,14 @@ class Renderer:
                 )
         parts = _MARKERS.split(text)
         kinds = ["image" if m == IMAGE_MARKER else "video" for m in parts[1::2]]
-        for kind, marker, given in (
-            ("image", IMAGE_MARKER, n_images),
-            ("video", VIDEO_MARKER, n_videos),
+        for kind, marker, block, given in (
+            ("image", IMAGE_MARKER, QWEN_IMAGE_BLOCK, n_images),
+            ("video", VIDEO_MARKER, QWEN_VIDEO_BLOCK, n_videos),
         ):
             if kinds.count(kind) != given:
                 raise RenderError(
                     "render.marker_count",
-                    f"prompt has {kinds.count(kind)} {marker!r} markers but {given} {kind}s "
-                    "were given",
+                    _marker_count_message(prompt, kind, marker, block, kinds.count(kind), given),
                     field="prompt",
                 )
         return [self._text_ids(p) for p in parts[0::2]], kinds
@@ -386,28 +421,51 @@ class Renderer:
         """
         if (prompt is None) == (token_ids is None):
             raise RenderError("render.prompt", "give exactly one of prompt or token_ids")
-        images = list(images)
-        if len(images) > self.max_images:
-            raise RenderError(
-                "render.too_many_images",
-                f"{len(images)} images; the limit is {self.max_images}",
-                modality="image",
-            )
-        videos = list(videos)
-        if len(videos) > self.max_images:
-            raise RenderError(
-                "render.too_many_videos",
-                f"{len(videos)} videos; the limit is {self.max_images}",
-                modality="video",
-            )
+        sources: dict[str, list[Any]] = {"image": list(images), "video": list(videos)}
+        self._check_counts(sources)
+        n_images, n_videos = len(sources["image"]), len(sources["video"])
         if prompt is not None:
-            segments, kinds = self._prompt_segments(prompt, len(images), len(videos))
+            segments, kinds = self._prompt_segments(prompt, n_images, n_videos)
         else:
-            segments, kinds = self._token_segments(token_ids or [], len(images), len(videos))
+            segments, kinds = self._token_segments(token_ids or [], n_images, n_videos)
+        ids, items = self._splice(segments, kinds, sources, cache_salt, give_up_at)
+        if not ids:
+            raise RenderError("render.prompt", "the rendered prompt has no tokens")
+        return RenderEvent(
+            request_id=request_id,
+            model=self.info.model_name,
+            token_ids=ids,
+            features=build_features(items),
+            sampling=sampling if sampling is not None else SamplingParams(),
+            cache_salt=cache_salt,
+            deadline_ms=deadline_ms,
+            trace=dict(trace or {}),
+        )
 
+    def _check_counts(self, sources: dict[str, list[Any]]) -> None:
+        for kind, rule in (
+            ("image", "render.too_many_images"),
+            ("video", "render.too_many_videos"),
+        ):
+            if len(sources[kind]) > self.max_images:
+                raise RenderError(
+                    rule,
+                    f"{len(sources[kind])} {kind}s; the limit is {self.max_images}",
+                    modality=kind,
+                )
+
+    def _splice(
+        self,
+        segments: list[list[int]],
+        kinds: list[str],
+        sources: dict[str, list[Any]],
+        cache_salt: str | None,
+        give_up_at: float | None,
+    ) -> tuple[list[int], list[_Item]]:
+        """The prompt's token ids with each item's placeholder run spliced in at its marker,
+        and the rendered items."""
         info = self.info
         pad_id = {"image": info.image_token_id, "video": info.video_token_id}
-        sources: dict[str, list[Any]] = {"image": images, "video": videos}
         seen = {"image": 0, "video": 0}
         ids: list[int] = list(segments[0])
         items: list[_Item] = []
@@ -415,13 +473,7 @@ class Renderer:
             i = seen[kind]
             seen[kind] += 1
             _check_time(give_up_at, kind, i)
-            if kind == "image":
-                pv, grid = self.process_image(self.load_image(sources[kind][i], i), i)
-                data: ItemData = {MAIN_ENCODER_INPUT["image"]: pv, GRID_FIELDS["image"]: grid}
-                meta: ItemData = {GRID_FIELDS["image"]: grid}
-            else:
-                video = self.videos.render(sources[kind][i], i, give_up_at=give_up_at)
-                data, meta, grid = video.data, video.metadata, video.grid
+            data, meta, grid = self._item(kind, sources[kind][i], i, give_up_at)
             n = _placeholder_count(grid, info.merge_size)
             ids.append(info.vision_start_id)
             offset = len(ids)
@@ -438,18 +490,18 @@ class Renderer:
                     metadata=meta,
                 )
             )
-        if not ids:
-            raise RenderError("render.prompt", "the rendered prompt has no tokens")
-        return RenderEvent(
-            request_id=request_id,
-            model=info.model_name,
-            token_ids=ids,
-            features=build_features(items),
-            sampling=sampling if sampling is not None else SamplingParams(),
-            cache_salt=cache_salt,
-            deadline_ms=deadline_ms,
-            trace=dict(trace or {}),
-        )
+        return ids, items
+
+    def _item(
+        self, kind: str, source: Any, index: int, give_up_at: float | None
+    ) -> tuple[ItemData, ItemData | None, torch.Tensor]:
+        """One item's encoder inputs, its metadata and its grid."""
+        if kind == "image":
+            pv, grid = self.process_image(self.load_image(source, index), index)
+            data: ItemData = {MAIN_ENCODER_INPUT["image"]: pv, GRID_FIELDS["image"]: grid}
+            return data, {GRID_FIELDS["image"]: grid}, grid
+        video = self.videos.render(source, index, give_up_at=give_up_at)
+        return video.data, video.metadata, video.grid
 
     async def render_async(
         self, request_id: str, *, timeout_s: float | None = None, **kwargs: Any

@@ -55,7 +55,7 @@ class LagMonitor:
         consumer never joins the group (no subscription), it only reads its offsets."""
         parts = consumer.partitions_for_topic(self.topic)
         if parts is None:
-            await consumer._client.force_metadata_update()
+            await consumer.topics()  # public: fetches fresh metadata (partitions included)
             parts = consumer.partitions_for_topic(self.topic) or set()
         tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
         if not tps:

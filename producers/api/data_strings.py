@@ -10,19 +10,26 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from dataclasses import dataclass
 
 from producers.api.errors import ApiError, bad_request
 
-# Magic bytes of the image formats the renderer accepts; anything else is 415.
+# Magic bytes of the image formats the renderer decodes (producers.pictures.IMAGE_FORMATS:
+# PNG, JPEG, WebP, GIF, BMP); anything else is 415.
 IMAGE_MAGIC: tuple[tuple[str, bytes, int], ...] = (
     ("image/png", b"\x89PNG\r\n\x1a\n", 0),
     ("image/jpeg", b"\xff\xd8\xff", 0),
     ("image/gif", b"GIF87a", 0),
     ("image/gif", b"GIF89a", 0),
     ("image/webp", b"WEBP", 8),  # RIFF....WEBP
+    ("image/bmp", b"BM", 0),  # and a DIB header size at 14, checked below
 )
 IMAGE_TYPES = frozenset(t for t, _, _ in IMAGE_MAGIC)
+BMP_DIB_SIZES = frozenset({12, 40, 52, 56, 64, 108, 124})
+"""Sizes of the BMP info headers Pillow reads ("BM" alone is too weak a magic)."""
+STD_BASE64 = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=")
+_URL_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://|[A-Za-z]:\\|file:")
 
 
 def sniff_image_type(data: bytes) -> str | None:
@@ -31,8 +38,35 @@ def sniff_image_type(data: bytes) -> str | None:
         if data[offset : offset + len(magic)] == magic:
             if mime == "image/webp" and data[:4] != b"RIFF":
                 continue
+            if mime == "image/bmp" and int.from_bytes(data[14:18], "little") not in BMP_DIB_SIZES:
+                continue
             return mime
     return None
+
+
+def base64_problem(text: str) -> str:
+    """What is wrong with a string that is not standard base64, in words a client can act on
+    (checked only once decoding failed)."""
+    if (
+        _URL_SCHEME.match(text)
+        or text.startswith(("./", "../", "~/"))
+        or (text.startswith("/") and len(text) < 1024 and ("." in text or text.count("/") > 1))
+    ):
+        return "this looks like a file path or URL; send the file's bytes (base64), not a name"
+    bad = next(
+        ((i, c) for i, c in enumerate(text) if c not in STD_BASE64 and not c.isspace()), None
+    )
+    text = "".join(text.split())  # line breaks are fine (MIME wraps base64)
+    if bad is not None and bad[1] in "-_" and all(c in STD_BASE64 or c in "-_" for c in text):
+        return "URL-safe base64 ('-' and '_') is not accepted; use the standard alphabet ('+', '/')"
+    if bad is not None:
+        return f"character {bad[1]!r} at position {bad[0]} is not base64"
+    if len(text) % 4:
+        return (
+            f"the base64 text has {len(text)} characters, not a multiple of 4: is its "
+            "'=' padding missing?"
+        )
+    return "the base64 padding ('=') is misplaced"
 
 
 def check_image_bytes(data: bytes, index: int, limit: int) -> str:
@@ -127,7 +161,7 @@ def decode_data_string(
         return base64.b64decode(compact, validate=True)
     except (binascii.Error, ValueError):
         raise bad_request(
-            f"{where.hint} (file paths and URLs are not accepted)",
+            f"{where.hint}: {base64_problem(payload)}",
             rule=f"{where.rule}.encoding",
             field=where.field,
             item=index,

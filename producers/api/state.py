@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
+from aiokafka.admin import AIOKafkaAdminClient
 
 from producers.api.admission import ApiAdmission, LagMonitor
 from producers.api.metrics import Metrics
@@ -49,6 +50,8 @@ class ApiState:
     publisher: KafkaPublisher
     intake: Intake
     kafka_ready: asyncio.Event = field(default_factory=asyncio.Event)
+    admin: AIOKafkaAdminClient | None = None
+    """Started with the publisher: ``/readyz`` lists the topics through it."""
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
     @classmethod
@@ -132,6 +135,9 @@ class ApiState:
         await self.notifier.close()
         with contextlib.suppress(Exception):
             await self.publisher.stop()
+        if self.admin is not None:
+            with contextlib.suppress(Exception):
+                await self.admin.close()
         await self.store.close()
         await self.redis.aclose()
 
@@ -141,6 +147,9 @@ class ApiState:
         while True:
             try:
                 await self.publisher.start()
+                admin = AIOKafkaAdminClient(bootstrap_servers=self.settings.kafka_bootstrap)
+                await admin.start()
+                self.admin = admin
                 self.kafka_ready.set()
                 log.info("connected to Kafka at %s", self.settings.kafka_bootstrap)
                 return

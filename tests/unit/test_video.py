@@ -326,7 +326,8 @@ def test_layout_mixed_with_images_in_any_order(renderer: Renderer) -> None:
 
 
 def test_marker_counts_are_checked(renderer: Renderer) -> None:
-    with pytest.raises(ValidationError, match="1 '<video>' markers but 2 videos"):
+    marks = r"marks 1 video \(1 '<video>'\) but 2 videos were given"
+    with pytest.raises(ValidationError, match=marks):
         renderer.render("r", prompt="<video>", videos=[synthetic_frames(2, 56, 56)] * 2)
     ids = [1, renderer.info.video_token_id]
     with pytest.raises(ValidationError, match="1 video pad tokens but 0 videos"):
