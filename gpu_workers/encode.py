@@ -50,6 +50,15 @@ log = logging.getLogger(__name__)
 Job = tuple[torch.Tensor, torch.Tensor]
 
 
+class InputLost(Exception):
+    """A claim-checked input that is not in the store any more: retrying cannot bring it
+    back, and it was valid when it was sent (``failed``/``input-lost``, never ``rejected``)."""
+
+    def __init__(self, info: ErrorInfo) -> None:
+        super().__init__(info.message)
+        self.info = info
+
+
 class EncodeWorker:
     """Handles EncodeEvents; plug :meth:`handle` into a ConsumeLoop."""
 
@@ -131,14 +140,18 @@ class EncodeWorker:
             raw = await self.store.get_bytes(value.key)
             self.metrics.bytes_in.inc(len(raw))
         except StoreKeyMissing:
-            # The fan-out stores the input before it sends the event: missing means expired.
-            # Retrying cannot bring it back, so this is permanent (DLQ), not transient.
-            raise ValidationError(
-                "claim-check",
-                f"claim-checked input {value.key!r} is not in the store (expired?)",
-                modality=ev.modality,
-                item=ev.item_index,
-                field=name,
+            # The fan-out stores the input before it sends the event: missing means it expired
+            # while queued or was lost with the store. Ours to report, not the request's fault.
+            raise InputLost(
+                ErrorInfo(
+                    "input-lost",
+                    f"claim-checked input {value.key!r} is gone from the store (expired while "
+                    "queued, or lost with a store restart); resubmit the request",
+                    rule="claim-check",
+                    modality=ev.modality,
+                    item=ev.item_index,
+                    field=name,
+                )
             ) from None
         # Hashing and scanning megabytes takes milliseconds: keep it off the event loop.
         return await asyncio.to_thread(self._verified, value, raw, name, ev)
@@ -242,7 +255,14 @@ class EncodeWorker:
             )
 
     async def handle(self, ev: EncodeEvent) -> None:
-        """Encode one item (or find it already encoded) and announce it."""
+        """Encode one item (or find it already encoded) and announce it. An input lost with
+        the store is reported ``failed`` (``input-lost``): a failure of ours, not a rejection."""
+        try:
+            await self._handle(ev)
+        except InputLost as lost:
+            await self.report(ev.request_id, "failed", error=lost.info)
+
+    async def _handle(self, ev: EncodeEvent) -> None:
         # The deadline comes first: the fan-out caps ec_transfer expiry at the deadline, so a late
         # event would otherwise fail validation as ec-expired (rejected) instead of expiring.
         # Nothing is read or computed on this path.

@@ -360,18 +360,32 @@ async def test_claim_check_with_a_wrong_digest_is_rejected(
     assert not await store.exists(enc.ec_transfer.key)
 
 
-async def test_expired_claim_check_is_permanent_not_retried(
-    cfg: Settings, bundle: ModelBundle, renderer: Renderer, store: RedisStore, encoder: EncodeWorker
+async def test_expired_claim_check_is_reported_failed_not_rejected(
+    cfg: Settings, bundle: ModelBundle, renderer: Renderer, store: RedisStore
 ) -> None:
+    """A claim check gone from the store (expired while queued, lost with Redis) is ours to
+    report (``failed``/``input-lost``), not a rejection of the user's input, and not retried."""
+    from runtime.publisher import InMemoryPublisher
+    from schemas.types import ResultEvent
+
     p = await plan(cfg, store, bundle, render(renderer, (36,)))
     enc = p.encode[0]
     ref = enc.data["pixel_values"]
     assert isinstance(ref, TensorRef)
     await store.delete(ref.key)  # as if its TTL ran out before the encoder got to it
-    with pytest.raises(ValidationError) as err:
+    pub = InMemoryPublisher()
+    encoder = EncodeWorker(cfg, bundle, store, pub)
+    try:
         await encoder.handle(wire(enc))
-    assert (err.value.rule, err.value.field) == ("claim-check", "pixel_values")
-    assert "not in the store" in str(err.value)
+    finally:
+        await encoder.close()
+    [failed] = [e for e in pub.events(f"{cfg.topic_prefix}.results") if isinstance(e, ResultEvent)]
+    assert failed.status == "failed" and failed.error is not None
+    assert (failed.error.code, failed.error.rule, failed.error.field) == (
+        "input-lost",
+        "claim-check",
+        "pixel_values",
+    )
     assert encoder.items_encoded == 0
 
 
