@@ -15,7 +15,8 @@ COMMON = """\
 The API is at --url (default $EPD_API_URL or http://127.0.0.1:8000); give --token (default
 $EPD_API_TOKEN) when the API requires bearer tokens. Exit status: 0 when the request completed
 (or, without --wait, was accepted), 1 when it ended otherwise (failed, rejected, expired,
-cancelled) or the API refused it, 2 when the API cannot be reached.
+cancelled), the API refused it or an --image file cannot be read, 2 when the API cannot be
+reached.
 """
 
 
@@ -122,13 +123,22 @@ def _print_status(st: Any, as_json: bool) -> None:
 
 
 def _follow(client: Any, request_id: str, timeout_s: float) -> Any:
-    """Print each status change to stderr as it happens (SSE); then the final status."""
+    """Print each status change to stderr (SSE) with its time since the first, from the times
+    the server recorded (a finished request's history replays with its real stage times); then
+    the final status."""
     t0 = time.monotonic()
     last = None
+    first_ms: float | None = None
     try:
         for ev in client.events(request_id):
+            at = ev.data.get("at_ms")
+            if isinstance(at, int | float):
+                first_ms = at if first_ms is None else first_ms
+                elapsed = (at - first_ms) / 1000
+            else:
+                elapsed = time.monotonic() - t0
             if ev.status != last:
-                print(f"  {time.monotonic() - t0:7.2f}s  {ev.status}", file=sys.stderr, flush=True)
+                print(f"  {elapsed:7.2f}s  {ev.status}", file=sys.stderr, flush=True)
                 last = ev.status
             if time.monotonic() - t0 > timeout_s:
                 break
@@ -146,7 +156,14 @@ def _run(args: argparse.Namespace, body: Any) -> int:
         with _client(args) as client:
             return int(body(client))
     except EPDError as e:
-        print(f"error: {e}", file=sys.stderr)
+        hint = ""
+        if e.status == 401:
+            hint = (
+                " (give --token TOKEN or set EPD_API_TOKEN)"
+                if not args.token
+                else " (the API does not know this token)"
+            )
+        print(f"error: {e}{hint}", file=sys.stderr)
         return 1
     except (httpx.TransportError, OSError) as e:
         print(f"error: cannot reach the API at {args.url}: {e}", file=sys.stderr)
@@ -160,7 +177,7 @@ def run_submit(args: argparse.Namespace) -> int:
     for p in args.image:
         if not p.is_file():
             print(f"error: no such image file: {p}", file=sys.stderr)
-            return 2
+            return 1
 
     def body(client: Any) -> int:
         rid = client.submit(

@@ -14,6 +14,7 @@ import random
 import time
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 
 from producers.refusal import Refused
 from runtime.kafka import make_consumer
@@ -22,6 +23,13 @@ from runtime.status_store import StatusStore
 from schemas.topics import Topics
 
 log = logging.getLogger(__name__)
+
+
+async def _close(consumer: AIOKafkaConsumer, admin: AIOKafkaAdminClient) -> None:
+    with contextlib.suppress(Exception):
+        await consumer.stop()
+    with contextlib.suppress(Exception):
+        await admin.close()
 
 
 def consumer_lag(end: dict[TopicPartition, int], committed: dict[TopicPartition, int]) -> int:
@@ -50,14 +58,18 @@ class LagMonitor:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
 
-    async def sample(self, consumer: AIOKafkaConsumer) -> int:
+    async def sample(self, consumer: AIOKafkaConsumer, admin: AIOKafkaAdminClient) -> int:
         """One measurement: end offsets minus the encode group's committed offsets. The
-        consumer never joins the group (no subscription), it only reads its offsets."""
-        parts = consumer.partitions_for_topic(self.topic)
-        if parts is None:
-            await consumer.topics()  # public: fetches fresh metadata (partitions included)
-            parts = consumer.partitions_for_topic(self.topic) or set()
-        tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
+        consumer never joins the group (no subscription), it only reads its offsets; the
+        topic's partitions come from the admin client (public metadata)."""
+        described = await admin.describe_topics([self.topic])
+        parts = sorted(
+            p["partition"]
+            for d in described
+            if d.get("topic") == self.topic and not d.get("error_code")
+            for p in d.get("partitions", [])
+        )
+        tps = [TopicPartition(self.topic, p) for p in parts]
         if not tps:
             return 0
         end = await consumer.end_offsets(tps)
@@ -69,28 +81,35 @@ class LagMonitor:
         return consumer_lag(end, committed)
 
     async def _run(self) -> None:
-        consumer: AIOKafkaConsumer | None = None
+        clients: tuple[AIOKafkaConsumer, AIOKafkaAdminClient] | None = None
         try:
             while True:
                 try:
-                    if consumer is None:
-                        consumer = make_consumer(self.settings, group_id=self.group)
-                        await consumer.start()
-                    self.lag = await self.sample(consumer)
+                    clients = clients or await self._connect()
+                    self.lag = await self.sample(*clients)
                     self.sampled_at = time.monotonic()
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # broker down: keep the last sample; start afresh
                     log.debug("encode lag sample failed: %s", exc)
-                    if consumer is not None:
-                        with contextlib.suppress(Exception):
-                            await consumer.stop()
-                        consumer = None
+                    if clients is not None:
+                        await _close(*clients)
+                    clients = None
                 await asyncio.sleep(self.interval_s)
         finally:
-            if consumer is not None:
-                with contextlib.suppress(Exception):
-                    await consumer.stop()
+            if clients is not None:
+                await _close(*clients)
+
+    async def _connect(self) -> tuple[AIOKafkaConsumer, AIOKafkaAdminClient]:
+        consumer = make_consumer(self.settings, group_id=self.group)
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.settings.kafka_bootstrap)
+        try:
+            await consumer.start()
+            await admin.start()
+        except BaseException:
+            await _close(consumer, admin)
+            raise
+        return consumer, admin
 
     def over(self, limit: int) -> bool:
         """True when a recent sample (under 10 s old) is above ``limit`` (0 disables)."""

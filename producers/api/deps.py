@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from producers.api.errors import not_found
+from producers.api.errors import ApiError, not_found
 from producers.api.state import ApiState
 
 bearer = HTTPBearer(
@@ -47,3 +47,30 @@ async def owned_record(request_id: str, st: State, tenant: Tenant) -> dict[str, 
 
 
 OwnedRecord = Annotated[dict[str, Any], Depends(owned_record)]
+
+
+def long_poll_wait(
+    st: State,
+    wait: Annotated[
+        float,
+        Query(
+            ge=0,
+            allow_inf_nan=False,
+            description="long-poll up to this many seconds (at most EPD_API_MAX_WAIT_S) until "
+            "the status changes",
+        ),
+    ] = 0.0,
+) -> float:
+    """``?wait=``, within ``EPD_API_MAX_WAIT_S`` (checked before the record is looked up)."""
+    if wait > st.limits.max_wait_s:
+        raise ApiError(
+            422,
+            "validation_failed",
+            f"wait is {wait:g} s; the limit is {st.limits.max_wait_s:g} (EPD_API_MAX_WAIT_S)",
+            rule="request.wait",
+            field="wait",
+        )
+    return wait
+
+
+Wait = Annotated[float, Depends(long_poll_wait)]

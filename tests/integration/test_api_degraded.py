@@ -86,6 +86,8 @@ async def test_kafka_down_is_503_until_it_connects(settings: Settings) -> None:
 
 
 async def test_encode_backlog_beyond_the_bound_is_429(topic_settings: Settings) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient
+
     from producers.api.admission import LagMonitor
     from runtime.kafka import make_consumer, make_producer
     from schemas.topics import Topics
@@ -100,11 +102,14 @@ async def test_encode_backlog_beyond_the_bound_is_429(topic_settings: Settings) 
     finally:
         await producer.stop()
     consumer = make_consumer(cfg, group_id=topics.group("encode"))
+    admin = AIOKafkaAdminClient(bootstrap_servers=cfg.kafka_bootstrap)
     await consumer.start()
+    await admin.start()
     try:
-        assert await LagMonitor(cfg, topics).sample(consumer) == 5
+        assert await LagMonitor(cfg, topics).sample(consumer, admin) == 5
     finally:
         await consumer.stop()
+        await admin.close()
 
     async with in_process(cfg) as c:
         st = c._transport.app.state.api  # type: ignore[attr-defined]

@@ -9,8 +9,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from producers.api.bodies import SubmitInput, parse_json_submit, parse_multipart_submit, read_body
 from producers.api.checks import JSON, MULTIPART, content_type, refuse_finished
-from producers.api.deps import OwnedRecord, State, Tenant
-from producers.api.errors import ApiError, bad_request
+from producers.api.deps import OwnedRecord, State, Tenant, Wait
+from producers.api.errors import bad_request
 from producers.api.events import SSE_EVENT_SCHEMA, event_stream, is_stream_id
 from producers.api.models import ERROR_RESPONSES, Accepted, RequestStatus, Status
 from producers.api.openapi import IDEMPOTENCY_PARAM, SUBMIT_BODY, SUBMIT_RESPONSES, with_errors
@@ -85,16 +85,8 @@ def native_submission(
 async def get_status(
     request_id: str,
     st: State,
+    wait: Wait,
     rec: OwnedRecord,
-    wait: Annotated[
-        float,
-        Query(
-            ge=0,
-            allow_inf_nan=False,
-            description="long-poll up to this many seconds (at most EPD_API_MAX_WAIT_S) until "
-            "the status changes",
-        ),
-    ] = 0.0,
     changed_from: Annotated[
         Status | None,
         Query(
@@ -104,18 +96,9 @@ async def get_status(
         ),
     ] = None,
 ) -> JSONResponse:
-    if wait > st.limits.max_wait_s:
-        raise ApiError(
-            422,
-            "validation_failed",
-            f"wait is {wait:g} s; the limit is {st.limits.max_wait_s:g} (EPD_API_MAX_WAIT_S)",
-            rule="request.wait",
-            field="wait",
-        )
     if wait > 0 and rec["status"] not in TERMINAL_STATUSES:
-        timeout = wait
         since = changed_from or rec["status"]
-        rec = await st.notifier.wait_change(request_id, since, timeout) or rec
+        rec = await st.notifier.wait_change(request_id, since, wait) or rec
     return JSONResponse(status_view(rec))
 
 

@@ -73,6 +73,12 @@ def door_checks(st: ApiState, obj: Any) -> SamplingParams:
         raise ValidationError("request.schema", "the body must be a JSON object")
     st.limits.check_id(obj.get("request_id"), "request_id")
     st.limits.check_cache_salt(obj.get("cache_salt"))
+    features = obj.get("features")
+    hashes = features.get("mm_hashes") if isinstance(features, dict) else None
+    if isinstance(hashes, dict):  # counted before any item is decoded
+        st.limits.check_counts(
+            *(len(h) if isinstance(h, list) else 0 for h in map(hashes.get, ("image", "video")))
+        )
     sp = obj.get("sampling_params")
     if sp is None:
         sp = {}
