@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "epd.commands.verify",
     "epd.commands.dlq",
     "epd.commands.api",
+    "epd.commands.stack",
     "epd.commands.submit",
     "epd.commands.bench",
 ]

@@ -1,0 +1,161 @@
+"""The newcomer's path, as the README writes it: ``epd stack`` started from a fresh clone of
+this branch, the README's HTTP section run as written (its curl block in bash, its Python
+block in a fresh interpreter), then Ctrl-C stops everything the stack started."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from producers.sample_images import png_bytes, synthetic_image
+from tests.integration.api_stack import free_port
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+READY_S = 420.0
+
+
+def http_section_blocks() -> dict[str, list[str]]:
+    """The fenced code blocks of the README's "HTTP API" section, by language."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## HTTP API\n", 1)[1].split("\n## ", 1)[0]
+    blocks: dict[str, list[str]] = {}
+    for lang, body in re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S):
+        blocks.setdefault(lang, []).append(body)
+    return blocks
+
+
+@dataclass
+class Stack:
+    proc: subprocess.Popen[str]
+    url: str
+    clone: Path
+    work: Path
+    env: dict[str, str]
+    output: list[str]
+    started: list[psutil.Process]
+
+
+def fresh_env(clone: Path, state: Path, port: int) -> dict[str, str]:
+    """This environment without any EPD_* setting (the fixtures export the test services'),
+    the clone on the path, and the API port the README's EPD_API_URL points at."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    env.update(
+        {
+            "PYTHONPATH": str(clone),
+            "EPD_STATE_DIR": str(state),
+            "EPD_API_PORT": str(port),
+            "EPD_API_URL": f"http://127.0.0.1:{port}",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("newcomer")
+    clone = root / "epd-pipeline"
+    subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True, timeout=120)
+    work = root / "work"
+    work.mkdir()
+    (work / "cat.png").write_bytes(png_bytes(synthetic_image(112, 84, seed=7)))
+    port = free_port()
+    env = fresh_env(clone, root / "state", port)
+    [command] = [b.strip() for b in http_section_blocks()["bash"] if b.strip().startswith("epd ")]
+    argv = shlex.split(command)
+    assert argv[:2] == ["epd", "stack"], command
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "epd.cli", *argv[1:], "--port", str(port)],
+        cwd=clone,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    output: list[str] = []
+    deadline = time.monotonic() + READY_S
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            output.append(line)
+            if "epd stack: ready:" in line:
+                break
+            assert time.monotonic() < deadline, "".join(output)
+        assert any("ready:" in ln for ln in output), "".join(output)
+        started = psutil.Process(proc.pid).children(recursive=True)
+        yield Stack(proc, f"http://127.0.0.1:{port}", clone, work, env, output, started)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(60)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_the_stack_starts_from_a_fresh_clone_and_says_ready(stack: Stack) -> None:
+    text = "".join(stack.output)
+    print(f"\nEPD STACK (fresh clone {stack.clone}):\n{text}")
+    assert "generated an EC secret" in text and "workers" in text
+    kinds = {" ".join(p.cmdline()[3:5]) for p in stack.started if "epd.cli" in p.cmdline()}
+    assert {"worker results", "worker encode", "worker prefill", "worker router"} <= kinds
+
+
+def test_the_readme_curl_block_runs_as_written(stack: Stack) -> None:
+    [curl] = [b for b in http_section_blocks()["bash"] if "curl" in b]
+    run = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", curl],
+        cwd=stack.work,
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    print(f"\nREADME curl block:\n{run.stdout[-3000:]}")
+    assert run.returncode == 0, run.stderr + run.stdout
+    assert '"status":"completed"' in run.stdout.replace(" ", "")  # the event stream's outcome
+    assert "already_finished" in run.stdout or '"status":"cancelled"' in run.stdout
+
+
+def test_the_readme_python_block_runs_as_written(stack: Stack) -> None:
+    [block] = http_section_blocks()["python"]
+    script = stack.work / "readme_client.py"
+    script.write_text(block)
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=stack.work,
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    print(f"\nREADME python block:\n{run.stdout}")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.split()
+    assert lines[0] == "queued" and "completed" in lines
+
+
+def test_ctrl_c_stops_everything_the_stack_started(stack: Stack) -> None:
+    alive = [p for p in stack.started if p.is_running()]
+    assert alive, "the stack had started no process?"
+    stack.proc.send_signal(signal.SIGINT)
+    assert stack.proc.wait(90) == 0, "".join(stack.output)
+    rest = stack.proc.stdout.read() if stack.proc.stdout else ""
+    print(f"\nCTRL-C:\n{rest}")
+    _, left = psutil.wait_procs(alive, timeout=30)
+    assert not left, [(p.pid, p.cmdline()) for p in left]
+    assert "epd stack: stopped" in rest
