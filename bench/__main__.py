@@ -3,7 +3,8 @@ print JSON. ``epd bench`` is the same command (``epd/commands/bench.py`` reuses
 :func:`add_arguments` and :func:`run_selected`).
 
 ``python -m bench soak [OPTIONS]`` runs the soak instead (``bench/soak.py``; not a budgeted
-benchmark, so it is never part of the default selection).
+benchmark, so it is never part of the default selection), ``python -m bench api-soak`` the
+HTTP API's soak (``bench/api_soak.py``).
 
 stdout gets one JSON document: ``machine`` facts, the run ``options``, one key per benchmark
 (its numbers, its ``budget`` from DESIGN.md and ``meets_budget``) and a ``summary``. Progress
@@ -160,6 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.soak import main as soak_main
 
         return soak_main(argv[1:])
+    if argv[:1] == ["api-soak"]:
+        from bench.api_soak import main as api_soak_main
+
+        return api_soak_main(argv[1:])
     return run_selected(parse_args(argv))
 
 

@@ -174,6 +174,9 @@ class StatusStore:
     REMEMBER = 1024
     """Records this process last saw, kept as the starting guess of its next update (a worker
     writes again within milliseconds of its last read or write; an API replica reads many)."""
+    REMEMBER_CHARS = 16 * 1024 * 1024
+    """...and at most this many characters of them: a count alone let a few huge records (a
+    30 MB metadata value, before the API bounded it) hold hundreds of MB in every process."""
 
     def __init__(self, client: aioredis.Redis, *, prefix: str = "epd", ttl_s: int = 3600) -> None:
         self.client = client
@@ -181,6 +184,7 @@ class StatusStore:
         self.ttl_s = ttl_s
         self._cas = client.register_script(_CAS_SCRIPT)
         self._known: OrderedDict[str, str] = OrderedDict()
+        self._known_chars = 0
 
     def key(self, request_id: str) -> str:
         return f"{self.prefix}:status:{request_id}"
@@ -292,7 +296,7 @@ class StatusStore:
                 dropped += 1
                 if dropped >= self.CONNECTION_RETRIES:
                     raise
-                self._known.pop(request_id, None)
+                self._remember(request_id, None)
                 await asyncio.sleep(0.05 * dropped)
 
     async def _fold_in(
@@ -358,13 +362,16 @@ class StatusStore:
 
     def _remember(self, request_id: str, text: str | None) -> None:
         known = self._known
+        dropped = known.pop(request_id, None)
+        if dropped is not None:
+            self._known_chars -= len(dropped)
         if text is None:
-            known.pop(request_id, None)
             return
         known[request_id] = text
-        known.move_to_end(request_id)
-        while len(known) > self.REMEMBER:
-            known.popitem(last=False)
+        self._known_chars += len(text)
+        while known and (len(known) > self.REMEMBER or self._known_chars > self.REMEMBER_CHARS):
+            _, old = known.popitem(last=False)
+            self._known_chars -= len(old)
 
     async def events(self, request_id: str, after: str = "0") -> list[tuple[str, dict[str, Any]]]:
         """Status changes after stream id ``after`` (exclusive), oldest first."""
