@@ -431,16 +431,19 @@ class FanOut:
             # acknowledged (with the encode events, all in flight) before the prefill event.
             _, encode_sizes = await asyncio.gather(reporter.send(update), encodes)
             prefill_bytes = await publisher.send(self.topics.prefill, ev.request_id, plan.prefill)
-        stats = FanoutStats(
-            encode_events=len(plan.encode),
-            cache_hits=len(plan.cached),
-            encode_bytes=sum(encode_sizes),
-            prefill_bytes=prefill_bytes,
-            kwargs_bytes=kwargs_bytes(ev.features),
-            cached=list(plan.cached),
-            claim_bytes=plan.claim_bytes,
-        )
-        return stats
+        return _stats(ev, plan, sum(encode_sizes), prefill_bytes)
+
+
+def _stats(ev: RenderEvent, plan: FanoutPlan, encode_bytes: int, prefill_bytes: int) -> FanoutStats:
+    return FanoutStats(
+        encode_events=len(plan.encode),
+        cache_hits=len(plan.cached),
+        encode_bytes=encode_bytes,
+        prefill_bytes=prefill_bytes,
+        kwargs_bytes=kwargs_bytes(ev.features),
+        cached=list(plan.cached),
+        claim_bytes=plan.claim_bytes,
+    )
 
 
 def _encodable(event: EncodeEvent | PrefillEvent) -> None:
