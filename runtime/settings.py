@@ -291,8 +291,8 @@ class Settings(BaseSettings):
     )
     api_tokens_file: Path | None = Field(
         None,
-        description="a file of bearer tokens, one TOKEN=TENANT per line ('#' comments), "
-        "instead of EPD_API_TOKENS (keeps secrets out of the environment)",
+        description="a file of bearer tokens, one TOKEN=TENANT per line ('#' comments), beside "
+        "or instead of EPD_API_TOKENS (keeps secrets out of the environment)",
     )
     api_max_prompt_chars: int = Field(
         262_144, ge=1, description="characters of a prompt (the context is checked once tokenized)"
@@ -369,9 +369,9 @@ class Settings(BaseSettings):
         return path
 
     @model_validator(mode="after")
-    def _one_token_source(self) -> Settings:
+    def _token_sources_agree(self) -> Settings:
         if self.api_tokens is not None and self.api_tokens_file is not None:
-            raise ValueError("give EPD_API_TOKENS or EPD_API_TOKENS_FILE, not both")
+            self.api_tenants()  # a token in both is a duplicate: refused like one in either
         return self
 
     def require_transactions_possible(self) -> None:
@@ -395,12 +395,20 @@ class Settings(BaseSettings):
 
     def api_tenants(self) -> dict[str, str]:
         """Bearer token -> tenant, from ``EPD_API_TOKENS`` (``TOKEN=TENANT,TOKEN2=TENANT2``)
-        or ``EPD_API_TOKENS_FILE``; empty for an open API (see :mod:`runtime.api_tokens`)."""
+        and ``EPD_API_TOKENS_FILE``; empty for an open API (see :mod:`runtime.api_tokens`)."""
+        tenants: dict[str, str] = {}
+        if self.api_tokens is not None:
+            tenants = parse_tokens(self.api_tokens.get_secret_value(), source="EPD_API_TOKENS")
         if self.api_tokens_file is not None:
-            return _read_tokens_file(self.api_tokens_file)
-        if self.api_tokens is None:
-            return {}
-        return parse_tokens(self.api_tokens.get_secret_value(), source="EPD_API_TOKENS")
+            from_file = _read_tokens_file(self.api_tokens_file)
+            if tenants.keys() & from_file.keys():
+                raise ValueError(
+                    "EPD_API_TOKENS and EPD_API_TOKENS_FILE name the same token (for tenants "
+                    f"{sorted({tenants[t] for t in tenants.keys() & from_file.keys()})}); each "
+                    "token names one tenant"
+                )
+            tenants.update(from_file)
+        return tenants
 
     def secret_bytes(self) -> bytes | None:
         return self.ec_secret.get_secret_value().encode() if self.ec_secret else None

@@ -109,10 +109,10 @@ def test_a_bad_tokens_file_refuses_to_start_the_api(
     assert main(["api"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("epd: EPD_API_TOKENS_FILE") and words in err, err
-    monkeypatch.setenv("EPD_API_TOKENS", "x-token=alice")  # and not both at once
-    path.write_text("y-token=bob\n")
+    monkeypatch.setenv("EPD_API_TOKENS", "x-token=alice")  # both: one token names one tenant
+    path.write_text("x-token=bob\n")
     assert main(["api"]) == 2
-    assert "not both" in capsys.readouterr().err
+    assert "name the same token" in capsys.readouterr().err
 
 
 def test_a_missing_ec_secret_stops_the_api_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:

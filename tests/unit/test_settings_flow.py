@@ -7,9 +7,12 @@ workers without anyone extending a hand-kept list; this test fails if one does n
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 import pytest
@@ -18,10 +21,29 @@ from pydantic import SecretStr
 from epd.local_pipeline import child_env, worker_env
 from runtime.settings import Settings, env_name
 
+VALIDATED = {
+    # settings checked when Settings is built: a value of the right shape
+    "store_url": "local://settings-flow",
+    "kafka_bootstrap": "127.0.0.1:19092",
+    "device": "cpu",
+    "api_tokens": SecretStr("tok-settings-flow=flow-tenant"),
+}
+
+
+def _tokens_file() -> Path:
+    fd, name = tempfile.mkstemp(prefix="epd-tokens-", text=True)
+    with os.fdopen(fd, "w") as f:
+        f.write("tok-from-file=file-tenant\n")
+    return Path(name)
+
 
 def _other_value(name: str, default: Any, annotation: Any) -> Any:
     """A valid value of the field's type that differs from its default."""
+    if name in VALIDATED:
+        return VALIDATED[name]
     args = typing.get_args(annotation)
+    if Path in args or annotation is Path:
+        return _tokens_file()
     if typing.get_origin(annotation) is Literal:
         return next(a for a in args if a != default)
     if SecretStr in args or annotation is SecretStr:
