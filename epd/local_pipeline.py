@@ -208,8 +208,6 @@ async def local_pipeline(
     ``isolate`` gives this run its own topic prefix, embedding namespace and EC secret, so
     reruns against a long-lived broker and Redis never see each other's events or embeddings.
     """
-    from producers.fanout import build_fanout
-    from producers.render import Renderer
     from producers.submit import Submitter
     from runtime.kafka import KafkaPublisher, ensure_topics
     from runtime.model import load_render_info
@@ -239,11 +237,8 @@ async def local_pipeline(
         await publisher.start()
         info = await asyncio.to_thread(load_render_info, settings.model)
         status = StatusStore(client, prefix=settings.topic_prefix, ttl_s=settings.status_ttl_s)
-        submitter = Submitter(
-            settings,
-            Renderer.for_settings(info, settings),
-            build_fanout(settings, store, info, publisher, record=status.apply),
-            status,
+        submitter = Submitter.for_pipeline(
+            settings, info, store=store, publisher=publisher, status=status
         )
         if workers is not None:
             await workers.wait_ready()
