@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine_facts, sig
-from bench.soak import rss_mb
+from bench.worker_profile import rss_mb
 
 MB = 1024 * 1024
 TOKEN = "soak-token"
