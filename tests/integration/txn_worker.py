@@ -13,11 +13,17 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from pathlib import Path
 
 from consumers.loop import ConsumedEvent, ConsumeLoop, ConsumerConfig
 from runtime.kafka import make_transactional_producer, start_producer, transactional_id
 from runtime.settings import Settings
+
+
+def _wait_for(path: Path) -> None:
+    while not path.exists():
+        time.sleep(0.1)
 
 
 async def main(src: str, out: str, group: str, marker: Path) -> None:
@@ -30,9 +36,8 @@ async def main(src: str, out: str, group: str, marker: Path) -> None:
         await producer.send_and_wait(out, value=ce.value, key=ce.key)
         if hang and ce.value == b"hang":
             await asyncio.to_thread(marker.write_text, "sent\n")
-            release = marker.with_name(marker.name + ".release")
-            while not release.exists():
-                await asyncio.sleep(0.1)
+            # The release comes from another process, as a file: wait for it in a thread.
+            await asyncio.to_thread(_wait_for, marker.with_name(marker.name + ".release"))
 
     config = ConsumerConfig(topics=[src], group_id=group, dlq_topic=f"{src}.dlq")
     loop = ConsumeLoop(settings, config, handler, decode=lambda b: b, producer=producer)

@@ -1,4 +1,4 @@
-"""The sweep's verdicts (consumers.sweeper.judge): pure, on records as the status store keeps them."""
+"""The sweep's verdicts (consumers.sweeper.judge): pure, on status records as Redis holds them."""
 
 from __future__ import annotations
 
