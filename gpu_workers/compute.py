@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from runtime.model import ModelBundle, text_config, vision_config
+from runtime.model import ModelBundle, placeholder_ids, text_config, vision_config
 from schemas.errors import ComputeError
 from schemas.families import DEEPSTACK, EMBEDS
 from schemas.modalities import GRID_FIELDS, MODALITIES
@@ -210,11 +210,7 @@ def _cache_kwarg(module: torch.nn.Module) -> str:
 def _check_items(bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]):
     fam = bundle.family
     hidden = text_config(bundle.config).hidden_size
-    pad_ids = {
-        m: i
-        for m, i in (("image", bundle.image_token_id), ("video", bundle.video_token_id))
-        if m in fam.modalities
-    }
+    pad_ids = placeholder_ids(bundle)
     layers = len(vision_config(bundle.config).deepstack_visual_indexes) if fam.has_deepstack else 0
     n = len(token_ids)
     ordered = sorted(items, key=lambda it: it.offset)
@@ -488,8 +484,8 @@ def generate_from_embeddings(
 def mm_token_type_ids(bundle: ModelBundle, input_ids: torch.Tensor) -> torch.Tensor:
     """0 for text, 1 for image pad tokens, 2 for video pad tokens (what the processor returns)."""
     types = torch.zeros_like(input_ids, dtype=torch.int32)
-    types[input_ids == bundle.image_token_id] = TOKEN_TYPE["image"]
-    types[input_ids == bundle.video_token_id] = TOKEN_TYPE["video"]
+    for modality, pad_id in placeholder_ids(bundle).items():
+        types[input_ids == pad_id] = TOKEN_TYPE[modality]
     return types
 
 

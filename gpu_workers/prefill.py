@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
 import math
 import socket
@@ -24,6 +25,7 @@ from gpu_workers.compute import (
     DeadlineExceeded,
     DecodeStopped,
     EncoderOutput,
+    ItemEmbedding,
     Prefilled,
     context_length,
     greedy_decode,
@@ -128,8 +130,56 @@ def embeddings_lost(missing: list[str], state: RequestState | None, created_ms: 
     return [h for h in missing if h[:12] in state.encoded]
 
 
+class Readiness(enum.Enum):
+    """Where a request's embeddings stand once the first read did not find them all."""
+
+    PRESENT = "present"
+    """Every entry is in the store now: read them, nothing to wait for."""
+    COMING = "coming"
+    """Some are missing but may still arrive (or the store cannot tell): wait for them."""
+    LOST = "lost"
+    """One can never arrive (evicted after it was stored, or lost with a Redis restart)."""
+
+
+@dataclass(slots=True)
+class Admission:
+    """A request let in to run: its store keys and what the first read found."""
+
+    keys: dict[str, str]
+    """mm_hash -> its entry's store key, in the request's item order."""
+    present: list[EncoderOutput] | None
+    """Every entry, when all were in the store at the first read (else None)."""
+    started_ms: int
+    t_start: float
+    hop_ms: float | None
+
+    @property
+    def key_list(self) -> list[str]:
+        return list(self.keys.values())
+
+
+@dataclass(slots=True)
+class Generation:
+    """What the compute phase made of an admitted request."""
+
+    outcome: str
+    """``completed``, ``cancelled`` or ``expired``: the status it is reported with."""
+    tokens: list[int]
+    """Every token generated (for a stopped request, the ones made before it stopped)."""
+    detail: str = ""
+    compute_ms: float = 0.0
+
+
 class PrefillWorker:
-    """Handles PrefillEvents; plug :meth:`handle` into a ConsumeLoop."""
+    """Handles PrefillEvents; plug :meth:`handle` into a ConsumeLoop.
+
+    One request goes through four phases: :meth:`_admit` (validation, the request's state,
+    deadline, bounds and cancel flag, read together with the embeddings in one round trip),
+    :meth:`_await_embeddings` (waits for those the first read missed, unless they cannot come
+    any more), :meth:`_compute` (prefill and decode on the compute thread) and
+    :meth:`_report` (the outcome and timings). A phase that ends the request early reports
+    why itself and returns None.
+    """
 
     def __init__(
         self,
@@ -146,7 +196,8 @@ class PrefillWorker:
         record: StatusWriter | None = None,
     ) -> None:
         """``cancel``: asked before the embedding wait, before compute and between decode
-        steps; a cancelled request is reported ``cancelled`` and its work is skipped.
+        steps; a cancelled request is reported ``cancelled`` (with the tokens made before the
+        cancel took effect) and its work is skipped.
 
         ``request_state``: reads the request's status record. A request whose record is
         already terminal (a redelivered event) is skipped without a word; and when an embedding
@@ -161,7 +212,7 @@ class PrefillWorker:
         self.publisher = publisher
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"prefill@{socket.gethostname()}"
-        self.vconfig = worker_validation(settings, bundle)
+        self.vconfig = worker_validation(settings, bundle, store)
         # Every event is checked on arrival without its entries' expiry, which is judged
         # (validate_prefill_expiry) only once the request is known to run: arriving late is no
         # offence for a redelivery of a finished request (nothing runs), and a late one expires.
@@ -197,6 +248,33 @@ class PrefillWorker:
         await updates.flush()
 
     async def _run(self, ev: PrefillEvent, updates: RequestUpdates) -> None:
+        admitted = await self._admit(ev, updates)
+        if admitted is None:
+            return
+        # Progress updates go out in the background: the request does not wait for the
+        # broker's acknowledgement or the record write before its own work.
+        updates.soon("prefilling")
+        t_wait = time.perf_counter()
+        outputs = await self._await_embeddings(ev, admitted, updates)
+        if outputs is None:
+            return
+        timings = {
+            "queue": float(admitted.started_ms - ev.created_ms),
+            **({"broker_hop": admitted.hop_ms} if admitted.hop_ms is not None else {}),
+            "admission": (t_wait - admitted.t_start) * 1000,
+            "embedding_wait": (time.perf_counter() - t_wait) * 1000,
+        }
+        items = items_from_features(ev.features, dict(zip(admitted.keys, outputs, strict=True)))
+        result = await self._compute(ev, items, updates)
+        await self._report(ev, result, timings, updates)
+
+    # ----------------------------------------------------------------------------- admit
+
+    async def _admit(self, ev: PrefillEvent, updates: RequestUpdates) -> Admission | None:
+        """Decide whether the request runs, reading its record, cancel flag and (when it may
+        run) embeddings in one round trip. Returns None when it does not run (a redelivery of
+        a finished request, a passed deadline, a cancel: each reported as such); raises the
+        ``ValidationError`` of an unsafe or out-of-bounds event (the loop dead-letters it)."""
         started = now_ms()
         t_start = time.perf_counter()
         hop_ms = broker_hop_ms(started)
@@ -210,7 +288,6 @@ class PrefillWorker:
             unsafe = exc
         hashes = dict.fromkeys(h for _, _, h in ev.features.items())
         keys = {} if unsafe else {h: ev.ec_transfer_params[h].key for h in hashes}
-        key_list = list(keys.values())
         fetch = unsafe is None and not (ev.deadline_ms is not None and started >= ev.deadline_ms)
         # Three independent reads, one round trip: the record (a redelivery of a finished
         # request?), the cancel flag, and the embeddings, which are often all there (a cache
@@ -219,7 +296,7 @@ class PrefillWorker:
         record, cancelled, present = await asyncio.gather(
             self.request_state(ev.request_id) if self.request_state else _none(),
             request_cancelled(self.cancel, ev.request_id),
-            self._fetch_present(key_list) if fetch else _none(),
+            self._fetch_present(list(keys.values())) if fetch else _none(),
         )
         if record is not None and record.terminal:
             # A redelivery (crash before the offset commit, rebalance): the outcome is out
@@ -229,7 +306,7 @@ class PrefillWorker:
                 raise unsafe
             self.skipped += 1
             log.info("%s: %s is already %s; skipped", self.worker_id, ev.request_id, record.status)
-            return
+            return None
         # The deadline comes first (judged now, after the reads): the fan-out caps ec_transfer
         # expiry at the deadline, so a late event would otherwise fail validation as ec-expired
         # (rejected) instead of expiring. Nothing is run on this path.
@@ -237,109 +314,56 @@ class PrefillWorker:
             await updates.now(
                 "expired", error=ErrorInfo("expired", "deadline passed before prefill")
             )
-            return
+            return None
         if unsafe is not None:
             raise unsafe
         validate_prefill_expiry(ev, self.vconfig)
         check_bounds(ev, self.bounds)
         if cancelled:
             await self._report_cancelled(updates, "skipped before prefill")
-            return
-        # Progress updates go out in the background: the request does not wait for the
-        # broker's acknowledgement or the record write before its own work.
-        updates.soon("prefilling")
+            return None
+        return Admission(keys, present, started, t_start, hop_ms)
+
+    # ----------------------------------------------------------------- await embeddings
+
+    async def _await_embeddings(
+        self, ev: PrefillEvent, admitted: Admission, updates: RequestUpdates
+    ) -> list[EncoderOutput] | None:
+        """Every entry of the request, waiting for the ones the first read missed; None when
+        the request ends here (an embedding lost or missing past the wait, a cancel: each
+        reported). A store outage raises (the loop retries the event)."""
+        if admitted.present is not None:
+            return admitted.present
         timeout = self.embedding_wait_s
         if ev.deadline_ms is not None:
             timeout = max(0.0, min(timeout, (ev.deadline_ms - now_ms()) / 1000))
-        t_wait = time.perf_counter()
-        admission_ms = (t_wait - t_start) * 1000
-        if present is not None:
-            outputs = present
-        else:
-            ready = await self._ready(ev, keys, updates)
-            if ready is None:
-                return  # lost: reported
-            if not ready:
-                try:
-                    if not await self._wait_unless_cancelled(key_list, timeout, ev.request_id):
-                        # The encoder skips a cancelled request's items: nothing will come.
-                        await self._report_cancelled(updates, "skipped before compute")
-                        return
-                except StoreUnavailable:
-                    # Redis went away under the wait. If it came back without the embeddings,
-                    # say so now rather than after a retry's full wait; else the loop retries.
-                    if await self._ready(ev, keys, updates) is None:
-                        return
-                    raise
-                except StoreTimeout as exc:
-                    await self._report_missing(ev, keys, set(exc.missing), timeout, updates)
-                    return
-            outputs, cancelled = await asyncio.gather(
-                fetch_outputs(self.store, key_list, self.bundle.family),
-                request_cancelled(self.cancel, ev.request_id),
-            )
-            if cancelled:
-                await self._report_cancelled(updates, "skipped before compute")
-                return
-        wait_ms = (time.perf_counter() - t_wait) * 1000
-        items = items_from_features(ev.features, dict(zip(keys, outputs, strict=True)))
-        t_compute = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        cancel = self.cancel
-        rid = ev.request_id
-        # Asked in the compute thread, before prefill and between decode steps: a set lookup.
-        should_stop = (lambda: cancel.cancelled_now(rid)) if cancel else None
-
-        def run_prefill() -> Prefilled:
-            if should_stop is not None and should_stop():
-                raise DecodeStopped([])  # cancelled while it waited for the compute thread
-            if ev.deadline_ms is not None and now_ms() >= ev.deadline_ms:
-                raise DeadlineExceeded([])
-            return prefill(self.bundle, ev.token_ids, items)
-
-        try:
-            state = await loop.run_in_executor(self._executor, run_prefill)
-            # Started from the loop between the two compute calls, so it goes out while the
-            # thread decodes (a thread decoding thousands of steps would otherwise hold it up).
-            updates.soon("decoding")
-            tokens = await loop.run_in_executor(
-                self._executor,
-                lambda: greedy_decode(
-                    self.bundle,
-                    state,
-                    ev.sampling.max_tokens,
-                    stop_token_ids=ev.sampling.stop_token_ids,
-                    ignore_eos=ev.sampling.ignore_eos,
-                    deadline_ms=ev.deadline_ms,
-                    should_stop=should_stop,
-                ),
-            )
-        except DecodeStopped as stopped:
-            await self._report_cancelled(updates, f"stopped after {len(stopped.tokens)} tokens")
-            return
-        except DeadlineExceeded as exc:
-            await updates.now(
-                "expired",
-                token_ids=exc.tokens,
-                error=ErrorInfo("expired", f"deadline passed during prefill/decode: {exc}"),
-            )
-            return
-        compute_ms = (time.perf_counter() - t_compute) * 1000
-        text = str(self.bundle.tokenizer.decode(tokens, skip_special_tokens=True))
-        self.completed += 1
-        await updates.now(
-            "completed",
-            token_ids=tokens,
-            text=text,
-            timings={
-                "queue": float(started - ev.created_ms),
-                **({"broker_hop": hop_ms} if hop_ms is not None else {}),
-                "admission": admission_ms,
-                "embedding_wait": wait_ms,
-                "prefill_decode": compute_ms,
-                "total": float(now_ms() - ev.created_ms),
-            },
+        keys = admitted.keys
+        readiness = await self._readiness(ev, keys, updates)
+        if readiness is Readiness.LOST:
+            return None
+        if readiness is Readiness.COMING:
+            try:
+                if not await self._wait_unless_cancelled(admitted.key_list, timeout, ev.request_id):
+                    # The encoder skips a cancelled request's items: nothing will come.
+                    await self._report_cancelled(updates, "skipped before compute")
+                    return None
+            except StoreUnavailable:
+                # Redis went away under the wait. If it came back without the embeddings,
+                # say so now rather than after a retry's full wait; else the loop retries.
+                if await self._readiness(ev, keys, updates) is Readiness.LOST:
+                    return None
+                raise
+            except StoreTimeout as exc:
+                await self._report_missing(ev, keys, set(exc.missing), timeout, updates)
+                return None
+        outputs, cancelled = await asyncio.gather(
+            fetch_outputs(self.store, admitted.key_list, self.bundle.family),
+            request_cancelled(self.cancel, ev.request_id),
         )
+        if cancelled:
+            await self._report_cancelled(updates, "skipped before compute")
+            return None
+        return outputs
 
     async def _wait_unless_cancelled(
         self, keys: list[str], timeout_s: float, request_id: str
@@ -372,6 +396,127 @@ class PrefillWorker:
         except StoreError:
             return None
 
+    async def _readiness(
+        self, ev: PrefillEvent, keys: dict[str, str], updates: RequestUpdates
+    ) -> Readiness:
+        """Whether the request's embeddings are all in the store, may still come (also when
+        the store cannot tell), or one of them never will (reported ``failed``,
+        ``embedding-lost``, here). The record is read only when something is missing."""
+        try:
+            present = await asyncio.gather(*(self.store.exists(k) for k in keys.values()))
+        except StoreUnavailable:
+            return Readiness.COMING  # cannot tell; the wait (or its retry) decides
+        missing = [h for h, ok in zip(keys, present, strict=True) if not ok]
+        if not missing:
+            return Readiness.PRESENT
+        if self.request_state is None:
+            return Readiness.COMING
+        state = await self.request_state(ev.request_id, since=True)
+        lost = embeddings_lost(missing, state, ev.created_ms)
+        if lost:
+            # The record was read after the EXISTS above: an item stored and marked encoded in
+            # between reads "encoded" while its key was missing then. Only a key still missing
+            # now, after the record said encoded, is gone.
+            try:
+                again = await asyncio.gather(*(self.store.exists(keys[h]) for h in lost))
+            except StoreUnavailable:
+                return Readiness.COMING
+            lost = [h for h, ok in zip(lost, again, strict=True) if not ok]
+        if not lost:
+            return Readiness.COMING
+        await self._report_lost(ev, lost, updates)
+        return Readiness.LOST
+
+    # --------------------------------------------------------------------------- compute
+
+    async def _compute(
+        self, ev: PrefillEvent, items: list[ItemEmbedding], updates: RequestUpdates
+    ) -> Generation:
+        """Prefill and decode on the compute thread, to ``max_tokens``, a stop token, the
+        deadline or a cancel (asked before prefill and between decode steps)."""
+        t_compute = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        cancel = self.cancel
+        rid = ev.request_id
+        # Asked in the compute thread, before prefill and between decode steps: a set lookup.
+        should_stop = (lambda: cancel.cancelled_now(rid)) if cancel else None
+
+        def run_prefill() -> Prefilled:
+            if should_stop is not None and should_stop():
+                raise DecodeStopped([])  # cancelled while it waited for the compute thread
+            if ev.deadline_ms is not None and now_ms() >= ev.deadline_ms:
+                raise DeadlineExceeded([])
+            return prefill(self.bundle, ev.token_ids, items)
+
+        try:
+            state = await loop.run_in_executor(self._executor, run_prefill)
+            # Started from the loop between the two compute calls, so it goes out while the
+            # thread decodes (a thread decoding thousands of steps would otherwise hold it up).
+            updates.soon("decoding")
+            tokens = await loop.run_in_executor(
+                self._executor,
+                lambda: greedy_decode(
+                    self.bundle,
+                    state,
+                    ev.sampling.max_tokens,
+                    stop_token_ids=ev.sampling.stop_token_ids,
+                    ignore_eos=ev.sampling.ignore_eos,
+                    deadline_ms=ev.deadline_ms,
+                    should_stop=should_stop,
+                ),
+            )
+        except DecodeStopped as stopped:
+            return Generation(
+                "cancelled", stopped.tokens, f"stopped after {len(stopped.tokens)} tokens"
+            )
+        except DeadlineExceeded as exc:
+            return Generation(
+                "expired", exc.tokens, f"deadline passed during prefill/decode: {exc}"
+            )
+        return Generation("completed", tokens, compute_ms=(time.perf_counter() - t_compute) * 1000)
+
+    # ---------------------------------------------------------------------------- report
+
+    async def _report(
+        self,
+        ev: PrefillEvent,
+        result: Generation,
+        timings: dict[str, float],
+        updates: RequestUpdates,
+    ) -> None:
+        """The request's outcome, with its tokens and text (a stopped or expired request's
+        partial output included) and, once completed, its timings."""
+        text = await self._text(result.tokens)
+        if result.outcome == "cancelled":
+            await self._report_cancelled(updates, result.detail, result.tokens, text)
+            return
+        if result.outcome == "expired":
+            await updates.now(
+                "expired",
+                token_ids=result.tokens,
+                text=text,
+                error=ErrorInfo("expired", result.detail),
+            )
+            return
+        self.completed += 1
+        await updates.now(
+            "completed",
+            token_ids=result.tokens,
+            text=text,
+            timings={
+                **timings,
+                "prefill_decode": result.compute_ms,
+                "total": float(now_ms() - ev.created_ms),
+            },
+        )
+
+    async def _text(self, tokens: list[int]) -> str:
+        """The tokens' text, detokenised off the event loop (thousands of tokens take ms)."""
+        if not tokens:
+            return ""
+        decode = self.bundle.tokenizer.decode
+        return str(await asyncio.to_thread(decode, tokens, skip_special_tokens=True))
+
     async def _report_missing(
         self,
         ev: PrefillEvent,
@@ -398,35 +543,10 @@ class PrefillWorker:
             ),
         )
 
-    async def _ready(
-        self, ev: PrefillEvent, keys: dict[str, str], updates: RequestUpdates
-    ) -> bool | None:
-        """Whether every embedding is in the store already (True: nothing to wait for), or
-        may still come (False: wait for it, also when the store cannot tell); None when one
-        cannot come any more, which is reported (``failed``, ``embedding-lost``). The record is
-        read only when something is missing."""
-        try:
-            present = await asyncio.gather(*(self.store.exists(k) for k in keys.values()))
-        except StoreUnavailable:
-            return False  # cannot tell; the wait (or its retry) decides
-        missing = [h for h, ok in zip(keys, present, strict=True) if not ok]
-        if not missing:
-            return True
-        if self.request_state is None:
-            return False
-        state = await self.request_state(ev.request_id, since=True)
-        lost = embeddings_lost(missing, state, ev.created_ms)
-        if lost:
-            # The record was read after the EXISTS above: an item stored and marked encoded in
-            # between reads "encoded" while its key was missing then. Only a key still missing
-            # now, after the record said encoded, is gone.
-            try:
-                again = await asyncio.gather(*(self.store.exists(keys[h]) for h in lost))
-            except StoreUnavailable:
-                return False
-            lost = [h for h, ok in zip(lost, again, strict=True) if not ok]
-        if not lost:
-            return False
+    async def _report_lost(
+        self, ev: PrefillEvent, lost: list[str], updates: RequestUpdates
+    ) -> None:
+        """``failed``, ``embedding-lost``, naming the first lost item."""
         modality, index = next(
             ((m, i) for m, i, h in ev.features.items() if h in lost), (None, None)
         )
@@ -442,12 +562,20 @@ class PrefillWorker:
                 item=index,
             ),
         )
-        return None
 
-    async def _report_cancelled(self, updates: RequestUpdates, what: str) -> None:
+    async def _report_cancelled(
+        self,
+        updates: RequestUpdates,
+        what: str,
+        tokens: list[int] | None = None,
+        text: str | None = None,
+    ) -> None:
+        """``cancelled``, with the tokens made before the cancel took effect (if any)."""
         self.cancelled += 1
         await updates.now(
             "cancelled",
+            token_ids=tokens or None,
+            text=text if tokens else None,
             error=ErrorInfo("cancelled", f"cancelled: {what}"),
             # info survives in the record even though the API's cancel was the terminal status
             info={"prefill.cancelled": what},

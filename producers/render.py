@@ -34,7 +34,7 @@ from producers.pictures import to_rgb as to_rgb  # re-exported: part of this mod
 from producers.video import VideoInput, VideoLimits
 from producers.video_items import VideoItems
 from runtime.limits import input_limits
-from runtime.model import ModelBundle, RenderInfo
+from runtime.model import ModelBundle, RenderInfo, placeholder_ids
 from runtime.settings import Settings
 from schemas.errors import ValidationError
 from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT
@@ -330,7 +330,7 @@ class Renderer:
                 f"token ids must be in [0, {info.vocab_size}); got {bad[:5]}",
                 field="token_ids",
             )
-        pads = {info.image_token_id: "image", info.video_token_id: "video"}
+        pads = {pad: modality for modality, pad in placeholder_ids(info).items()}
         marks = [i for i, t in enumerate(ids) if t in pads]
         kinds = [pads[ids[i]] for i in marks]
         for kind, given in (("image", n_images), ("video", n_videos)):
@@ -406,7 +406,7 @@ class Renderer:
             segments, kinds = self._token_segments(token_ids or [], len(images), len(videos))
 
         info = self.info
-        pad_id = {"image": info.image_token_id, "video": info.video_token_id}
+        pad_id = placeholder_ids(info)
         sources: dict[str, list[Any]] = {"image": images, "video": videos}
         seen = {"image": 0, "video": 0}
         ids: list[int] = list(segments[0])

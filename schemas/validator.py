@@ -30,6 +30,9 @@ Rules (slug: what it rejects):
 - ``ec-key``: an entry key that is not ``{namespace}:{model_fingerprint}:{mm_hash}`` for its
   item (the fingerprint is pinned when the config names one).
 - ``ec-signature``: an entry whose HMAC does not verify (only when a secret is configured).
+- ``ec-store``: an entry naming another embedding store than the one this worker reads (only
+  when the config names one: the workers' gates do). A worker whose ``EPD_STORE_URL`` differs
+  from the fan-out's would otherwise wait in vain for embeddings parked elsewhere.
 - ``ec-expired``: an entry whose ``expires_ms`` has passed (only when ``now_ms`` is set).
 - ``metadata-field``: ``mm_metadata`` holding a field that is not a metadata field (e.g.
   ``pixel_values``).
@@ -140,6 +143,8 @@ class ValidationConfig:
     now_ms: Callable[[], int] | None = None
     model_fingerprint: str | None = None
     """When set, entry keys must be exactly ``{namespace}:{model_fingerprint}:{mm_hash}``."""
+    store: str | None = None
+    """When set, every signed entry must name this store (``EmbeddingStore.url``)."""
     check_values: bool = True
     """Scan floating-point tensors for NaN/Inf. The fan-out turns it off: it never touches the
     pixels, and the encode worker scans them where it reads them anyway."""
@@ -163,14 +168,19 @@ class ValidationConfig:
 
     @classmethod
     def for_worker(
-        cls, settings: Any, model_fingerprint: str, **model_facts: Any
+        cls, settings: Any, model_fingerprint: str, *, store: str | None = None, **model_facts: Any
     ) -> ValidationConfig:
         """The gate of an encode or prefill worker: strict whatever ``EPD_VALIDATION_MODE``
         says (``vllm`` is for the vLLM-facing gate), with entry keys pinned to the worker's own
-        model, so two models never share embeddings. ``model_facts``: what the loaded model
-        dictates (its family's ``metadata_fields``, its ``merge_size``)."""
+        model, so two models never share embeddings, and (``store``) entries pinned to the
+        store the worker reads. ``model_facts``: what the loaded model dictates (its family's
+        ``metadata_fields``, its ``merge_size``)."""
         return cls.from_settings(
-            settings, mode="strict", model_fingerprint=model_fingerprint, **model_facts
+            settings,
+            mode="strict",
+            model_fingerprint=model_fingerprint,
+            store=store,
+            **model_facts,
         )
 
 

@@ -514,6 +514,40 @@ async def test_prefill_reports_missing_embeddings(
     assert (err.modality, err.item) == ("image", 1)
 
 
+async def test_an_entry_signed_for_another_store_is_refused_at_once(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    encoder: EncodeWorker,
+    producer: KafkaPublisher,
+) -> None:
+    """A prefill (or encode) worker whose EPD_STORE_URL differs from the fan-out's: the signed
+    entries name the fan-out's store, so the worker says so at once (rule ec-store, item named)
+    instead of waiting for embeddings parked elsewhere and failing embeddings-missing."""
+    ev = render(renderer, (85,))
+    p = await plan(cfg, store, bundle, ev)
+    await encoder.handle(wire(p.encode[0]))  # the embedding is in the fan-out's store
+    other = RedisStore(redis_url_with_db(cfg.redis_url, REDIS_DB + 1))
+    # A wait long enough that a worker waiting instead of refusing trips the guard below.
+    prefill = PrefillWorker(cfg, bundle, other, producer, embedding_wait_s=HANG_GUARD_S * 2)
+    enc = EncodeWorker(cfg, bundle, other, producer)
+    try:
+        with pytest.raises(ValidationError) as err:
+            await asyncio.wait_for(prefill.handle(wire(p.prefill)), 10)
+        with pytest.raises(ValidationError) as enc_err:
+            await asyncio.wait_for(enc.handle(wire(p.encode[0])), 10)
+    finally:
+        await prefill.close()
+        await enc.close()
+        await other.close()
+    assert (err.value.rule, err.value.modality, err.value.item) == ("ec-store", "image", 0)
+    assert store.url in str(err.value) and other.url in str(err.value)
+    assert enc_err.value.rule == "ec-store" and enc.items_encoded == 0
+    results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
+    assert results == []  # nothing ran, nothing was reported: the loop dead-letters the event
+
+
 async def test_prefill_past_deadline_expires_without_running(
     cfg: Settings,
     bundle: ModelBundle,
