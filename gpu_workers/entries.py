@@ -99,7 +99,9 @@ def items_from_features(
                 modality=modality,
                 item=index,
             )
-        items.append(item_embedding(modality, ph.offset, ph.length, outputs[mm_hash], item_meta))
+        items.append(
+            item_embedding(modality, ph.offset, ph.length, outputs[mm_hash], item_meta, ph.is_embed)
+        )
     items.sort(key=lambda it: it.offset)
     return items
 

@@ -1,9 +1,9 @@
-"""Prefill worker: PrefillEvents -> wait for embeddings -> splice -> prefill + greedy decode.
+"""Prefill worker: PrefillEvents -> wait for embeddings -> splice -> prefill + decode.
 
 Validation is strict (a metadata-only item without a valid ``ec_transfer_params`` entry is
 rejected before anything runs), and so are the bounds of what runs (:func:`check_bounds`:
-``max_tokens``, prompt length against the context, token ids against the vocabulary, greedy
-sampling only). Waiting for embeddings is an async store wait, so one slow request never blocks
+``max_tokens``, prompt length against the context, token ids against the vocabulary, sampling
+parameters). Waiting for embeddings is an async store wait, so one slow request never blocks
 others; model compute runs on a single worker thread and stops at the deadline between decode
 steps.
 """
@@ -28,7 +28,8 @@ from gpu_workers.compute import (
     ItemEmbedding,
     Prefilled,
     context_length,
-    greedy_decode,
+    decode,
+    new_sequence,
     prefill,
     vocab_size,
 )
@@ -38,13 +39,14 @@ from gpu_workers.entries import (
     request_cancelled,
     worker_validation,
 )
+from gpu_workers.sequence import DecodeState
 from runtime.kafka import RequestUpdates, ResultReporter, StatusWriter
 from runtime.settings import Settings
 from runtime.stores.base import StoreError, StoreTimeout, StoreUnavailable
 from runtime.tracing import broker_hop_ms
 from schemas.errors import ValidationError
 from schemas.topics import Topics
-from schemas.types import ErrorInfo, PrefillEvent, now_ms
+from schemas.types import ErrorInfo, PrefillEvent, SamplingParams, now_ms
 from schemas.validator import validate_prefill_event, validate_prefill_expiry
 
 if TYPE_CHECKING:
@@ -52,8 +54,14 @@ if TYPE_CHECKING:
     from runtime.publisher import Publisher
     from runtime.status_store import CancelWatch, RequestState, RequestStateReader
     from runtime.stores.base import EmbeddingStore
+    from runtime.token_stream import TokenStreams, TokenStreamWriter
 
 log = logging.getLogger(__name__)
+
+
+MIN_TEMPERATURE = 1e-3
+"""Smallest temperature that samples: below it the logits over the temperature overflow (a
+temperature of 0 is greedy)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +72,8 @@ class Bounds:
     context: int
     """Most tokens (prompt + generated) one request may hold."""
     max_tokens: int
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
 
     @classmethod
     def for_model(cls, settings: Settings, bundle: ModelBundle) -> Bounds:
@@ -71,7 +81,13 @@ class Bounds:
         ctx = context_length(bundle)
         if settings.max_context_tokens:
             ctx = min(ctx, settings.max_context_tokens)
-        return cls(vocab_size(bundle), ctx, settings.max_tokens_limit)
+        return cls(
+            vocab_size(bundle),
+            ctx,
+            settings.max_tokens_limit,
+            settings.max_stop_strings,
+            settings.max_stop_string_chars,
+        )
 
 
 def check_bounds(ev: PrefillEvent, bounds: Bounds) -> None:
@@ -79,8 +95,8 @@ def check_bounds(ev: PrefillEvent, bounds: Bounds) -> None:
 
     Rules: ``max-tokens`` (1 .. ``EPD_MAX_TOKENS_LIMIT``), ``context-length`` (prompt +
     ``max_tokens`` within the context), ``token-ids`` (every id below the vocabulary size: on
-    CUDA an out-of-range id is a device-side assert that kills the process), ``temperature``
-    (only greedy decoding runs, so any other temperature is refused rather than ignored).
+    CUDA an out-of-range id is a device-side assert that kills the process), ``sampling``
+    (:func:`check_sampling`).
     """
     s = ev.sampling
     if not 1 <= s.max_tokens <= bounds.max_tokens:
@@ -103,13 +119,36 @@ def check_bounds(ev: PrefillEvent, bounds: Bounds) -> None:
                 f"token_ids[{i}] = {t} is outside the vocabulary [0, {bounds.vocab_size})",
                 field="token_ids",
             )
-    if not math.isfinite(s.temperature) or s.temperature != 0.0:
-        raise ValidationError(
-            "temperature",
-            f"temperature is {s.temperature}; this worker decodes greedily, so only 0 is "
-            "accepted (sampling is not implemented, and ignoring it would be silent)",
-            field="temperature",
-        )
+    check_sampling(s, bounds)
+
+
+def check_sampling(s: SamplingParams, bounds: Bounds) -> None:
+    """Rule ``sampling`` (the field named): ``temperature`` 0 (greedy) or a finite value of at
+    least ``MIN_TEMPERATURE``; ``top_p`` in (0, 1]; ``top_k`` >= 0 (0: off); stop token ids in
+    the vocabulary; at most ``EPD_MAX_STOP_STRINGS`` stop strings, each non-empty and at most
+    ``EPD_MAX_STOP_STRING_CHARS`` long."""
+
+    def bad(name: str, why: str) -> ValidationError:
+        return ValidationError("sampling", f"{name} {why}", field=name)
+
+    t = s.temperature
+    if not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
+        raise bad("temperature", f"is {t}; it must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+    if not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
+        raise bad("top_p", f"is {s.top_p}; it must be in (0, 1]")
+    if s.top_k < 0:
+        raise bad("top_k", f"is {s.top_k}; it must be 0 (off) or positive")
+    for i, t_id in enumerate(s.stop_token_ids):
+        if not 0 <= t_id < bounds.vocab_size:
+            raise bad("stop_token_ids", f"[{i}] = {t_id} is outside the vocabulary")
+    if len(s.stop) > bounds.max_stop_strings:
+        raise bad("stop", f"has {len(s.stop)} strings; at most {bounds.max_stop_strings}")
+    for i, stop in enumerate(s.stop):
+        if not 1 <= len(stop) <= bounds.max_stop_string_chars:
+            raise bad(
+                "stop",
+                f"[{i}] has {len(stop)} characters; 1 to {bounds.max_stop_string_chars}",
+            )
 
 
 def embeddings_lost(missing: list[str], state: RequestState | None, created_ms: int) -> list[str]:
@@ -168,6 +207,12 @@ class Generation:
     """Every token generated (for a stopped request, the ones made before it stopped)."""
     detail: str = ""
     compute_ms: float = 0.0
+    text: str = ""
+    """The tokens' text (cut at a stop string)."""
+    finish_reason: str | None = None
+    """``stop`` or ``length`` once completed."""
+    stream: TokenStreamWriter | None = None
+    """The request's token stream, still to be ended."""
 
 
 class PrefillWorker:
@@ -194,6 +239,7 @@ class PrefillWorker:
         cancel: CancelWatch | None = None,
         request_state: RequestStateReader | None = None,
         record: StatusWriter | None = None,
+        streams: TokenStreams | None = None,
     ) -> None:
         """``cancel``: asked before the embedding wait, before compute and between decode
         steps; a cancelled request is reported ``cancelled`` (with the tokens made before the
@@ -205,7 +251,10 @@ class PrefillWorker:
         coming (waited for).
 
         ``record`` (``StatusStore.apply``): every update is also written to the request's
-        status record directly (the results topic stays the durable record)."""
+        status record directly (the results topic stays the durable record).
+
+        ``streams``: each request's tokens are written to its token stream while it decodes
+        (:mod:`runtime.token_stream`), ended before its terminal status."""
         self.settings = settings
         self.bundle = bundle
         self.store = store
@@ -226,6 +275,7 @@ class PrefillWorker:
         )
         self.cancel = cancel
         self.request_state = request_state
+        self.streams = streams
         # One compute thread: the model is shared, and CPU/GPU work does not speed up by
         # interleaving requests inside one process.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="epd-prefill")
@@ -432,14 +482,24 @@ class PrefillWorker:
     async def _compute(
         self, ev: PrefillEvent, items: list[ItemEmbedding], updates: RequestUpdates
     ) -> Generation:
-        """Prefill and decode on the compute thread, to ``max_tokens``, a stop token, the
-        deadline or a cancel (asked before prefill and between decode steps)."""
+        """Prefill and decode on the compute thread, to ``max_tokens``, a stop token or string,
+        the deadline or a cancel (asked before prefill and between decode steps), streaming the
+        tokens as they come."""
         t_compute = time.perf_counter()
         loop = asyncio.get_running_loop()
         cancel = self.cancel
         rid = ev.request_id
         # Asked in the compute thread, before prefill and between decode steps: a set lookup.
         should_stop = (lambda: cancel.cancelled_now(rid)) if cancel else None
+        seq = new_sequence(self.bundle, ev.sampling, rid)
+        stream = self.streams.writer(rid) if self.streams is not None else None
+        on_token = None
+        if stream is not None:
+            await stream.resume()
+
+            def on_token(s: DecodeState) -> None:
+                # Taken in the compute thread, written from the loop: push never waits.
+                loop.call_soon_threadsafe(stream.push, *s.take_new())
 
         def run_prefill() -> Prefilled:
             if should_stop is not None and should_stop():
@@ -453,27 +513,36 @@ class PrefillWorker:
             # Started from the loop between the two compute calls, so it goes out while the
             # thread decodes (a thread decoding thousands of steps would otherwise hold it up).
             updates.soon("decoding")
-            tokens = await loop.run_in_executor(
+            await loop.run_in_executor(
                 self._executor,
-                lambda: greedy_decode(
+                lambda: decode(
                     self.bundle,
                     state,
-                    ev.sampling.max_tokens,
-                    stop_token_ids=ev.sampling.stop_token_ids,
-                    ignore_eos=ev.sampling.ignore_eos,
+                    seq,
                     deadline_ms=ev.deadline_ms,
                     should_stop=should_stop,
+                    on_token=on_token,
                 ),
             )
-        except DecodeStopped as stopped:
-            return Generation(
-                "cancelled", stopped.tokens, f"stopped after {len(stopped.tokens)} tokens"
-            )
+            outcome, detail = "completed", ""
+        except DecodeStopped:
+            outcome, detail = "cancelled", f"stopped after {len(seq.tokens)} tokens"
         except DeadlineExceeded as exc:
-            return Generation(
-                "expired", exc.tokens, f"deadline passed during prefill/decode: {exc}"
-            )
-        return Generation("completed", tokens, compute_ms=(time.perf_counter() - t_compute) * 1000)
+            outcome, detail = "expired", f"deadline passed during prefill/decode: {exc}"
+        except BaseException:
+            if stream is not None:
+                await stream.abandon()
+            raise
+        seq.settle()
+        return Generation(
+            outcome,
+            seq.tokens,
+            detail,
+            compute_ms=(time.perf_counter() - t_compute) * 1000,
+            text=seq.text,
+            finish_reason=seq.finish_reason,
+            stream=stream,
+        )
 
     # ---------------------------------------------------------------------------- report
 
@@ -485,16 +554,18 @@ class PrefillWorker:
         updates: RequestUpdates,
     ) -> None:
         """The request's outcome, with its tokens and text (a stopped or expired request's
-        partial output included) and, once completed, its timings."""
-        text = await self._text(result.tokens)
+        partial output included) and, once completed, its timings and finish reason. The token
+        stream ends first, so a terminal record means a complete stream."""
+        if result.stream is not None:
+            await result.stream.close(result.outcome, result.finish_reason)
         if result.outcome == "cancelled":
-            await self._report_cancelled(updates, result.detail, result.tokens, text)
+            await self._report_cancelled(updates, result.detail, result.tokens, result.text)
             return
         if result.outcome == "expired":
             await updates.now(
                 "expired",
                 token_ids=result.tokens,
-                text=text,
+                text=result.text,
                 error=ErrorInfo("expired", result.detail),
             )
             return
@@ -502,20 +573,14 @@ class PrefillWorker:
         await updates.now(
             "completed",
             token_ids=result.tokens,
-            text=text,
+            text=result.text,
             timings={
                 **timings,
                 "prefill_decode": result.compute_ms,
                 "total": float(now_ms() - ev.created_ms),
             },
+            info={"finish_reason": result.finish_reason or ""},
         )
-
-    async def _text(self, tokens: list[int]) -> str:
-        """The tokens' text, detokenised off the event loop (thousands of tokens take ms)."""
-        if not tokens:
-            return ""
-        decode = self.bundle.tokenizer.decode
-        return str(await asyncio.to_thread(decode, tokens, skip_special_tokens=True))
 
     async def _report_missing(
         self,

@@ -77,6 +77,7 @@ class _Item:
     length: int
     data: ItemData
     metadata: ItemData | None
+    is_embed: list[bool] | None = None
 
 
 def _pil_errors(index: int) -> AbstractContextManager[None]:
@@ -132,7 +133,7 @@ def build_features(items: Sequence[_Item]) -> Features:
     return Features(
         mm_hashes={m: [it.mm_hash for it in per[m]] for m in mods},
         mm_placeholders={
-            m: [PlaceholderRange(it.offset, it.length) for it in per[m]] for m in mods
+            m: [PlaceholderRange(it.offset, it.length, it.is_embed) for it in per[m]] for m in mods
         },
         kwargs_data={m: [it.data for it in per[m]] for m in mods} if items else None,
         mm_metadata={m: [it.metadata for it in per[m]] for m in mods} if any_meta else None,
@@ -415,27 +416,31 @@ class Renderer:
             i = seen[kind]
             seen[kind] += 1
             _check_time(give_up_at, kind, i)
+            is_embed: list[bool] | None = None
             if kind == "image":
                 pv, grid = self.process_image(self.load_image(sources[kind][i], i), i)
                 data: ItemData = {MAIN_ENCODER_INPUT["image"]: pv, GRID_FIELDS["image"]: grid}
                 meta: ItemData = {GRID_FIELDS["image"]: grid}
+                offset, length = self._lay_out(ids, pad_id[kind], grid)
             else:
                 video = self.videos.render(sources[kind][i], i, give_up_at=give_up_at)
                 data, meta, grid = video.data, video.metadata, video.grid
-            n = _placeholder_count(grid, info.merge_size)
-            ids.append(info.vision_start_id)
-            offset = len(ids)
-            ids.extend([pad_id[kind]] * n)
-            ids.append(info.vision_end_id)
+                if info.family.video_timestamps:
+                    offset, length, is_embed = self._lay_out_frames(
+                        ids, pad_id[kind], grid, video.timestamps
+                    )
+                else:
+                    offset, length = self._lay_out(ids, pad_id[kind], grid)
             ids.extend(segments[k + 1])
             items.append(
                 _Item(
                     modality=kind,
                     mm_hash=self.mm_hash(kind, data, cache_salt),
                     offset=offset,
-                    length=n,
+                    length=length,
                     data=data,
                     metadata=meta,
+                    is_embed=is_embed,
                 )
             )
         if not ids:
@@ -450,6 +455,38 @@ class Renderer:
             deadline_ms=deadline_ms,
             trace=dict(trace or {}),
         )
+
+    def _lay_out(self, ids: list[int], pad: int, grid: torch.Tensor) -> tuple[int, int]:
+        """``<|vision_start|>`` + N pads + ``<|vision_end|>`` onto ``ids``; the pads' range."""
+        n = _placeholder_count(grid, self.info.merge_size)
+        ids.append(self.info.vision_start_id)
+        offset = len(ids)
+        ids.extend([pad] * n)
+        ids.append(self.info.vision_end_id)
+        return offset, n
+
+    def _lay_out_frames(
+        self, ids: list[int], pad: int, grid: torch.Tensor, timestamps: list[float]
+    ) -> tuple[int, int, list[bool]]:
+        """A video frame by frame (Qwen3-VL): per temporal grid row, its timestamp text
+        ``<{t:.1f} seconds>`` then ``<|vision_start|>`` + its pads + ``<|vision_end|>``, as the
+        Qwen3-VL processor writes it in place of the video's block. The item's range is all of
+        it, ``is_embed`` marking the pads (vLLM's layout of the same item)."""
+        t, h, w = (int(x) for x in grid.reshape(-1).tolist())
+        if len(timestamps) != t:
+            raise RenderError(
+                "render.video_layout",
+                f"{len(timestamps)} frame timestamps for a grid of {t} temporal rows",
+                modality="video",
+            )
+        per_row = h * w // (self.info.merge_size**2)
+        offset = len(ids)
+        for seconds in timestamps:
+            ids.extend(self._text_ids(f"<{seconds:.1f} seconds>"))
+            ids.append(self.info.vision_start_id)
+            ids.extend([pad] * per_row)
+            ids.append(self.info.vision_end_id)
+        return offset, len(ids) - offset, [tok == pad for tok in ids[offset:]]
 
     async def render_async(
         self, request_id: str, *, timeout_s: float | None = None, **kwargs: Any

@@ -180,6 +180,28 @@ class Settings(BaseSettings):
         "(a larger value is still held to the model's context)",
     )
 
+    max_stop_strings: int = Field(
+        16, ge=0, description="most stop strings one request may carry; more is rejected"
+    )
+    max_stop_string_chars: int = Field(
+        256, ge=1, description="longest stop string (characters); longer is rejected"
+    )
+
+    # Token streams (the decode loop -> Redis -> the API's streams)
+    stream_interval_ms: float = Field(
+        20.0,
+        ge=0,
+        description="least time between two writes of one request's token stream (the first "
+        "tokens go at once; later ones wait at most this long, batched): bounds the rate Redis "
+        "sees per request whatever the decode speed",
+    )
+    stream_ttl_s: int = Field(
+        3600, ge=1, description="lifetime of a request's token stream after its last write"
+    )
+    stream_max_entries: int = Field(
+        4096, ge=16, description="entries kept per token stream (oldest trimmed first)"
+    )
+
     # Model
     model: str = Field(defaults.TINY_MODEL, description=MODEL_HELP)
     device: str = Field("auto", description="auto, cpu or cuda[:N]")

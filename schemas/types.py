@@ -95,10 +95,26 @@ class ECTransfer:
 
 @dataclass(slots=True)
 class SamplingParams:
+    """How a request's tokens are chosen and when generation ends.
+
+    ``temperature`` 0 is greedy (``top_p``, ``top_k`` and ``seed`` unused); above 0 the logits
+    go through temperature, top-k and top-p in transformers' warper order and the token is drawn
+    from the request's own generator seeded with ``seed``. ``stop`` strings end generation and
+    are cut from the text; ``stop_token_ids`` (and eos unless ``ignore_eos``) end it too."""
+
     max_tokens: int = 16
     temperature: float = 0.0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether tokens are chosen by argmax (temperature 0)."""
+        return self.temperature == 0.0
 
 
 @dataclass(slots=True)

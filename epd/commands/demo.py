@@ -124,8 +124,7 @@ async def _demo(args: argparse.Namespace, quiet: bool, state_dir: Path) -> int:
     from runtime.model import model_family
 
     settings = Settings(**({"model": args.model} if args.model else {}))
-    # Qwen3-VL video prompts need per-frame timestamps, which the renderer does not lay out.
-    reqs = demo_requests(video=model_family(settings.model).video_frames_per_run is None)
+    reqs = demo_requests(video="video" in model_family(settings.model).modalities)
     log_dir = state_dir / "demo-logs"
     t0 = time.perf_counter()
     say(

@@ -214,8 +214,7 @@ async def _verify(args: argparse.Namespace, state_dir: Path) -> int:
     own = args.images or args.videos
     from runtime.model import model_family
 
-    # Qwen3-VL video prompts need per-frame timestamps, which the renderer does not lay out.
-    video = model_family(settings.model).video_frames_per_run is None
+    video = "video" in model_family(settings.model).modalities
     cases = file_cases(args.images, args.videos) if own else builtin_cases(video)
     bundle_task = asyncio.create_task(
         asyncio.to_thread(load_model, settings.model, device=settings.device)

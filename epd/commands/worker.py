@@ -133,14 +133,19 @@ async def _build_encode(ctx: StageContext) -> Handler:
 
 async def _build_prefill(ctx: StageContext) -> Handler:
     from runtime.status_store import RequestReader
+    from runtime.token_stream import TokenStreams
 
     # Prefill reads the request's status record: replays of a finished request are skipped,
     # and a lost embedding ends the request at once (embedding-lost) instead of a long wait.
     # It also writes its updates through to the record, so the client does not wait for the
-    # results collector's hop to see the outcome.
+    # results collector's hop to see the outcome, and streams tokens while it decodes.
     status = ctx.status_store()
     return await _build_gpu_worker(
-        ctx, "prefill", request_state=RequestReader(status), record=status.apply
+        ctx,
+        "prefill",
+        request_state=RequestReader(status),
+        record=status.apply,
+        streams=TokenStreams.from_settings(status.client, ctx.settings),
     )
 
 

@@ -703,7 +703,8 @@ async def test_forged_render_gets_no_hit_on_another_tenants_embedding(
     [
         ({"token_ids": "oov"}, "token-ids"),
         ({"max_tokens": 10**6}, "max-tokens"),
-        ({"temperature": 0.8}, "temperature"),
+        ({"temperature": -0.8}, "sampling"),
+        ({"temperature": 0.8, "top_p": 0.0}, "sampling"),
     ],
 )
 async def test_prefill_refuses_out_of_bounds_requests_before_running(

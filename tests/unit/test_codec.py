@@ -179,9 +179,9 @@ def test_decode_is_zero_copy_view_over_the_datum() -> None:
 # The fingerprints every frame on the wire carries today. They must never change by accident:
 # a new value makes every reader in the field refuse old frames ("unknown schema fingerprint").
 PINNED_FINGERPRINTS = {
-    "epd.RenderEvent": "f8ad59e342ffbb3d",
+    "epd.RenderEvent": "28f8b85ace15ec61",  # SamplingParams: top_p, top_k, seed, stop
     "epd.EncodeEvent": "3bcb85c179737334",
-    "epd.PrefillEvent": "ed100a94c1fe9804",
+    "epd.PrefillEvent": "30655262841d5891",  # (v1 frames still decode: frozen v1)
     "epd.EncodedEvent": "bd7915765d7a8780",
     "epd.ResultEvent": "2c865b01b931cff5",
     "epd.DeadLetter": "c8b3827170e5e499",

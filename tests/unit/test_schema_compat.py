@@ -103,3 +103,45 @@ def test_checker_accepts_a_new_field_with_default() -> None:
     new = _result_schema()
     new["fields"].append({"name": "tenant", "type": ["null", "string"], "default": None})
     assert backward_incompatibilities(parse_schema(old), parse_schema(new)) == []
+
+
+def test_a_prefill_event_written_before_sampling_decodes_with_the_defaults() -> None:
+    """v1's SamplingParams had no top_p, top_k, seed or stop, and a float temperature: its
+    events decode into today's type with the new fields at their defaults (greedy, no stops)."""
+    version = FROZEN_DIR / "v1"
+    old = load_event_schema("epd.PrefillEvent", version)
+    old_fields = {f["name"] for f in old["fields"][5]["type"]["fields"]}
+    assert old_fields == {"max_tokens", "temperature", "stop_token_ids", "ignore_eos"}
+    buf = io.BytesIO()
+    buf.write(MAGIC + fingerprint(old))
+    schemaless_writer(
+        buf,
+        old,
+        {
+            "request_id": "r-v1",
+            "model": "tiny",
+            "token_ids": [1, 2, 3],
+            "features": {
+                "mm_hashes": {},
+                "mm_placeholders": {},
+                "kwargs_data": None,
+                "mm_metadata": None,
+            },
+            "ec_transfer_params": {},
+            "sampling": {
+                "max_tokens": 7,
+                "temperature": 0.0,
+                "stop_token_ids": [5],
+                "ignore_eos": True,
+            },
+            "cache_salt": None,
+            "deadline_ms": None,
+            "created_ms": 1,
+            "trace": {},
+        },
+    )
+    ev = get_codec().decode(buf.getvalue())
+    s = ev.sampling
+    assert (s.max_tokens, s.temperature, s.stop_token_ids, s.ignore_eos) == (7, 0.0, [5], True)
+    assert (s.top_p, s.top_k, s.seed, s.stop) == (1.0, 0, None, [])
+    assert s.greedy

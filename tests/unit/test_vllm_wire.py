@@ -449,3 +449,60 @@ def test_split_rejects_a_broken_render() -> None:
     with pytest.raises(ValidationError) as ei:
         split_render(render, secret=None)
     assert ei.value.rule == "request-shape"
+
+
+# ------------------------------------------------------------------ sampling_params
+
+
+def test_vllm_sampling_params_map_both_ways_with_vllms_defaults() -> None:
+    from schemas.types import SamplingParams
+    from schemas.vllm_sampling import sampling_from_vllm, sampling_to_vllm
+
+    assert sampling_from_vllm({}) == SamplingParams(max_tokens=16, temperature=1.0)
+    got = sampling_from_vllm(
+        {
+            "max_tokens": 40,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": -1,
+            "seed": 5,
+            "stop": "END",
+            "stop_token_ids": [3],
+            "ignore_eos": True,
+            "n": 1,
+            "repetition_penalty": 1.0,
+            "detokenize": True,
+            "extra_args": {"ec_transfer_params": {}},
+        }
+    )
+    assert got == SamplingParams(40, 0.7, [3], True, 0.9, 0, 5, ["END"])
+    assert sampling_from_vllm(sampling_to_vllm(got)) == got
+    greedy = SamplingParams(max_tokens=8)
+    assert sampling_from_vllm(sampling_to_vllm(greedy)) == greedy  # temperature 0 spelled out
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"n": 2}, "n"),
+        ({"n": True}, "n"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"min_p": 0.1}, "min_p"),
+        ({"logprobs": 5}, "logprobs"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"stop": [1]}, "stop"),
+        ({"stop_token_ids": "x"}, "stop_token_ids"),
+        ({"seed": True}, "seed"),
+    ],
+)
+def test_vllm_sampling_params_we_cannot_honour_are_refused_not_ignored(
+    params: dict, field: str
+) -> None:
+    from schemas.vllm_sampling import sampling_from_vllm
+
+    with pytest.raises(ValidationError) as err:
+        sampling_from_vllm(params)
+    assert (err.value.rule, err.value.field) == ("sampling", field)
