@@ -8,7 +8,8 @@ in any grouping) yields exactly the tokens of ``generate_monolithic`` (``model.g
 same prompt and pixels, for every family of :mod:`schemas.families`. What must match the
 monolithic path: the M-RoPE positions (``get_rope_index`` with ``mm_token_type_ids`` and the
 family's extra arguments, e.g. Qwen2.5-VL's ``second_per_grid_ts``), the decode-step position
-``prompt_len + step + rope_delta`` on all three axes, and for Qwen3-VL the deepstack features
+(the prompt's last position + 1 + step on each axis, as ``generate`` continues), and for
+Qwen3-VL the deepstack features
 added to the first LLM layers at the visual positions (``visual_pos_masks``).
 """
 
@@ -199,6 +200,14 @@ def context_length(bundle: ModelBundle) -> int:
     return int(text_config(bundle.config).max_position_embeddings)
 
 
+def kv_bytes_per_token(bundle: ModelBundle) -> int:
+    """Bytes of KV cache one position takes: keys and values of every layer's KV heads."""
+    tc = text_config(bundle.config)
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    itemsize = torch.empty((), dtype=bundle.dtype).element_size()
+    return 2 * int(tc.num_hidden_layers) * int(tc.num_key_value_heads) * int(head_dim) * itemsize
+
+
 def check_token_range(bundle: ModelBundle, token_ids: Sequence[int]) -> None:
     """Every id in ``[0, vocab)``, checked before any tensor is built: on CUDA an id outside the
     embedding table is a device-side assert that kills the process and every request on it."""
@@ -216,7 +225,7 @@ def _past(deadline_ms: int | None) -> bool:
 # prefill + decode
 
 
-def _cache_kwarg(module: torch.nn.Module) -> str:
+def cache_kwarg(module: torch.nn.Module) -> str:
     """transformers renamed ``past_key_values`` to ``cache``; use whichever this version has.
 
     Looked up once per prefill/decode call (not per step), so no memo is needed.
@@ -393,7 +402,16 @@ class Prefilled:
     cache: Any
     logits: torch.Tensor  # (vocab,) float32, for the next token
     prompt_len: int
-    rope_delta: int
+    next_position: tuple[int, int, int]
+    """The M-RoPE position (temporal, height, width) the first generated token is fed at: the
+    prompt's last position + 1 on each axis, as ``generate`` continues (which is not the
+    largest position + 1 when a video's temporal positions run past the text after it, as
+    Qwen2.5-VL's do for a short tail); step ``s`` adds ``s`` on every axis."""
+
+    def position(self, step: int) -> tuple[int, int, int]:
+        """The M-RoPE position of decode step ``step`` (0: the first generated token)."""
+        t, h, w = self.next_position
+        return (t + step, h + step, w + step)
 
 
 class DecodeStopped(Exception):
@@ -420,17 +438,18 @@ def prefill(
     lm = bundle.model.model.language_model
     with torch.inference_mode():
         embeds = splice_embeddings(bundle, token_ids, ordered)
-        position_ids, delta = mrope_positions(bundle, token_ids, ordered)
+        position_ids, _ = mrope_positions(bundle, token_ids, ordered)
         kv = DynamicCache(config=text_config(bundle.config))
         out = lm(
             inputs_embeds=embeds,
             position_ids=position_ids.to(bundle.device),
             use_cache=True,
-            **{_cache_kwarg(lm): kv},
+            **{cache_kwarg(lm): kv},
             **deepstack_inputs(bundle, token_ids, ordered),
         )
         logits = bundle.model.lm_head(out.last_hidden_state[:, -1, :])[0].float()
-    return Prefilled(cache=kv, logits=logits, prompt_len=len(token_ids), rope_delta=delta)
+    t, h, w = (int(x) + 1 for x in position_ids[:, 0, -1].tolist())
+    return Prefilled(cache=kv, logits=logits, prompt_len=len(token_ids), next_position=(t, h, w))
 
 
 def decode(
@@ -446,15 +465,16 @@ def decode(
     :class:`DecodeState` says when: eos or a stop token, a stop string, ``max_tokens``); its
     tokens.
 
-    Step ``s`` (0-based) feeds the token generated at step ``s`` at position
-    ``prompt_len + s + rope_delta`` on all three M-RoPE axes. The deadline is checked before
+    Step ``s`` (0-based) feeds the token generated at step ``s`` at
+    ``state.position(s)``: the prompt's last position + 1 + ``s`` on each M-RoPE axis, as
+    ``generate`` continues. The deadline is checked before
     every step's forward pass; past it, ``DeadlineExceeded`` carries the tokens so far.
     ``should_stop`` is asked before every step after the first; when it says yes,
     :class:`DecodeStopped` is raised (a cancelled request stops between steps instead of
     running to ``max_tokens``). ``on_token`` is called after each token is accepted.
     """
     lm = bundle.model.model.language_model
-    kw = _cache_kwarg(lm)
+    kw = cache_kwarg(lm)
     logits = state.logits
     with torch.inference_mode():
         for step in itertools.count():
@@ -468,8 +488,9 @@ def decode(
                 raise DeadlineExceeded(seq.tokens)
             if should_stop is not None and should_stop():
                 raise DecodeStopped(seq.tokens)
-            pos = state.prompt_len + step + state.rope_delta
-            position_ids = torch.full((3, 1, 1), pos, dtype=torch.long, device=bundle.device)
+            position_ids = torch.tensor(
+                state.position(step), dtype=torch.long, device=bundle.device
+            ).view(3, 1, 1)
             emb = lm.embed_tokens(torch.tensor([[tok]], device=bundle.device))
             out = lm(
                 inputs_embeds=emb, position_ids=position_ids, use_cache=True, **{kw: state.cache}

@@ -17,29 +17,26 @@ import logging
 import math
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpu_workers.compute import (
-    DeadlineExceeded,
-    DecodeStopped,
     EncoderOutput,
     ItemEmbedding,
     Prefilled,
     context_length,
-    decode,
     new_sequence,
     prefill,
     vocab_size,
 )
+from gpu_workers.engine import COMPLETED, DecodeEngine, DecodeJob
 from gpu_workers.entries import (
     fetch_outputs,
     items_from_features,
     request_cancelled,
     worker_validation,
 )
-from gpu_workers.sequence import DecodeState
 from runtime.kafka import RequestUpdates, ResultReporter, StatusWriter
 from runtime.settings import Settings
 from runtime.stores.base import StoreError, StoreTimeout, StoreUnavailable
@@ -276,16 +273,15 @@ class PrefillWorker:
         self.cancel = cancel
         self.request_state = request_state
         self.streams = streams
-        # One compute thread: the model is shared, and CPU/GPU work does not speed up by
-        # interleaving requests inside one process.
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="epd-prefill")
+        # One compute thread runs the batch: requests decode together, one forward per step.
+        self.engine = DecodeEngine.for_settings(settings, bundle)
         self.completed = 0
         self.cancelled = 0
         self.skipped = 0
         self.lost = 0
 
     async def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        await self.engine.close()
 
     async def handle(self, ev: PrefillEvent) -> None:
         """Run one request to completion (or to a clear failure)."""
@@ -482,65 +478,48 @@ class PrefillWorker:
     async def _compute(
         self, ev: PrefillEvent, items: list[ItemEmbedding], updates: RequestUpdates
     ) -> Generation:
-        """Prefill and decode on the compute thread, to ``max_tokens``, a stop token or string,
-        the deadline or a cancel (asked before prefill and between decode steps), streaming the
-        tokens as they come."""
+        """Prefill and decode in the worker's batch (:mod:`gpu_workers.engine`)."""
+        return await self._generate(ev, lambda: prefill(self.bundle, ev.token_ids, items), updates)
+
+    async def _generate(
+        self, ev: PrefillEvent, start: Callable[[], Prefilled], updates: RequestUpdates
+    ) -> Generation:
+        """Decode ``ev`` from ``start`` (run on the compute thread as it joins the batch) to
+        ``max_tokens``, a stop token or string, the deadline or a cancel (asked before the
+        start and between steps), streaming its tokens as they come."""
         t_compute = time.perf_counter()
-        loop = asyncio.get_running_loop()
         cancel = self.cancel
         rid = ev.request_id
-        # Asked in the compute thread, before prefill and between decode steps: a set lookup.
-        should_stop = (lambda: cancel.cancelled_now(rid)) if cancel else None
         seq = new_sequence(self.bundle, ev.sampling, rid)
         stream = self.streams.writer(rid) if self.streams is not None else None
-        on_token = None
         if stream is not None:
             await stream.resume()
-
-            def on_token(s: DecodeState) -> None:
-                # Taken in the compute thread, written from the loop: push never waits.
-                loop.call_soon_threadsafe(stream.push, *s.take_new())
-
-        def run_prefill() -> Prefilled:
-            if should_stop is not None and should_stop():
-                raise DecodeStopped([])  # cancelled while it waited for the compute thread
-            if ev.deadline_ms is not None and now_ms() >= ev.deadline_ms:
-                raise DeadlineExceeded([])
-            return prefill(self.bundle, ev.token_ids, items)
-
+        job = DecodeJob(
+            rid,
+            seq,
+            start,
+            kv_tokens=len(ev.token_ids) + ev.sampling.max_tokens,
+            deadline_ms=ev.deadline_ms,
+            # Asked on the compute thread before the start and between steps: a set lookup.
+            should_stop=(lambda: cancel.cancelled_now(rid)) if cancel else None,
+            on_tokens=stream.push if stream is not None else None,
+            # Sent in the background while the batch decodes.
+            on_started=lambda: updates.soon("decoding"),
+        )
         try:
-            state = await loop.run_in_executor(self._executor, run_prefill)
-            # Started from the loop between the two compute calls, so it goes out while the
-            # thread decodes (a thread decoding thousands of steps would otherwise hold it up).
-            updates.soon("decoding")
-            await loop.run_in_executor(
-                self._executor,
-                lambda: decode(
-                    self.bundle,
-                    state,
-                    seq,
-                    deadline_ms=ev.deadline_ms,
-                    should_stop=should_stop,
-                    on_token=on_token,
-                ),
-            )
-            outcome, detail = "completed", ""
-        except DecodeStopped:
-            outcome, detail = "cancelled", f"stopped after {len(seq.tokens)} tokens"
-        except DeadlineExceeded as exc:
-            outcome, detail = "expired", f"deadline passed during prefill/decode: {exc}"
+            done = await self.engine.run(job)
         except BaseException:
             if stream is not None:
                 await stream.abandon()
             raise
         seq.settle()
         return Generation(
-            outcome,
+            done.outcome,
             seq.tokens,
-            detail,
+            done.detail,
             compute_ms=(time.perf_counter() - t_compute) * 1000,
             text=seq.text,
-            finish_reason=seq.finish_reason,
+            finish_reason=seq.finish_reason if done.outcome == COMPLETED else None,
             stream=stream,
         )
 

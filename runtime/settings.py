@@ -187,6 +187,33 @@ class Settings(BaseSettings):
         256, ge=1, description="longest stop string (characters); longer is rejected"
     )
 
+    # Decoding: continuous batching and the optional decode stage
+    decode_max_batch: int = Field(
+        32,
+        ge=1,
+        description="most sequences one worker decodes together (one forward per step over all "
+        "of them); 1 decodes one request at a time",
+    )
+    decode_kv_budget_bytes: int = Field(
+        0,
+        ge=0,
+        description="KV cache one worker's batch may hold at its largest (sequences x the "
+        "longest prompt + max_tokens among them x the model's KV bytes per position); a request "
+        "that does not fit waits, one that never could is rejected (kv-budget); 0: derived "
+        "(40% of the GPU memory free after loading the model; 2 GiB on CPU)",
+    )
+    decode_stage: bool = Field(
+        False,
+        description="prefill workers run the prompt only, park its KV cache in the store and "
+        "hand the request to decode workers (`epd worker decode`) through {prefix}.decode",
+    )
+    kv_ttl_s: int = Field(
+        300,
+        ge=1,
+        description="lifetime of a parked KV cache (capped by the request's deadline); a decode "
+        "worker that finds it gone runs the prefill again itself",
+    )
+
     # Token streams (the decode loop -> Redis -> the API's streams)
     stream_interval_ms: float = Field(
         20.0,

@@ -744,16 +744,17 @@ async def test_prefill_stops_at_the_deadline_between_decode_steps(
     producer: KafkaPublisher,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gpu_workers import compute
+    from gpu_workers import engine
 
     deadline = now_ms() + 600_000
     ev = render(renderer, (131,), deadline_ms=deadline)
     ev = dataclasses.replace(ev, sampling=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     p = await plan(cfg, store, bundle, ev)
     await asyncio.gather(*(encoder.handle(wire(e)) for e in p.encode))
-    # The decode loop's clock passes the deadline after its first two steps' checks.
-    ticks = iter([0, 0])
-    monkeypatch.setattr(compute, "now_ms", lambda: next(ticks, deadline + 1))
+    # The batch's clock passes the deadline after its check before the prefill and those of
+    # the first two decode steps.
+    ticks = iter([0, 0, 0])
+    monkeypatch.setattr(engine, "now_ms", lambda: next(ticks, deadline + 1))
     prefill = PrefillWorker(cfg, bundle, store, producer)
     try:
         await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)

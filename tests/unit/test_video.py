@@ -729,3 +729,26 @@ def test_frames_follow_the_image_rgb_and_orientation_rules() -> None:
         jpegs.append(b.getvalue())
     clip = load_video(jpegs, LIMITS)
     assert {f.size for f in clip.frames} == {(64, 96)}
+
+
+@pytest.mark.parametrize("spec", ["tiny", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_a_prompt_ending_with_a_long_video_decodes_where_generate_does(spec: str) -> None:
+    """Qwen2.5-VL spaces a video's temporal positions by its timing: three rows of a 64x64
+    video reach past the one token after them, so the largest position is inside the video.
+    ``generate`` continues from the prompt's last position + 1 (not the largest + 1); decoding
+    from the largest went astray from the second token on."""
+    bundle = load_model(spec, device="cpu")
+    ev = Renderer(bundle, max_image_pixels=4096 * 4096).render(
+        "tail", prompt="What <video>", videos=[synthetic_frames(6, 64, 64, seed=511)]
+    )
+    (ph,) = ev.features.mm_placeholders["video"]
+    assert ev.features.mm_metadata["video"][0]["video_grid_thw"][0] == 3  # type: ignore[index]
+    data = ev.features.kwargs_data["video"][0]  # type: ignore[index]
+    (out,) = encode_items(bundle, [(data["pixel_values_videos"], data["video_grid_thw"])])  # type: ignore[index]
+    meta = ev.features.mm_metadata["video"][0]  # type: ignore[index]
+    items = [item_embedding("video", ph.offset, ph.length, out, meta, ph.is_embed)]  # type: ignore[arg-type]
+    ids, pv, grid = monolithic_inputs(ev)
+    want = generate_monolithic(
+        bundle, ids, pv, grid, 10, ignore_eos=True, **monolithic_video_inputs(ev)
+    )
+    assert generate_from_embeddings(bundle, ev.token_ids, items, 10, ignore_eos=True) == want
