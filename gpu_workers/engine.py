@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COMPLETED, CANCELLED, EXPIRED = "completed", "cancelled", "expired"
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -199,6 +200,11 @@ class DecodeEngine:
         async with self._room:
             if self._reserved.pop(job, None) is not None:
                 self._room.notify_all()
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the compute thread between two steps (a prefill that is handed off
+        rather than decoded here)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
     @classmethod
     def for_settings(cls, settings: Settings, bundle: ModelBundle) -> DecodeEngine:

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from gpu_workers.compute import (
     EncoderOutput,
     ItemEmbedding,
@@ -30,20 +32,21 @@ from gpu_workers.compute import (
     prefill,
     vocab_size,
 )
-from gpu_workers.engine import COMPLETED, DecodeEngine, DecodeJob
+from gpu_workers.engine import CANCELLED, COMPLETED, EXPIRED, DecodeEngine, DecodeJob
 from gpu_workers.entries import (
     fetch_outputs,
     items_from_features,
     request_cancelled,
     worker_validation,
 )
+from gpu_workers.kv_handoff import kv_entry, kv_tensors, park
 from runtime.kafka import RequestUpdates, ResultReporter, StatusWriter
 from runtime.settings import Settings
 from runtime.stores.base import StoreError, StoreTimeout, StoreUnavailable
 from runtime.tracing import broker_hop_ms
 from schemas.errors import ValidationError
 from schemas.topics import Topics
-from schemas.types import ErrorInfo, PrefillEvent, SamplingParams, now_ms
+from schemas.types import DecodeEvent, ErrorInfo, PrefillEvent, SamplingParams, now_ms
 from schemas.validator import validate_prefill_event, validate_prefill_expiry
 
 if TYPE_CHECKING:
@@ -218,10 +221,15 @@ class PrefillWorker:
     One request goes through four phases: :meth:`_admit` (validation, the request's state,
     deadline, bounds and cancel flag, read together with the embeddings in one round trip),
     :meth:`_await_embeddings` (waits for those the first read missed, unless they cannot come
-    any more), :meth:`_compute` (prefill and decode on the compute thread) and
+    any more), :meth:`_compute` (prefill, then decode in the worker's batch) and
     :meth:`_report` (the outcome and timings). A phase that ends the request early reports
-    why itself and returns None.
+    why itself and returns None. With the decode stage on (``EPD_DECODE_STAGE``),
+    :meth:`_hand_off` replaces the last two: the KV cache is parked and the request handed to
+    a decode worker.
     """
+
+    STAGE = "prefill"
+    """The stage name on this worker's status updates."""
 
     def __init__(
         self,
@@ -265,7 +273,7 @@ class PrefillWorker:
         self._arrival_vconfig = dataclasses.replace(self.vconfig, now_ms=None)
         self.bounds = Bounds.for_model(settings, bundle)
         self.report = ResultReporter(
-            publisher, self.topics.results, "prefill", self.worker_id, record=record
+            publisher, self.topics.results, self.STAGE, self.worker_id, record=record
         )
         self.embedding_wait_s = (
             settings.embedding_wait_s if embedding_wait_s is None else embedding_wait_s
@@ -279,6 +287,7 @@ class PrefillWorker:
         self.cancelled = 0
         self.skipped = 0
         self.lost = 0
+        self.handed_off = 0
 
     async def close(self) -> None:
         await self.engine.close()
@@ -311,16 +320,24 @@ class PrefillWorker:
             "embedding_wait": (time.perf_counter() - t_wait) * 1000,
         }
         items = items_from_features(ev.features, dict(zip(admitted.keys, outputs, strict=True)))
+        if self.settings.decode_stage:
+            await self._hand_off(ev, items, timings, updates)
+            return
         result = await self._compute(ev, items, updates)
         await self._report(ev, result, timings, updates)
 
     # ----------------------------------------------------------------------------- admit
 
-    async def _admit(self, ev: PrefillEvent, updates: RequestUpdates) -> Admission | None:
+    async def _admit(
+        self, ev: PrefillEvent, updates: RequestUpdates, *, reads_embeddings: bool = True
+    ) -> Admission | None:
         """Decide whether the request runs, reading its record, cancel flag and (when it may
         run) embeddings in one round trip. Returns None when it does not run (a redelivery of
         a finished request, a passed deadline, a cancel: each reported as such); raises the
-        ``ValidationError`` of an unsafe or out-of-bounds event (the loop dead-letters it)."""
+        ``ValidationError`` of an unsafe or out-of-bounds event (the loop dead-letters it).
+
+        ``reads_embeddings=False`` (a decode worker with a parked KV cache): the embeddings are
+        neither read nor their entries' expiry judged; the caller does both if it needs them."""
         started = now_ms()
         t_start = time.perf_counter()
         hop_ms = broker_hop_ms(started)
@@ -334,7 +351,11 @@ class PrefillWorker:
             unsafe = exc
         hashes = dict.fromkeys(h for _, _, h in ev.features.items())
         keys = {} if unsafe else {h: ev.ec_transfer_params[h].key for h in hashes}
-        fetch = unsafe is None and not (ev.deadline_ms is not None and started >= ev.deadline_ms)
+        fetch = (
+            reads_embeddings
+            and unsafe is None
+            and not (ev.deadline_ms is not None and started >= ev.deadline_ms)
+        )
         # Three independent reads, one round trip: the record (a redelivery of a finished
         # request?), the cancel flag, and the embeddings, which are often all there (a cache
         # hit, or encoded while this event travelled). Each entry holds all of an item's encoder
@@ -363,7 +384,8 @@ class PrefillWorker:
             return None
         if unsafe is not None:
             raise unsafe
-        validate_prefill_expiry(ev, self.vconfig)
+        if reads_embeddings:
+            validate_prefill_expiry(ev, self.vconfig)
         check_bounds(ev, self.bounds)
         if cancelled:
             await self._report_cancelled(updates, "skipped before prefill")
@@ -523,6 +545,55 @@ class PrefillWorker:
             stream=stream,
         )
 
+    # ------------------------------------------------------------------------- hand off
+
+    async def _hand_off(
+        self,
+        ev: PrefillEvent,
+        items: list[ItemEmbedding],
+        timings: dict[str, float],
+        updates: RequestUpdates,
+    ) -> None:
+        """The decode stage (``EPD_DECODE_STAGE``): run the prompt, park its KV cache in the
+        store (signed, bound to the request, with a TTL) and hand the request to the decode
+        workers (a ``DecodeEvent`` on ``{prefix}.decode``, keyed by request id). The request
+        stays ``prefilling`` here; the decode worker reports the rest."""
+        cancel, rid = self.cancel, ev.request_id
+
+        def run() -> tuple[Prefilled, dict[str, torch.Tensor], float] | str:
+            # Asked on the compute thread as it takes the request up, as a batch asks.
+            if cancel is not None and cancel.cancelled_now(rid):
+                return CANCELLED
+            if ev.deadline_ms is not None and now_ms() >= ev.deadline_ms:
+                return EXPIRED
+            t0 = time.perf_counter()
+            state = prefill(self.bundle, ev.token_ids, items)
+            return state, kv_tensors(state), (time.perf_counter() - t0) * 1000
+
+        done = await self.engine.call(run)
+        if done == CANCELLED:
+            await self._report_cancelled(updates, "skipped before prefill")
+            return
+        if done == EXPIRED:
+            await updates.now(
+                "expired", error=ErrorInfo("expired", "deadline passed before prefill")
+            )
+            return
+        assert not isinstance(done, str)
+        state, tensors, prefill_ms = done
+        kv = kv_entry(self.settings, self.bundle, self.store, rid, state, ev.deadline_ms)
+        t_park = time.perf_counter()
+        await park(self.store, kv, tensors)
+        park_ms = (time.perf_counter() - t_park) * 1000
+        handoff = DecodeEvent(prefill=ev, kv=kv, kv_transfer_params=ev.kv_transfer_params)
+        await self.publisher.send(self.topics.decode, rid, handoff)
+        self.handed_off += 1
+        await updates.now(
+            "prefilling",
+            timings={**timings, "prefill": prefill_ms, "kv_park": park_ms},
+            info={"prefill.handoff": "decode", "kv_bytes": str(kv.nbytes)},
+        )
+
     # ---------------------------------------------------------------------------- report
 
     async def _report(
@@ -531,10 +602,11 @@ class PrefillWorker:
         result: Generation,
         timings: dict[str, float],
         updates: RequestUpdates,
+        info: dict[str, str] | None = None,
     ) -> None:
         """The request's outcome, with its tokens and text (a stopped or expired request's
-        partial output included) and, once completed, its timings and finish reason. The token
-        stream ends first, so a terminal record means a complete stream."""
+        partial output included) and, once completed, its timings, finish reason and ``info``.
+        The token stream ends first, so a terminal record means a complete stream."""
         if result.stream is not None:
             await result.stream.close(result.outcome, result.finish_reason)
         if result.outcome == "cancelled":
@@ -558,7 +630,7 @@ class PrefillWorker:
                 "prefill_decode": result.compute_ms,
                 "total": float(now_ms() - ev.created_ms),
             },
-            info={"finish_reason": result.finish_reason or ""},
+            info={"finish_reason": result.finish_reason or "", **(info or {})},
         )
 
     async def _report_missing(

@@ -13,8 +13,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from schemas import defaults
 from schemas.families import MODEL_HELP
 
-SIGNING_WORKERS = frozenset({"encode", "prefill", "router"})
-"""Workers that sign or verify ``ec_transfer_params``."""
+SIGNING_WORKERS = frozenset({"encode", "prefill", "decode", "router"})
+"""Workers that sign or verify ``ec_transfer_params`` (and parked-KV entries)."""
 PLACEHOLDER_SECRETS = frozenset({"change-me", "changeme", "secret", "password", "test"})
 MIN_SECRET_CHARS = 16
 

@@ -11,3 +11,5 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 EC_NAMESPACE = "ec"
 EMBEDDING_TTL_S = 600
 TINY_MODEL = "tiny"
+MAX_KV_TRANSFER_PARAMS_BYTES = 64 * 1024
+"""Largest vLLM ``kv_transfer_params`` (JSON text) an event may carry through to decode."""

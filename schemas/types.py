@@ -138,6 +138,8 @@ class RenderEvent:
     deadline_ms: int | None = None
     created_ms: int = field(default_factory=now_ms)
     trace: dict[str, str] = field(default_factory=dict)
+    kv_transfer_params: str | None = None
+    """vLLM's ``kv_transfer_params`` as JSON text, passed through to prefill and decode as is."""
 
 
 @dataclass(slots=True)
@@ -166,6 +168,50 @@ class PrefillEvent:
     deadline_ms: int | None = None
     created_ms: int = field(default_factory=now_ms)
     trace: dict[str, str] = field(default_factory=dict)
+    kv_transfer_params: str | None = None
+    """vLLM's ``kv_transfer_params`` as JSON text, passed through as is."""
+
+
+@dataclass(slots=True)
+class KVTransfer:
+    """Where a request's parked KV cache lives (prefill -> decode handoff); signed like an
+    ``ec_transfer_params`` entry, bound to its request."""
+
+    store: str
+    key: str
+    expires_ms: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    seq_len: int
+    next_position: list[int]
+    nbytes: int
+    signature: str = ""
+
+
+@dataclass(slots=True)
+class DecodeEvent:
+    """A request handed from a prefill worker to decode workers (``{prefix}.decode``)."""
+
+    prefill: PrefillEvent
+    """The event the request came as: its tokens, sampling, deadline and, should the KV be
+    gone, what a decode worker needs to run the prefill again."""
+    kv: KVTransfer | None = None
+    kv_transfer_params: str | None = None
+    created_ms: int = field(default_factory=now_ms)
+
+    @property
+    def request_id(self) -> str:
+        return self.prefill.request_id
+
+    @property
+    def deadline_ms(self) -> int | None:
+        return self.prefill.deadline_ms
+
+    @property
+    def trace(self) -> dict[str, str]:
+        return self.prefill.trace
 
 
 @dataclass(slots=True)
@@ -212,11 +258,14 @@ class DeadLetter:
     failed_ms: int = field(default_factory=now_ms)
 
 
-Event = RenderEvent | EncodeEvent | PrefillEvent | EncodedEvent | ResultEvent | DeadLetter
+Event = (
+    RenderEvent | EncodeEvent | PrefillEvent | DecodeEvent | EncodedEvent | ResultEvent | DeadLetter
+)
 EVENT_TYPES: tuple[type, ...] = (
     RenderEvent,
     EncodeEvent,
     PrefillEvent,
+    DecodeEvent,
     EncodedEvent,
     ResultEvent,
     DeadLetter,

@@ -50,6 +50,8 @@ Rules (slug: what it rejects):
 - ``slots-across-modalities``: (render side) some item has metadata but ``mm_metadata`` lacks a
   full-length list for some modality of ``mm_hashes``.
 - ``render-data-missing``: a render event item without its encoder inputs in ``kwargs_data``.
+- ``kv-key``, ``kv-signature``, ``kv-store``, ``kv-shape``, ``kv-transfer-params``: the decode
+  stage's rules (:mod:`schemas.kv_entries`, ``validate_decode_event``).
 
 ``vllm`` applies exactly what vLLM 0.33's ``/inference/v1/generate`` applies (on JSON,
 :func:`schemas.vllm_rules.check_vllm_request`: its field types, cross-field checks and item
@@ -59,6 +61,7 @@ what vLLM refuses.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -78,9 +81,11 @@ from schemas.ec_entries import (
     short_repr,
 )
 from schemas.errors import ValidationError
+from schemas.kv_entries import KVShape, check_kv_entry, check_kv_transfer_params
 from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT, METADATA_FIELDS, REQUIRED_METADATA
 from schemas.types import (
     DTYPES,
+    DecodeEvent,
     EncodeEvent,
     Features,
     ItemData,
@@ -109,6 +114,7 @@ __all__ = [
     "entry_locates_embedding",
     "find_ec_entry",
     "grid_patches",
+    "validate_decode_event",
     "validate_encode_event",
     "validate_features",
     "validate_prefill_event",
@@ -671,6 +677,19 @@ def validate_prefill_event(ev: PrefillEvent, config: ValidationConfig) -> None:
                     )
     for h, entry in ev.ec_transfer_params.items():
         check_ec_entry(entry, h, config, modality=None, item=None, request_id=ev.request_id)
+    check_kv_transfer_params(ev.kv_transfer_params)
+
+
+def validate_decode_event(
+    ev: DecodeEvent, config: ValidationConfig, shape: KVShape | None = None
+) -> None:
+    """A decode event: its prefill event by every prefill rule (without the entries' expiry:
+    it matters only if the prefill has to run again), its passed-through params, and its KV
+    entry (``shape``: the worker's model; :mod:`schemas.kv_entries`)."""
+    validate_prefill_event(ev.prefill, dataclasses.replace(config, now_ms=None))
+    check_kv_transfer_params(ev.kv_transfer_params)
+    if ev.kv is not None:
+        check_kv_entry(ev.kv, ev.request_id, len(ev.prefill.token_ids), config, shape)
 
 
 def validate_encode_event(ev: EncodeEvent, config: ValidationConfig) -> None:

@@ -506,3 +506,44 @@ def test_vllm_sampling_params_we_cannot_honour_are_refused_not_ignored(
     with pytest.raises(ValidationError) as err:
         sampling_from_vllm(params)
     assert (err.value.rule, err.value.field) == ("sampling", field)
+
+
+def test_kv_transfer_params_pass_through_the_wire_the_split_and_the_events_unchanged() -> None:
+    """vLLM's NIXL P/D parameters: parsed as a field, written back as read, and carried as JSON
+    text through the prefill and decode events."""
+    from schemas.codec import get_codec
+    from schemas.types import DecodeEvent, Features, PrefillEvent
+    from schemas.vllm_wire import (
+        generate_request_to_json,
+        kv_transfer_params_from_text,
+        kv_transfer_params_text,
+        parse_generate_request,
+    )
+
+    kv = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": "engine-7",
+        "remote_block_ids": [[1, 2, 3]],
+        "remote_host": "10.0.0.7",
+        "remote_port": 5600,
+        "tp_size": 1,
+    }
+    body = {
+        "request_id": "r-kv",
+        "token_ids": [1, 2, 3],
+        "sampling_params": {},
+        "kv_transfer_params": kv,
+    }
+    req = parse_generate_request(body)
+    assert req.kv_transfer_params == kv and "kv_transfer_params" not in req.extra
+    assert generate_request_to_json(req)["kv_transfer_params"] == kv
+    text = kv_transfer_params_text(req)
+    pre = PrefillEvent("r-kv", "m", [1, 2, 3], Features({}, {}), kv_transfer_params=text)
+    ev = DecodeEvent(pre, kv_transfer_params=text)
+    back = get_codec().decode(get_codec().encode(ev))
+    assert kv_transfer_params_from_text(back.kv_transfer_params) == kv
+    assert kv_transfer_params_from_text(back.prefill.kv_transfer_params) == kv
+    with pytest.raises(ValidationError) as err:
+        parse_generate_request({**body, "kv_transfer_params": [1]})
+    assert err.value.rule == "request-shape"
