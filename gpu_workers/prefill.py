@@ -4,8 +4,11 @@ Validation is strict (a metadata-only item without a valid ``ec_transfer_params`
 rejected before anything runs), and so are the bounds of what runs (:func:`check_bounds`:
 ``max_tokens``, prompt length against the context, token ids against the vocabulary, sampling
 parameters). Waiting for embeddings is an async store wait, so one slow request never blocks
-others; model compute runs on a single worker thread and stops at the deadline between decode
-steps.
+others; model compute runs on one compute thread, where every request the worker holds decodes
+in one batch (:mod:`gpu_workers.engine`: a forward per step over all of them, each stopping at
+its own end, deadline or cancel), tokens streamed as they come (:mod:`runtime.token_stream`).
+With the decode stage on, the worker parks the KV cache and hands the request to a decode
+worker (:mod:`gpu_workers.decode`) instead of decoding it.
 """
 
 from __future__ import annotations
