@@ -140,8 +140,10 @@ async def _demo(args: argparse.Namespace, quiet: bool, state_dir: Path) -> int:
         f"epd demo: Kafka {settings.kafka_bootstrap}, Redis {settings.redis_url}, "
         f"model {settings.model}"
     )
-    kinds = "results, encode, prefill and decode" if settings.decode_stage else (
-        "results, encode and prefill"
+    kinds = (
+        "results, encode, prefill and decode"
+        if settings.decode_stage
+        else ("results, encode and prefill")
     )
     say(f"  starting {kinds} workers (logs in {log_dir}/)")
     async with local_pipeline(settings, spawn_workers=True, log_dir=log_dir) as run:
