@@ -584,6 +584,26 @@ def mm_token_type_ids(bundle: ModelBundle, input_ids: torch.Tensor) -> torch.Ten
     return types
 
 
+def _oracle_sampling(bundle: ModelBundle, sampling: SamplingParams) -> dict[str, Any]:
+    """``generate`` arguments for ``sampling``'s stop strings and (seeding the global
+    generator, as a caller of ``generate`` would) its sampling."""
+    kwargs: dict[str, Any] = {}
+    if sampling.stop:
+        kwargs["stop_strings"] = list(sampling.stop)
+        kwargs["tokenizer"] = bundle.tokenizer
+    if not sampling.greedy:
+        if sampling.seed is None:
+            raise ComputeError("the oracle samples only with an explicit seed")
+        kwargs.update(
+            do_sample=True,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+        )
+        torch.manual_seed(sampling.seed)
+    return kwargs
+
+
 def generate_monolithic(
     bundle: ModelBundle,
     token_ids: Sequence[int],
@@ -642,19 +662,8 @@ def generate_monolithic(
         kwargs["video_grid_thw"] = grid
         if second_per_grid_ts is not None:
             kwargs["second_per_grid_ts"] = torch.as_tensor(second_per_grid_ts).reshape(-1)
-    if sampling is not None and sampling.stop:
-        kwargs["stop_strings"] = list(sampling.stop)
-        kwargs["tokenizer"] = bundle.tokenizer
-    if sampling is not None and not sampling.greedy:
-        if sampling.seed is None:
-            raise ComputeError("the oracle samples only with an explicit seed")
-        kwargs.update(
-            do_sample=True,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-        )
-        torch.manual_seed(sampling.seed)
+    if sampling is not None:
+        kwargs.update(_oracle_sampling(bundle, sampling))
     with torch.inference_mode():
         out = bundle.model.generate(**kwargs)
     new = out[0, ids.shape[1] :].tolist()

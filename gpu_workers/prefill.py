@@ -344,14 +344,7 @@ class PrefillWorker:
         started = now_ms()
         t_start = time.perf_counter()
         hop_ms = broker_hop_ms(started)
-        # Every rule but the entries' expiry is judged on arrival. An unsafe event is still
-        # refused (to the DLQ) only after the request's state and deadline are known, as
-        # below, but none of its keys is read.
-        unsafe: ValidationError | None = None
-        try:
-            validate_prefill_event(ev, self._arrival_vconfig)
-        except ValidationError as exc:
-            unsafe = exc
+        unsafe = self._judge_on_arrival(ev)
         hashes = dict.fromkeys(h for _, _, h in ev.features.items())
         keys = {} if unsafe else {h: ev.ec_transfer_params[h].key for h in hashes}
         fetch = (
@@ -394,6 +387,16 @@ class PrefillWorker:
             await self._report_cancelled(updates, "skipped before prefill")
             return None
         return Admission(keys, present, started, t_start, hop_ms)
+
+    def _judge_on_arrival(self, ev: PrefillEvent) -> ValidationError | None:
+        """Every rule but the entries' expiry, judged on arrival. An unsafe event is still
+        refused (to the DLQ) only after the request's state and deadline are known, but none of
+        its keys is read."""
+        try:
+            validate_prefill_event(ev, self._arrival_vconfig)
+        except ValidationError as exc:
+            return exc
+        return None
 
     # ----------------------------------------------------------------- await embeddings
 

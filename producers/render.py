@@ -407,7 +407,6 @@ class Renderer:
             segments, kinds = self._token_segments(token_ids or [], len(images), len(videos))
 
         info = self.info
-        pad_id = placeholder_ids(info)
         sources: dict[str, list[Any]] = {"image": images, "video": videos}
         seen = {"image": 0, "video": 0}
         ids: list[int] = list(segments[0])
@@ -416,33 +415,8 @@ class Renderer:
             i = seen[kind]
             seen[kind] += 1
             _check_time(give_up_at, kind, i)
-            is_embed: list[bool] | None = None
-            if kind == "image":
-                pv, grid = self.process_image(self.load_image(sources[kind][i], i), i)
-                data: ItemData = {MAIN_ENCODER_INPUT["image"]: pv, GRID_FIELDS["image"]: grid}
-                meta: ItemData = {GRID_FIELDS["image"]: grid}
-                offset, length = self._lay_out(ids, pad_id[kind], grid)
-            else:
-                video = self.videos.render(sources[kind][i], i, give_up_at=give_up_at)
-                data, meta, grid = video.data, video.metadata, video.grid
-                if info.family.video_timestamps:
-                    offset, length, is_embed = self._lay_out_frames(
-                        ids, pad_id[kind], grid, video.timestamps
-                    )
-                else:
-                    offset, length = self._lay_out(ids, pad_id[kind], grid)
+            items.append(self._item(ids, kind, i, sources[kind][i], cache_salt, give_up_at))
             ids.extend(segments[k + 1])
-            items.append(
-                _Item(
-                    modality=kind,
-                    mm_hash=self.mm_hash(kind, data, cache_salt),
-                    offset=offset,
-                    length=length,
-                    data=data,
-                    metadata=meta,
-                    is_embed=is_embed,
-                )
-            )
         if not ids:
             raise RenderError("render.prompt", "the rendered prompt has no tokens")
         return RenderEvent(
@@ -454,6 +428,40 @@ class Renderer:
             cache_salt=cache_salt,
             deadline_ms=deadline_ms,
             trace=dict(trace or {}),
+        )
+
+    def _item(
+        self,
+        ids: list[int],
+        kind: str,
+        index: int,
+        src: Any,
+        cache_salt: str | None,
+        give_up_at: float | None,
+    ) -> _Item:
+        """Process one image or video and lay its placeholder out onto ``ids``."""
+        pad = placeholder_ids(self.info)[kind]
+        is_embed: list[bool] | None = None
+        if kind == "image":
+            pv, grid = self.process_image(self.load_image(src, index), index)
+            data: ItemData = {MAIN_ENCODER_INPUT["image"]: pv, GRID_FIELDS["image"]: grid}
+            meta: ItemData = {GRID_FIELDS["image"]: grid}
+            offset, length = self._lay_out(ids, pad, grid)
+        else:
+            video = self.videos.render(src, index, give_up_at=give_up_at)
+            data, meta, grid = video.data, video.metadata, video.grid
+            if self.info.family.video_timestamps:
+                offset, length, is_embed = self._lay_out_frames(ids, pad, grid, video.timestamps)
+            else:
+                offset, length = self._lay_out(ids, pad, grid)
+        return _Item(
+            modality=kind,
+            mm_hash=self.mm_hash(kind, data, cache_salt),
+            offset=offset,
+            length=length,
+            data=data,
+            metadata=meta,
+            is_embed=is_embed,
         )
 
     def _lay_out(self, ids: list[int], pad: int, grid: torch.Tensor) -> tuple[int, int]:
