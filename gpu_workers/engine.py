@@ -385,10 +385,10 @@ class DecodeEngine:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for row in self._rows:
-            if row.job._future is not None and not row.job._future.done():
-                row.job._future.cancel()
-        self._rows, self._cache = [], None
+        for job in [r.job for r in self._rows] + self._joining:
+            if job._future is not None and not job._future.done():
+                job._future.cancel()
+        self._rows, self._cache, self._joining = [], None, []
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
