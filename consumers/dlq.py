@@ -38,6 +38,7 @@ from schemas.errors import CodecError, ValidationError
 from schemas.topics import Topics
 from schemas.types import (
     DeadLetter,
+    DecodeEvent,
     EncodedEvent,
     EncodeEvent,
     ErrorInfo,
@@ -49,6 +50,7 @@ from schemas.types import (
 )
 from schemas.validator import (
     ValidationConfig,
+    validate_decode_event,
     validate_encode_event,
     validate_prefill_event,
     validate_render_event,
@@ -324,6 +326,7 @@ def topic_event_types(topics: Topics) -> dict[str, type]:
         topics.render: RenderEvent,
         topics.encode: EncodeEvent,
         topics.prefill: PrefillEvent,
+        topics.decode: DecodeEvent,
         topics.encoded: EncodedEvent,
         topics.results: ResultEvent,
     }
@@ -378,6 +381,8 @@ def check_replayable(
             validate_encode_event(ev, config)
         elif isinstance(ev, PrefillEvent):
             validate_prefill_event(ev, config)
+        elif isinstance(ev, DecodeEvent):
+            validate_decode_event(ev, config)
     except ValidationError as exc:
         return ErrorInfo(
             "still-invalid",

@@ -333,6 +333,7 @@ class FanOut:
             cache_salt=ev.cache_salt,
             deadline_ms=ev.deadline_ms,
             trace=dict(ev.trace),
+            kv_transfer_params=ev.kv_transfer_params,  # vLLM's, on to prefill and decode as is
         )
 
     async def _encode_events(

@@ -56,7 +56,14 @@ TINY = "tiny"
 TINY_SEED = 20240917
 
 
-__all__ = ["FAMILY_CLASSES", "ModelBundle", "ModelLoadError", "RenderInfo", "load_model"]
+__all__ = [
+    "FAMILY_CLASSES",
+    "ModelBundle",
+    "ModelLoadError",
+    "RenderInfo",
+    "load_model",
+    "placeholder_ids",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +152,18 @@ class ModelBundle:
             vocab_size=int(text_config(self.config).vocab_size),
             context_length=int(text_config(self.config).max_position_embeddings),
         )
+
+
+def placeholder_ids(info: RenderInfo | ModelBundle) -> dict[str, int]:
+    """modality -> the id of the token its placeholder repeats, for the modalities the family
+    runs (which token that is, is the family table's fact: ``ModelFamily.placeholder_tokens``).
+
+    The one lookup of the pad ids: the renderer lays prompts out with them, and the prefill
+    compute checks placeholders and builds ``mm_token_type_ids`` from them. The ids are the
+    config's (what the model embeds); loading checks the tokenizer agrees
+    (:func:`_check_placeholder_tokens`)."""
+    by_modality = {"image": info.image_token_id, "video": info.video_token_id}
+    return {m: by_modality[m] for m in info.family.placeholder_tokens}
 
 
 def text_config(cfg: Any) -> Any:
@@ -439,6 +458,21 @@ def _special_ids(tokenizer: PreTrainedTokenizerBase, cfg: Any) -> dict[str, int]
     }
 
 
+def _check_placeholder_tokens(
+    fam: ModelFamily, tokenizer: PreTrainedTokenizerBase, ids: dict[str, int]
+) -> None:
+    """The tokenizer spells each placeholder token (the family table's) with the config's id: a
+    checkpoint whose tokenizer and config disagree would render prompts the model misreads."""
+    config_ids = {"image": ids["image_token_id"], "video": ids["video_token_id"]}
+    for modality, token in fam.placeholder_tokens.items():
+        got = tokenizer.convert_tokens_to_ids(token)
+        if got != config_ids[modality]:
+            raise ModelLoadError(
+                f"the tokenizer's {token} is id {got}, the config's {modality} token id is "
+                f"{config_ids[modality]}"
+            )
+
+
 def _check_processor(proc: Qwen2VLImageProcessorPil, cfg: Any) -> int:
     vc = vision_config(cfg)
     if (proc.patch_size, proc.merge_size, proc.temporal_patch_size) != (
@@ -540,6 +574,8 @@ def load_render_info(spec: str = TINY) -> RenderInfo:
     For a tiny spec the random weights are rebuilt on CPU (cheap) to compute the fingerprint.
     """
     ld = _load(spec, weights=False, dtype=torch.float32)
+    ids = _special_ids(ld.tokenizer, ld.config)
+    _check_placeholder_tokens(ld.family, ld.tokenizer, ids)
     return RenderInfo(
         model_name=ld.name,
         family=ld.family,
@@ -549,7 +585,7 @@ def load_render_info(spec: str = TINY) -> RenderInfo:
         merge_size=_check_processor(ld.processor, ld.config),
         vocab_size=int(text_config(ld.config).vocab_size),
         context_length=int(text_config(ld.config).max_position_embeddings),
-        **_special_ids(ld.tokenizer, ld.config),
+        **ids,
     )
 
 
@@ -569,6 +605,7 @@ def load_model(
     model = ld.model.to(device=dev, dtype=dt)
     model.eval()
     ids = _special_ids(ld.tokenizer, ld.config)
+    _check_placeholder_tokens(ld.family, ld.tokenizer, ids)
     # generate() reads its defaults from here. A real checkpoint keeps its own eos list (the
     # oracle passes stop ids explicitly anyway); pad must be set to silence generate's warning.
     if spec in TINY_SPECS:

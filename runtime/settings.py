@@ -18,8 +18,9 @@ from runtime.api_tokens import parse_tokens
 from schemas import defaults
 from schemas.families import MODEL_HELP
 
-SIGNING_WORKERS = frozenset({"encode", "prefill", "router", "api"})
-"""Processes that sign or verify ``ec_transfer_params`` (the API's fan-out signs them)."""
+SIGNING_WORKERS = frozenset({"encode", "prefill", "decode", "router", "api"})
+"""Processes that sign or verify ``ec_transfer_params`` and parked-KV entries (the API's fan-out
+signs them)."""
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _TOPIC_PREFIX = re.compile(r"[A-Za-z0-9._-]{1,200}")
@@ -188,6 +189,55 @@ class Settings(BaseSettings):
         ge=0,
         description="cap on prompt + max_tokens; 0 means the model's max_position_embeddings "
         "(a larger value is still held to the model's context)",
+    )
+
+    max_stop_strings: int = Field(
+        16, ge=0, description="most stop strings one request may carry; more is rejected"
+    )
+    max_stop_string_chars: int = Field(
+        256, ge=1, description="longest stop string (characters); longer is rejected"
+    )
+
+    # Decoding: continuous batching and the optional decode stage
+    decode_max_batch: int = Field(
+        32,
+        ge=1,
+        description="most sequences one worker decodes together (one forward per step over all "
+        "of them); 1 decodes one request at a time",
+    )
+    decode_kv_budget_bytes: int = Field(
+        0,
+        ge=0,
+        description="KV cache one worker's batch may hold at its largest (sequences x the "
+        "longest prompt + max_tokens among them x the model's KV bytes per position); a request "
+        "that does not fit waits, one that never could is rejected (kv-budget); 0: derived "
+        "(40% of the GPU memory free after loading the model; 2 GiB on CPU)",
+    )
+    decode_stage: bool = Field(
+        False,
+        description="prefill workers run the prompt only, park its KV cache in the store and "
+        "hand the request to decode workers (`epd worker decode`) through {prefix}.decode",
+    )
+    kv_ttl_s: int = Field(
+        300,
+        ge=1,
+        description="lifetime of a parked KV cache (capped by the request's deadline); a decode "
+        "worker that finds it gone runs the prefill again itself",
+    )
+
+    # Token streams (the decode loop -> Redis -> the API's streams)
+    stream_interval_ms: float = Field(
+        20.0,
+        ge=0,
+        description="least time between two writes of one request's token stream (the first "
+        "tokens go at once; later ones wait at most this long, batched): bounds the rate Redis "
+        "sees per request whatever the decode speed",
+    )
+    stream_ttl_s: int = Field(
+        3600, ge=1, description="lifetime of a request's token stream after its last write"
+    )
+    stream_max_entries: int = Field(
+        4096, ge=16, description="entries kept per token stream (oldest trimmed first)"
     )
 
     # Model

@@ -72,6 +72,11 @@ def fold(record: dict[str, Any] | None, ev: ResultEvent) -> dict[str, Any] | Non
             rec["token_ids"] = ev.token_ids
             rec["text"] = ev.text
             rec["error"] = asdict(ev.error) if ev.error else None
+    elif terminal and ev.status == rec["status"] and rec["token_ids"] is None and ev.token_ids:
+        # The same outcome from the stage that did the work fills in what the first lacked: a
+        # cancel from the API carries no tokens, the worker's carries those made before it.
+        rec["token_ids"] = ev.token_ids
+        rec["text"] = ev.text
     rec["updated_ms"] = now_ms()
     return rec
 

@@ -13,3 +13,5 @@ EMBEDDING_TTL_S = 600
 TINY_MODEL = "tiny"
 STORE_SCHEMES = ("redis", "rediss", "shm", "local", "cuda")
 """Embedding store URI schemes (``runtime.stores.open_store``; checked when settings load)."""
+MAX_KV_TRANSFER_PARAMS_BYTES = 64 * 1024
+"""Largest vLLM ``kv_transfer_params`` (JSON text) an event may carry through to decode."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Topics:
-    """The six topics of one pipeline, under one prefix."""
+    """The seven topics of one pipeline, under one prefix."""
 
     prefix: str = "epd"
 
@@ -24,6 +24,11 @@ class Topics:
         return f"{self.prefix}.prefill"
 
     @property
+    def decode(self) -> str:
+        """Requests handed from prefill workers to decode workers (the optional decode stage)."""
+        return f"{self.prefix}.decode"
+
+    @property
     def encoded(self) -> str:
         return f"{self.prefix}.encoded"
 
@@ -36,7 +41,15 @@ class Topics:
         return f"{self.prefix}.dlq"
 
     def all(self) -> list[str]:
-        return [self.render, self.encode, self.prefill, self.encoded, self.results, self.dlq]
+        return [
+            self.render,
+            self.encode,
+            self.prefill,
+            self.decode,
+            self.encoded,
+            self.results,
+            self.dlq,
+        ]
 
     def group(self, stage: str) -> str:
         """Consumer group of a stage, e.g. ``epd-encode``. The prefix is part of it, so two

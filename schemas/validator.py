@@ -30,6 +30,9 @@ Rules (slug: what it rejects):
 - ``ec-key``: an entry key that is not ``{namespace}:{model_fingerprint}:{mm_hash}`` for its
   item (the fingerprint is pinned when the config names one).
 - ``ec-signature``: an entry whose HMAC does not verify (only when a secret is configured).
+- ``ec-store``: an entry naming another embedding store than the one this worker reads (only
+  when the config names one: the workers' gates do). A worker whose ``EPD_STORE_URL`` differs
+  from the fan-out's would otherwise wait in vain for embeddings parked elsewhere.
 - ``ec-expired``: an entry whose ``expires_ms`` has passed (only when ``now_ms`` is set).
 - ``metadata-field``: ``mm_metadata`` holding a field that is not a metadata field (e.g.
   ``pixel_values``).
@@ -47,6 +50,8 @@ Rules (slug: what it rejects):
 - ``slots-across-modalities``: (render side) some item has metadata but ``mm_metadata`` lacks a
   full-length list for some modality of ``mm_hashes``.
 - ``render-data-missing``: a render event item without its encoder inputs in ``kwargs_data``.
+- ``kv-key``, ``kv-signature``, ``kv-store``, ``kv-shape``, ``kv-transfer-params``: the decode
+  stage's rules (:mod:`schemas.kv_entries`, ``validate_decode_event``).
 
 ``vllm`` applies exactly what vLLM 0.33's ``/inference/v1/generate`` applies (on JSON,
 :func:`schemas.vllm_rules.check_vllm_request`: its field types, cross-field checks and item
@@ -56,6 +61,7 @@ what vLLM refuses.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -75,9 +81,11 @@ from schemas.ec_entries import (
     short_repr,
 )
 from schemas.errors import ValidationError
+from schemas.kv_entries import KVShape, check_kv_entry, check_kv_transfer_params
 from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT, METADATA_FIELDS, REQUIRED_METADATA
 from schemas.types import (
     DTYPES,
+    DecodeEvent,
     EncodeEvent,
     Features,
     ItemData,
@@ -106,6 +114,7 @@ __all__ = [
     "entry_locates_embedding",
     "find_ec_entry",
     "grid_patches",
+    "validate_decode_event",
     "validate_encode_event",
     "validate_features",
     "validate_prefill_event",
@@ -140,6 +149,8 @@ class ValidationConfig:
     now_ms: Callable[[], int] | None = None
     model_fingerprint: str | None = None
     """When set, entry keys must be exactly ``{namespace}:{model_fingerprint}:{mm_hash}``."""
+    store: str | None = None
+    """When set, every signed entry must name this store (``EmbeddingStore.url``)."""
     check_values: bool = True
     """Scan floating-point tensors for NaN/Inf. The fan-out turns it off: it never touches the
     pixels, and the encode worker scans them where it reads them anyway."""
@@ -163,14 +174,19 @@ class ValidationConfig:
 
     @classmethod
     def for_worker(
-        cls, settings: Any, model_fingerprint: str, **model_facts: Any
+        cls, settings: Any, model_fingerprint: str, *, store: str | None = None, **model_facts: Any
     ) -> ValidationConfig:
         """The gate of an encode or prefill worker: strict whatever ``EPD_VALIDATION_MODE``
         says (``vllm`` is for the vLLM-facing gate), with entry keys pinned to the worker's own
-        model, so two models never share embeddings. ``model_facts``: what the loaded model
-        dictates (its family's ``metadata_fields``, its ``merge_size``)."""
+        model, so two models never share embeddings, and (``store``) entries pinned to the
+        store the worker reads. ``model_facts``: what the loaded model dictates (its family's
+        ``metadata_fields``, its ``merge_size``)."""
         return cls.from_settings(
-            settings, mode="strict", model_fingerprint=model_fingerprint, **model_facts
+            settings,
+            mode="strict",
+            model_fingerprint=model_fingerprint,
+            store=store,
+            **model_facts,
         )
 
 
@@ -661,6 +677,19 @@ def validate_prefill_event(ev: PrefillEvent, config: ValidationConfig) -> None:
                     )
     for h, entry in ev.ec_transfer_params.items():
         check_ec_entry(entry, h, config, modality=None, item=None, request_id=ev.request_id)
+    check_kv_transfer_params(ev.kv_transfer_params)
+
+
+def validate_decode_event(
+    ev: DecodeEvent, config: ValidationConfig, shape: KVShape | None = None
+) -> None:
+    """A decode event: its prefill event by every prefill rule (without the entries' expiry:
+    it matters only if the prefill has to run again), its passed-through params, and its KV
+    entry (``shape``: the worker's model; :mod:`schemas.kv_entries`)."""
+    validate_prefill_event(ev.prefill, dataclasses.replace(config, now_ms=None))
+    check_kv_transfer_params(ev.kv_transfer_params)
+    if ev.kv is not None:
+        check_kv_entry(ev.kv, ev.request_id, len(ev.prefill.token_ids), config, shape)
 
 
 def validate_encode_event(ev: EncodeEvent, config: ValidationConfig) -> None:

@@ -28,6 +28,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for all requests")
+    p.add_argument(
+        "--decode-stage",
+        action="store_true",
+        help="run a separate decode worker (EPD_DECODE_STAGE=true): prefill parks the KV cache "
+        "and hands each request over",
+    )
     p.set_defaults(func=run)
 
 
@@ -123,16 +129,23 @@ async def _demo(args: argparse.Namespace, quiet: bool, state_dir: Path) -> int:
 
     from runtime.model import model_family
 
-    settings = Settings(**({"model": args.model} if args.model else {}))
-    # Qwen3-VL video prompts need per-frame timestamps, which the renderer does not lay out.
-    reqs = demo_requests(video=model_family(settings.model).video_frames_per_run is None)
+    overrides: dict[str, Any] = {"model": args.model} if args.model else {}
+    if args.decode_stage:
+        overrides["decode_stage"] = True
+    settings = Settings(**overrides)
+    reqs = demo_requests(video="video" in model_family(settings.model).modalities)
     log_dir = state_dir / "demo-logs"
     t0 = time.perf_counter()
     say(
         f"epd demo: Kafka {settings.kafka_bootstrap}, Redis {settings.redis_url}, "
         f"model {settings.model}"
     )
-    say(f"  starting results, encode and prefill workers (logs in {log_dir}/)")
+    kinds = (
+        "results, encode, prefill and decode"
+        if settings.decode_stage
+        else ("results, encode and prefill")
+    )
+    say(f"  starting {kinds} workers (logs in {log_dir}/)")
     async with local_pipeline(settings, spawn_workers=True, log_dir=log_dir) as run:
         say(
             f"  workers ready after {time.perf_counter() - t0:.1f}s; "

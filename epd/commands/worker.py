@@ -1,4 +1,4 @@
-"""``epd worker {encode,prefill,results,router}``: run one pipeline stage until SIGTERM.
+"""``epd worker {encode,prefill,decode,results,router}``: run one pipeline stage until SIGTERM.
 
 Each stage is one row of :data:`STAGES`: the topics it reads, its consumer group, how its
 dead letters are reported, and a builder that assembles its handler from shared parts.
@@ -100,11 +100,13 @@ class StageContext:
 
 
 async def _build_gpu_worker(ctx: StageContext, kind: str, **extra: Any) -> Handler:
-    """An encode or prefill worker: the model, the store, the publisher and a cancel watch."""
+    """An encode, prefill or decode worker: the model, the store, the publisher and a cancel
+    watch."""
+    from gpu_workers.decode import DecodeWorker
     from gpu_workers.encode import EncodeWorker
     from gpu_workers.prefill import PrefillWorker
 
-    worker_cls = EncodeWorker if kind == "encode" else PrefillWorker
+    worker_cls = {"encode": EncodeWorker, "prefill": PrefillWorker, "decode": DecodeWorker}[kind]
     store = ctx.open_store()
     w = worker_cls(
         ctx.settings,
@@ -131,17 +133,27 @@ async def _build_encode(ctx: StageContext) -> Handler:
     )
 
 
-async def _build_prefill(ctx: StageContext) -> Handler:
+async def _build_prefill(ctx: StageContext, kind: str = "prefill") -> Handler:
     from runtime.status_store import RequestReader
+    from runtime.token_stream import TokenStreams
 
     # Prefill reads the request's status record: replays of a finished request are skipped,
     # and a lost embedding ends the request at once (embedding-lost) instead of a long wait.
     # It also writes its updates through to the record, so the client does not wait for the
-    # results collector's hop to see the outcome.
+    # results collector's hop to see the outcome, and streams tokens while it decodes. A
+    # decode worker is built the same way: it is a prefill worker that starts from a parked KV.
     status = ctx.status_store()
     return await _build_gpu_worker(
-        ctx, "prefill", request_state=RequestReader(status), record=status.apply
+        ctx,
+        kind,
+        request_state=RequestReader(status),
+        record=status.apply,
+        streams=TokenStreams.from_settings(status.client, ctx.settings),
     )
+
+
+async def _build_decode(ctx: StageContext) -> Handler:
+    return await _build_prefill(ctx, "decode")
 
 
 async def _build_results(ctx: StageContext) -> Handler:
@@ -240,11 +252,22 @@ STAGES: dict[str, Stage] = {
         ),
         Stage(
             "prefill",
-            "wait for embeddings, splice, prefill and decode",
+            "wait for embeddings, splice, prefill and decode (or, with EPD_DECODE_STAGE, park "
+            "the KV cache and hand the request to decode workers)",
             lambda t: [t.prefill],
             "prefill",
             _build_prefill,
             report_as="prefill",
+            keyed_by_request=True,
+        ),
+        Stage(
+            "decode",
+            "continue requests prefill workers handed over (EPD_DECODE_STAGE): read the parked "
+            "KV cache, decode in a batch, stream",
+            lambda t: [t.decode],
+            "decode",
+            _build_decode,
+            report_as="decode",
             keyed_by_request=True,
         ),
         Stage(
