@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -73,6 +74,17 @@ class DecodeJob:
     _future: asyncio.Future[Finished] | None = None
     _abandoned: bool = False
     _start_ms: float = 0.0
+    _context: contextvars.Context | None = None
+    """The submitting task's context: its callbacks run in it (the request's trace and request
+    id), not in the engine loop's, which steps every request's sequence."""
+
+
+def _in_context(job: DecodeJob, callback: Callable[..., None], *args: Any) -> None:
+    """``callback(*args)`` in the context the job was submitted from."""
+    if job._context is None:
+        callback(*args)
+    else:
+        job._context.run(callback, *args)
 
 
 @dataclass(slots=True)
@@ -170,6 +182,7 @@ class DecodeEngine:
             return Finished(EXPIRED, "deadline passed while waiting for room in the batch")
         loop = asyncio.get_running_loop()
         job._future = loop.create_future()
+        job._context = contextvars.copy_context()
         self._joining.append(job)
         self._wake.set()
         if self._task is None or self._task.done():
@@ -242,10 +255,10 @@ class DecodeEngine:
     def _deliver(self, report: _StepReport) -> None:
         for job in report.started:
             if job.on_started is not None:
-                job.on_started()
+                _in_context(job, job.on_started)
         for job, tokens, text in report.tokens:
             if job.on_tokens is not None and (tokens or text):
-                job.on_tokens(tokens, text)
+                _in_context(job, job.on_tokens, tokens, text)
         for job, done in report.finished:
             if job._future is not None and not job._future.done():
                 job._future.set_result(done)

@@ -240,8 +240,22 @@ class StatusStore:
         rec["stages"]["api:queued"] = rec["created_ms"]
         rec["updated_ms"] = rec["created_ms"]
         text = json.dumps(rec)
+        dropped = 0
+        while True:
+            try:
+                return await self._create(request_id, rec, text)
+            except RedisConnectionError:
+                # A pooled connection Redis dropped (a restart, a freeze): again on a fresh one.
+                # Safe even if the SET ran: a record holding this very text is ours.
+                dropped += 1
+                if dropped >= self.CONNECTION_RETRIES:
+                    raise
+                await asyncio.sleep(0.05 * dropped)
+
+    async def _create(self, request_id: str, rec: dict[str, Any], text: str) -> bool:
         if not await self.client.set(self.key(request_id), text, ex=self.ttl_s, nx=True):
-            return False
+            if _text(await self.client.get(self.key(request_id))) != text:
+                return False
         self._remember(request_id, text)
         async with self.client.pipeline(transaction=True) as pipe:
             self._queue_change(pipe, rec, "api")
