@@ -25,8 +25,9 @@ from gpu_workers.compute import EncoderOutput, encode_items
 from gpu_workers.entries import request_cancelled, store_outputs, worker_validation
 from gpu_workers.metrics import encode_metrics
 from gpu_workers.single_flight import SingleFlight
-from runtime.kafka import ResultReporter, StatusWriter
 from runtime.model import vision_config
+from runtime.publisher import publish
+from runtime.reporting import ResultReporter, StatusWriter
 from runtime.settings import Settings
 from runtime.status_store import encoded_update
 from runtime.stores.base import StoreError, StoreKeyMissing
@@ -229,7 +230,7 @@ class EncodeWorker:
         # record writer), and through the results collector, which reads the topic.
         await asyncio.gather(
             self.report.write_through(encoded_update(encoded, hop_ms=hop_ms)),
-            self.publisher.send(self.topics.encoded, ev.mm_hash, encoded),
+            publish(self.publisher, self.topics, encoded),
         )
 
     def _fields(self, ev: EncodeEvent) -> tuple[str, str]:
