@@ -141,7 +141,7 @@ def big_bundle(prof: Profile) -> Any:
     """A ModelBundle around a Qwen2-VL-2B-sized model with random weights (transformers' init)."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    from runtime.model import ModelBundle, tiny_image_processor
+    from runtime.model import ModelBundle, text_config, tiny_image_processor
     from runtime.tokenizer import build_tiny_tokenizer
     from schemas.families import FAMILIES
 
@@ -171,6 +171,8 @@ def big_bundle(prof: Profile) -> Any:
         vision_end_id=151653,
         eos_token_id=151645,
         merge_size=2,
+        vocab_size=int(text_config(cfg).vocab_size),
+        context_length=int(text_config(cfg).max_position_embeddings),
     )
 
 

@@ -34,8 +34,7 @@ from runtime.stores.base import StoreError, StoreKeyMissing
 from runtime.tracing import broker_hop_ms
 from schemas.errors import ValidationError
 from schemas.families import EMBEDS
-from schemas.modalities import GRID_FIELDS
-from schemas.modalities import MAIN_ENCODER_INPUT as ENCODER_INPUT_FIELDS
+from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT
 from schemas.signing import claim_key
 from schemas.tensors import dtype_name, tensor_from_bytes
 from schemas.topics import Topics
@@ -234,13 +233,13 @@ class EncodeWorker:
         )
 
     def _fields(self, ev: EncodeEvent) -> tuple[str, str]:
-        pv_name = ENCODER_INPUT_FIELDS.get(ev.modality)
+        pv_name = MAIN_ENCODER_INPUT.get(ev.modality)
         grid_name = GRID_FIELDS.get(ev.modality)
         if pv_name is None or grid_name is None or ev.modality not in self.bundle.family.modalities:
             raise ValidationError(
                 "encode-inputs",
                 f"modality {ev.modality!r} has no vision encoder here; supported: "
-                f"{sorted(ENCODER_INPUT_FIELDS)}",
+                f"{sorted(MAIN_ENCODER_INPUT)}",
                 modality=ev.modality,
                 item=ev.item_index,
             )
