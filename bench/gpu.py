@@ -148,9 +148,9 @@ def big_bundle(prof: Profile) -> Any:
     cfg = Qwen2VLConfig(
         text_config=QWEN2VL_2B_TEXT, vision_config=QWEN2VL_2B_VISION, tie_word_embeddings=True
     )
-    cfg._attn_implementation = "sdpa"
     with prof.device:
         model: Any = Qwen2VLForConditionalGeneration(cfg)
+    model.set_attn_implementation("sdpa")
     peaked_init(model, seed=0)
     model = model.to(prof.dtype).eval()
     model.generation_config.eos_token_id = QWEN2VL_2B_TEXT["eos_token_id"]
@@ -337,10 +337,10 @@ def vision_bundle(prof: Profile) -> Any:
 
     cfg = Qwen2VLConfig(vision_config=QWEN2VL_2B_VISION) if prof.big_model else tiny_config()
     vcfg = vision_config(cfg)
-    vcfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with prof.device:
         tower: Any = Qwen2VisionTransformerPretrainedModel(vcfg)
+    tower.set_attn_implementation("sdpa")
     tower = tower.to(prof.dtype).eval()
     return SimpleNamespace(
         model=SimpleNamespace(model=SimpleNamespace(visual=tower)),

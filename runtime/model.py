@@ -349,8 +349,8 @@ def _seed_weights(model: torch.nn.Module, seed: int) -> None:
 
 def _build_tiny_model(model_type: str = "qwen2_vl") -> tuple[Any, Any]:
     cfg = tiny_config(model_type)
-    cfg._attn_implementation = "sdpa"
     model = FAMILY_CLASSES[model_type].model(cfg)
+    model.set_attn_implementation("sdpa")  # fixed, not whatever this host would pick
     model.float()
     _seed_weights(model, TINY_SEED)
     return model, cfg
