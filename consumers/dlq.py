@@ -314,6 +314,19 @@ def check_replayable(
     topic carries, its deadline has not passed, and it passes the validator's rules. A record that
     was itself a replay is refused outright (it failed again: replaying it would loop).
     """
+    expected = _replay_target(r, topics)
+    if isinstance(expected, ErrorInfo):
+        return expected
+    assert r.letter is not None
+    try:
+        ev: Any = codec.decode(r.letter.value, expected)
+    except CodecError as exc:
+        return ErrorInfo("undecodable", f"the original does not decode: {exc}")
+    return _expired(ev, now) or _invalid(ev, config)
+
+
+def _replay_target(r: DeadLetterRecord, topics: Topics) -> type | ErrorInfo:
+    """The event type the letter's payload must decode as, or why there is none to replay."""
     if r.letter is None:
         return ErrorInfo("dlq-undecodable", f"the DLQ record does not decode: {r.decode_error}")
     lt = r.letter
@@ -325,9 +338,7 @@ def check_replayable(
             "submit the request again.",
         )
     expected = topics.event_type(lt.original_topic)
-    if expected is DeadLetter:
-        expected = None  # the DLQ itself is no replay target
-    if expected is None:
+    if expected is None or expected is DeadLetter:  # the DLQ itself is no replay target
         return ErrorInfo(
             "unknown-topic",
             f"original topic {lt.original_topic!r} is not a replayable topic of pipeline "
@@ -340,24 +351,32 @@ def check_replayable(
             f"the {dropped}-byte original was too large for the DLQ and is not in it; it is "
             f"still at {r.source} while the topic retains it",
         )
-    try:
-        ev: Any = codec.decode(lt.value, expected)
-    except CodecError as exc:
-        return ErrorInfo("undecodable", f"the original does not decode: {exc}")
+    return expected
+
+
+def _expired(ev: Any, now: int | None) -> ErrorInfo | None:
     deadline = getattr(ev, "deadline_ms", None)
     if deadline is not None and (now if now is not None else now_ms()) >= deadline:
         return ErrorInfo(
             "expired", f"its deadline passed at {_iso(deadline)}; the worker would only expire it"
         )
+    return None
+
+
+_VALIDATORS: dict[type, Callable[[Any, ValidationConfig], None]] = {
+    RenderEvent: validate_render_event,
+    EncodeEvent: validate_encode_event,
+    PrefillEvent: validate_prefill_event,
+    DecodeEvent: validate_decode_event,
+}
+"""The rules the worker of each replayable event type applies before any work."""
+
+
+def _invalid(ev: Any, config: ValidationConfig) -> ErrorInfo | None:
+    check = _VALIDATORS.get(type(ev))
     try:
-        if isinstance(ev, RenderEvent):
-            validate_render_event(ev, config)
-        elif isinstance(ev, EncodeEvent):
-            validate_encode_event(ev, config)
-        elif isinstance(ev, PrefillEvent):
-            validate_prefill_event(ev, config)
-        elif isinstance(ev, DecodeEvent):
-            validate_decode_event(ev, config)
+        if check is not None:
+            check(ev, config)
     except ValidationError as exc:
         return ErrorInfo(
             "still-invalid",
