@@ -253,7 +253,8 @@ async def local_pipeline(
         yield LocalRun(settings, submitter, publisher, workers)
     finally:
         if workers is not None:
-            workers.stop()
+            # Up to its drain timeout (20 s): in a thread, so this loop's other tasks run on.
+            await asyncio.to_thread(workers.stop)
         await publisher.stop()
         await store.close()
         await client.aclose()

@@ -29,7 +29,7 @@ from gpu_workers.entries import items_from_features
 from gpu_workers.kv_handoff import fetch, kv_shape, restore
 from gpu_workers.prefill import PrefillWorker
 from gpu_workers.single_flight import SingleFlight
-from runtime.kafka import RequestUpdates
+from runtime.reporting import RequestUpdates
 from runtime.stores.base import StoreError
 from schemas.types import DecodeEvent, now_ms
 from schemas.validator import validate_decode_event, validate_prefill_expiry

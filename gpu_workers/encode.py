@@ -25,16 +25,16 @@ from gpu_workers.compute import EncoderOutput, encode_items
 from gpu_workers.entries import request_cancelled, store_outputs, worker_validation
 from gpu_workers.metrics import encode_metrics
 from gpu_workers.single_flight import SingleFlight
-from runtime.kafka import ResultReporter, StatusWriter
 from runtime.model import vision_config
+from runtime.publisher import publish
+from runtime.reporting import ResultReporter, StatusWriter
 from runtime.settings import Settings
 from runtime.status_store import encoded_update
 from runtime.stores.base import StoreError, StoreKeyMissing
 from runtime.tracing import broker_hop_ms
 from schemas.errors import ValidationError
 from schemas.families import EMBEDS
-from schemas.modalities import GRID_FIELDS
-from schemas.modalities import MAIN_ENCODER_INPUT as ENCODER_INPUT_FIELDS
+from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT
 from schemas.signing import claim_key
 from schemas.tensors import dtype_name, tensor_from_bytes
 from schemas.topics import Topics
@@ -229,17 +229,17 @@ class EncodeWorker:
         # record writer), and through the results collector, which reads the topic.
         await asyncio.gather(
             self.report.write_through(encoded_update(encoded, hop_ms=hop_ms)),
-            self.publisher.send(self.topics.encoded, ev.mm_hash, encoded),
+            publish(self.publisher, self.topics, encoded),
         )
 
     def _fields(self, ev: EncodeEvent) -> tuple[str, str]:
-        pv_name = ENCODER_INPUT_FIELDS.get(ev.modality)
+        pv_name = MAIN_ENCODER_INPUT.get(ev.modality)
         grid_name = GRID_FIELDS.get(ev.modality)
         if pv_name is None or grid_name is None or ev.modality not in self.bundle.family.modalities:
             raise ValidationError(
                 "encode-inputs",
                 f"modality {ev.modality!r} has no vision encoder here; supported: "
-                f"{sorted(ENCODER_INPUT_FIELDS)}",
+                f"{sorted(MAIN_ENCODER_INPUT)}",
                 modality=ev.modality,
                 item=ev.item_index,
             )

@@ -43,7 +43,8 @@ from gpu_workers.entries import (
     worker_validation,
 )
 from gpu_workers.kv_handoff import kv_entry, kv_tensors, park
-from runtime.kafka import RequestUpdates, ResultReporter, StatusWriter
+from runtime.publisher import publish
+from runtime.reporting import RequestUpdates, ResultReporter, StatusWriter
 from runtime.settings import Settings
 from runtime.stores.base import StoreError, StoreTimeout, StoreUnavailable
 from runtime.tracing import broker_hop_ms
@@ -592,7 +593,7 @@ class PrefillWorker:
         await park(self.store, kv, tensors)
         park_ms = (time.perf_counter() - t_park) * 1000
         handoff = DecodeEvent(prefill=ev, kv=kv, kv_transfer_params=ev.kv_transfer_params)
-        await self.publisher.send(self.topics.decode, rid, handoff)
+        await publish(self.publisher, self.topics, handoff)
         self.handed_off += 1
         await updates.now(
             "prefilling",

@@ -36,6 +36,7 @@ from producers.video_items import VideoItems
 from runtime.limits import input_limits
 from runtime.model import ModelBundle, RenderInfo, placeholder_ids
 from runtime.settings import Settings
+from schemas import defaults
 from schemas.errors import ValidationError
 from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT
 from schemas.signing import ItemHasher
@@ -171,7 +172,7 @@ class Renderer:
         max_images: int = 64,
         allow_file_paths: bool = False,
         video_limits: VideoLimits | None = None,
-        max_tensor_bytes: int = 256 * 1024 * 1024,
+        max_tensor_bytes: int = defaults.MAX_TENSOR_BYTES,
         max_video_bytes: int | None = None,
         video_pixels: dict[str, int | None] | None = None,
     ) -> None:

@@ -36,6 +36,7 @@ from producers.video_processing import (
     process_video,
 )
 from runtime.model import RenderInfo
+from schemas import defaults
 from schemas.modalities import MODALITIES
 from schemas.types import ItemData
 
@@ -68,7 +69,7 @@ class VideoItems:
         info: RenderInfo,
         limits: VideoLimits | None = None,
         *,
-        max_tensor_bytes: int = 256 * 1024 * 1024,
+        max_tensor_bytes: int = defaults.MAX_TENSOR_BYTES,
         max_file_bytes: int | None = None,
         min_pixels: int | None = None,
         max_pixels: int | None = None,

@@ -16,9 +16,9 @@ without moving weights onto a device.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,43 +115,19 @@ class RenderInfo:
     """The text model's ``max_position_embeddings``: prompt + generated tokens fit in it."""
 
 
-@dataclass(slots=True)
-class ModelBundle:
-    """A loaded model of a supported family with its processor, tokenizer and identity."""
+@dataclass(frozen=True, slots=True)
+class ModelBundle(RenderInfo):
+    """A loaded model of a supported family: its render info (identity, processor, tokenizer,
+    special ids, limits), and the weights with where and how they run."""
 
-    model_name: str
-    family: ModelFamily
     model: Any  # the family's *ForConditionalGeneration (FAMILY_CLASSES)
-    image_processor: Qwen2VLImageProcessorPil
-    tokenizer: PreTrainedTokenizerBase
     config: Any  # the family's config class
     device: torch.device
     dtype: torch.dtype
-    fingerprint: str
-    image_token_id: int
-    video_token_id: int
-    vision_start_id: int
-    vision_end_id: int
-    eos_token_id: int
-    merge_size: int
 
     def render_info(self) -> RenderInfo:
-        """The renderer's view of this bundle."""
-        return RenderInfo(
-            model_name=self.model_name,
-            family=self.family,
-            fingerprint=self.fingerprint,
-            image_processor=self.image_processor,
-            tokenizer=self.tokenizer,
-            image_token_id=self.image_token_id,
-            video_token_id=self.video_token_id,
-            vision_start_id=self.vision_start_id,
-            vision_end_id=self.vision_end_id,
-            eos_token_id=self.eos_token_id,
-            merge_size=self.merge_size,
-            vocab_size=int(text_config(self.config).vocab_size),
-            context_length=int(text_config(self.config).max_position_embeddings),
-        )
+        """The renderer's view of this bundle: its :class:`RenderInfo` fields, no weights."""
+        return RenderInfo(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RenderInfo)})
 
 
 def placeholder_ids(info: RenderInfo | ModelBundle) -> dict[str, int]:
@@ -373,8 +349,8 @@ def _seed_weights(model: torch.nn.Module, seed: int) -> None:
 
 def _build_tiny_model(model_type: str = "qwen2_vl") -> tuple[Any, Any]:
     cfg = tiny_config(model_type)
-    cfg._attn_implementation = "sdpa"
     model = FAMILY_CLASSES[model_type].model(cfg)
+    model.set_attn_implementation("sdpa")  # fixed, not whatever this host would pick
     model.float()
     _seed_weights(model, TINY_SEED)
     return model, cfg
@@ -623,18 +599,7 @@ def load_model(
         dtype=dt,
         fingerprint=ld.fingerprint,
         merge_size=_check_processor(ld.processor, ld.config),
+        vocab_size=int(text_config(ld.config).vocab_size),
+        context_length=int(text_config(ld.config).max_position_embeddings),
         **ids,
     )
-
-
-def describe(bundle: ModelBundle) -> dict[str, Any]:
-    """A JSON-friendly summary (for logs and ``/healthz``)."""
-    return {
-        "model": bundle.model_name,
-        "family": bundle.family.model_type,
-        "fingerprint": bundle.fingerprint,
-        "device": str(bundle.device),
-        "dtype": str(bundle.dtype).removeprefix("torch."),
-        "params": sum(p.numel() for p in bundle.model.parameters()),
-        "pid": os.getpid(),
-    }

@@ -16,7 +16,7 @@ from schemas.signing import verify_ec
 from schemas.types import ECTransfer
 
 if TYPE_CHECKING:
-    from schemas.validator import ValidationConfig
+    from schemas.validation_config import ValidationConfig
 
 _EC_FIELDS = ("store", "key", "expires_ms", "signature")
 

@@ -32,7 +32,7 @@ from schemas.signing import kv_key, verify_kv
 from schemas.types import DTYPES, KVTransfer
 
 if TYPE_CHECKING:
-    from schemas.validator import ValidationConfig
+    from schemas.validation_config import ValidationConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,7 +67,7 @@ async def test_an_item_stored_while_the_record_is_read_is_not_lost() -> None:
     import torch
 
     from gpu_workers.prefill import PrefillWorker, Readiness
-    from runtime.kafka import RequestUpdates
+    from runtime.reporting import RequestUpdates
     from runtime.stores import open_store
 
     store = open_store("local://test-lost-race")
