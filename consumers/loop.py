@@ -253,6 +253,7 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
         log.info("%s: assigned %s", self._owner.config.group_id, sorted(assigned))
+        self._owner._on_assigned(set(assigned))
         if assigned:
             self._owner.assigned.set()
 
@@ -311,6 +312,13 @@ class ConsumeLoop:
         self._next_offset: dict[TopicPartition, int] = {}
         self.log_rewinds = 0
         """Partitions found to have lost records and read again from the start."""
+        self._lost_topics: set[str] = set()
+        """Topics whose log the broker lost, until their start offsets are committed: the group's
+        committed offsets may point into the log that is gone (a commit sent before the loss was
+        seen lands on the new log), so the partitions of them assigned meanwhile are re-read."""
+        self._to_rewind: set[TopicPartition] = set()
+        self._commit_lock = asyncio.Lock()
+        """Commits go one at a time: a lost log's start is committed after any sent before."""
         self._last_commit = 0.0
         self._started = False
         self._running = False
@@ -453,7 +461,7 @@ class ConsumeLoop:
         if batch is not None:
             self._dispatch(batch)
             self._record_lag()
-        await self._rewind_shrunk_logs()
+        await self._rewind_lost_logs()
 
     async def _fetch(
         self,
@@ -569,15 +577,18 @@ class ConsumeLoop:
             lag = max(0, high - nxt)
             self._metrics.lag.labels(self.config.group_id, tp.topic, str(tp.partition)).set(lag)
 
-    async def _rewind_shrunk_logs(self) -> None:
+    async def _rewind_lost_logs(self) -> None:
         """A partition whose log ends below where this member reads has lost records (a memory
-        broker restarted, a topic deleted and made again): read its new log from the start.
+        broker restarted, a topic deleted and made again): read its topic's new log from the start.
 
         Kafka never reports a high watermark below an offset it handed out, nor commits past
         one; without this the member would wait at its old (or an old committed) position while
-        the new log's records went unread."""
+        the new log's records went unread. One partition found so stands for its whole topic: a
+        partition of the new log that already holds as many records as the old one had looks
+        whole, yet its records are new."""
         consumer = self.consumer
-        for tp in consumer.assignment():
+        assigned = consumer.assignment()
+        for tp in assigned:
             high = consumer.highwater(tp)  # from the last fetch: known once one answered
             if high is None:
                 continue
@@ -586,7 +597,42 @@ class ConsumeLoop:
                 at = await consumer.position(tp)  # a fetch answered: the position is known
             if high < at:
                 self._forget_lost_log(tp, at, high)
-                consumer.seek_to_beginning(tp)
+                self._lose_topic(tp.topic, assigned)
+        todo = self._to_rewind & assigned
+        if todo:
+            await self._read_again_from_start(todo)
+
+    def _lose_topic(self, topic: str, partitions: set[TopicPartition]) -> None:
+        """Mark ``topic`` lost and ``partitions`` of it (this member's) to be read again."""
+        rewind = {tp for tp in partitions if tp.topic == topic}
+        if rewind:
+            self._lost_topics.add(topic)
+            self._to_rewind |= rewind
+
+    def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        self._to_rewind = {tp for tp in assigned if tp.topic in self._lost_topics}
+
+    async def _read_again_from_start(self, tps: set[TopicPartition]) -> None:
+        """Seek ``tps`` to their log's start and commit that (their records are delivered
+        again: handlers are idempotent); the topics are whole again once the commit went."""
+        consumer = self.consumer
+        try:
+            starts: dict[TopicPartition, int] = await consumer.beginning_offsets(list(tps))
+            for tp, start in starts.items():
+                self._tracker.forget(tp)
+                self._next_offset.pop(tp, None)
+                consumer.seek(tp, start)
+        except KafkaError as exc:  # revoked meanwhile (IllegalStateError), or the broker away
+            log.info("%s: rewinding %s later (%r)", self.config.group_id, sorted(tps), exc)
+            return
+        self._to_rewind -= tps
+        log.warning(
+            "%s: reading %s again from the start (their topic's log was lost)",
+            self.config.group_id,
+            sorted(tps),
+        )
+        if self.transactional or await self._commit_offsets(starts):
+            self._lost_topics -= {tp.topic for tp in tps}
 
     def _forget_lost_log(self, tp: TopicPartition, expected: int, found: int) -> None:
         """Drop what this member tracked of ``tp``'s old log (its unfinished work is delivered
@@ -615,6 +661,7 @@ class ConsumeLoop:
             if records and expected is not None and records[0].offset < expected:
                 # aiokafka reset an out-of-range position to the start of a new log.
                 self._forget_lost_log(tp, expected, records[0].offset)
+                self._lose_topic(tp.topic, assigned - {tp})
             for i, rec in enumerate(records):
                 if len(self._tasks) >= self.config.max_in_flight:
                     # Give the rest back: the next poll after a slot frees returns them again.
@@ -865,15 +912,21 @@ class ConsumeLoop:
         if self._consumer is None or self.transactional:
             return {}  # transactional: offsets are committed only inside their batch's transaction
         offsets = self._tracker.to_commit(tps)
-        if not offsets:
-            return {}
-        try:
-            await asyncio.wait_for(self._consumer.commit(offsets), self.config.commit_timeout_s)
-        except (KafkaError, TimeoutError) as exc:
-            log.warning("%s: commit failed (%r); will retry", self.config.group_id, exc)
+        if not offsets or not await self._commit_offsets(offsets):
             return {}
         self._tracker.mark_committed(offsets)
         return offsets
+
+    async def _commit_offsets(self, offsets: dict[TopicPartition, int]) -> bool:
+        """Commit ``offsets`` as they are (bounded in time); False, logged, when it failed."""
+        assert self._consumer is not None
+        async with self._commit_lock:
+            try:
+                await asyncio.wait_for(self._consumer.commit(offsets), self.config.commit_timeout_s)
+            except (KafkaError, TimeoutError) as exc:
+                log.warning("%s: commit failed (%r); will retry", self.config.group_id, exc)
+                return False
+        return True
 
     async def _drain(self, tasks: list[asyncio.Task[None]], timeout_s: float) -> None:
         """Let ``tasks`` finish within ``timeout_s``; cancel and reap the rest."""
