@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from producers.api.models import ERROR_RESPONSES, Accepted, SubmitRequest
-from runtime.request_limits import MAX_TEMPERATURE, RequestLimits
+from runtime.request_limits import INT32_MAX, MAX_TEMPERATURE, MIN_TEMPERATURE, RequestLimits
 
 SUBMIT_PATH = "/v1/requests"
 VLLM_PATH = "/v1/vllm/generate"
@@ -36,6 +36,10 @@ _MULTIPART_FIELDS: dict[str, Any] = {
     "images": {"type": "array", "items": {"type": "string", "format": "binary"}},
     "max_tokens": {"type": "integer"},
     "temperature": {"type": "number"},
+    "top_p": {"type": "number"},
+    "top_k": {"type": "integer"},
+    "seed": {"type": "integer"},
+    "stop": {"type": "array", "items": {"type": "string"}, "description": "repeat per string"},
     "ignore_eos": {"type": "boolean"},
     "cache_salt": {"type": "string"},
     "deadline_s": {"type": "number"},
@@ -76,9 +80,23 @@ VLLM_BODY: dict[str, Any] = {
                     },
                     "sampling_params": {
                         "type": "object",
+                        "description": "vLLM's SamplingParams (its defaults: temperature 1, "
+                        "max_tokens 16); fields that would change the tokens and are not "
+                        "supported (n > 1, penalties, logprobs...) are refused",
                         "properties": {
                             "max_tokens": {"type": "integer"},
                             "temperature": {"type": "number"},
+                            "top_p": {"type": "number"},
+                            "top_k": {"type": "integer"},
+                            "seed": {"type": ["integer", "null"]},
+                            "stop": {
+                                "anyOf": [
+                                    {"type": "string"},
+                                    {"type": "array", "items": {"type": "string"}},
+                                ]
+                            },
+                            "stop_token_ids": {"type": "array", "items": {"type": "integer"}},
+                            "ignore_eos": {"type": "boolean"},
                         },
                     },
                     "cache_salt": {"type": ["string", "null"]},
@@ -125,7 +143,12 @@ def _bound(prop: dict[str, Any], **bounds: Any) -> None:
 
 
 def document_limits(schema: dict[str, Any], limits: RequestLimits) -> None:
-    """Write the limits into the submit, vLLM and status operations of ``schema``."""
+    """Write the limits into the submit, vLLM, status and OpenAI-compatible operations of
+    ``schema``."""
+    from producers.api.openai_compat.openapi import document_openai_limits, hoist_defs
+
+    hoist_defs(schema)
+    document_openai_limits(schema, limits)
     paths = schema.get("paths", {})
     submit = paths.get(SUBMIT_PATH, {}).get("post")
     if submit is not None:
@@ -172,13 +195,7 @@ def _submit_bounds(props: dict[str, Any], limits: RequestLimits, *, form: bool =
             f"most {limits.max_metadata_bytes} bytes (UTF-8)",
         )
     _bound(props["images"], maxItems=limits.max_images)
-    _bound(props["max_tokens"], minimum=1, maximum=limits.max_tokens)
-    _bound(
-        props["temperature"],
-        minimum=0,
-        maximum=MAX_TEMPERATURE,
-        description="only 0 (greedy) is supported for now",
-    )
+    sampling_bounds(props, limits, stop_form=form)
     _bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
     _bound(props["deadline_s"], exclusiveMinimum=0, maximum=limits.max_deadline_s)
 
@@ -193,5 +210,48 @@ def _vllm_bounds(props: dict[str, Any], limits: RequestLimits) -> None:
     )
     _bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
     sampling = props["sampling_params"]["properties"]
-    _bound(sampling["max_tokens"], minimum=1, maximum=limits.max_tokens)
-    _bound(sampling["temperature"], minimum=0, maximum=MAX_TEMPERATURE)
+    sampling_bounds(sampling, limits)
+    _bound(
+        sampling["stop_token_ids"],
+        items={"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1},
+    )
+
+
+def sampling_bounds(
+    props: dict[str, Any],
+    limits: RequestLimits,
+    *,
+    max_tokens: tuple[str, ...] = ("max_tokens",),
+    stop_form: bool = False,
+) -> None:
+    """The sampling fields' bounds (those of ``props`` that exist), as
+    :meth:`RequestLimits.check_sampling` checks them."""
+    for name in max_tokens:
+        if name in props:
+            _bound(props[name], minimum=1, maximum=limits.max_tokens)
+    if "temperature" in props:
+        _bound(
+            props["temperature"],
+            minimum=0,
+            maximum=MAX_TEMPERATURE,
+            description=f"0: greedy; else at least {MIN_TEMPERATURE:g}: sampled (temperature, "
+            "then top_k, then top_p, as transformers' warpers)",
+        )
+    if "top_p" in props:
+        _bound(props["top_p"], exclusiveMinimum=0, maximum=1)
+    if "top_k" in props:
+        _bound(props["top_k"], minimum=-1, maximum=INT32_MAX)
+    if "seed" in props:
+        _bound(props["seed"], minimum=-(2**63), maximum=2**63 - 1)
+    if "stop" in props:
+        one = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_string_chars}
+        many = {"type": "array", "maxItems": limits.max_stop_strings, "items": one}
+        prop = props["stop"]
+        if stop_form:
+            prop.update(many)
+        else:
+            for branch in prop.get("anyOf", [prop]):
+                if branch.get("type") == "string":
+                    branch.update(one)
+                elif branch.get("type") == "array":
+                    branch.update(many)
