@@ -564,6 +564,8 @@ async def test_schemathesis_with_deeply_nested_bodies_finds_no_server_error(
         "--no-color",
         "--include-method",
         "POST",
+        "--include-path-regex",
+        "^/v1/(requests|vllm/generate)$",
         cwd=tmp_path,
         env=env,
         stdout=asyncio.subprocess.PIPE,
