@@ -16,7 +16,9 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from producers.api.models import ERROR_RESPONSES, Accepted, SubmitRequest
-from runtime.request_limits import INT32_MAX, MAX_TEMPERATURE, MIN_TEMPERATURE, RequestLimits
+from producers.api.openai_compat.openapi import document_openai_limits, hoist_defs
+from producers.api.schema_bounds import bound, sampling_bounds
+from runtime.request_limits import RequestLimits
 
 SUBMIT_PATH = "/v1/requests"
 VLLM_PATH = "/v1/vllm/generate"
@@ -135,18 +137,9 @@ def install_openapi(app: FastAPI, limits_of: Any) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _bound(prop: dict[str, Any], **bounds: Any) -> None:
-    """Add ``bounds`` to a property schema (to its non-null branch when it is nullable)."""
-    branches = [b for b in prop.get("anyOf", []) if b.get("type") != "null"]
-    for target in branches or [prop]:
-        target.update(bounds)
-
-
 def document_limits(schema: dict[str, Any], limits: RequestLimits) -> None:
     """Write the limits into the submit, vLLM, status and OpenAI-compatible operations of
     ``schema``."""
-    from producers.api.openai_compat.openapi import document_openai_limits, hoist_defs
-
     hoist_defs(schema)
     document_openai_limits(schema, limits)
     paths = schema.get("paths", {})
@@ -174,19 +167,19 @@ def document_limits(schema: dict[str, Any], limits: RequestLimits) -> None:
     status = paths.get(STATUS_PATH, {}).get("get")
     for param in (status or {}).get("parameters", []):
         if param.get("name") == "wait":
-            _bound(param["schema"], maximum=limits.max_wait_s)
+            bound(param["schema"], maximum=limits.max_wait_s)
 
 
 def _submit_bounds(props: dict[str, Any], limits: RequestLimits, *, form: bool = False) -> None:
-    _bound(props["prompt"], maxLength=limits.max_prompt_chars)
+    bound(props["prompt"], maxLength=limits.max_prompt_chars)
     if not form:
-        _bound(
+        bound(
             props["token_ids"],
             maxItems=limits.context_tokens - 1,
             items={"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1},
         )
-        _bound(props["videos"], maxItems=limits.max_videos)
-        _bound(
+        bound(props["videos"], maxItems=limits.max_videos)
+        bound(
             props["metadata"],
             maxProperties=limits.max_metadata_keys,
             propertyNames={"maxLength": limits.max_metadata_chars},
@@ -194,64 +187,24 @@ def _submit_bounds(props: dict[str, Any], limits: RequestLimits, *, form: bool =
             description=f"opaque labels returned with the status; keys and values together at "
             f"most {limits.max_metadata_bytes} bytes (UTF-8)",
         )
-    _bound(props["images"], maxItems=limits.max_images)
+    bound(props["images"], maxItems=limits.max_images)
     sampling_bounds(props, limits, stop_form=form)
-    _bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
-    _bound(props["deadline_s"], exclusiveMinimum=0, maximum=limits.max_deadline_s)
+    bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
+    bound(props["deadline_s"], exclusiveMinimum=0, maximum=limits.max_deadline_s)
 
 
 def _vllm_bounds(props: dict[str, Any], limits: RequestLimits) -> None:
-    _bound(props["request_id"], minLength=1, maxLength=limits.max_id_chars)
-    _bound(
+    bound(props["request_id"], minLength=1, maxLength=limits.max_id_chars)
+    bound(
         props["token_ids"],
         minItems=1,
         maxItems=limits.context_tokens - 1,
         items={"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1},
     )
-    _bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
+    bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
     sampling = props["sampling_params"]["properties"]
     sampling_bounds(sampling, limits)
-    _bound(
+    bound(
         sampling["stop_token_ids"],
         items={"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1},
     )
-
-
-def sampling_bounds(
-    props: dict[str, Any],
-    limits: RequestLimits,
-    *,
-    max_tokens: tuple[str, ...] = ("max_tokens",),
-    stop_form: bool = False,
-) -> None:
-    """The sampling fields' bounds (those of ``props`` that exist), as
-    :meth:`RequestLimits.check_sampling` checks them."""
-    for name in max_tokens:
-        if name in props:
-            _bound(props[name], minimum=1, maximum=limits.max_tokens)
-    if "temperature" in props:
-        _bound(
-            props["temperature"],
-            minimum=0,
-            maximum=MAX_TEMPERATURE,
-            description=f"0: greedy; else at least {MIN_TEMPERATURE:g}: sampled (temperature, "
-            "then top_k, then top_p, as transformers' warpers)",
-        )
-    if "top_p" in props:
-        _bound(props["top_p"], exclusiveMinimum=0, maximum=1)
-    if "top_k" in props:
-        _bound(props["top_k"], minimum=-1, maximum=INT32_MAX)
-    if "seed" in props:
-        _bound(props["seed"], minimum=-(2**63), maximum=2**63 - 1)
-    if "stop" in props:
-        one = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_string_chars}
-        many = {"type": "array", "maxItems": limits.max_stop_strings, "items": one}
-        prop = props["stop"]
-        if stop_form:
-            prop.update(many)
-        else:
-            for branch in prop.get("anyOf", [prop]):
-                if branch.get("type") == "string":
-                    branch.update(one)
-                elif branch.get("type") == "array":
-                    branch.update(many)

@@ -16,6 +16,7 @@ from producers.api.openai_compat.models import (
     ResponseObject,
     ResponseRequest,
 )
+from producers.api.schema_bounds import bound, sampling_bounds
 from runtime.request_limits import RequestLimits
 
 CHAT_PATH = "/v1/chat/completions"
@@ -96,16 +97,8 @@ RESPONSE_RESPONSES = with_openai_errors(
 )
 
 
-def _bound(prop: dict[str, Any], **bounds: Any) -> None:
-    branches = [b for b in prop.get("anyOf", []) if b.get("type") != "null"]
-    for target in branches or [prop]:
-        target.update(bounds)
-
-
 def document_openai_limits(schema: dict[str, Any], limits: RequestLimits) -> None:
     """Write the limits into the chat and responses request bodies of ``schema``."""
-    from producers.api.openapi import sampling_bounds
-
     paths = schema.get("paths", {})
     for path, tokens, items, free in (
         (CHAT_PATH, ("max_tokens", "max_completion_tokens"), "messages", {"stream"}),
@@ -121,8 +114,8 @@ def document_openai_limits(schema: dict[str, Any], limits: RequestLimits) -> Non
         for branch in props[items].get("anyOf", [props[items]]):
             if branch.get("type") == "array":
                 branch["maxItems"] = limits.max_messages
-        _bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
-        _bound(
+        bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
+        bound(
             props["metadata"],
             maxProperties=limits.max_metadata_keys,
             propertyNames={"maxLength": limits.max_metadata_chars},
@@ -135,7 +128,7 @@ def document_openai_limits(schema: dict[str, Any], limits: RequestLimits) -> Non
                     "description": "accepted at its neutral value only (not supported)",
                 }
         if "stop_token_ids" in props:
-            _bound(
+            bound(
                 props["stop_token_ids"],
                 items={"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1},
             )
