@@ -90,7 +90,7 @@ def create_app(settings: Settings) -> FastAPI:
             settings, vocab_size=info.vocab_size, model_context=info.context_length
         )
 
-    install_openapi(app, limits)
+    install_openapi(app, limits, model=settings.model_name())
     mount_docs(app)
     add_error_handlers(app, settings)
     add_observation(app, metrics)

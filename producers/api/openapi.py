@@ -119,8 +119,9 @@ SUBMIT_RESPONSES = with_errors(
 )
 
 
-def install_openapi(app: FastAPI, limits_of: Any) -> None:
-    """Serve ``/openapi.json`` with the bounds of ``limits_of()`` written in (made once)."""
+def install_openapi(app: FastAPI, limits_of: Any, model: str | None = None) -> None:
+    """Serve ``/openapi.json`` with the bounds of ``limits_of()`` written in (made once);
+    ``model``: the served model's name, the one ``model`` the OpenAI routes take."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -130,18 +131,20 @@ def install_openapi(app: FastAPI, limits_of: Any) -> None:
                 description=app.description,
                 routes=app.routes,
             )
-            document_limits(schema, limits_of())
+            document_limits(schema, limits_of(), model=model)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def document_limits(schema: dict[str, Any], limits: RequestLimits) -> None:
+def document_limits(
+    schema: dict[str, Any], limits: RequestLimits, *, model: str | None = None
+) -> None:
     """Write the limits into the submit, vLLM, status and OpenAI-compatible operations of
-    ``schema``."""
+    ``schema`` (``model``: the served model's name)."""
     hoist_defs(schema)
-    document_openai_limits(schema, limits)
+    document_openai_limits(schema, limits, model=model)
     paths = schema.get("paths", {})
     submit = paths.get(SUBMIT_PATH, {}).get("post")
     if submit is not None:

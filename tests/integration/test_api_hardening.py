@@ -562,8 +562,6 @@ async def test_schemathesis_with_deeply_nested_bodies_finds_no_server_error(
         "--generation-database",
         "none",
         "--no-color",
-        "--include-method",
-        "POST",
         "--include-path-regex",
         "^/v1/(requests|vllm/generate)$",
         cwd=tmp_path,

@@ -391,6 +391,46 @@ async def test_stop_strings_end_generation_and_are_not_returned(
     assert cut.choices[0].finish_reason == "stop"
 
 
+async def test_a_video_part_is_laid_out_by_the_template_and_equals_generate(
+    aclient: openai.AsyncOpenAI, http: httpx.AsyncClient, bundle: Any
+) -> None:
+    from gpu_workers.compute import generate_monolithic
+    from producers.render import Renderer, monolithic_inputs, monolithic_video_inputs
+    from producers.sample_videos import synthetic_mp4
+
+    mp4 = synthetic_mp4(n=8, seed=61)
+    part = {"type": "video_url", "video_url": {"url": data_url(mp4, "video/mp4")}}
+    out = await aclient.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What moves?"}, part]}],  # type: ignore[list-item]
+        max_tokens=6,
+        temperature=0,
+    )
+    rec = await native(http, record_id(out.id))
+    prompt = bundle.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "What moves?"}, {"type": "video"}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    ids = bundle.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ev = Renderer.for_settings(bundle, Settings()).render("oracle", token_ids=ids, videos=[mp4])
+    ids, pv, grid = monolithic_inputs(ev)
+
+    def run() -> list[int]:
+        return generate_monolithic(
+            bundle,
+            ids,
+            pv,
+            grid,
+            0,
+            sampling=SamplingParams(max_tokens=6),
+            **monolithic_video_inputs(ev),
+        )
+
+    assert [it["modality"] for it in rec["items"]] == ["video"]
+    assert rec["result"]["token_ids"] == await asyncio.to_thread(run)
+
+
 # ------------------------------------------------------------------------------- media URLs
 
 
@@ -499,8 +539,14 @@ async def test_errors_have_openai_shape_and_the_native_status_codes(
         assert err["code"] == code and err["message"], (code, err)
         if param is not None:
             assert err["param"] == param, err
-    r = await http.post(url, content=b"{not json", headers={"content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "body.json"
+    ctype = {"content-type": "application/json"}
+    deep = '{"messages": ' + "[" * 5000 + "]" * 5000 + "}"
+    for raw in (b"{not json", b'{"messages": NaN}', deep.encode()):
+        for route in (url, "/v1/responses"):
+            r = await http.post(route, content=raw, headers=ctype)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "body.json", r.text
+    r = await http.post(url, content=b"messages", headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "body.content_type"
     r = await http.post(url, json={"messages": ok}, headers={"authorization": "Bearer nope"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     # nothing above left a request behind in flight
@@ -685,6 +731,38 @@ async def test_a_client_that_leaves_a_stream_cancels_its_request(
         await asyncio.sleep(0.1)
     assert rec["status"] == "cancelled", rec["status"]
     assert len(rec["result"]["token_ids"] if rec["result"] else []) < 2000
+    # a plain request whose client gives up waiting: cancelled too
+    plain = {**body, "stream": False, "metadata": {"case": uuid.uuid4().hex}}
+    with pytest.raises(httpx.ReadTimeout):
+        await http.post("/v1/chat/completions", json=plain, timeout=httpx.Timeout(30, read=1.5))
+    ids = []
+    for _ in range(100):
+        ids = await _cancelled_with(stack, plain["metadata"]["case"])
+        if ids:
+            break
+        await asyncio.sleep(0.1)
+    assert ids, "the abandoned plain request was not cancelled"
+
+
+async def _cancelled_with(stack: ApiStack, case: str) -> list[str]:
+    """Ids of the cancelled records labelled ``case`` (read from Redis: the client never got
+    the request's id)."""
+    import redis.asyncio as aioredis
+
+    from runtime.status_store import StatusStore
+
+    client = aioredis.Redis.from_url(stack.settings.redis_url)
+    try:
+        store = StatusStore(client, prefix=stack.settings.topic_prefix)
+        found = []
+        async for key in client.scan_iter(match=f"{stack.settings.topic_prefix}:status:*"):
+            rec = await store.get(key.decode().rsplit(":", 1)[1])
+            labels = (rec or {}).get("metadata") or {}
+            if rec and labels.get("case") == case and rec["status"] == "cancelled":
+                found.append(rec["request_id"])
+        return found
+    finally:
+        await client.aclose()
 
 
 # ---------------------------------------------------------------------------------- the CLI

@@ -97,8 +97,11 @@ RESPONSE_RESPONSES = with_openai_errors(
 )
 
 
-def document_openai_limits(schema: dict[str, Any], limits: RequestLimits) -> None:
-    """Write the limits into the chat and responses request bodies of ``schema``."""
+def document_openai_limits(
+    schema: dict[str, Any], limits: RequestLimits, *, model: str | None = None
+) -> None:
+    """Write the limits (and ``model``, the served model's name) into the chat and responses
+    request bodies of ``schema``."""
     paths = schema.get("paths", {})
     for path, tokens, items, free in (
         (CHAT_PATH, ("max_tokens", "max_completion_tokens"), "messages", {"stream"}),
@@ -111,6 +114,8 @@ def document_openai_limits(schema: dict[str, Any], limits: RequestLimits) -> Non
         body = content["schema"] = copy.deepcopy(content["schema"])
         props = body["properties"]
         sampling_bounds(props, limits, max_tokens=tokens)
+        if model is not None:
+            bound(props["model"], enum=[model])
         for branch in props[items].get("anyOf", [props[items]]):
             if branch.get("type") == "array":
                 branch["maxItems"] = limits.max_messages
