@@ -26,14 +26,8 @@ deleted afterwards, as are the run's topics).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import io
-import os
 import secrets
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -43,6 +37,7 @@ from typing import Any
 import httpx
 from pydantic import SecretStr
 
+from bench.api_process import ApiProcess, image_b64
 from bench.common import budget, headroom, quantile, sig
 from bench.pipeline import _cleanup_redis, _delete_topics, pipeline_settings
 
@@ -127,58 +122,8 @@ async def _engine(quick: bool) -> dict[str, Any]:
 # 2, 3. through the HTTP API
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class _Api:
-    """``epd api`` in a process of its own, on a free loopback port."""
-
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.url = f"http://127.0.0.1:{_free_port()}"
-        port = self.url.rsplit(":", 1)[1]
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "epd.cli", "api", "--port", port, "--log-level", "warning"],
-                env={**os.environ, **env},
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    async def ready(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        async with httpx.AsyncClient() as client:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"epd api exited with {self.proc.returncode}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(f"{self.url}/readyz", timeout=5)).status_code == 200:
-                        return
-                await asyncio.sleep(0.3)
-        raise TimeoutError("epd api not ready")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
-def _image_b64(seed: int) -> str:
-    from producers.sample_images import synthetic_image
-
-    buf = io.BytesIO()
-    synthetic_image(56, 56, seed=seed).save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode()
-
-
 async def _api_request(
-    client: httpx.AsyncClient, api: _Api, streams: Any, i: int, max_tokens: int
+    client: httpx.AsyncClient, api: ApiProcess, streams: Any, i: int, max_tokens: int
 ) -> dict[str, Any]:
     """One request end to end: POST, then its token stream and its long-polled status."""
     t0 = time.perf_counter()
@@ -186,7 +131,7 @@ async def _api_request(
         f"{api.url}/v1/requests",
         json={
             "prompt": f"Story {i}: <image> once upon a time",
-            "images": [_image_b64(1000 + i)],
+            "images": [image_b64(1000 + i)],
             "max_tokens": max_tokens,
             "ignore_eos": True,
         },
@@ -242,7 +187,7 @@ async def _api_cell(base: Any, log_dir: Path, tag: str, n: int, max_tokens: int,
     workers = WorkerProcesses(env, log_dir / tag, worker_kinds(settings))
     workers.start()
     (log_dir / tag).mkdir(parents=True, exist_ok=True)
-    api = _Api(env, log_dir / tag / "api.log")
+    api = ApiProcess(env, log_dir / tag / "api.log")
     client = redis_client(settings)
     streams = TokenStreams.from_settings(client, settings)
     try:

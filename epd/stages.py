@@ -147,7 +147,11 @@ async def _build_prefill(ctx: StageContext, kind: str = "prefill") -> Handler:
         kind,
         request_state=RequestReader(status),
         record=status.apply,
-        streams=TokenStreams.from_settings(status.client, ctx.settings),
+        streams=(
+            TokenStreams.from_settings(status.client, ctx.settings)
+            if ctx.settings.stream_tokens
+            else None
+        ),
     )
 
 

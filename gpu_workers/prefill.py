@@ -45,6 +45,7 @@ from gpu_workers.entries import (
 from gpu_workers.kv_handoff import kv_entry, kv_tensors, park
 from runtime.publisher import publish
 from runtime.reporting import RequestUpdates, ResultReporter, StatusWriter
+from runtime.request_limits import MIN_TEMPERATURE
 from runtime.settings import Settings
 from runtime.stores.base import StoreError, StoreTimeout, StoreUnavailable
 from runtime.tracing import broker_hop_ms
@@ -61,11 +62,6 @@ if TYPE_CHECKING:
     from runtime.token_stream import TokenStreams, TokenStreamWriter
 
 log = logging.getLogger(__name__)
-
-
-MIN_TEMPERATURE = 1e-3
-"""Smallest temperature that samples: below it the logits over the temperature overflow (a
-temperature of 0 is greedy)."""
 
 
 @dataclass(frozen=True, slots=True)

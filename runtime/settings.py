@@ -15,6 +15,7 @@ from pydantic import ValidationError as PydanticValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from runtime.api_tokens import parse_tokens
+from runtime.url_hosts import UrlHosts, parse_url_hosts
 from schemas import defaults
 from schemas.families import MODEL_HELP
 
@@ -226,6 +227,12 @@ class Settings(BaseSettings):
     )
 
     # Token streams (the decode loop -> Redis -> the API's streams)
+    stream_tokens: bool = Field(
+        True,
+        description="prefill and decode workers write each request's tokens to its token "
+        "stream while it decodes; false: only the final result (streamed answers then arrive "
+        "whole, at the end)",
+    )
     stream_interval_ms: float = Field(
         20.0,
         ge=0,
@@ -364,6 +371,35 @@ class Settings(BaseSettings):
     api_max_json_depth: int = Field(
         32, ge=2, description="nesting of objects and arrays in a JSON body (deeper: 400)"
     )
+    api_max_messages: int = Field(
+        256, ge=1, description="messages of one chat request (and input items of a response)"
+    )
+    api_max_message_parts: int = Field(
+        64, ge=1, description="content parts (text, image, video) of one chat message"
+    )
+
+    # OpenAI-compatible routes (/v1/chat/completions, /v1/responses, /v1/models)
+    served_model_name: str | None = Field(
+        None,
+        description="the model name /v1/models lists and requests name; unset: EPD_MODEL as given",
+    )
+    chat_template: Path | None = Field(
+        None,
+        description="a Jinja chat template file used instead of the checkpoint's own (the "
+        "tiny models have one of their own)",
+    )
+    api_image_url_hosts: str = Field(
+        "",
+        description="hosts whose http(s) image and video URLs the API fetches, comma "
+        "separated, each HOST (any port) or HOST:PORT; empty (the default): none, only data: "
+        "URLs are taken, and no request makes the API connect anywhere",
+    )
+    api_image_url_timeout_s: float = Field(
+        10.0, gt=0, description="longest fetch of one image or video URL, redirects included"
+    )
+    api_image_url_max_redirects: int = Field(
+        3, ge=0, description="redirects followed per URL fetch (only to the same host and port)"
+    )
 
     @field_validator("store_url")
     @classmethod
@@ -404,6 +440,12 @@ class Settings(BaseSettings):
             raise ValueError("a topic prefix is 1-200 of A-Z a-z 0-9 . _ -")
         return prefix
 
+    @field_validator("api_image_url_hosts")
+    @classmethod
+    def _url_hosts(cls, hosts: str) -> str:
+        parse_url_hosts(hosts)
+        return hosts
+
     @field_validator("api_tokens")
     @classmethod
     def _tokens(cls, tokens: SecretStr | None) -> SecretStr | None:
@@ -438,6 +480,14 @@ class Settings(BaseSettings):
                 "broker (`epd up` prints it), which has neither: use Apache Kafka "
                 "(EPD_BROKER=apache) or unset EPD_KAFKA_TRANSACTIONS"
             )
+
+    def url_hosts(self) -> UrlHosts:
+        """The hosts ``EPD_API_IMAGE_URL_HOSTS`` lets the API fetch media URLs from."""
+        return parse_url_hosts(self.api_image_url_hosts)
+
+    def model_name(self) -> str:
+        """The name the OpenAI-compatible routes serve the model under."""
+        return self.served_model_name or self.model
 
     @property
     def embedding_store_url(self) -> str:

@@ -1,5 +1,5 @@
-"""A tiny byte-level tokenizer that knows the Qwen2-VL special tokens, and incremental
-detokenisation (:class:`IncrementalDetokenizer`) for any tokenizer.
+"""A tiny byte-level tokenizer that knows the Qwen2-VL special tokens (and a chat template of
+its own), and incremental detokenisation (:class:`IncrementalDetokenizer`) for any tokenizer.
 
 Ids 0-255 are the raw bytes (id == byte value), so any text round-trips and the vocabulary is
 tiny; the Qwen2-VL special tokens follow. It is built with the ``tokenizers`` library and wrapped
@@ -32,6 +32,23 @@ BYTE_VOCAB = 256
 TINY_VOCAB_SIZE = BYTE_VOCAB + len(SPECIAL_TOKENS)
 EOS_TOKEN = "<|endoftext|>"
 
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""The tiny models' chat template: ChatML as the Qwen2-VL checkpoints write it (one
+``<|im_start|>ROLE`` line per message, each image or video as its vision block), without a
+default system message."""
+
 
 def _byte_to_unicode() -> dict[int, str]:
     """The GPT-2 byte-level alphabet: every byte maps to one printable unicode character.
@@ -58,6 +75,7 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+    fast.chat_template = TINY_CHAT_TEMPLATE
     for i, t in enumerate(SPECIAL_TOKENS):
         # The wrapper must agree with the fixed layout the tiny model config relies on.
         if fast.convert_tokens_to_ids(t) != BYTE_VOCAB + i:

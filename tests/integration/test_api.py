@@ -579,11 +579,17 @@ async def test_every_error_is_json_with_code_and_rule(
     )
     _err(await post({"prompt": "x", "max_tokens": 0}), 422, "validation_failed", "max-tokens")
     _err(
-        await post({"prompt": "x", "temperature": 0.7}),
+        await post({"prompt": "x", "temperature": 2.5}),
         422,
         "validation_failed",
         "sampling.temperature",
     )
+    _err(await post({"prompt": "x", "top_p": 0}), 422, "validation_failed", "sampling.top_p")
+    _err(await post({"prompt": "x", "stop": [""]}), 422, "validation_failed", "sampling.stop")
+    sampled = await post({"prompt": "x", "temperature": 0.7, "seed": 3, "max_tokens": 2})
+    assert sampled.status_code == 202, sampled.text  # the workers sample now: so does the door
+    done = await wait_terminal(stack, http, sampled.json()["request_id"])
+    assert done["status"] == "completed", done
     _err(await post({"prompt": "x", "token_ids": [1]}), 422, "validation_failed", "render.prompt")
     _err(await post({"prompt": "x", "surprise": 1}), 422, "validation_failed", "request.schema")
     # multipart works too, and its errors have the same shape
