@@ -856,3 +856,56 @@ async def test_schemathesis_over_the_openai_routes_finds_no_server_error(
     with contextlib.suppress(Exception):
         async with httpx.AsyncClient(base_url=stack.api.url) as c:
             assert (await c.get("/healthz")).status_code == 200
+
+
+# ------------------------------------------------------------------- what attackers send
+
+
+async def _in_flight(http: httpx.AsyncClient) -> str:
+    metrics = (await http.get("/metrics")).text
+    return next(line for line in metrics.splitlines() if line.startswith("epd_api_in_flight "))
+
+
+async def test_a_lone_surrogate_anywhere_in_a_json_body_is_400_on_every_route(
+    http: httpx.AsyncClient, stack: ApiStack
+) -> None:
+    """JSON may escape half a UTF-16 pair (``"\\ud800"``); Python's parser keeps it as a code
+    point that no UTF-8 encoder takes (the tokenizer, the Avro event, Redis). Every JSON route
+    refuses it at the door, wherever it sits: a value, a key, deep in a list."""
+
+    def raw(obj: dict[str, Any]) -> str:  # "@" becomes half a pair
+        return json.dumps(obj).replace("@", "\\ud800")
+
+    msg = [{"role": "user", "content": "x"}]
+    cases = [
+        ("/v1/chat/completions", raw({"messages": [{"role": "user", "content": "@"}]})),
+        ("/v1/chat/completions", raw({"messages": msg, "metadata": {"k": "@"}})),
+        ("/v1/chat/completions", raw({"messages": msg, "metadata": {"@": "v"}})),
+        ("/v1/chat/completions", raw({"messages": msg, "stop": ["a", "@"]})),
+        ("/v1/chat/completions", raw({"messages": msg, "user": "x@y"})),
+        ("/v1/responses", raw({"input": "@", "max_output_tokens": 2})),
+        ("/v1/responses", raw({"input": "x", "background": True, "metadata": {"k": "@"}})),
+        ("/v1/requests", raw({"prompt": "a@b", "max_tokens": 2})),
+        ("/v1/requests", raw({"prompt": "x", "max_tokens": 2, "stop": "@"})),
+    ]
+    for route, text in cases:
+        r = await http.post(
+            route, content=text.encode(), headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400, (route, text, r.text)
+        err = r.json()["error"]
+        assert (err.get("code"), err.get("rule")) in (
+            ("body.json", None),
+            ("malformed", "body.json"),
+        )
+        assert "surrogate" in err["message"], err
+    # a pair written as two escapes is one character, and fine
+    pair = json.dumps({"messages": msg, "max_tokens": 2, "temperature": 0}).replace(
+        '"x"', '"\\ud83d\\ude00"'
+    )
+    r = await http.post(
+        "/v1/chat/completions", content=pair.encode(), headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 200, r.text
+    assert await _in_flight(http) == "epd_api_in_flight 0.0"
+    assert "Traceback" not in stack.api.tail()
