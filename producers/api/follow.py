@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -50,10 +51,20 @@ class Position:
         return cls(status, tokens or "0")
 
 
+_STREAM_ID = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?")
+"""``MS-SEQ`` or ``MS``, ASCII digits only (``str.isdigit`` also takes ``²`` and ``٣``)."""
+_ID_MAX = 2**64 - 1
+"""Redis stream ids are two unsigned 64-bit numbers."""
+
+
 def _stream_id(text: str) -> bool:
-    """A Redis stream id (``MS-SEQ``, or ``MS``) of a sane length."""
-    ms, sep, seq = text.partition("-")
-    return ms.isdigit() and (not sep or seq.isdigit()) and len(text) < 48
+    """An id Redis takes as the exclusive start of a read: two 64-bit numbers, not the
+    largest id of all (nothing can follow it, and Redis refuses to read after it)."""
+    m = _STREAM_ID.fullmatch(text)
+    if m is None:
+        return False
+    ms, seq = int(m[1]), int(m[2] or 0)
+    return ms <= _ID_MAX and seq <= _ID_MAX and (ms, seq) != (_ID_MAX, _ID_MAX)
 
 
 @dataclass(frozen=True, slots=True)

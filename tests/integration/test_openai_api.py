@@ -909,3 +909,34 @@ async def test_a_lone_surrogate_anywhere_in_a_json_body_is_400_on_every_route(
     assert r.status_code == 200, r.text
     assert await _in_flight(http) == "epd_api_in_flight 0.0"
     assert "Traceback" not in stack.api.tail()
+
+
+async def test_a_last_event_id_redis_cannot_take_is_400_before_the_stream_starts(
+    http: httpx.AsyncClient, stack: ApiStack
+) -> None:
+    """Only ids this API could have sent: ASCII digits, each part inside Redis's 64 bits. A
+    Unicode digit, an id past 64 bits or the largest id (nothing follows it) used to reach
+    Redis after the 200 was sent, and the stream broke."""
+    r = await http.post("/v1/requests", json={"prompt": "x", "max_tokens": 2})
+    rid = r.json()["request_id"]
+    top = str(2**64 - 1)
+    bad: list[bytes] = [
+        "²".encode("latin-1"),  # isdigit() says yes
+        "1_²".encode("latin-1"),
+        b"99999999999999999999",  # 2**64 and more
+        f"{2**64}-0".encode(),
+        f"1-0_{2**64}".encode(),
+        f"{top}-{top}".encode(),  # the last id: nothing is after it
+        b"-1",
+        b"1-",
+    ]
+    for last in bad:
+        async with httpx.AsyncClient(base_url=stack.api.url, headers=auth(), timeout=30) as c:
+            r = await c.get(f"/v1/requests/{rid}/events", headers={"Last-Event-ID": last})
+            assert r.status_code == 400, (last, r.status_code, r.text)
+            assert r.json()["error"]["rule"] == "events.last_event_id"
+            q = await c.get(
+                f"/v1/requests/{rid}/events", params={"last_event_id": last.decode("latin-1")}
+            )
+            assert q.status_code == 400, (last, q.status_code, q.text)
+    assert "Traceback" not in stack.api.tail()

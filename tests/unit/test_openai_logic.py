@@ -426,6 +426,12 @@ def test_event_positions_cover_both_streams_and_order_by_redis_time() -> None:
     assert Position.parse(at.event_id()) == at
     for bad in ("x", "1-2_y", "1-x", "1_2_3", "9" * 60):
         assert Position.parse(bad) is None, bad
+    # only what Redis takes as a read's exclusive start: ASCII digits, 64-bit parts, not the
+    # largest id (str.isdigit() takes "²" and "٣", which int() or Redis then refuse)
+    top = 2**64 - 1
+    for bad in ("²", "1_²", "٣-0", "1-٣", f"{2**64}", f"1-{2**64}", f"1_{top}-{top}", "-1", " 1"):
+        assert Position.parse(bad) is None, bad
+    assert Position.parse(f"{top}-0_{top}") == Position(f"{top}-0", f"{top}")
     changes = [
         StatusChange("10-0", {"status": "prefilling"}),
         StatusChange("12-0", {"status": "decoding"}),
