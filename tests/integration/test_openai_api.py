@@ -939,4 +939,24 @@ async def test_a_last_event_id_redis_cannot_take_is_400_before_the_stream_starts
                 f"/v1/requests/{rid}/events", params={"last_event_id": last.decode("latin-1")}
             )
             assert q.status_code == 400, (last, q.status_code, q.text)
+    # ids past the end are ids Redis takes: the stream closes at once, with what follows
+    # them (nothing; or, for a token position behind, those tokens: it used to send
+    # keep-alives for ever, waiting for a status change that had already happened)
+    done = await native(http, rid)
+    for _ in range(60):
+        if done["status"] == "completed":
+            break
+        await asyncio.sleep(0.5)
+        done = await native(http, rid)
+    assert done["status"] == "completed"
+    async with httpx.AsyncClient(base_url=stack.api.url, headers=auth(), timeout=30) as c:
+        past = f"{top}-0_{top}-0"
+        r = await c.get(f"/v1/requests/{rid}/events", headers={"Last-Event-ID": past})
+        assert r.status_code == 200 and r.text == "", r.text
+        events = await asyncio.wait_for(
+            _sse(c, f"/v1/requests/{rid}/events", headers={"Last-Event-ID": f"{top}-0"}), 20
+        )
+        assert {k for k, _, _ in events} == {"token"}, events
+        tokens = [t for _, _, d in events for t in d["token_ids"]]
+        assert tokens == done["result"]["token_ids"]
     assert "Traceback" not in stack.api.tail()
