@@ -32,6 +32,7 @@ from runtime.settings import Settings
 from runtime.token_stream import TokenChunk
 from runtime.url_hosts import parse_url_hosts
 from schemas.errors import ValidationError
+from schemas.types import SamplingParams
 
 PNG = png_bytes(synthetic_image(28, 28, seed=5))
 REF = MediaRef("messages[0].content[1].image_url.url", 0, "image")
@@ -413,11 +414,30 @@ def test_the_door_holds_sampling_to_the_workers_bounds() -> None:
         ({"stop": ["x" * 257]}, "sampling.stop"),
         ({"stop": [""]}, "sampling.stop"),
         ({"stop_token_ids": [270]}, "sampling.stop_token_ids"),
+        ({"stop_token_ids": [1] * 65}, "sampling.stop_token_ids"),  # EPD_MAX_STOP_TOKEN_IDS
     ):
         args = {"temperature": 1.0, **kw}
         with pytest.raises(ValidationError) as e:
             lim.check_sampling(16, args.pop("temperature"), **args)
         assert e.value.rule == rule, kw
+    lim.check_sampling(16, 0, stop_token_ids=[1] * 64)
+
+
+def test_stop_token_ids_are_counted_by_one_setting_at_the_door_and_in_prefill() -> None:
+    """A list of stop token ids was bounded only by the body (millions of ids in one event)."""
+    from gpu_workers.prefill import Bounds, check_sampling
+
+    s = Settings(max_stop_token_ids=3)
+    lim = RequestLimits.from_settings(s, vocab_size=270, model_context=4096)
+    bounds = Bounds(270, 4096, 16, s.max_stop_strings, s.max_stop_string_chars, 3)
+    lim.check_sampling(16, 0, stop_token_ids=[1, 2, 3])
+    check_sampling(SamplingParams(max_tokens=4, stop_token_ids=[1, 2, 3]), bounds)
+    with pytest.raises(ValidationError) as e:
+        lim.check_sampling(16, 0, stop_token_ids=[1, 2, 3, 4])
+    assert "EPD_MAX_STOP_TOKEN_IDS" in e.value.detail
+    with pytest.raises(ValidationError) as e:
+        check_sampling(SamplingParams(max_tokens=4, stop_token_ids=[1, 2, 3, 4]), bounds)
+    assert e.value.field == "stop_token_ids"
 
 
 def test_event_positions_cover_both_streams_and_order_by_redis_time() -> None:
