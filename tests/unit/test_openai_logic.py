@@ -124,6 +124,37 @@ async def test_the_fetcher_follows_only_same_host_redirects_and_bounds_size_and_
     assert ("img.test", 8080, "/a.png") not in web.asked
 
 
+async def test_the_fetcher_connects_to_the_host_it_compared_and_decodes_no_body() -> None:
+    """The connection goes to the host as the allow-list compared it (``127.0.0.1.`` was
+    allowed as 127.0.0.1 but looked up as a name), and the body is taken as it comes: asked
+    for ``identity``; an encoded body (gzip expands about 1000 times per chunk read, before
+    the size check sees it) is refused, never decoded."""
+    import gzip
+
+    seen: list[httpx.Request] = []
+
+    class Web(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            seen.append(request)
+            if request.url.path == "/bomb":
+                body = gzip.compress(b"\0" * (4 << 20))
+                return httpx.Response(200, headers={"content-encoding": "gzip"}, content=body)
+            return httpx.Response(200, content=PNG)
+
+    f = MediaFetcher(parse_url_hosts("127.0.0.1,[::1],img.test"), transport=Web())
+    for url, host in (
+        ("http://127.0.0.1./a.png", "127.0.0.1"),
+        ("http://[0:0::1]/a.png", "::1"),
+        ("http://IMG.test./a.png", "img.test"),
+    ):
+        assert await f.fetch(url, REF, 1 << 20) == PNG
+        assert seen[-1].url.host == host, url
+        assert seen[-1].headers["accept-encoding"] == "identity"
+    with pytest.raises(ValidationError) as e:
+        await f.fetch("http://img.test/bomb", REF, 1 << 20)
+    assert e.value.rule == "image_url.fetch" and "gzip" in e.value.detail
+
+
 def test_a_url_off_the_list_is_refused_before_any_connection() -> None:
     web = Recorder({})
     f = fetcher(web)
