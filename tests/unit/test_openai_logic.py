@@ -268,6 +268,13 @@ def test_chat_bodies_parse_with_openai_defaults_and_vllm_extensions() -> None:
         ({"stop_token_ids": [10**6]}, "sampling.stop_token_ids", "stop_token_ids"),
         ({"max_tokens": 0}, "max-tokens", "max_tokens"),
         ({"max_tokens": 4, "max_completion_tokens": 5}, "request.schema", "max_completion_tokens"),
+        # usage asked of a plain answer: OpenAI and vLLM refuse it, it was silently dropped
+        ({"stream_options": {"include_usage": True}}, "request.schema", "stream_options"),
+        (
+            {"stream": False, "stream_options": {"include_usage": True}},
+            "request.schema",
+            "stream_options",
+        ),
     ],
 )
 def test_chat_bodies_name_what_they_cannot_have(
