@@ -74,6 +74,7 @@ class Bounds:
     max_tokens: int
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
 
     @classmethod
     def for_model(cls, settings: Settings, bundle: ModelBundle) -> Bounds:
@@ -87,6 +88,7 @@ class Bounds:
             settings.max_tokens_limit,
             settings.max_stop_strings,
             settings.max_stop_string_chars,
+            settings.max_stop_token_ids,
         )
 
 
@@ -124,8 +126,9 @@ def check_bounds(ev: PrefillEvent, bounds: Bounds) -> None:
 
 def check_sampling(s: SamplingParams, bounds: Bounds) -> None:
     """Rule ``sampling`` (the field named): ``temperature`` 0 (greedy) or a finite value of at
-    least ``MIN_TEMPERATURE``; ``top_p`` in (0, 1]; ``top_k`` >= 0 (0: off); stop token ids in
-    the vocabulary; at most ``EPD_MAX_STOP_STRINGS`` stop strings, each non-empty and at most
+    least ``MIN_TEMPERATURE``; ``top_p`` in (0, 1]; ``top_k`` >= 0 (0: off); at most
+    ``EPD_MAX_STOP_TOKEN_IDS`` stop token ids, in the vocabulary; at most
+    ``EPD_MAX_STOP_STRINGS`` stop strings, each non-empty and at most
     ``EPD_MAX_STOP_STRING_CHARS`` long."""
 
     def bad(name: str, why: str) -> ValidationError:
@@ -138,6 +141,11 @@ def check_sampling(s: SamplingParams, bounds: Bounds) -> None:
         raise bad("top_p", f"is {s.top_p}; it must be in (0, 1]")
     if s.top_k < 0:
         raise bad("top_k", f"is {s.top_k}; it must be 0 (off) or positive")
+    if len(s.stop_token_ids) > bounds.max_stop_token_ids:
+        raise bad(
+            "stop_token_ids",
+            f"has {len(s.stop_token_ids)} ids; at most {bounds.max_stop_token_ids}",
+        )
     for i, t_id in enumerate(s.stop_token_ids):
         if not 0 <= t_id < bounds.vocab_size:
             raise bad("stop_token_ids", f"[{i}] = {t_id} is outside the vocabulary")

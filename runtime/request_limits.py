@@ -99,6 +99,8 @@ class RequestLimits:
     """``EPD_MAX_STOP_STRINGS``: stop strings per request (the workers' bound too)."""
     max_stop_string_chars: int = 256
     """``EPD_MAX_STOP_STRING_CHARS``: characters of one stop string."""
+    max_stop_token_ids: int = 64
+    """``EPD_MAX_STOP_TOKEN_IDS``: stop token ids per request (the workers' bound too)."""
     max_messages: int = 256
     """``EPD_API_MAX_MESSAGES``: messages of a chat request (input items of a response)."""
     max_message_parts: int = 64
@@ -126,6 +128,7 @@ class RequestLimits:
             max_wait_s=settings.api_max_wait_s,
             max_stop_strings=settings.max_stop_strings,
             max_stop_string_chars=settings.max_stop_string_chars,
+            max_stop_token_ids=settings.max_stop_token_ids,
             max_messages=settings.api_max_messages,
             max_message_parts=settings.api_max_message_parts,
         )
@@ -151,7 +154,8 @@ class RequestLimits:
         ``temperature`` a finite number in ``[0, 2]``, 0 (greedy) or at least
         ``MIN_TEMPERATURE``; ``top_p`` in ``(0, 1]``; ``top_k`` an integer >= 0 (0: off);
         ``seed`` a 64-bit integer; at most ``EPD_MAX_STOP_STRINGS`` ``stop`` strings of 1 to
-        ``EPD_MAX_STOP_STRING_CHARS`` characters; ``stop_token_ids`` inside the vocabulary.
+        ``EPD_MAX_STOP_STRING_CHARS`` characters; at most ``EPD_MAX_STOP_TOKEN_IDS``
+        ``stop_token_ids``, each inside the vocabulary.
         None leaves a parameter at its default."""
         self.check_max_tokens(max_tokens, field=f"{prefix}max_tokens")
         if temperature is not None:
@@ -183,6 +187,13 @@ class RequestLimits:
             if not isinstance(stop_token_ids, list):
                 raise ValidationError(
                     "sampling.stop_token_ids", "stop_token_ids must be a list", field=field
+                )
+            if len(stop_token_ids) > self.max_stop_token_ids:
+                raise ValidationError(
+                    "sampling.stop_token_ids",
+                    f"stop_token_ids has {len(stop_token_ids)} ids; the limit is "
+                    f"{self.max_stop_token_ids} (EPD_MAX_STOP_TOKEN_IDS)",
+                    field=field,
                 )
             for i, t in enumerate(stop_token_ids):
                 if not _integer(t) or not 0 <= t < self.vocab_size:

@@ -198,6 +198,9 @@ class Settings(BaseSettings):
     max_stop_string_chars: int = Field(
         256, ge=1, description="longest stop string (characters); longer is rejected"
     )
+    max_stop_token_ids: int = Field(
+        64, ge=0, description="most stop token ids one request may carry; more is rejected"
+    )
 
     # Decoding: continuous batching and the optional decode stage
     decode_max_batch: int = Field(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,9 +158,11 @@ def _not_json_number(name: str) -> Any:
 
 def parse_json(body: bytes | str, max_depth: int, *, where: str = "body") -> Any:
     """JSON text as Python values; 400 ``body.json`` for anything else: malformed text,
-    ``NaN``/``Infinity`` (Python's parser takes them, JSON has none), or objects and arrays
+    ``NaN``/``Infinity`` (Python's parser takes them, JSON has none), objects and arrays
     nested deeper than ``max_depth`` (a deep body would exhaust the parser's recursion or the
-    code that walks it)."""
+    code that walks it), or a string (value or key) holding a lone UTF-16 surrogate (JSON's
+    ``"\\ud800"``: Python keeps it as a code point no UTF-8 encoder takes, so the tokenizer,
+    the Avro event or Redis would fail on it long after the door)."""
     try:
         obj = json.loads(body, parse_constant=_not_json_number)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -170,27 +173,48 @@ def parse_json(body: bytes | str, max_depth: int, *, where: str = "body") -> Any
         raise bad_request(
             f"{where} is nested too deeply (the limit is {max_depth} levels)", rule="body.json"
         ) from None
-    if _deeper_than(obj, max_depth):
+    problem = _tree_problem(obj, max_depth)
+    if problem == "depth":
         raise bad_request(
             f"{where} is nested too deeply (the limit is {max_depth} levels, "
             "EPD_API_MAX_JSON_DEPTH)",
             rule="body.json",
         )
+    if problem == "surrogate":
+        raise bad_request(
+            f"{where} holds a string with a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+            "escape); send text as valid Unicode",
+            rule="body.json",
+        )
     return obj
 
 
-def _deeper_than(obj: Any, limit: int) -> bool:
-    """Whether objects/arrays nest more than ``limit`` levels (iterative: no recursion)."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A surrogate code point: json.loads joins a well-formed escaped pair into one character, so
+any left in a parsed string is half a pair."""
+
+
+def _tree_problem(obj: Any, limit: int) -> str | None:
+    """``"depth"`` when objects/arrays nest more than ``limit`` levels, ``"surrogate"`` when a
+    string or key holds a lone surrogate, else None (iterative: no recursion)."""
     stack: list[tuple[Any, int]] = [(obj, 1)]
     while stack:
         node, depth = stack.pop()
+        if isinstance(node, str):
+            if _SURROGATE.search(node):
+                return "surrogate"
+            continue
         if not isinstance(node, dict | list):
-            continue  # a scalar body
-        children = node.values() if isinstance(node, dict) else node
+            continue  # a number, a boolean, null
         if depth > limit:
-            return True
-        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-    return False
+            return "depth"
+        if isinstance(node, dict):
+            stack.extend((k, depth) for k in node)
+            children: Any = node.values()
+        else:
+            children = node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list | str))
+    return None
 
 
 def _checked(req: SubmitRequest, limits: RequestLimits) -> None:

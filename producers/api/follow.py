@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -50,10 +51,20 @@ class Position:
         return cls(status, tokens or "0")
 
 
+_STREAM_ID = re.compile(r"([0-9]{1,20})(?:-([0-9]{1,20}))?")
+"""``MS-SEQ`` or ``MS``, ASCII digits only (``str.isdigit`` also takes ``²`` and ``٣``)."""
+_ID_MAX = 2**64 - 1
+"""Redis stream ids are two unsigned 64-bit numbers."""
+
+
 def _stream_id(text: str) -> bool:
-    """A Redis stream id (``MS-SEQ``, or ``MS``) of a sane length."""
-    ms, sep, seq = text.partition("-")
-    return ms.isdigit() and (not sep or seq.isdigit()) and len(text) < 48
+    """An id Redis takes as the exclusive start of a read: two 64-bit numbers, not the
+    largest id of all (nothing can follow it, and Redis refuses to read after it)."""
+    m = _STREAM_ID.fullmatch(text)
+    if m is None:
+        return False
+    ms, seq = int(m[1]), int(m[2] or 0)
+    return ms <= _ID_MAX and seq <= _ID_MAX and (ms, seq) != (_ID_MAX, _ID_MAX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +128,20 @@ def _in_order(
     return [item for _, _, item in sorted(tagged, key=lambda t: t[:2])]
 
 
+async def _ended(st: ApiState, request_id: str, at: Position) -> bool:
+    """Whether a read that found no new status change has nothing more to wait for: the
+    record is gone, or terminal with no status change after ``at`` (a reader resumed past
+    the terminal status, whatever token position it gave: the worker wrote every token
+    before the terminal status, so none can follow). A terminal change written since the
+    read is read next, not skipped."""
+    rec = await st.status.get(request_id)
+    if rec is None:
+        return True
+    if rec["status"] not in TERMINAL_STATUSES:
+        return False
+    return not await st.status.events(request_id, at.status)
+
+
 async def follow(
     st: ApiState, request_id: str, at: Position | None = None, idle_s: float = IDLE_S
 ) -> AsyncIterator[tuple[Item, Position]]:
@@ -147,17 +172,19 @@ async def follow(
                 else:
                     f.at = replace(f.at, tokens=item.id)
                 yield item, f.at
-            if terminal is not None:
-                for chunk in await st.tokens.read(request_id, f.at.tokens):
-                    f.at = replace(f.at, tokens=chunk.id)
-                    yield chunk, f.at
-                f.at = replace(f.at, status=terminal.id)
-                yield terminal, f.at
+            if terminal is not None or (
+                read_status and not rows and await _ended(st, request_id, f.at)
+            ):
+                # The tokens still unread (a worker writes them all before the terminal
+                # status), then the terminal status, unless the reader resumed past it.
+                while rest := await st.tokens.read(request_id, f.at.tokens):
+                    for chunk in rest:
+                        f.at = replace(f.at, tokens=chunk.id)
+                        yield chunk, f.at
+                if terminal is not None:
+                    f.at = replace(f.at, status=terminal.id)
+                    yield terminal, f.at
                 return
-            if read_status and not rows and not chunks:
-                rec = await st.status.get(request_id)
-                if rec is None or rec["status"] in TERMINAL_STATUSES:
-                    return  # resumed past the terminal status, or the record expired
             chunks, read_status = await f.wait(changed, idle_s)
             read_tokens = read_status  # a status change: its tokens so far are read beside it
             if not chunks and not read_status:

@@ -8,8 +8,10 @@ fetch is bounded in time (``EPD_API_IMAGE_URL_TIMEOUT_S``, redirects included) a
 route's byte limit, counted while the body streams in; a larger ``Content-Length`` is refused
 before its body is read). Redirects are followed by hand, at most
 ``EPD_API_IMAGE_URL_MAX_REDIRECTS``, and only to the same host and port: a redirect elsewhere is
-refused, never followed. Proxies from the environment are not used (``trust_env=False``): the
-connection goes where the URL says, or nowhere.
+refused, never followed. The connection goes to the host as the list compared it, and the body
+is taken as sent (``identity``; an encoded body is refused, never decoded). Proxies from the
+environment are not used (``trust_env=False``): the connection goes where the URL says, or
+nowhere.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import httpx
 
 from producers.api.errors import bad_request
 from runtime.settings import Settings
-from runtime.url_hosts import UrlHosts
+from runtime.url_hosts import UrlHosts, normalise_host
 from schemas.errors import ValidationError
 
 SCHEMES = ("http", "https")
@@ -39,6 +41,13 @@ class MediaRef:
 
 def _port(url: httpx.URL) -> int:
     return url.port or DEFAULT_PORTS.get(url.scheme, 0)
+
+
+def _as_compared(url: httpx.URL) -> httpx.URL:
+    """``url`` with its host as the allow-list compares it (lower case, no trailing dot, an IP
+    in its canonical spelling), so the connection goes to the host that was allowed: an
+    allowed ``127.0.0.1`` written ``127.0.0.1.`` would otherwise be looked up as a name."""
+    return url.copy_with(host=normalise_host(url.host))
 
 
 class MediaFetcher:
@@ -96,7 +105,7 @@ class MediaFetcher:
                 else f"host {url.host!r} (port {_port(url)}) is not in EPD_API_IMAGE_URL_HOSTS"
             )
             raise bad_request(where, rule="image_url.host", field=ref.field, item=ref.item)
-        return url
+        return _as_compared(url)
 
     async def fetch(self, text: str, ref: MediaRef, limit: int) -> bytes:
         """The bytes at an allowed URL, at most ``limit`` of them. ``ValidationError``:
@@ -115,7 +124,10 @@ class MediaFetcher:
 
     async def _get(self, url: httpx.URL, ref: MediaRef, limit: int) -> bytes:
         async with httpx.AsyncClient(
-            follow_redirects=False, trust_env=False, transport=self._transport
+            follow_redirects=False,
+            trust_env=False,
+            transport=self._transport,
+            headers={"accept-encoding": "identity"},
         ) as client:
             for _ in range(self.max_redirects + 1):
                 async with client.stream("GET", url) as resp:
@@ -124,7 +136,7 @@ class MediaFetcher:
                         continue
                     if resp.status_code != 200:
                         raise self._failed(ref, f"the server answered {resp.status_code}")
-                    return await _body(resp, ref, limit)
+                    return await self._body(resp, ref, limit)
         raise self._failed(
             ref, f"more than {self.max_redirects} redirects (EPD_API_IMAGE_URL_MAX_REDIRECTS)"
         )
@@ -134,7 +146,11 @@ class MediaFetcher:
         location = resp.headers.get("location")
         if not location:
             raise self._failed(ref, f"a redirect ({resp.status_code}) without a Location")
-        target = url.join(location)
+        try:
+            target = url.join(location)
+            target = _as_compared(target) if target.host else target
+        except (httpx.InvalidURL, TypeError, ValueError):
+            raise self._failed(ref, f"a redirect to {location[:200]!r}, not a URL") from None
         same = (
             target.scheme in SCHEMES
             and not target.userinfo
@@ -146,6 +162,28 @@ class MediaFetcher:
             )
         return target
 
+    async def _body(self, resp: httpx.Response, ref: MediaRef, limit: int) -> bytes:
+        """The body as sent, at most ``limit`` bytes. An encoded body (``Content-Encoding``,
+        asked for ``identity``) is refused, never decoded: a decoder expands each chunk read
+        (gzip about 1000 times) before any size check could see it, and images and videos
+        are compressed already."""
+        encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise self._failed(
+                ref, f"the server sent a {encoding[:40]!r}-encoded body; only identity is taken"
+            )
+        declared = resp.headers.get("content-length", "")
+        if declared.isascii() and declared.isdigit() and int(declared) > limit:
+            raise _too_large(int(declared), limit, ref)
+        chunks: list[bytes] = []
+        total = 0
+        async for chunk in resp.aiter_bytes():  # identity: nothing is decoded
+            total += len(chunk)
+            if total > limit:
+                raise _too_large(total, limit, ref)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     @staticmethod
     def _failed(ref: MediaRef, why: str, *, rule: str = "image_url.fetch") -> ValidationError:
         return ValidationError(
@@ -155,20 +193,6 @@ class MediaFetcher:
             item=ref.item,
             modality=ref.modality,
         )
-
-
-async def _body(resp: httpx.Response, ref: MediaRef, limit: int) -> bytes:
-    declared = resp.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit, ref)
-    chunks: list[bytes] = []
-    total = 0
-    async for chunk in resp.aiter_bytes():
-        total += len(chunk)
-        if total > limit:
-            raise _too_large(total, limit, ref)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _too_large(size: int, limit: int, ref: MediaRef) -> ValidationError:

@@ -53,3 +53,7 @@ def sampling_bounds(
                     branch.update(one)
                 elif branch.get("type") == "array":
                     branch.update(many)
+    if "stop_token_ids" in props:
+        for branch in props["stop_token_ids"].get("anyOf", [props["stop_token_ids"]]):
+            if branch.get("type") == "array":
+                branch["maxItems"] = limits.max_stop_token_ids

@@ -856,3 +856,107 @@ async def test_schemathesis_over_the_openai_routes_finds_no_server_error(
     with contextlib.suppress(Exception):
         async with httpx.AsyncClient(base_url=stack.api.url) as c:
             assert (await c.get("/healthz")).status_code == 200
+
+
+# ------------------------------------------------------------------- what attackers send
+
+
+async def _in_flight(http: httpx.AsyncClient) -> str:
+    metrics = (await http.get("/metrics")).text
+    return next(line for line in metrics.splitlines() if line.startswith("epd_api_in_flight "))
+
+
+async def test_a_lone_surrogate_anywhere_in_a_json_body_is_400_on_every_route(
+    http: httpx.AsyncClient, stack: ApiStack
+) -> None:
+    """JSON may escape half a UTF-16 pair (``"\\ud800"``); Python's parser keeps it as a code
+    point that no UTF-8 encoder takes (the tokenizer, the Avro event, Redis). Every JSON route
+    refuses it at the door, wherever it sits: a value, a key, deep in a list."""
+
+    def raw(obj: dict[str, Any]) -> str:  # "@" becomes half a pair
+        return json.dumps(obj).replace("@", "\\ud800")
+
+    msg = [{"role": "user", "content": "x"}]
+    cases = [
+        ("/v1/chat/completions", raw({"messages": [{"role": "user", "content": "@"}]})),
+        ("/v1/chat/completions", raw({"messages": msg, "metadata": {"k": "@"}})),
+        ("/v1/chat/completions", raw({"messages": msg, "metadata": {"@": "v"}})),
+        ("/v1/chat/completions", raw({"messages": msg, "stop": ["a", "@"]})),
+        ("/v1/chat/completions", raw({"messages": msg, "user": "x@y"})),
+        ("/v1/responses", raw({"input": "@", "max_output_tokens": 2})),
+        ("/v1/responses", raw({"input": "x", "background": True, "metadata": {"k": "@"}})),
+        ("/v1/requests", raw({"prompt": "a@b", "max_tokens": 2})),
+        ("/v1/requests", raw({"prompt": "x", "max_tokens": 2, "stop": "@"})),
+    ]
+    for route, text in cases:
+        r = await http.post(
+            route, content=text.encode(), headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400, (route, text, r.text)
+        err = r.json()["error"]
+        assert (err.get("code"), err.get("rule")) in (
+            ("body.json", None),
+            ("malformed", "body.json"),
+        )
+        assert "surrogate" in err["message"], err
+    # a pair written as two escapes is one character, and fine
+    pair = json.dumps({"messages": msg, "max_tokens": 2, "temperature": 0}).replace(
+        '"x"', '"\\ud83d\\ude00"'
+    )
+    r = await http.post(
+        "/v1/chat/completions", content=pair.encode(), headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 200, r.text
+    assert await _in_flight(http) == "epd_api_in_flight 0.0"
+    assert "Traceback" not in stack.api.tail()
+
+
+async def test_a_last_event_id_redis_cannot_take_is_400_before_the_stream_starts(
+    http: httpx.AsyncClient, stack: ApiStack
+) -> None:
+    """Only ids this API could have sent: ASCII digits, each part inside Redis's 64 bits. A
+    Unicode digit, an id past 64 bits or the largest id (nothing follows it) used to reach
+    Redis after the 200 was sent, and the stream broke."""
+    r = await http.post("/v1/requests", json={"prompt": "x", "max_tokens": 2})
+    rid = r.json()["request_id"]
+    top = str(2**64 - 1)
+    bad: list[bytes] = [
+        "²".encode("latin-1"),  # isdigit() says yes
+        "1_²".encode("latin-1"),
+        b"99999999999999999999",  # 2**64 and more
+        f"{2**64}-0".encode(),
+        f"1-0_{2**64}".encode(),
+        f"{top}-{top}".encode(),  # the last id: nothing is after it
+        b"-1",
+        b"1-",
+    ]
+    for last in bad:
+        async with httpx.AsyncClient(base_url=stack.api.url, headers=auth(), timeout=30) as c:
+            r = await c.get(f"/v1/requests/{rid}/events", headers={"Last-Event-ID": last})
+            assert r.status_code == 400, (last, r.status_code, r.text)
+            assert r.json()["error"]["rule"] == "events.last_event_id"
+            q = await c.get(
+                f"/v1/requests/{rid}/events", params={"last_event_id": last.decode("latin-1")}
+            )
+            assert q.status_code == 400, (last, q.status_code, q.text)
+    # ids past the end are ids Redis takes: the stream closes at once, with what follows
+    # them (nothing; or, for a token position behind, those tokens: it used to send
+    # keep-alives for ever, waiting for a status change that had already happened)
+    done = await native(http, rid)
+    for _ in range(60):
+        if done["status"] == "completed":
+            break
+        await asyncio.sleep(0.5)
+        done = await native(http, rid)
+    assert done["status"] == "completed"
+    async with httpx.AsyncClient(base_url=stack.api.url, headers=auth(), timeout=30) as c:
+        past = f"{top}-0_{top}-0"
+        r = await c.get(f"/v1/requests/{rid}/events", headers={"Last-Event-ID": past})
+        assert r.status_code == 200 and r.text == "", r.text
+        events = await asyncio.wait_for(
+            _sse(c, f"/v1/requests/{rid}/events", headers={"Last-Event-ID": f"{top}-0"}), 20
+        )
+        assert {k for k, _, _ in events} == {"token"}, events
+        tokens = [t for _, _, d in events for t in d["token_ids"]]
+        assert tokens == done["result"]["token_ids"]
+    assert "Traceback" not in stack.api.tail()

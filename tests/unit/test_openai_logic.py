@@ -32,6 +32,7 @@ from runtime.settings import Settings
 from runtime.token_stream import TokenChunk
 from runtime.url_hosts import parse_url_hosts
 from schemas.errors import ValidationError
+from schemas.types import SamplingParams
 
 PNG = png_bytes(synthetic_image(28, 28, seed=5))
 REF = MediaRef("messages[0].content[1].image_url.url", 0, "image")
@@ -121,6 +122,37 @@ async def test_the_fetcher_follows_only_same_host_redirects_and_bounds_size_and_
         assert e.value.field == REF.field and e.value.item == 0
     assert {host for host, _, _ in web.asked} == {"img.test"}  # evil.test was never asked
     assert ("img.test", 8080, "/a.png") not in web.asked
+
+
+async def test_the_fetcher_connects_to_the_host_it_compared_and_decodes_no_body() -> None:
+    """The connection goes to the host as the allow-list compared it (``127.0.0.1.`` was
+    allowed as 127.0.0.1 but looked up as a name), and the body is taken as it comes: asked
+    for ``identity``; an encoded body (gzip expands about 1000 times per chunk read, before
+    the size check sees it) is refused, never decoded."""
+    import gzip
+
+    seen: list[httpx.Request] = []
+
+    class Web(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            seen.append(request)
+            if request.url.path == "/bomb":
+                body = gzip.compress(b"\0" * (4 << 20))
+                return httpx.Response(200, headers={"content-encoding": "gzip"}, content=body)
+            return httpx.Response(200, content=PNG)
+
+    f = MediaFetcher(parse_url_hosts("127.0.0.1,[::1],img.test"), transport=Web())
+    for url, host in (
+        ("http://127.0.0.1./a.png", "127.0.0.1"),
+        ("http://[0:0::1]/a.png", "::1"),
+        ("http://IMG.test./a.png", "img.test"),
+    ):
+        assert await f.fetch(url, REF, 1 << 20) == PNG
+        assert seen[-1].url.host == host, url
+        assert seen[-1].headers["accept-encoding"] == "identity"
+    with pytest.raises(ValidationError) as e:
+        await f.fetch("http://img.test/bomb", REF, 1 << 20)
+    assert e.value.rule == "image_url.fetch" and "gzip" in e.value.detail
 
 
 def test_a_url_off_the_list_is_refused_before_any_connection() -> None:
@@ -236,6 +268,13 @@ def test_chat_bodies_parse_with_openai_defaults_and_vllm_extensions() -> None:
         ({"stop_token_ids": [10**6]}, "sampling.stop_token_ids", "stop_token_ids"),
         ({"max_tokens": 0}, "max-tokens", "max_tokens"),
         ({"max_tokens": 4, "max_completion_tokens": 5}, "request.schema", "max_completion_tokens"),
+        # usage asked of a plain answer: OpenAI and vLLM refuse it, it was silently dropped
+        ({"stream_options": {"include_usage": True}}, "request.schema", "stream_options"),
+        (
+            {"stream": False, "stream_options": {"include_usage": True}},
+            "request.schema",
+            "stream_options",
+        ),
     ],
 )
 def test_chat_bodies_name_what_they_cannot_have(
@@ -413,11 +452,30 @@ def test_the_door_holds_sampling_to_the_workers_bounds() -> None:
         ({"stop": ["x" * 257]}, "sampling.stop"),
         ({"stop": [""]}, "sampling.stop"),
         ({"stop_token_ids": [270]}, "sampling.stop_token_ids"),
+        ({"stop_token_ids": [1] * 65}, "sampling.stop_token_ids"),  # EPD_MAX_STOP_TOKEN_IDS
     ):
         args = {"temperature": 1.0, **kw}
         with pytest.raises(ValidationError) as e:
             lim.check_sampling(16, args.pop("temperature"), **args)
         assert e.value.rule == rule, kw
+    lim.check_sampling(16, 0, stop_token_ids=[1] * 64)
+
+
+def test_stop_token_ids_are_counted_by_one_setting_at_the_door_and_in_prefill() -> None:
+    """A list of stop token ids was bounded only by the body (millions of ids in one event)."""
+    from gpu_workers.prefill import Bounds, check_sampling
+
+    s = Settings(max_stop_token_ids=3)
+    lim = RequestLimits.from_settings(s, vocab_size=270, model_context=4096)
+    bounds = Bounds(270, 4096, 16, s.max_stop_strings, s.max_stop_string_chars, 3)
+    lim.check_sampling(16, 0, stop_token_ids=[1, 2, 3])
+    check_sampling(SamplingParams(max_tokens=4, stop_token_ids=[1, 2, 3]), bounds)
+    with pytest.raises(ValidationError) as e:
+        lim.check_sampling(16, 0, stop_token_ids=[1, 2, 3, 4])
+    assert "EPD_MAX_STOP_TOKEN_IDS" in e.value.detail
+    with pytest.raises(ValidationError) as e:
+        check_sampling(SamplingParams(max_tokens=4, stop_token_ids=[1, 2, 3, 4]), bounds)
+    assert e.value.field == "stop_token_ids"
 
 
 def test_event_positions_cover_both_streams_and_order_by_redis_time() -> None:
@@ -426,6 +484,12 @@ def test_event_positions_cover_both_streams_and_order_by_redis_time() -> None:
     assert Position.parse(at.event_id()) == at
     for bad in ("x", "1-2_y", "1-x", "1_2_3", "9" * 60):
         assert Position.parse(bad) is None, bad
+    # only what Redis takes as a read's exclusive start: ASCII digits, 64-bit parts, not the
+    # largest id (str.isdigit() takes "²" and "٣", which int() or Redis then refuse)
+    top = 2**64 - 1
+    for bad in ("²", "1_²", "٣-0", "1-٣", f"{2**64}", f"1-{2**64}", f"1_{top}-{top}", "-1", " 1"):
+        assert Position.parse(bad) is None, bad
+    assert Position.parse(f"{top}-0_{top}") == Position(f"{top}-0", f"{top}")
     changes = [
         StatusChange("10-0", {"status": "prefilling"}),
         StatusChange("12-0", {"status": "decoding"}),

@@ -287,6 +287,12 @@ def parse_chat(
         max_tokens_field="max_tokens" if req.max_tokens is not None else "max_completion_tokens",
     )
     options = req.stream_options
+    if options is not None and not req.stream:
+        raise ValidationError(
+            "request.schema",
+            "stream_options is only taken with stream: true",
+            field="stream_options",
+        )
     return Conversation(
         b.messages,
         b.media,
