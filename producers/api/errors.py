@@ -105,8 +105,9 @@ def unavailable(message: str, retry_after_s: int, *, rule: str) -> ApiError:
     )
 
 
-def not_found(request_id: str) -> ApiError:
-    return ApiError(404, "not_found", f"no request {request_id!r}", field="request_id")
+def not_found(request_id: str, *, what: str = "request", field: str = "request_id") -> ApiError:
+    """404 naming the thing looked up (a request, or a response of the OpenAI routes)."""
+    return ApiError(404, "not_found", f"no {what} {request_id!r}", field=field)
 
 
 REFUSAL_STATUS = {"malformed": 400, "conflict": 409, "throttled": 429, "unavailable": 503}

@@ -632,8 +632,11 @@ async def test_background_responses_are_created_polled_to_completed_and_cancelle
     async with openai.AsyncOpenAI(
         base_url=f"{stack.api.url}/v1", api_key=TOKENS["bob"], max_retries=0
     ) as bob:
-        with pytest.raises(openai.NotFoundError):
+        with pytest.raises(openai.NotFoundError) as missing:
             await bob.responses.retrieve(resp.id)
+        error = missing.value.body
+        assert isinstance(error, dict) and error.get("param") == "response_id", error
+        assert "no response" in str(error.get("message")), error
         with pytest.raises(openai.NotFoundError):
             await bob.responses.cancel(long.id)
     # a chat completion's id is no response id

@@ -267,6 +267,10 @@ def test_chat_bodies_parse_with_openai_defaults_and_vllm_extensions() -> None:
         ({"seed": 2**64}, "sampling.seed", "seed"),
         ({"stop_token_ids": [10**6]}, "sampling.stop_token_ids", "stop_token_ids"),
         ({"max_tokens": 0}, "max-tokens", "max_tokens"),
+        # JSON types as OpenAI holds them: a number in a string is not a number
+        ({"max_tokens": "2"}, "request.schema", "max_tokens"),
+        ({"temperature": "0.5"}, "request.schema", "temperature"),
+        ({"stream": 1}, "request.schema", "stream"),
         ({"max_tokens": 4, "max_completion_tokens": 5}, "request.schema", "max_completion_tokens"),
         # usage asked of a plain answer: OpenAI and vLLM refuse it, it was silently dropped
         ({"stream_options": {"include_usage": True}}, "request.schema", "stream_options"),

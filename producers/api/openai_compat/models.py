@@ -153,6 +153,7 @@ class ChatCompletionRequest(BaseModel):
 
     model_config = ConfigDict(
         extra="forbid",
+        strict=True,  # OpenAI refuses "2" for 2 and 1 for true: so do we
         json_schema_extra={
             "examples": [
                 {
@@ -327,6 +328,7 @@ class ResponseRequest(BaseModel):
 
     model_config = ConfigDict(
         extra="forbid",
+        strict=True,  # OpenAI refuses "2" for 2 and 1 for true: so do we
         json_schema_extra={
             "examples": [
                 {

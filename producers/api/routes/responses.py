@@ -60,7 +60,7 @@ async def create_response(request: Request, st: State, tenant: Tenant) -> Respon
     if conv.background:
         rec = await st.status.get(rid)
         if rec is None:
-            raise not_found(RESPONSE_PREFIX + rid)
+            raise not_found(RESPONSE_PREFIX + rid, what="response", field="response_id")
         view = response_object(rec)
         if not accepted.duplicate and view["status"] == "in_progress":
             view["status"] = "queued"  # as created: the workers may have begun already
@@ -84,7 +84,7 @@ async def owned_response(response_id: str, st: State, tenant: Tenant) -> dict[st
         or rec.get("tenant") != tenant
         or (rec.get("front") or {}).get("api") != RESPONSES_API
     ):
-        raise not_found(response_id)
+        raise not_found(response_id, what="response", field="response_id")
     return rec
 
 
