@@ -631,7 +631,7 @@ async def _run_all(targets: list[Target], sizes: Sizes) -> dict[str, Any]:
     from bench.worker_profile import CpuMeter, WorkerProfiler, idle_cpu
     from epd.local_pipeline import local_pipeline
     from runtime.model import load_model
-    from runtime.status_store import StatusNotifier
+    from runtime.status import StatusNotifier
 
     blocks: dict[str, Any] = {}
     async with contextlib.AsyncExitStack() as stack:

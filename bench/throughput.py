@@ -219,7 +219,7 @@ async def _cell(
 async def _run(settings: Any, sizes: Sizes, log_dir: Path) -> dict[str, Any]:
     from epd.local_pipeline import WorkerProcesses, local_pipeline, worker_env
     from runtime.model import load_model
-    from runtime.status_store import StatusNotifier
+    from runtime.status import StatusNotifier
     from schemas.topics import Topics
 
     t0 = time.perf_counter()

@@ -35,6 +35,7 @@ from runtime.kafka import make_consumer, read_topic, topic_partitions
 from runtime.settings import Settings
 from schemas import codec
 from schemas.errors import CodecError, ValidationError
+from schemas.keys import RedisKeys
 from schemas.topics import Topics
 from schemas.types import (
     DeadLetter,
@@ -458,10 +459,11 @@ class ReplayLedger:
     def __init__(self, client: aioredis.Redis, *, prefix: str, ttl_s: int) -> None:
         self.client = client
         self.prefix = prefix
+        self.keys = RedisKeys(prefix)
         self.ttl_s = ttl_s
 
     def key(self, r: DeadLetterRecord) -> str:
-        return f"{self.prefix}:dlq-replayed:{r.topic}:{r.partition}:{r.offset}:{r.failed_ms}"
+        return self.keys.dlq_replayed(r.topic, r.partition, r.offset, r.failed_ms)
 
     async def annotate(self, records: Sequence[DeadLetterRecord]) -> None:
         """Fill in ``replayed_ms`` of each record from the ledger."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from aiokafka import TopicPartition
 from aiokafka.partitioner import DefaultPartitioner
 
 from runtime.settings import Settings
-from runtime.status_store import StatusStore
+from runtime.status import StatusStore
 from schemas.topics import Topics
 from schemas.types import TERMINAL_STATUSES, ErrorInfo, ResultEvent, now_ms
 
@@ -215,14 +214,7 @@ class Sweeper:
         return verdicts
 
     async def _unfinished(self) -> list[dict[str, Any]]:
-        ids: list[Any] = await self.status.client.zrange(
-            self.status.inflight_key, 0, SCAN_LIMIT - 1
-        )
-        names = [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
-        if not names:
-            return []
-        raws = await self.status.client.mget([self.status.key(n) for n in names])
-        return [json.loads(raw) for raw in raws if raw]
+        return await self.status.inflight.records(SCAN_LIMIT)
 
     async def run(self) -> None:
         """Sweep every ``EPD_SWEEP_INTERVAL_S`` until cancelled; a failed pass is logged."""

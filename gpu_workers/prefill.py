@@ -48,7 +48,7 @@ from schemas.validator import validate_prefill_event, validate_prefill_expiry
 if TYPE_CHECKING:
     from runtime.model import ModelBundle
     from runtime.publisher import Publisher
-    from runtime.status_store import CancelWatch, RequestState, RequestStateReader
+    from runtime.status import CancelWatch, RequestState, RequestStateReader
     from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger(__name__)

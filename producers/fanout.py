@@ -36,8 +36,9 @@ from runtime.publisher import Publisher
 from runtime.settings import Settings
 from schemas.codec import get_codec
 from schemas.errors import CodecError, ValidationError
+from schemas.keys import claim_key, embedding_key
 from schemas.modalities import ENCODER_INPUT_FIELDS, METADATA_FIELDS
-from schemas.signing import ItemHasher, claim_key, embedding_key, make_ec_transfer, tensor_digest
+from schemas.signing import ItemHasher, make_ec_transfer, tensor_digest
 from schemas.tensors import dtype_name
 from schemas.topics import Topics
 from schemas.types import (

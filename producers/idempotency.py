@@ -10,6 +10,7 @@ import json
 import redis.asyncio as aioredis
 
 from producers.refusal import Refused
+from schemas.keys import RedisKeys
 
 
 class IdempotencyStore:
@@ -20,13 +21,14 @@ class IdempotencyStore:
     ) -> None:
         self.client = client
         self.prefix = prefix
+        self.keys = RedisKeys(prefix)
         self.ttl_s = ttl_s
         self.max_key_chars = max_key_chars
 
     def _key(self, tenant: str | None, key: str) -> str:
         # Hashed: client keys may hold any characters; the tenant keeps tenants apart.
         digest = hashlib.sha256(key.encode()).hexdigest()
-        return f"{self.prefix}:idem:{tenant or '-'}:{digest}"
+        return self.keys.idempotency(tenant, digest)
 
     def check_key(self, key: str) -> None:
         """Refuse (``malformed``) an empty or oversized key."""

@@ -32,7 +32,7 @@ from producers.fanout import FanOut, FanoutStats
 from producers.idempotency import IdempotencyStore
 from producers.refusal import Refused
 from runtime.request_limits import RequestLimits
-from runtime.status_store import StatusStore
+from runtime.status import StatusStore
 from runtime.tracing import TRACEPARENT, current_carrier, new_traceparent, stage_span, trace_id_of
 from schemas.errors import ValidationError
 from schemas.types import ErrorInfo, RenderEvent, ResultEvent, SamplingParams, now_ms

@@ -20,7 +20,7 @@ from producers.render import ImageInput, Renderer
 from producers.video import VideoInput
 from runtime.publisher import Publisher
 from runtime.settings import Settings
-from runtime.status_store import StatusStore
+from runtime.status import StatusStore
 from schemas.types import TERMINAL_STATUSES, RenderEvent, SamplingParams
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from runtime.kafka import KafkaPublisher
 from runtime.redis_client import redis_client
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
-from runtime.status_store import StatusNotifier, StatusStore
+from runtime.status import StatusNotifier, StatusStore
 from schemas.topics import Topics
 
 if TYPE_CHECKING:

@@ -1,11 +1,11 @@
-"""A status record (runtime.status_store) as the API's ``RequestStatus`` JSON."""
+"""A status record (runtime.status) as the API's ``RequestStatus`` JSON."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Any
 
-from runtime.status_store import encoded_items
+from schemas.status_record import encoded_items
 
 ENCODE_MARK = "encode."
 """Stage names of the per-item encode marks (``encode.<hash12>``, from ``encoded_update``)."""

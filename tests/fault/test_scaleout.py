@@ -133,7 +133,7 @@ async def duplicates(run: LocalRun, ids: list[str], got: dict[str, dict]) -> dic
         pairs = [k for k in got[r].get("stages", {}) if k.split(":", 1)[1] in TERMINAL_STATUSES]
         if len(pairs) != 1 and got[r]["status"] != "lost":  # exactly one outcome folded in
             in_record.append(r)
-        entries: list[Any] = await status.client.xrange(status.events_key(r)) or []
+        entries: list[Any] = await status.client.xrange(status.keys.status_events(r)) or []
         data = [fields.get(b"data") or fields.get("data") for _, fields in entries]
         ends = [d for d in data if json.loads(d)["status"] in TERMINAL_STATUSES]
         if len(ends) != 1 and got[r]["status"] != "lost":

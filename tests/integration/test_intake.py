@@ -18,7 +18,7 @@ from runtime.model import RenderInfo, load_render_info
 from runtime.publisher import InMemoryPublisher
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
-from runtime.status_store import StatusStore
+from runtime.status import StatusStore
 from runtime.stores.local import LocalStore
 from schemas.errors import ValidationError
 from schemas.topics import Topics

@@ -11,7 +11,7 @@ from redis.exceptions import MaxConnectionsError
 
 from runtime.redis_client import redis_client as make_redis_client
 from runtime.settings import Settings
-from runtime.status_store import StatusStore
+from runtime.status import StatusStore
 from runtime.stores.redis import RedisStore
 from schemas.types import ResultEvent
 

@@ -184,7 +184,7 @@ async def test_results_stage_runs_transactionally_end_to_end(
     txn_settings: Settings, topics: object, redis_client: object, redis_prefix: str
 ) -> None:
     from runtime.kafka import send_event
-    from runtime.status_store import StatusStore
+    from runtime.status import StatusStore
     from schemas.topics import Topics
     from schemas.types import ResultEvent
 

@@ -24,7 +24,7 @@ from producers.sample_images import synthetic_image
 from runtime.kafka import KafkaPublisher, make_producer, read_topic
 from runtime.model import ModelBundle, load_model
 from runtime.settings import Settings
-from runtime.status_store import CancelWatch, StatusStore
+from runtime.status import CancelWatch, StatusStore
 from runtime.stores.redis import RedisStore
 from schemas.codec import decode
 from schemas.errors import ValidationError

@@ -758,7 +758,7 @@ async def status(cfg: Settings, namespace: str) -> AsyncIterator[Any]:
     """A status store on the test DB under this test's namespace (its keys deleted after)."""
     import redis.asyncio as aioredis
 
-    from runtime.status_store import StatusStore
+    from runtime.status import StatusStore
 
     client = aioredis.Redis.from_url(cfg.redis_url)
     try:
@@ -792,7 +792,7 @@ async def test_a_replayed_prefill_event_is_skipped_once_the_request_is_terminal(
     producer: KafkaPublisher,
     status: Any,
 ) -> None:
-    from runtime.status_store import RequestReader
+    from runtime.status import RequestReader
 
     ev = render(renderer, (61,))
     p = await plan(cfg, store, bundle, ev)
@@ -841,7 +841,7 @@ async def test_a_finished_requests_redelivery_is_skipped_even_when_the_store_fai
 ) -> None:
     # The embeddings are read beside the record, ahead of the checks: a failure of that read
     # must not decide before them (a redelivery of a finished request reads nothing it needs).
-    from runtime.status_store import RequestReader
+    from runtime.status import RequestReader
 
     ev = render(renderer, (63,))
     p = await plan(cfg, store, bundle, ev)
@@ -907,7 +907,7 @@ async def test_an_evicted_embedding_fails_the_request_at_once_as_embedding_lost(
     producer: KafkaPublisher,
     status: Any,
 ) -> None:
-    from runtime.status_store import RequestReader
+    from runtime.status import RequestReader
 
     ev = render(renderer, (71, 72))
     p = await plan(cfg, store, bundle, ev)

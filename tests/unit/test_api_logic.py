@@ -164,7 +164,7 @@ def test_no_client_salt_on_an_open_api_equals_a_tenant_salt(tenant: str) -> None
 def test_status_view_stages_and_items() -> None:
     """The record is folded from the updates the stages really send (the encoder's per-item
     marks included), not built by hand: a view reading a key nothing writes shows up here."""
-    from runtime.status_store import encoded_update, fold, new_record
+    from schemas.status_record import encoded_update, fold, new_record
     from schemas.types import ResultEvent
 
     a, b = "a" * 64, "b" * 64

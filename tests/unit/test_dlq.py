@@ -23,7 +23,7 @@ from consumers.dlq import (
 )
 from runtime.stores.local import LocalStore
 from schemas import codec
-from schemas.signing import claim_key
+from schemas.keys import claim_key
 from schemas.topics import Topics
 from schemas.types import (
     DeadLetter,

@@ -4,7 +4,8 @@ missing embedding lost (pure logic; the workers themselves are in tests/integrat
 from __future__ import annotations
 
 from gpu_workers.prefill import embeddings_lost
-from runtime.status_store import RequestState, encoded_items
+from runtime.status import RequestState
+from schemas.status_record import encoded_items
 
 A = "a" * 64
 B = "b" * 64

@@ -99,7 +99,7 @@ async def test_result_records_carry_a_stable_id_for_dedupe() -> None:
 async def test_result_reporter_writes_through_to_the_record_and_survives_its_failure(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from runtime.status_store import fold
+    from schemas.status_record import fold
 
     records: dict[str, dict] = {}
     written: list[ResultEvent] = []

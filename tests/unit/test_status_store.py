@@ -8,7 +8,8 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from runtime.status_store import StatusStore, fold
+from runtime.status import StatusStore
+from schemas.status_record import fold
 from schemas.types import ErrorInfo, ResultEvent
 
 
@@ -56,7 +57,7 @@ async def test_store_applies_and_dedupes(store: StatusStore) -> None:
     assert not await store.apply(ResultEvent("r1", "prefill", "completed", token_ids=[7]))
     rec = await store.get("r1")
     assert rec is not None and rec["status"] == "completed" and rec["token_ids"] == [7]
-    assert 0 < await store.client.ttl(store.key("r1")) <= 60
+    assert 0 < await store.client.ttl(store.keys.status("r1")) <= 60
 
 
 async def test_concurrent_writers_lose_nothing(store: StatusStore) -> None:
@@ -102,7 +103,7 @@ def test_decoding_sits_between_prefilling_and_terminal() -> None:
 
 
 async def test_status_changes_are_streamed_and_announced(store: StatusStore) -> None:
-    from runtime.status_store import StatusNotifier
+    from runtime.status import StatusNotifier
 
     notifier = StatusNotifier(store)
     await notifier.start()
@@ -146,7 +147,7 @@ async def test_in_flight_bound_is_shared_and_released_on_outcome(store: StatusSt
 
 
 async def test_cancel_is_terminal_and_seen_by_workers(store: StatusStore) -> None:
-    from runtime.status_store import CancelWatch
+    from runtime.status import CancelWatch
 
     watch = CancelWatch(store.client, store.prefix)
     await watch.start()
@@ -212,7 +213,7 @@ async def test_a_stale_memory_of_the_record_loses_no_update(store: StatusStore) 
 async def test_a_remembered_record_that_redis_lost_is_written_again(store: StatusStore) -> None:
     done = ResultEvent("s2", "prefill", "completed", token_ids=[5])
     assert await store.apply(done)
-    await store.client.delete(store.key("s2"))  # evicted, or Redis restarted empty
+    await store.client.delete(store.keys.status("s2"))  # evicted, or Redis restarted empty
     # The memory says "already folded"; Redis says otherwise, and Redis wins.
     assert await store.apply(done)
     rec = await store.get("s2")
@@ -246,9 +247,9 @@ async def test_every_unfinished_request_is_in_flight_whoever_wrote_it(store: Sta
     its outcome: the sweep must see every request that could still hang."""
     rid = f"r-{uuid.uuid4().hex[:8]}"
     assert await store.apply(ResultEvent(rid, "fanout", "encoding"))
-    assert rid in {m.decode() for m in await store.client.zrange(store.inflight_key, 0, -1)}
+    assert rid in {m.decode() for m in await store.client.zrange(store.keys.inflight, 0, -1)}
     assert await store.apply(ResultEvent(rid, "prefill", "completed", token_ids=[1]))
-    assert rid not in {m.decode() for m in await store.client.zrange(store.inflight_key, 0, -1)}
+    assert rid not in {m.decode() for m in await store.client.zrange(store.keys.inflight, 0, -1)}
 
 
 async def test_a_judged_outcome_lands_only_on_the_record_as_judged(store: StatusStore) -> None:

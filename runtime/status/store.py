@@ -1,0 +1,299 @@
+"""Request status records in Redis: folded from ResultEvents, deduplicated, never regressing.
+
+Besides the record itself (``RedisKeys.status``, JSON, with a TTL), every status *change* is
+appended to a per-request Redis stream (``RedisKeys.status_events``: the history that
+Server-Sent Events replay and resume from) and announced on pub/sub (``RedisKeys.status_notify``,
+message = request id), so long-polls and event streams wake on a notification instead of
+polling. An update is one server-side compare-and-set script that writes all three with the
+record, atomically, in one round trip. The fold itself is :mod:`schemas.status_record`; the
+in-flight set is :mod:`runtime.status.inflight`, cancels :mod:`runtime.status.cancel`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from runtime.status.cancel import announce_cancel
+from runtime.status.inflight import InFlight
+from schemas.keys import RedisKeys
+from schemas.status_record import event_entry, fold, new_record
+from schemas.types import TERMINAL_STATUSES, ErrorInfo, ResultEvent, now_ms
+
+STREAM_MAXLEN = 256
+"""A request changes status a handful of times; the cap only bounds a misbehaving producer."""
+
+
+# KEYS: record, its event stream, the in-flight set. ARGV: the record text the fold started
+# from ("" = no record), the new text, TTL s, the stream entry ("" = the status did not
+# change), the notify channel, the stream's cap, "1" when terminal, the request id, now (ms).
+# Returns {1} once written, or {0, text Redis holds} when the start was stale. A request that
+# is not finished is in the in-flight set whoever wrote its record (the API's admission adds it
+# first; a router's or a submitter's record joins here), so the sweep sees every one of them.
+_CAS_SCRIPT = """
+local current = redis.call('GET', KEYS[1])
+if (current or '') ~= ARGV[1] then return {0, current} end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+if ARGV[7] == '1' then
+    redis.call('ZREM', KEYS[3], ARGV[8])
+else
+    redis.call('ZADD', KEYS[3], 'NX', ARGV[9], ARGV[8])
+    redis.call('EXPIRE', KEYS[3], ARGV[3])
+end
+if ARGV[4] ~= '' then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'data', ARGV[4])
+    redis.call('EXPIRE', KEYS[2], ARGV[3])
+    redis.call('PUBLISH', ARGV[5], ARGV[8])
+end
+return {1}
+"""
+
+
+def _text(raw: Any) -> str | None:
+    """A record's text as the client returned it (bytes or str), or None."""
+    if raw is None:
+        return None
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+class StatusStore:
+    """Status records under ``RedisKeys.status`` with a TTL."""
+
+    CONNECTION_RETRIES = 3
+    """Tries of one update over connections Redis dropped (stale after a Redis restart)."""
+
+    REMEMBER = 1024
+    """Records this process last saw, kept as the starting guess of its next update (a worker
+    writes again within milliseconds of its last read or write; an API replica reads many)."""
+    REMEMBER_CHARS = 16 * 1024 * 1024
+    """...and at most this many characters of them: a count alone let a few huge records (a
+    30 MB metadata value, before the API bounded it) hold hundreds of MB in every process."""
+
+    def __init__(self, client: aioredis.Redis, *, prefix: str = "epd", ttl_s: int = 3600) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.keys = RedisKeys(prefix)
+        self.ttl_s = ttl_s
+        self.inflight = InFlight(client, self.keys, ttl_s=ttl_s)
+        self._cas = client.register_script(_CAS_SCRIPT)
+        self._known: OrderedDict[str, str] = OrderedDict()
+        self._known_chars = 0
+
+    async def get(self, request_id: str) -> dict[str, Any] | None:
+        """The status record of a request, or None when unknown or expired."""
+        text = await self._read(request_id)
+        return json.loads(text) if text else None
+
+    def _queue_change(self, pipe: Any, rec: dict[str, Any], stage: str) -> None:
+        """Queue the stream entry, its TTL and the notification of one status change."""
+        rid = rec["request_id"]
+        pipe.xadd(
+            self.keys.status_events(rid),
+            {"data": event_entry(rec, stage)},
+            maxlen=STREAM_MAXLEN,
+            approximate=True,
+        )
+        pipe.expire(self.keys.status_events(rid), self.ttl_s)
+        if rec["status"] in TERMINAL_STATUSES:
+            pipe.zrem(self.keys.inflight, rid)
+        else:
+            pipe.zadd(self.keys.inflight, {rid: rec["updated_ms"]}, nx=True)
+            pipe.expire(self.keys.inflight, self.ttl_s)
+        pipe.publish(self.keys.status_notify, rid)
+
+    async def create(self, request_id: str, fields: dict[str, Any]) -> bool:
+        """Create a ``queued`` record carrying ``fields`` (owner, items...); False if it exists.
+
+        The first entry of the event stream is this ``queued`` status.
+        """
+        rec = new_record(request_id)
+        rec.update(fields)
+        rec["stages"]["api:queued"] = rec["created_ms"]
+        rec["updated_ms"] = rec["created_ms"]
+        text = json.dumps(rec)
+        if not await self.client.set(self.keys.status(request_id), text, ex=self.ttl_s, nx=True):
+            return False
+        self._remember(request_id, text)
+        async with self.client.pipeline(transaction=True) as pipe:
+            self._queue_change(pipe, rec, "api")
+            await pipe.execute()
+        return True
+
+    async def update_fields(self, request_id: str, fields: dict[str, Any]) -> None:
+        """Merge top-level ``fields`` into an existing record (no status change)."""
+        await self._modify(request_id, lambda rec: (rec.update(fields), rec)[1] if rec else None)
+
+    async def delete(self, request_id: str) -> None:
+        """Forget a request entirely (a request that was never enqueued)."""
+        await self.client.delete(self.keys.status(request_id), self.keys.status_events(request_id))
+        await self.client.zrem(self.keys.inflight, request_id)
+
+    async def apply(self, ev: ResultEvent) -> bool:
+        """Fold one ResultEvent into its record atomically; False when it was a duplicate."""
+        return await self._modify(ev.request_id, lambda rec: fold(rec, ev), stage=ev.stage)
+
+    async def end_if_unchanged(self, ev: ResultEvent, seen_updated_ms: int) -> bool:
+        """Fold the outcome ``ev`` only into a record that is unfinished and unchanged since it
+        was judged (its ``updated_ms`` still ``seen_updated_ms``); True when it was written.
+        For a judge that read the record earlier (the sweep): a stage that moved the request on
+        in between wins, and the judge sends no second outcome."""
+
+        def change(rec: dict[str, Any] | None) -> dict[str, Any] | None:
+            if rec is None or rec["status"] in TERMINAL_STATUSES:
+                return None
+            if rec.get("updated_ms") != seen_updated_ms:
+                return None
+            return fold(rec, ev)
+
+        return await self._modify(ev.request_id, change, stage=ev.stage)
+
+    async def _modify(
+        self,
+        request_id: str,
+        change: Callable[[dict[str, Any] | None], dict[str, Any] | None],
+        stage: str = "api",
+    ) -> bool:
+        """Fold ``change`` into the record with one compare-and-set script per try.
+
+        The script writes only if the record still holds the text the fold started from, and
+        otherwise answers with the text it holds, so the common case is one round trip (a
+        WATCH transaction took three). The starting text is this process's last sight of the
+        record (:attr:`_known`), else what a read finds; a stale one costs one more try, never
+        a lost update. A remembered text that says "nothing to change" is checked against
+        Redis first.
+        """
+        dropped = 0
+        while True:
+            try:
+                return await self._fold_in(request_id, change, stage)
+            except RedisConnectionError:
+                # A pooled connection Redis dropped (a restart, a freeze): fold again on a
+                # fresh one. Safe even if the script ran: the same update folds as a duplicate.
+                dropped += 1
+                if dropped >= self.CONNECTION_RETRIES:
+                    raise
+                self._remember(request_id, None)
+                await asyncio.sleep(0.05 * dropped)
+
+    async def _fold_in(
+        self,
+        request_id: str,
+        change: Callable[[dict[str, Any] | None], dict[str, Any] | None],
+        stage: str,
+    ) -> bool:
+        key = self.keys.status(request_id)
+        expected, verified = self._known.get(request_id), False
+        if expected is None:
+            # Nothing remembered: read first. Most such updates (the results collector's
+            # copies of what the stages wrote through) then fold to nothing, and a write
+            # would only have sent a whole record to be refused.
+            expected, verified = await self._read(request_id), True
+        while True:
+            old = json.loads(expected) if expected else None
+            old_status = old["status"] if old else None  # before: ``change`` may edit ``old``
+            rec = change(old)
+            if rec is None:
+                if verified:
+                    return False
+                # A remembered record may be older than Redis's (or gone): look before
+                # concluding there is nothing to do.
+                expected, verified = await self._read(request_id), True
+                continue
+            text = json.dumps(rec)
+            entry = event_entry(rec, stage) if rec["status"] != old_status else ""
+            reply = await self._cas(
+                keys=[key, self.keys.status_events(request_id), self.keys.inflight],
+                args=[
+                    expected or "",
+                    text,
+                    self.ttl_s,
+                    entry,
+                    self.keys.status_notify,
+                    STREAM_MAXLEN,
+                    "1" if rec["status"] in TERMINAL_STATUSES else "",
+                    request_id,
+                    now_ms(),
+                ],
+            )
+            if int(reply[0]) == 1:
+                self._remember(request_id, text)
+                return True
+            # Another writer got there first: fold again on what Redis holds.
+            expected = _text(reply[1] if len(reply) > 1 else None)
+            verified = True
+            self._remember(request_id, expected)
+
+    async def warm(self) -> None:
+        """Load the update script and open a connection now, so a worker's first update is as
+        quick as the next ones (redis-py would load the script on its first NOSCRIPT answer:
+        three round trips and a connection set-up, enough for a request's outcome, written by
+        another worker, to overtake an encoder's first mark)."""
+        await self.client.script_load(_CAS_SCRIPT)
+
+    async def _read(self, request_id: str) -> str | None:
+        """The record's text as Redis holds it now (remembered for the next update)."""
+        text = _text(await self.client.get(self.keys.status(request_id)))
+        self._remember(request_id, text)
+        return text
+
+    def _remember(self, request_id: str, text: str | None) -> None:
+        known = self._known
+        dropped = known.pop(request_id, None)
+        if dropped is not None:
+            self._known_chars -= len(dropped)
+        if text is None:
+            return
+        known[request_id] = text
+        self._known_chars += len(text)
+        while known and (len(known) > self.REMEMBER or self._known_chars > self.REMEMBER_CHARS):
+            _, old = known.popitem(last=False)
+            self._known_chars -= len(old)
+
+    async def events(self, request_id: str, after: str = "0") -> list[tuple[str, dict[str, Any]]]:
+        """Status changes after stream id ``after`` (exclusive), oldest first."""
+        start = "-" if after in ("", "0") else f"({after}"
+        rows: Any = await self.client.xrange(
+            self.keys.status_events(request_id), min=start, max="+"
+        )
+        out: list[tuple[str, dict[str, Any]]] = []
+        for sid, fields in rows or []:
+            data = fields.get(b"data") or fields.get("data")
+            out.append((sid.decode() if isinstance(sid, bytes) else str(sid), json.loads(data)))
+        return out
+
+    # ------------------------------------------- the in-flight set and cancels, by their owners
+
+    async def admit(self, request_id: str, limit: int) -> bool:
+        """:meth:`InFlight.admit` (the API's bound on unfinished requests)."""
+        return await self.inflight.admit(request_id, limit)
+
+    async def release(self, request_id: str) -> None:
+        """:meth:`InFlight.release` (a request that was not enqueued after all)."""
+        await self.inflight.release(request_id)
+
+    async def in_flight(self) -> int:
+        """:meth:`InFlight.count`: admitted requests without an outcome yet."""
+        return await self.inflight.count()
+
+    async def in_flight_by_status(self, limit: int = 10000) -> dict[str, int]:
+        """:meth:`InFlight.by_status`: unfinished requests counted by status."""
+        return await self.inflight.by_status(limit)
+
+    async def cancel(self, request_id: str, reason: str = "cancelled by the client") -> bool:
+        """Mark a request cancelled: the flag workers check, a message to running workers, and
+        the terminal ``cancelled`` status (False when the record was already terminal)."""
+        await announce_cancel(self.client, self.keys, request_id, ttl_s=self.ttl_s)
+        return await self.apply(
+            ResultEvent(
+                request_id=request_id,
+                stage="api",
+                status="cancelled",
+                error=ErrorInfo("cancelled", reason),
+            )
+        )
