@@ -56,6 +56,7 @@ from bench.pipeline import (
     render_request,
 )
 from bench.worker_profile import cpu_seconds
+from schemas.status_record import StatusRecord
 
 SIDES = (224, 448, 1024)
 REQUEST_TIMEOUT_S = 180.0
@@ -87,17 +88,15 @@ def _workers(*groups: Any) -> list[tuple[str, int]]:
     return out
 
 
-async def _wait_terminal(notifier: Any, request_id: str) -> tuple[dict[str, Any], float]:
+async def _wait_terminal(notifier: Any, request_id: str) -> tuple[StatusRecord, float]:
     """The terminal record and ``time.perf_counter()`` when it was seen (woken on change)."""
-    from schemas.types import TERMINAL_STATUSES
-
     loop = asyncio.get_running_loop()
     deadline = loop.time() + REQUEST_TIMEOUT_S
     async with notifier.watch(request_id) as changed:
         while True:
             changed.clear()  # re-armed before the read: a change after it still wakes us
             rec = await notifier.store.get(request_id)
-            if rec is not None and rec["status"] in TERMINAL_STATUSES:
+            if rec is not None and rec.terminal:
                 return rec, time.perf_counter()
             left = deadline - loop.time()
             if left <= 0:
@@ -109,14 +108,14 @@ async def _wait_terminal(notifier: Any, request_id: str) -> tuple[dict[str, Any]
                 pass
 
 
-async def _request(run: Any, notifier: Any, image: Any, salt: str) -> tuple[float, dict[str, Any]]:
+async def _request(run: Any, notifier: Any, image: Any, salt: str) -> tuple[float, StatusRecord]:
     """Render, submit and wait for one request; (latency s, terminal record)."""
     t0 = time.perf_counter()
     ev = await render_request(run, image, salt)
     await run.submitter.submit_rendered(ev)
     rec, seen = await _wait_terminal(notifier, ev.request_id)
-    if rec["status"] != "completed":
-        raise RuntimeError(f"request {ev.request_id} ended {rec['status']}: {rec.get('error')}")
+    if rec.status != "completed":
+        raise RuntimeError(f"request {ev.request_id} ended {rec.status}: {rec.error}")
     return seen - t0, rec
 
 
@@ -169,7 +168,7 @@ async def _cell(
     isolated = []
     for _ in range(sizes.isolated):  # one at a time: prefill_decode is compute alone
         _, rec = await _request(run, notifier, seeds.image(side), salt)
-        isolated.append(rec["timings"]["prefill_decode"])
+        isolated.append(rec.timings["prefill_decode"])
     prefill_ms = Stats(isolated).min  # compute alone, as for the vision tower
     images = [seeds.image(side) for _ in range(sizes.requests)]  # made before the clock starts
     pids = _workers(*groups)

@@ -41,6 +41,7 @@ from runtime.settings import Settings
 from runtime.stores.base import StoreError, StoreTimeout, StoreUnavailable
 from runtime.tracing import broker_hop_ms
 from schemas.errors import ValidationError
+from schemas.status_record import short_hash
 from schemas.topics import Topics
 from schemas.types import ErrorInfo, PrefillEvent, now_ms
 from schemas.validator import validate_prefill_event, validate_prefill_expiry
@@ -125,7 +126,7 @@ def embeddings_lost(missing: list[str], state: RequestState | None, created_ms: 
     since = state.records_since_ms
     if state.wiped and since is not None and created_ms < since:
         return list(missing)
-    return [h for h in missing if h[:12] in state.encoded]
+    return [h for h in missing if short_hash(h) in state.encoded]
 
 
 class PrefillWorker:

@@ -227,7 +227,7 @@ class Intake:
         if owned:
             return None
         rec = await self.status.get(found)
-        return Accepted(found, rec["status"] if rec else "queued", duplicate=True)
+        return Accepted(found, rec.status if rec else "queued", duplicate=True)
 
     async def _release_claim(self, sub: Submission, rid: str) -> None:
         if sub.idempotency_key is not None and self.idempotency is not None:

@@ -61,7 +61,7 @@ async def event_stream(st: ApiState, request_id: str, last: str) -> AsyncIterato
                     return
             if not rows:
                 rec = await st.status.get(request_id)
-                if rec is None or rec["status"] in TERMINAL_STATUSES:
+                if rec is None or rec.terminal:
                     return  # resumed after the terminal event, or expired
             try:
                 await asyncio.wait_for(changed.wait(), SSE_KEEPALIVE_S)

@@ -8,12 +8,12 @@ collector's sweep reads it to find every request that could still hang.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from schemas.keys import RedisKeys
+from schemas.status_record import StatusRecord
 from schemas.types import now_ms
 
 # KEYS: the set. ARGV: drop entries scored at or below this (ms), the bound, now (ms), the id,
@@ -68,17 +68,17 @@ class InFlight:
         """Up to ``limit`` unfinished request ids, the oldest first."""
         return [_name(i) for i in await self.client.zrange(self.keys.inflight, 0, limit - 1)]
 
-    async def records(self, limit: int) -> list[dict[str, Any]]:
+    async def records(self, limit: int) -> list[StatusRecord]:
         """The status records of up to ``limit`` unfinished requests (those that have one)."""
         names = await self.ids(limit)
         if not names:
             return []
         raws = await self.client.mget([self.keys.status(n) for n in names])
-        return [json.loads(raw) for raw in raws if raw]
+        return [StatusRecord.from_json(raw) for raw in raws if raw]
 
     async def by_status(self, limit: int = 10000) -> dict[str, int]:
         """Unfinished requests counted by status (one read of at most ``limit`` records)."""
         counts: dict[str, int] = {}
         for rec in await self.records(limit):
-            counts[rec["status"]] = counts.get(rec["status"], 0) + 1
+            counts[rec.status] = counts.get(rec.status, 0) + 1
         return counts

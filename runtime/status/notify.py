@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING, Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from schemas.types import TERMINAL_STATUSES
-
 if TYPE_CHECKING:
     from runtime.status.store import StatusStore
+    from schemas.status_record import StatusRecord
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +137,7 @@ class StatusNotifier:
 
     async def wait_change(
         self, request_id: str, status: str | None, timeout_s: float
-    ) -> dict[str, Any] | None:
+    ) -> StatusRecord | None:
         """The record once its status differs from ``status`` or is terminal, or as it is
         when ``timeout_s`` runs out."""
         loop = asyncio.get_running_loop()
@@ -147,7 +146,7 @@ class StatusNotifier:
             while True:
                 changed.clear()
                 rec = await self.store.get(request_id)
-                if rec is None or rec["status"] != status or rec["status"] in TERMINAL_STATUSES:
+                if rec is None or rec.status != status or rec.terminal:
                     return rec
                 left = deadline - loop.time()
                 if left <= 0:

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
-from schemas.status_record import encoded_items
 from schemas.types import TERMINAL_STATUSES
 
 if TYPE_CHECKING:
@@ -25,7 +24,8 @@ class RequestState:
     status: str | None
     """The record's status; None when there is no record (never made, expired, or wiped)."""
     encoded: frozenset[str]
-    """Items (``mm_hash[:12]``) the encode stage stored or found cached, per the record."""
+    """Items (their :func:`~schemas.status_record.short_hash`) the encode stage stored or
+    found cached, per the record."""
     oldest_ms: int | None = None
     """The earliest stage update the record holds (epoch ms); None without a record."""
     records_since_ms: int | None = None
@@ -67,12 +67,8 @@ class RequestReader:
             return None
         if rec is None:
             return RequestState(None, frozenset(), records_since_ms=started)
-        stages = [int(t) for t in (rec.get("stages") or {}).values()]
         return RequestState(
-            rec["status"],
-            encoded_items(rec.get("info") or {}),
-            oldest_ms=min(stages, default=int(rec.get("created_ms") or 0)),
-            records_since_ms=started,
+            rec.status, rec.encoded_items(), oldest_ms=rec.oldest_ms, records_since_ms=started
         )
 
 

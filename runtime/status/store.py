@@ -23,8 +23,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from runtime.status.cancel import announce_cancel
 from runtime.status.inflight import InFlight
 from schemas.keys import RedisKeys
-from schemas.status_record import event_entry, fold, new_record
-from schemas.types import TERMINAL_STATUSES, ErrorInfo, ResultEvent, now_ms
+from schemas.status_record import StatusRecord, created, fold
+from schemas.types import ErrorInfo, ResultEvent, now_ms
+
+RecordChange = Callable[[StatusRecord | None], StatusRecord | None]
+"""The record before -> the record after, or None when nothing is to be written."""
 
 STREAM_MAXLEN = 256
 """A request changes status a handful of times; the cap only bounds a misbehaving producer."""
@@ -85,49 +88,26 @@ class StatusStore:
         self._known: OrderedDict[str, str] = OrderedDict()
         self._known_chars = 0
 
-    async def get(self, request_id: str) -> dict[str, Any] | None:
+    async def get(self, request_id: str) -> StatusRecord | None:
         """The status record of a request, or None when unknown or expired."""
         text = await self._read(request_id)
-        return json.loads(text) if text else None
-
-    def _queue_change(self, pipe: Any, rec: dict[str, Any], stage: str) -> None:
-        """Queue the stream entry, its TTL and the notification of one status change."""
-        rid = rec["request_id"]
-        pipe.xadd(
-            self.keys.status_events(rid),
-            {"data": event_entry(rec, stage)},
-            maxlen=STREAM_MAXLEN,
-            approximate=True,
-        )
-        pipe.expire(self.keys.status_events(rid), self.ttl_s)
-        if rec["status"] in TERMINAL_STATUSES:
-            pipe.zrem(self.keys.inflight, rid)
-        else:
-            pipe.zadd(self.keys.inflight, {rid: rec["updated_ms"]}, nx=True)
-            pipe.expire(self.keys.inflight, self.ttl_s)
-        pipe.publish(self.keys.status_notify, rid)
+        return StatusRecord.from_json(text) if text else None
 
     async def create(self, request_id: str, fields: dict[str, Any]) -> bool:
         """Create a ``queued`` record carrying ``fields`` (owner, items...); False if it exists.
 
-        The first entry of the event stream is this ``queued`` status.
+        The first entry of the event stream is this ``queued`` status. One script run, like
+        any update: it writes only where no record is (its expected text is "none").
         """
-        rec = new_record(request_id)
-        rec.update(fields)
-        rec["stages"]["api:queued"] = rec["created_ms"]
-        rec["updated_ms"] = rec["created_ms"]
-        text = json.dumps(rec)
-        if not await self.client.set(self.keys.status(request_id), text, ex=self.ttl_s, nx=True):
-            return False
-        self._remember(request_id, text)
-        async with self.client.pipeline(transaction=True) as pipe:
-            self._queue_change(pipe, rec, "api")
-            await pipe.execute()
-        return True
+
+        def make(rec: StatusRecord | None) -> StatusRecord | None:
+            return created(request_id, fields) if rec is None else None
+
+        return await self._modify(request_id, make, stage="api", absent=True)
 
     async def update_fields(self, request_id: str, fields: dict[str, Any]) -> None:
         """Merge top-level ``fields`` into an existing record (no status change)."""
-        await self._modify(request_id, lambda rec: (rec.update(fields), rec)[1] if rec else None)
+        await self._modify(request_id, lambda rec: rec.with_fields(fields) if rec else None)
 
     async def delete(self, request_id: str) -> None:
         """Forget a request entirely (a request that was never enqueued)."""
@@ -144,20 +124,15 @@ class StatusStore:
         For a judge that read the record earlier (the sweep): a stage that moved the request on
         in between wins, and the judge sends no second outcome."""
 
-        def change(rec: dict[str, Any] | None) -> dict[str, Any] | None:
-            if rec is None or rec["status"] in TERMINAL_STATUSES:
-                return None
-            if rec.get("updated_ms") != seen_updated_ms:
+        def change(rec: StatusRecord | None) -> StatusRecord | None:
+            if rec is None or rec.terminal or rec.updated_ms != seen_updated_ms:
                 return None
             return fold(rec, ev)
 
         return await self._modify(ev.request_id, change, stage=ev.stage)
 
     async def _modify(
-        self,
-        request_id: str,
-        change: Callable[[dict[str, Any] | None], dict[str, Any] | None],
-        stage: str = "api",
+        self, request_id: str, change: RecordChange, stage: str = "api", *, absent: bool = False
     ) -> bool:
         """Fold ``change`` into the record with one compare-and-set script per try.
 
@@ -166,12 +141,12 @@ class StatusStore:
         WATCH transaction took three). The starting text is this process's last sight of the
         record (:attr:`_known`), else what a read finds; a stale one costs one more try, never
         a lost update. A remembered text that says "nothing to change" is checked against
-        Redis first.
+        Redis first. ``absent``: start from "no record" (a create), not from a read.
         """
         dropped = 0
         while True:
             try:
-                return await self._fold_in(request_id, change, stage)
+                return await self._fold_in(request_id, change, stage, absent)
             except RedisConnectionError:
                 # A pooled connection Redis dropped (a restart, a freeze): fold again on a
                 # fresh one. Safe even if the script ran: the same update folds as a duplicate.
@@ -182,21 +157,17 @@ class StatusStore:
                 await asyncio.sleep(0.05 * dropped)
 
     async def _fold_in(
-        self,
-        request_id: str,
-        change: Callable[[dict[str, Any] | None], dict[str, Any] | None],
-        stage: str,
+        self, request_id: str, change: RecordChange, stage: str, absent: bool
     ) -> bool:
         key = self.keys.status(request_id)
-        expected, verified = self._known.get(request_id), False
+        expected, verified = ("" if absent else self._known.get(request_id)), False
         if expected is None:
             # Nothing remembered: read first. Most such updates (the results collector's
             # copies of what the stages wrote through) then fold to nothing, and a write
             # would only have sent a whole record to be refused.
             expected, verified = await self._read(request_id), True
         while True:
-            old = json.loads(expected) if expected else None
-            old_status = old["status"] if old else None  # before: ``change`` may edit ``old``
+            old = StatusRecord.from_json(expected) if expected else None
             rec = change(old)
             if rec is None:
                 if verified:
@@ -205,8 +176,8 @@ class StatusStore:
                 # concluding there is nothing to do.
                 expected, verified = await self._read(request_id), True
                 continue
-            text = json.dumps(rec)
-            entry = event_entry(rec, stage) if rec["status"] != old_status else ""
+            text = rec.to_json()
+            entry = rec.change_entry(stage) if old is None or rec.status != old.status else ""
             reply = await self._cas(
                 keys=[key, self.keys.status_events(request_id), self.keys.inflight],
                 args=[
@@ -216,7 +187,7 @@ class StatusStore:
                     entry,
                     self.keys.status_notify,
                     STREAM_MAXLEN,
-                    "1" if rec["status"] in TERMINAL_STATUSES else "",
+                    "1" if rec.terminal else "",
                     request_id,
                     now_ms(),
                 ],

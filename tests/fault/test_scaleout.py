@@ -32,6 +32,7 @@ from producers.sample_images import synthetic_image
 from runtime.kafka import read_topic
 from runtime.settings import Settings
 from schemas.codec import get_codec
+from schemas.status_record import StatusRecord
 from schemas.types import TERMINAL_STATUSES, ResultEvent, SamplingParams
 from tests.fault.test_faults import dead_letters_of, figures, stream, worker_rss
 
@@ -106,7 +107,10 @@ async def outcomes(run: LocalRun, ids: list[str]) -> dict[str, dict]:
         *(run.submitter.wait(r, timeout_s=WAIT_S) for r in ids), return_exceptions=True
     )
     pairs = zip(ids, recs, strict=True)
-    return {r: (rec if isinstance(rec, dict) else {"status": "lost"}) for r, rec in pairs}
+    return {
+        r: (rec.to_dict() if isinstance(rec, StatusRecord) else {"status": "lost"})
+        for r, rec in pairs
+    }
 
 
 async def duplicates(run: LocalRun, ids: list[str], got: dict[str, dict]) -> dict[str, object]:

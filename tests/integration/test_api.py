@@ -302,7 +302,7 @@ async def _record(stack: ApiStack, rid: str) -> dict[str, Any]:
     try:
         rec = await StatusStore(client, prefix=stack.settings.topic_prefix).get(rid)
         assert rec is not None
-        return rec
+        return rec.to_dict()
     finally:
         await client.aclose()
 

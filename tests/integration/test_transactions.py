@@ -205,11 +205,11 @@ async def test_results_stage_runs_transactionally_end_to_end(
         rec = None
         while time.monotonic() < deadline:
             rec = await store.get(rid)
-            if rec is not None and rec.get("status") == "completed":
+            if rec is not None and rec.status == "completed":
                 break
             assert proc.poll() is None, "the results worker exited"
             await asyncio.sleep(0.2)
-        assert rec is not None and rec.get("status") == "completed", rec
+        assert rec is not None and rec.status == "completed", rec
         dlq: list = []
         while time.monotonic() < deadline and not dlq:
             dlq = await read_topic(settings, t.dlq)  # committed with its batch's transaction

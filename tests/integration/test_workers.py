@@ -808,7 +808,7 @@ async def test_a_replayed_prefill_event_is_skipped_once_the_request_is_terminal(
     try:
         await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
         await fold_into(status, cfg, ev.request_id)
-        assert (await status.get(ev.request_id))["status"] == "completed"
+        assert (await status.get(ev.request_id)).status == "completed"  # type: ignore[union-attr]
         # The same event again, as a redelivery after a crash before the commit would bring it.
         await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
         # An unsafe event for the finished request is not skipped quietly: it is refused (DLQ).
@@ -853,7 +853,7 @@ async def test_a_finished_requests_redelivery_is_skipped_even_when_the_store_fai
     try:
         await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
         await fold_into(status, cfg, ev.request_id)
-        assert (await status.get(ev.request_id))["status"] == "completed"
+        assert (await status.get(ev.request_id)).status == "completed"  # type: ignore[union-attr]
         await asyncio.wait_for(replayer.handle(wire(p.prefill)), HANG_GUARD_S)
     finally:
         await prefill.close()
@@ -989,8 +989,8 @@ async def test_the_encoder_writes_each_items_mark_through_to_the_record(
     rec = await status.get(ev.request_id)
     assert rec is not None
     shorts = [h[:12] for h in ev.features.mm_hashes["image"]]
-    assert {rec["info"].get(f"encoded.{s}") for s in shorts} == {"encoded"}
-    assert all(rec["timings"][f"encode.{s}"] > 0 for s in shorts)
+    assert {rec.info.get(f"encoded.{s}") for s in shorts} == {"encoded"}
+    assert all(rec.timings[f"encode.{s}"] > 0 for s in shorts)
     # the encoded topic carries the same marks, for the collector (and any other reader)
     encoded = [e for e in await produced(cfg, Topics(cfg.topic_prefix).encoded)]
     assert sorted(e.mm_hash[:12] for e in encoded if e.request_id == ev.request_id) == sorted(

@@ -15,28 +15,28 @@ from schemas.types import ErrorInfo, ResultEvent
 
 def test_status_moves_forward_only() -> None:
     rec = fold(None, ResultEvent("r", "fanout", "encoding"))
-    assert rec is not None and rec["status"] == "encoding"
+    assert rec is not None and rec.status == "encoding"
     rec = fold(rec, ResultEvent("r", "api", "queued"))  # late, lower rank
-    assert rec is not None and rec["status"] == "encoding"
+    assert rec is not None and rec.status == "encoding"
     rec = fold(rec, ResultEvent("r", "prefill", "prefilling", timings={"wait": 3.0}))
-    assert rec is not None and rec["status"] == "prefilling" and rec["timings"]["wait"] == 3.0
+    assert rec is not None and rec.status == "prefilling" and rec.timings["wait"] == 3.0
 
 
 def test_first_terminal_wins_and_duplicates_are_dropped() -> None:
     done = ResultEvent("r", "prefill", "completed", token_ids=[1, 2], text="ab")
     rec = fold(None, done)
-    assert rec is not None and rec["status"] == "completed" and rec["token_ids"] == [1, 2]
+    assert rec is not None and rec.status == "completed" and rec.token_ids == [1, 2]
     assert fold(rec, done) is None  # redelivery
     err = ErrorInfo("failed", "late failure")
     rec2 = fold(rec, ResultEvent("r", "encode", "failed", error=err))
-    assert rec2 is not None and rec2["status"] == "completed" and rec2["error"] is None
+    assert rec2 is not None and rec2.status == "completed" and rec2.error is None
 
 
 def test_rejection_keeps_rule_and_item() -> None:
     err = ErrorInfo("rejected", "no ec entry", "ec-transfer-required", "image", 1, None)
     rec = fold(None, ResultEvent("r", "prefill", "rejected", error=err))
     assert rec is not None
-    assert rec["error"]["rule"] == "ec-transfer-required" and rec["error"]["item"] == 1
+    assert rec.error["rule"] == "ec-transfer-required" and rec.error["item"] == 1
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ async def test_store_applies_and_dedupes(store: StatusStore) -> None:
     assert await store.apply(ResultEvent("r1", "prefill", "completed", token_ids=[7]))
     assert not await store.apply(ResultEvent("r1", "prefill", "completed", token_ids=[7]))
     rec = await store.get("r1")
-    assert rec is not None and rec["status"] == "completed" and rec["token_ids"] == [7]
+    assert rec is not None and rec.status == "completed" and rec.token_ids == [7]
     assert 0 < await store.client.ttl(store.keys.status("r1")) <= 60
 
 
@@ -66,7 +66,7 @@ async def test_concurrent_writers_lose_nothing(store: StatusStore) -> None:
     ]
     await asyncio.gather(*(store.apply(e) for e in events))
     rec = await store.get("r2")
-    assert rec is not None and len(rec["timings"]) == 20 and len(rec["stages"]) == 20
+    assert rec is not None and len(rec.timings) == 20 and len(rec.stages) == 20
 
 
 def test_encoded_events_mark_each_item_of_a_request() -> None:
@@ -79,8 +79,8 @@ def test_encoded_events_mark_each_item_of_a_request() -> None:
     rec = fold(fold(None, ResultEvent("r", "fanout", "encoding")), encoded_update(a))
     rec = fold(rec, encoded_update(b))
     assert rec is not None
-    assert rec["info"] == {"encoded." + "a" * 12: "encoded", "encoded." + "b" * 12: "cache_hit"}
-    assert rec["timings"] == {"encode." + "a" * 12: 7.0}
+    assert rec.info == {"encoded." + "a" * 12: "encoded", "encoded." + "b" * 12: "cache_hit"}
+    assert rec.timings == {"encode." + "a" * 12: 7.0}
     assert fold(rec, encoded_update(a)) is None  # a redelivered EncodedEvent changes nothing
 
 
@@ -89,17 +89,17 @@ def test_second_item_of_a_stage_is_kept_redelivery_is_not() -> None:
     second = ResultEvent("r", "encode", "encoding", timings={"encode.image1": 7.0})
     rec = fold(None, first)
     rec = fold(rec, second)
-    assert rec is not None and rec["timings"] == {"encode.image0": 5.0, "encode.image1": 7.0}
-    assert "encode:encoding" in rec["stages_last"]
+    assert rec is not None and rec.timings == {"encode.image0": 5.0, "encode.image1": 7.0}
+    assert "encode:encoding" in rec.stages_last
     assert fold(rec, second) is None
 
 
 def test_decoding_sits_between_prefilling_and_terminal() -> None:
     rec = fold(None, ResultEvent("r", "prefill", "decoding"))
-    assert rec is not None and rec["status"] == "decoding"
-    assert fold(rec, ResultEvent("r", "prefill", "prefilling"))["status"] == "decoding"
+    assert rec is not None and rec.status == "decoding"
+    assert fold(rec, ResultEvent("r", "prefill", "prefilling")).status == "decoding"
     rec = fold(rec, ResultEvent("r", "prefill", "completed", token_ids=[1]))
-    assert rec is not None and rec["status"] == "completed"
+    assert rec is not None and rec.status == "completed"
 
 
 async def test_status_changes_are_streamed_and_announced(store: StatusStore) -> None:
@@ -115,7 +115,7 @@ async def test_status_changes_are_streamed_and_announced(store: StatusStore) -> 
         assert not waiter.done()
         await store.apply(ResultEvent("r2", "fanout", "encoding"))
         rec = await asyncio.wait_for(waiter, 5)  # woken by the notification, not the timeout
-        assert rec is not None and rec["status"] == "encoding" and rec["tenant"] == "t"
+        assert rec is not None and rec.status == "encoding" and rec.tenant == "t"
         # info without a status change: no new event
         await store.apply(ResultEvent("r2", "encode", "encoding", info={"x": "1"}))
         await store.apply(ResultEvent("r2", "prefill", "completed", token_ids=[3]))
@@ -167,7 +167,7 @@ async def test_cancel_is_terminal_and_seen_by_workers(store: StatusStore) -> Non
         await asyncio.wait_for(watch.wait("c1"), 1)  # seen already: returns at once
         await store.apply(ResultEvent("c1", "prefill", "completed", token_ids=[1]))
         rec = await store.get("c1")
-        assert rec is not None and rec["status"] == "cancelled" and rec["token_ids"] is None
+        assert rec is not None and rec.status == "cancelled" and rec.token_ids is None
     finally:
         await watch.close()
     # a worker started after the cancel still sees it (the flag in Redis)
@@ -201,9 +201,9 @@ async def test_a_stale_memory_of_the_record_loses_no_update(store: StatusStore) 
     # ``store`` still remembers the queued record
     assert await store.apply(ResultEvent("s1", "prefill", "prefilling", timings={"q": 2.0}))
     rec = await store.get("s1")
-    assert rec is not None and rec["status"] == "prefilling"
-    assert set(rec["stages"]) == {"api:queued", "fanout:encoding", "prefill:prefilling"}
-    assert rec["timings"] == {"fanout": 1.0, "q": 2.0}
+    assert rec is not None and rec.status == "prefilling"
+    assert set(rec.stages) == {"api:queued", "fanout:encoding", "prefill:prefilling"}
+    assert rec.timings == {"fanout": 1.0, "q": 2.0}
     events = await store.events("s1")
     assert [e["status"] for _, e in events] == ["queued", "encoding", "prefilling"]
     # the duplicate ``other`` now sends is seen as one against Redis, not its memory
@@ -217,7 +217,7 @@ async def test_a_remembered_record_that_redis_lost_is_written_again(store: Statu
     # The memory says "already folded"; Redis says otherwise, and Redis wins.
     assert await store.apply(done)
     rec = await store.get("s2")
-    assert rec is not None and rec["status"] == "completed" and rec["token_ids"] == [5]
+    assert rec is not None and rec.status == "completed" and rec.token_ids == [5]
 
 
 async def test_an_update_of_a_known_record_is_one_round_trip(store: StatusStore) -> None:
@@ -258,15 +258,16 @@ async def test_a_judged_outcome_lands_only_on_the_record_as_judged(store: Status
     rid = f"r-{uuid.uuid4().hex[:8]}"
     lost = ResultEvent(rid, "sweep", "failed", error=ErrorInfo("broker-lost", "gone"))
     await store.apply(ResultEvent(rid, "fanout", "prefilling"))
-    seen = (await store.get(rid))["updated_ms"]  # type: ignore[index]
+    first = await store.get(rid)
+    assert first is not None and first.updated_ms is not None
+    seen = first.updated_ms
     await asyncio.sleep(0.002)
     await store.apply(ResultEvent(rid, "prefill", "decoding"))  # moved on after the read
     assert not await store.end_if_unchanged(lost, seen)
     now = await store.get(rid)
-    assert now is not None and now["status"] == "decoding"
-    assert await store.end_if_unchanged(lost, now["updated_ms"])
+    assert now is not None and now.status == "decoding" and now.updated_ms is not None
+    assert await store.end_if_unchanged(lost, now.updated_ms)
     done = await store.get(rid)
-    assert (
-        done is not None and done["status"] == "failed" and done["error"]["code"] == "broker-lost"
-    )
-    assert not await store.end_if_unchanged(lost, done["updated_ms"])  # finished: never again
+    assert done is not None and done.status == "failed" and done.updated_ms is not None
+    assert done.error is not None and done.error["code"] == "broker-lost"
+    assert not await store.end_if_unchanged(lost, done.updated_ms)  # finished: never again
