@@ -32,6 +32,7 @@ from aiokafka import TopicPartition
 
 from consumers.loop import ERROR_HEADER_PREFIX
 from runtime.kafka import make_consumer, read_topic, topic_partitions
+from runtime.redis_cluster import read_many
 from runtime.settings import Settings
 from schemas import codec
 from schemas.errors import CodecError, ValidationError
@@ -56,9 +57,9 @@ from schemas.validator import (
 )
 
 if TYPE_CHECKING:
-    import redis.asyncio as aioredis
     from aiokafka import AIOKafkaProducer
 
+    from runtime.redis_cluster import RedisClient
     from runtime.stores.base import EmbeddingStore
 
 REPLAYED_FROM_HEADER = "epd-replayed-from"
@@ -456,7 +457,7 @@ class ReplayLedger:
     broker) starts its offsets again, and its new dead letters must not look replayed.
     """
 
-    def __init__(self, client: aioredis.Redis, *, prefix: str, ttl_s: int) -> None:
+    def __init__(self, client: RedisClient, *, prefix: str, ttl_s: int) -> None:
         self.client = client
         self.prefix = prefix
         self.keys = RedisKeys(prefix)
@@ -469,7 +470,7 @@ class ReplayLedger:
         """Fill in ``replayed_ms`` of each record from the ledger."""
         if not records:
             return
-        values = await self.client.mget([self.key(r) for r in records])
+        values = await read_many(self.client, [self.key(r) for r in records])
         for r, v in zip(records, values, strict=True):
             r.replayed_ms = int(v) if v is not None else None
 

@@ -192,7 +192,7 @@ class Sweeper:
         return verdicts
 
     async def _unfinished(self) -> list[StatusRecord]:
-        return await self.status.inflight.records(SCAN_LIMIT)
+        return await self.status.inflight.unfinished(SCAN_LIMIT)
 
     async def run(self) -> None:
         """Sweep every ``EPD_SWEEP_INTERVAL_S`` until cancelled; a failed pass is logged."""

@@ -7,9 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 
-import redis.asyncio as aioredis
-
 from producers.refusal import Refused
+from runtime.redis_cluster import RedisClient
 from schemas.keys import RedisKeys
 
 
@@ -17,7 +16,7 @@ class IdempotencyStore:
     """Claims of ``(tenant, key)`` -> ``{fingerprint, request_id}`` with a TTL."""
 
     def __init__(
-        self, client: aioredis.Redis, prefix: str, ttl_s: int, *, max_key_chars: int = 255
+        self, client: RedisClient, prefix: str, ttl_s: int, *, max_key_chars: int = 255
     ) -> None:
         self.client = client
         self.prefix = prefix

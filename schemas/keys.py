@@ -40,6 +40,12 @@ def store_ready_channel(db: str) -> str:
     return f"epd:store:ready:{db}"
 
 
+def store_ready_slot_channel(channel: str, slot_tag: str) -> str:
+    """The ``redis+cluster://`` store's sharded readiness channel of one slot (``slot_tag``
+    hashes to that slot, so the channel sits beside the keys it announces)."""
+    return f"{channel}:{{{slot_tag}}}"
+
+
 def tagged_id(request_id: str) -> str:
     """The request id as cluster key names hold it: inside its hash tag (see the module docs)."""
     if request_id and "{" not in request_id and "}" not in request_id:

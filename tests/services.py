@@ -565,3 +565,101 @@ def transactional_kafka(session: TestServices, log_dir: Path) -> TransactionalKa
         f"Apache Kafka from jars, ready in {time.monotonic() - t0:.1f}s",
         [lambda: services.stop_records([rec])],
     )
+
+
+# ----------------------------------------------------------------------------- Redis Cluster
+
+
+@dataclass
+class RedisClusterHandle:
+    """A Redis Cluster of ``redis-server --cluster-enabled yes`` processes, whatever the mode
+    (a cluster is never a container here: the fault test kills one master with SIGKILL)."""
+
+    nodes: services.RedisClusterNodes
+    log_dir: Path
+
+    @property
+    def url(self) -> str:
+        return self.nodes.url
+
+    def masters(self) -> list[str]:
+        """Addresses of the nodes that are masters now (after a failover too)."""
+        return [a for a in self.nodes.addresses if _role(a) == "master"]
+
+    def replica_of(self, master: str) -> str | None:
+        """The address of a replica that follows ``master`` now, if any."""
+        host, port = master.rsplit(":", 1)
+        for addr in self.nodes.addresses:
+            info = _info(addr, "replication")
+            if info.get("role") == "slave" and (
+                info.get("master_host"),
+                info.get("master_port"),
+            ) == (host, port):
+                return addr
+        return None
+
+    def keys_per_master(self, pattern: str) -> dict[str, int]:
+        """How many keys matching ``pattern`` each master holds (SCAN on every master)."""
+        import redis
+
+        out = {}
+        for addr in self.masters():
+            host, port = addr.rsplit(":", 1)
+            client = redis.Redis(host=host, port=int(port), socket_timeout=5)
+            try:
+                out[addr] = sum(1 for _ in client.scan_iter(match=pattern, count=1000))
+            finally:
+                client.close()
+        return out
+
+    def delete(self, pattern: str) -> None:
+        """Delete the keys matching ``pattern`` on every master."""
+        import redis
+
+        for addr in self.masters():
+            host, port = addr.rsplit(":", 1)
+            client = redis.Redis(host=host, port=int(port), socket_timeout=5)
+            try:
+                for key in list(client.scan_iter(match=pattern, count=1000)):
+                    client.delete(key)
+            finally:
+                client.close()
+
+    def kill(self, address: str) -> None:
+        """SIGKILL the node at ``address`` (it stays down)."""
+        for rec in self.nodes.nodes:
+            if rec.address == address and rec.pid is not None:
+                os.kill(rec.pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError, OSError):
+                    os.waitpid(rec.pid, 0)
+
+    def close(self) -> None:
+        services.stop_records([r for r in self.nodes.nodes])
+
+
+def _info(address: str, section: str) -> dict[str, str]:
+    import redis
+
+    host, port = address.rsplit(":", 1)
+    client = redis.Redis(host=host, port=int(port), socket_timeout=2, socket_connect_timeout=2)
+    try:
+        return {k: str(v) for k, v in client.info(section).items()}
+    except Exception:
+        return {}
+    finally:
+        client.close()
+
+
+def _role(address: str) -> str | None:
+    return _info(address, "replication").get("role")
+
+
+def redis_cluster(log_dir: Path, masters: int = 3, replicas: int = 0) -> RedisClusterHandle:
+    """Start a local Redis Cluster for tests (processes tied to the pytest process)."""
+    try:
+        nodes = services.start_redis_cluster(
+            log_dir, masters, replicas, log_dir=log_dir, tie_to_parent=True
+        )
+    except services.ServiceError as exc:
+        raise ServicesUnavailable(f"no Redis Cluster: {exc}") from exc
+    return RedisClusterHandle(nodes, log_dir)

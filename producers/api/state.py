@@ -8,7 +8,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import redis.asyncio as aioredis
 from aiokafka.admin import AIOKafkaAdminClient
 
 from producers.api.admission import ApiAdmission, LagMonitor
@@ -20,6 +19,7 @@ from producers.intake import Intake
 from producers.render import Renderer
 from runtime.kafka import KafkaPublisher
 from runtime.redis_client import redis_client
+from runtime.redis_cluster import RedisClient
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
 from runtime.status import StatusNotifier, StatusStore
@@ -38,7 +38,7 @@ class ApiState:
 
     settings: Settings
     topics: Topics
-    redis: aioredis.Redis
+    redis: RedisClient
     status: StatusStore
     notifier: StatusNotifier
     lag: LagMonitor

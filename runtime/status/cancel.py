@@ -2,7 +2,9 @@
 
 The API marks a request cancelled (``RedisKeys.cancel`` + a message on
 ``RedisKeys.cancel_channel``); workers ask a :class:`CancelWatch` before compute and between
-decode steps.
+decode steps. On a Redis Cluster the flag sits in the request's slot and the announcement stays
+a classic (cluster-wide) channel: every worker must hear every cancel without knowing which
+requests are coming to it, cancels are rare, and the flag, not the message, is authoritative.
 """
 
 from __future__ import annotations
@@ -10,15 +12,15 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from runtime.redis_cluster import RedisClient, is_cluster_client
 from runtime.status.notify import ChannelListener, forget
 from schemas.keys import RedisKeys
 
 
 async def announce_cancel(
-    client: aioredis.Redis, keys: RedisKeys, request_id: str, *, ttl_s: int
+    client: RedisClient, keys: RedisKeys, request_id: str, *, ttl_s: int
 ) -> None:
     """Set the request's cancel flag (what workers check) and tell running workers."""
     await client.set(keys.cancel(request_id), b"1", ex=ttl_s)
@@ -33,9 +35,9 @@ class CancelWatch:
     cheap enough for the decode loop's compute thread.
     """
 
-    def __init__(self, client: aioredis.Redis, prefix: str, *, remember: int = 10000) -> None:
+    def __init__(self, client: RedisClient, prefix: str, *, remember: int = 10000) -> None:
         self.client = client
-        self.keys = RedisKeys(prefix)
+        self.keys = RedisKeys(prefix, cluster=is_cluster_client(client))
         self.remember = remember
         self._ids: OrderedDict[str, None] = OrderedDict()
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}

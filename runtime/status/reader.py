@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from schemas.types import TERMINAL_STATUSES
@@ -50,18 +51,15 @@ class RequestReader:
 
     def __init__(self, status: StatusStore) -> None:
         self.status = status
+        self._replicas_seen: set[str] = set()
+        self._promoted_ms: dict[str, int] = {}
 
     async def __call__(self, request_id: str, since: bool = False) -> RequestState | None:
         """The request's state (with ``records_since_ms`` when ``since``: two more round
         trips), or None when Redis cannot be read (the caller cannot tell)."""
         try:
             rec = await self.status.get(request_id)
-            started: int | None = None
-            if since:
-                info: Any = await self.status.client.info("server")
-                now_s, now_us = await self.status.client.time()
-                now = int(now_s) * 1000 + int(now_us) // 1000
-                started = now - (int(info["uptime_in_seconds"]) + 1) * 1000
+            started = await self._records_since(request_id) if since else None
         except (RedisError, OSError, KeyError, ValueError) as exc:
             log.warning("cannot read the state of %s: %r", request_id, exc)
             return None
@@ -70,6 +68,37 @@ class RequestReader:
         return RequestState(
             rec.status, rec.encoded_items(), oldest_ms=rec.oldest_ms, records_since_ms=started
         )
+
+    async def _records_since(self, request_id: str) -> int:
+        """Since when the Redis holding the request's record has held what it holds: its start
+        (uptime, on its own clock), or on a cluster, if later, when this process first saw the
+        master of the record's slot promoted from a replica (a failover keeps the replicated
+        records but may lose the last writes before it)."""
+        client = self.status.client
+        node = None
+        if isinstance(client, RedisCluster):
+            node = client.get_node_from_key(self.status.keys.status(request_id))
+            info: Any = await client.info("server", target_nodes=node)
+            now_s, now_us = await client.time(target_nodes=node)
+        else:
+            info = await client.info("server")
+            now_s, now_us = await client.time()
+        now = int(now_s) * 1000 + int(now_us) // 1000
+        started = now - (int(info["uptime_in_seconds"]) + 1) * 1000
+        if isinstance(client, RedisCluster) and node is not None:
+            started = max(started, self._promotion_ms(client, node.name, now))
+        return started
+
+    def _promotion_ms(self, client: RedisCluster, name: str, now: int) -> int:
+        """When ``name`` was first seen a master after being seen a replica (0: never)."""
+        for primary in client.get_primaries():
+            if primary.name in self._replicas_seen:
+                self._promoted_ms.setdefault(primary.name, now)
+        self._replicas_seen.update(n.name for n in client.get_replicas())
+        for replica in self._replicas_seen & set(self._promoted_ms):
+            if replica in {n.name for n in client.get_replicas()}:
+                del self._promoted_ms[replica]  # demoted again (its old master came back)
+        return self._promoted_ms.get(name, 0)
 
 
 RequestStateReader = Callable[..., Awaitable[RequestState | None]]

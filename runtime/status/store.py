@@ -17,9 +17,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from runtime.redis_cluster import RedisClient, is_cluster_client
 from runtime.status.cancel import announce_cancel
 from runtime.status.inflight import InFlight
 from schemas.keys import RedisKeys
@@ -33,26 +33,30 @@ STREAM_MAXLEN = 256
 """A request changes status a handful of times; the cap only bounds a misbehaving producer."""
 
 
-# KEYS: record, its event stream, the in-flight set. ARGV: the record text the fold started
-# from ("" = no record), the new text, TTL s, the stream entry ("" = the status did not
-# change), the notify channel, the stream's cap, "1" when terminal, the request id, now (ms).
-# Returns {1} once written, or {0, text Redis holds} when the start was stale. A request that
-# is not finished is in the in-flight set whoever wrote its record (the API's admission adds it
-# first; a router's or a submitter's record joins here), so the sweep sees every one of them.
+# KEYS: record, its event stream, and on one Redis the in-flight set. ARGV: the record text
+# the fold started from ("" = no record), the new text, TTL s, the stream entry ("" = the status
+# did not change), the change channel, the stream's cap, "1" when terminal, the request id, now
+# (ms), the publish command (PUBLISH; SPUBLISH on a cluster, where the channel is in the
+# request's slot). Returns {1} once written, or {0, text Redis holds} when the start was stale.
+# A request that is not finished is in the in-flight set whoever wrote its record (the API's
+# admission adds it first; a router's or a submitter's record joins here), so the sweep sees
+# every one of them; on a cluster the set is another slot's, updated beside the script.
 _CAS_SCRIPT = """
 local current = redis.call('GET', KEYS[1])
 if (current or '') ~= ARGV[1] then return {0, current} end
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
-if ARGV[7] == '1' then
-    redis.call('ZREM', KEYS[3], ARGV[8])
-else
-    redis.call('ZADD', KEYS[3], 'NX', ARGV[9], ARGV[8])
-    redis.call('EXPIRE', KEYS[3], ARGV[3])
+if KEYS[3] then
+    if ARGV[7] == '1' then
+        redis.call('ZREM', KEYS[3], ARGV[8])
+    else
+        redis.call('ZADD', KEYS[3], 'NX', ARGV[9], ARGV[8])
+        redis.call('EXPIRE', KEYS[3], ARGV[3])
+    end
 end
 if ARGV[4] ~= '' then
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'data', ARGV[4])
     redis.call('EXPIRE', KEYS[2], ARGV[3])
-    redis.call('PUBLISH', ARGV[5], ARGV[8])
+    redis.call(ARGV[10], ARGV[5], ARGV[8])
 end
 return {1}
 """
@@ -78,10 +82,11 @@ class StatusStore:
     """...and at most this many characters of them: a count alone let a few huge records (a
     30 MB metadata value, before the API bounded it) hold hundreds of MB in every process."""
 
-    def __init__(self, client: aioredis.Redis, *, prefix: str = "epd", ttl_s: int = 3600) -> None:
+    def __init__(self, client: RedisClient, *, prefix: str = "epd", ttl_s: int = 3600) -> None:
         self.client = client
         self.prefix = prefix
-        self.keys = RedisKeys(prefix)
+        self.cluster = is_cluster_client(client)
+        self.keys = RedisKeys(prefix, cluster=self.cluster)
         self.ttl_s = ttl_s
         self.inflight = InFlight(client, self.keys, ttl_s=ttl_s)
         self._cas = client.register_script(_CAS_SCRIPT)
@@ -159,8 +164,8 @@ class StatusStore:
     async def _fold_in(
         self, request_id: str, change: RecordChange, stage: str, absent: bool
     ) -> bool:
-        key = self.keys.status(request_id)
         expected, verified = ("" if absent else self._known.get(request_id)), False
+        counted = False  # cluster: this call added the request to the in-flight set
         if expected is None:
             # Nothing remembered: read first. Most such updates (the results collector's
             # copies of what the stages wrote through) then fold to nothing, and a write
@@ -171,34 +176,62 @@ class StatusStore:
             rec = change(old)
             if rec is None:
                 if verified:
+                    if counted and old is not None and old.terminal:
+                        await self.inflight.release(request_id)  # its outcome was out already
                     return False
                 # A remembered record may be older than Redis's (or gone): look before
                 # concluding there is nothing to do.
                 expected, verified = await self._read(request_id), True
                 continue
+            if self.cluster and old is None and not rec.terminal and not counted:
+                await self.inflight.add(request_id)  # before the record exists: see inflight
+                counted = True
             text = rec.to_json()
-            entry = rec.change_entry(stage) if old is None or rec.status != old.status else ""
-            reply = await self._cas(
-                keys=[key, self.keys.status_events(request_id), self.keys.inflight],
-                args=[
-                    expected or "",
-                    text,
-                    self.ttl_s,
-                    entry,
-                    self.keys.status_notify,
-                    STREAM_MAXLEN,
-                    "1" if rec.terminal else "",
-                    request_id,
-                    now_ms(),
-                ],
-            )
-            if int(reply[0]) == 1:
+            written, held = await self._write(request_id, expected, rec, text, stage, old)
+            if written:
                 self._remember(request_id, text)
+                if self.cluster and rec.terminal and (counted or old is None or not old.terminal):
+                    await self.inflight.release(request_id)
                 return True
             # Another writer got there first: fold again on what Redis holds.
-            expected = _text(reply[1] if len(reply) > 1 else None)
+            expected = held
             verified = True
             self._remember(request_id, expected)
+
+    async def _write(
+        self,
+        request_id: str,
+        expected: str | None,
+        rec: StatusRecord,
+        text: str,
+        stage: str,
+        old: StatusRecord | None,
+    ) -> tuple[bool, str | None]:
+        """One compare-and-set run: ``(True, None)`` once written, else ``(False, the text
+        Redis holds)`` for the next fold."""
+        keys = [self.keys.status(request_id), self.keys.status_events(request_id)]
+        if not self.cluster:
+            keys.append(self.keys.inflight)
+        channel = self.keys.status_changes(request_id) if self.cluster else self.keys.status_notify
+        entry = rec.change_entry(stage) if old is None or rec.status != old.status else ""
+        reply = await self._cas(
+            keys=keys,
+            args=[
+                expected or "",
+                text,
+                self.ttl_s,
+                entry,
+                channel,
+                STREAM_MAXLEN,
+                "1" if rec.terminal else "",
+                request_id,
+                now_ms(),
+                "SPUBLISH" if self.cluster else "PUBLISH",
+            ],
+        )
+        if int(reply[0]) == 1:
+            return True, None
+        return False, _text(reply[1] if len(reply) > 1 else None)
 
     async def warm(self) -> None:
         """Load the update script and open a connection now, so a worker's first update is as

@@ -1,0 +1,279 @@
+"""``redis+cluster://seed[,seed...]``: the embedding store on a Redis Cluster.
+
+Embeddings and claim-checked inputs spread over the masters by key (their keys carry no hash
+tag: each lands where its own hash puts it). Values use the blob layout of
+:mod:`runtime.stores.base`, exactly as on ``redis://``. The data path is redis-py's asyncio
+``RedisCluster`` (its slot map, ``MOVED``/``ASK`` handling and retries); reads go to masters
+(see :mod:`runtime.redis_cluster`).
+
+Readiness: a put is ``SET key blob PX ttl`` and ``SPUBLISH <slot channel> key`` in one
+``MULTI``/``EXEC`` on the key's master. The slot channel is ``{channel}:{<tag>}`` where the tag
+hashes to the key's own slot (:func:`runtime.redis_cluster.slot_tags`), so the two commands are
+one single-slot transaction and a reader who hears the key finds it. A waiter subscribes (sharded
+pub/sub, :mod:`runtime.sharded_pubsub`) to the channels of its keys' slots, confirmed, then
+registers and checks ``EXISTS``, exactly as the ``redis://`` store does; subscriptions are kept
+(at most one per slot) for the next wait. A subscription's connection that drops (a master died)
+fails the waits that relied on it with :class:`StoreUnavailable` (transient: the consume loop
+retries, and the retry subscribes on the slot's new master).
+
+URL options: ``key_prefix`` (prepended to every key), ``channel`` (default
+``epd:store:ready``), ``socket_timeout`` / ``socket_connect_timeout`` (seconds),
+``max_connections`` (per master, default 64).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import redis.exceptions as rexc
+import torch
+
+from runtime.redis_cluster import ClusterURL, cluster_client, read_many, slot_of, slot_tags
+from runtime.sharded_pubsub import ShardedChannels
+from runtime.stores.base import (
+    Blob,
+    EmbeddingStore,
+    StoreError,
+    StoreKeyMissing,
+    StoreTimeout,
+    StoreUnavailable,
+    decode_header,
+    encode_header,
+    expiry_ms,
+    tensor_from_blob,
+    tensor_view,
+)
+from schemas.keys import store_ready_slot_channel
+
+log = logging.getLogger(__name__)
+
+UNAVAILABLE = (
+    rexc.ConnectionError,
+    rexc.TimeoutError,
+    rexc.ClusterError,
+    rexc.TryAgainError,
+    rexc.SlotNotCoveredError,
+    OSError,
+)
+"""What a cluster answers while a master is down or a slot is moving: transient."""
+
+
+def _px(ttl_s: float | None) -> int | None:
+    expiry_ms(ttl_s)  # validates the TTL; Redis does the expiring itself
+    return None if ttl_s is None else max(1, int(ttl_s * 1000))
+
+
+class RedisClusterStore(EmbeddingStore):
+    """Embedding store on a Redis Cluster; see the module docstring."""
+
+    def __init__(self, url: str, *, socket_connect_timeout_s: float = 5.0) -> None:
+        parsed = ClusterURL.parse(url)
+        self._parsed = parsed
+        self._url = parsed.name
+        self._key_prefix = parsed.option("key_prefix", "") or ""
+        self._channel = parsed.option("channel", "epd:store:ready") or "epd:store:ready"
+        self._client = cluster_client(
+            parsed,
+            max_connections=int(parsed.option("max_connections", "64") or 64),
+            socket_connect_timeout=socket_connect_timeout_s,
+            decode_responses=False,
+        )
+        self._subs = ShardedChannels(
+            self._client,
+            self._woken,
+            self._deaf,
+            connect_timeout_s=socket_connect_timeout_s,
+        )
+        self._waiters: dict[bytes, set[asyncio.Future[None]]] = {}
+        # Computed (once per process) when the store is opened, not on a request's path.
+        self._tags = slot_tags()
+        self._closed = False
+        self.wake_checks = 0
+        """How many times ``wait`` re-examined its keys (tests use it to prove it does not spin)."""
+
+    @property
+    def url(self) -> str:
+        """The cluster's normalised name (all seeds), whatever order they were given in."""
+        return self._url
+
+    @property
+    def client(self) -> Any:
+        """The ``RedisCluster`` client of the data path."""
+        return self._client
+
+    def _k(self, key: str) -> bytes:
+        return (self._key_prefix + key).encode()
+
+    def _ready_channel(self, rkey: bytes) -> bytes:
+        """The readiness channel of ``rkey``'s slot."""
+        return store_ready_slot_channel(self._channel, self._tags[slot_of(rkey)]).encode()
+
+    def _unavailable(self, what: str, exc: BaseException) -> StoreUnavailable:
+        return StoreUnavailable(f"redis cluster store {self._url}: {what} failed: {exc}")
+
+    # --- basic operations -------------------------------------------------------------------
+
+    async def put(self, key: str, tensor: torch.Tensor, ttl_s: float | None = None) -> None:
+        px = _px(ttl_s)
+        rkey = self._k(key)
+        blob = b"".join((encode_header(tensor), tensor_view(tensor)))
+        try:
+            async with self._client.pipeline(transaction=True) as pipe:
+                if px is None:
+                    pipe.set(rkey, blob)
+                else:
+                    pipe.set(rkey, blob, px=px)
+                pipe.spublish(self._ready_channel(rkey), rkey)
+                await pipe.execute()
+        except UNAVAILABLE as exc:
+            raise self._unavailable(f"put {key!r}", exc) from exc
+
+    async def _get_blob(self, key: str) -> Blob:
+        try:
+            blob = await self._client.get(self._k(key))
+        except UNAVAILABLE as exc:
+            raise self._unavailable(f"get {key!r}", exc) from exc
+        if blob is None:
+            raise StoreKeyMissing(key)
+        assert not isinstance(blob, str)  # decode_responses=False
+        return blob
+
+    async def get(self, key: str) -> torch.Tensor:
+        blob = await self._get_blob(key)
+        return tensor_from_blob(blob, decode_header(blob, key))
+
+    async def get_bytes(self, key: str) -> bytes:
+        blob = await self._get_blob(key)
+        return bytes(memoryview(blob)[decode_header(blob, key).data_offset :])
+
+    async def get_many(self, keys: Sequence[str]) -> list[torch.Tensor]:
+        if not keys:
+            return []
+        try:
+            blobs = await read_many(self._client, [self._k(k) for k in keys])
+        except UNAVAILABLE as exc:
+            raise self._unavailable("mget", exc) from exc
+        missing = [k for k, b in zip(keys, blobs, strict=True) if b is None]
+        if missing:
+            raise StoreKeyMissing(missing)
+        return [tensor_from_blob(b, decode_header(b, k)) for k, b in zip(keys, blobs, strict=True)]
+
+    async def _exists_each(self, rkeys: Sequence[bytes]) -> list[bool]:
+        found = await asyncio.gather(*(self._client.exists(k) for k in rkeys))
+        return [bool(n) for n in found]
+
+    async def exists(self, key: str) -> bool:
+        try:
+            (present,) = await self._exists_each([self._k(key)])
+        except UNAVAILABLE as exc:
+            raise self._unavailable("exists", exc) from exc
+        return present
+
+    async def touch(self, key: str, ttl_s: float | None) -> bool:
+        px = _px(ttl_s)
+        rkey = self._k(key)
+        try:
+            if px is not None:
+                return bool(await self._client.pexpire(rkey, px))
+            await self._client.persist(rkey)
+            return bool(await self._client.exists(rkey))
+        except UNAVAILABLE as exc:
+            raise self._unavailable(f"touch {key!r}", exc) from exc
+
+    async def delete(self, key: str) -> None:
+        try:
+            await self._client.delete(self._k(key))
+        except UNAVAILABLE as exc:
+            raise self._unavailable("delete", exc) from exc
+
+    # --- readiness ----------------------------------------------------------------------------
+
+    def _woken(self, channel: bytes, data: bytes) -> None:
+        for fut in self._waiters.get(data, ()):
+            if not fut.done():
+                fut.set_result(None)
+
+    def _deaf(self, channels: frozenset[bytes]) -> None:
+        """Fail every wait on a key whose slot channel went deaf (one synchronous step)."""
+        err = StoreUnavailable(f"redis cluster store {self._url}: readiness channel lost")
+        for rkey, futs in self._waiters.items():
+            if self._ready_channel(rkey) in channels:
+                for fut in futs:
+                    if not fut.done():
+                        fut.set_exception(err)
+
+    async def wait(self, keys: Sequence[str], timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pending = list(dict.fromkeys(keys))
+        if not pending:
+            return
+        if self._closed:
+            raise StoreError(f"redis cluster store {self._url} is closed")
+        rkeys = {k: self._k(k) for k in pending}
+        channels = {self._ready_channel(r) for r in rkeys.values()}
+        try:
+            left = max(deadline - loop.time(), 0.001)
+            await asyncio.wait_for(self._subs.subscribe(channels), left)
+        except TimeoutError:
+            # Subscribing took the whole wait (first connections to the masters): what is
+            # missing is what is not there now.
+            try:
+                there = await self._exists_each([rkeys[k] for k in pending])
+            except UNAVAILABLE as exc:
+                raise self._unavailable("wait", exc) from exc
+            missing = [k for k, ok in zip(pending, there, strict=True) if not ok]
+            if missing:
+                raise StoreTimeout(missing, timeout_s) from None
+            return
+        except UNAVAILABLE as exc:
+            raise self._unavailable("wait (subscribe)", exc) from exc
+        futs = {k: loop.create_future() for k in pending}
+        for k, fut in futs.items():
+            self._waiters.setdefault(rkeys[k], set()).add(fut)
+        try:
+            # Registered after the subscriptions were confirmed, checked with no await between:
+            # a channel that went deaf since then failed only the futures it knew of.
+            if not all(self._subs.subscribed(c) for c in channels):
+                raise StoreUnavailable(f"redis cluster store {self._url}: readiness channel lost")
+            self.wake_checks += 1
+            try:
+                present = await self._exists_each([rkeys[k] for k in pending])
+            except UNAVAILABLE as exc:
+                raise self._unavailable("wait", exc) from exc
+            waiting = [futs[k] for k, ok in zip(pending, present, strict=True) if not ok]
+            while waiting:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise StoreTimeout([k for k, f in futs.items() if f in waiting], timeout_s)
+                done, _ = await asyncio.wait(
+                    waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+                for fut in done:
+                    failure = fut.exception()
+                    if failure is not None:
+                        raise failure
+                waiting = [f for f in waiting if not f.done()]
+        finally:
+            for k, fut in futs.items():
+                if not fut.done():
+                    fut.cancel()
+                elif not fut.cancelled():
+                    fut.exception()  # mark a listener failure as retrieved
+                registered = self._waiters.get(rkeys[k])
+                if registered is not None:
+                    registered.discard(fut)
+                    if not registered:
+                        del self._waiters[rkeys[k]]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._subs.close()
+        with contextlib.suppress(Exception):
+            await self._client.aclose()
