@@ -55,6 +55,9 @@ class _Link:
     """Our unsubscribes not confirmed yet (such a ``sunsubscribe`` is ours, not the server's)."""
     task: asyncio.Task[None] | None = None
     dead: bool = False
+    sending: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """One (un)subscribe command at a time: two at once would each open a connection, and the
+    replies of the one not kept would never be read."""
 
 
 class ShardedChannels:
@@ -98,7 +101,8 @@ class ShardedChannels:
             link.channels.discard(channel)
             link.leaving[channel] += 1
             with contextlib.suppress(RedisError, OSError):
-                await link.pubsub.sunsubscribe(channel)
+                async with link.sending:
+                    await link.pubsub.sunsubscribe(channel)
 
     async def close(self) -> None:
         """Close every connection (no ``on_lost`` for them)."""
@@ -133,7 +137,8 @@ class ShardedChannels:
             fut.add_done_callback(_retrieve)  # a failure nobody awaited is not an error
             link.pending[channel] = fut
             try:
-                await link.pubsub.ssubscribe(channel)
+                async with link.sending:
+                    await link.pubsub.ssubscribe(channel)
             except BaseException as exc:
                 link.pending.pop(channel, None)
                 if not fut.done():

@@ -600,17 +600,30 @@ class RedisClusterHandle:
 
     def keys_per_master(self, pattern: str) -> dict[str, int]:
         """How many keys matching ``pattern`` each master holds (SCAN on every master)."""
+        return {addr: len(self.keys_on(addr, pattern)) for addr in self.masters()}
+
+    def keys_on(self, address: str, pattern: str) -> set[bytes]:
+        """The keys matching ``pattern`` the node at ``address`` holds."""
         import redis
 
-        out = {}
-        for addr in self.masters():
-            host, port = addr.rsplit(":", 1)
-            client = redis.Redis(host=host, port=int(port), socket_timeout=5)
-            try:
-                out[addr] = sum(1 for _ in client.scan_iter(match=pattern, count=1000))
-            finally:
-                client.close()
-        return out
+        host, port = address.rsplit(":", 1)
+        client = redis.Redis(host=host, port=int(port), socket_timeout=5)
+        try:
+            return set(client.scan_iter(match=pattern, count=1000))
+        finally:
+            client.close()
+
+    def cut_replication(self, master: str) -> int:
+        """Close ``master``'s connections to its replicas (they reconnect within a second or
+        so, unless frozen first): what it writes meanwhile reaches no replica."""
+        import redis
+
+        host, port = master.rsplit(":", 1)
+        client = redis.Redis(host=host, port=int(port), socket_timeout=5)
+        try:
+            return int(client.execute_command("CLIENT", "KILL", "TYPE", "replica"))
+        finally:
+            client.close()
 
     def delete(self, pattern: str) -> None:
         """Delete the keys matching ``pattern`` on every master."""
@@ -627,11 +640,17 @@ class RedisClusterHandle:
 
     def kill(self, address: str) -> None:
         """SIGKILL the node at ``address`` (it stays down)."""
+        self.signal(address, signal.SIGKILL)
         for rec in self.nodes.nodes:
             if rec.address == address and rec.pid is not None:
-                os.kill(rec.pid, signal.SIGKILL)
                 with contextlib.suppress(ChildProcessError, OSError):
                     os.waitpid(rec.pid, 0)
+
+    def signal(self, address: str, sig: int) -> None:
+        """Send ``sig`` to the node at ``address`` (SIGSTOP freezes it, SIGCONT resumes)."""
+        for rec in self.nodes.nodes:
+            if rec.address == address and rec.pid is not None:
+                os.kill(rec.pid, sig)
 
     def close(self) -> None:
         services.stop_records([r for r in self.nodes.nodes])

@@ -101,9 +101,13 @@ def start_redis_cluster(
     tie_to_parent: bool = False,
     timeout_s: float = 30.0,
 ) -> RedisClusterNodes:
-    """Start and form a cluster of ``masters`` masters with ``replicas`` replicas each."""
-    if masters < 3:
-        raise ServiceError("a Redis Cluster needs at least 3 masters (redis-cli refuses fewer)")
+    """Start and form a cluster of ``masters`` masters with ``replicas`` replicas each.
+
+    ``redis-cli --cluster create`` forms clusters of 3 masters or more; a smaller one (the
+    benchmarks' 1-master cluster, replicas 0) is formed by hand: the nodes meet and split the
+    slots between them (``CLUSTER MEET``, ``CLUSTER ADDSLOTSRANGE``)."""
+    if masters < 1 or (masters < 3 and replicas):
+        raise ServiceError("a Redis Cluster needs 3 masters or more for replicas (1 without)")
     binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if binary is None or cli is None:
         raise ServiceError(CLUSTER_INSTALL_HINT)
@@ -114,7 +118,10 @@ def start_redis_cluster(
             started.append(_spawn_node(binary, directory, log_dir, node_timeout_ms, tie_to_parent))
         for rec in started:
             _await_port(rec, timeout_s)
-        _form(cli, started, replicas, timeout_s)
+        if masters >= 3:
+            _form(cli, started, replicas, timeout_s)
+        else:
+            _form_by_hand(cli, started, timeout_s)
     except BaseException:
         for rec in started:
             stop_process(rec.pid, rec.command)
@@ -165,6 +172,35 @@ def _form(cli: str, nodes: list[ServiceRecord], replicas: int, timeout_s: float)
     )
     if formed.returncode != 0:
         raise ServiceError(f"redis-cli --cluster create failed:\n{formed.stdout}{formed.stderr}")
+    deadline = time.monotonic() + timeout_s
+    while not all(cluster_ok(cli, r.address, len(nodes)) for r in nodes):
+        if time.monotonic() > deadline:
+            raise ServiceError(f"the Redis Cluster on {nodes[0].address} did not settle")
+        time.sleep(0.2)
+
+
+def _form_by_hand(cli: str, nodes: list[ServiceRecord], timeout_s: float) -> None:
+    """Meet the nodes and give each an even share of the slots (no replicas)."""
+
+    def call(address: str, *args: str) -> None:
+        host, _, port = address.rpartition(":")
+        done = subprocess.run(
+            [cli, "-h", host, "-p", port, *args],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+        if done.returncode != 0 or "ERR" in done.stdout:
+            raise ServiceError(f"{' '.join(args)} on {address}: {done.stdout}{done.stderr}")
+
+    first_host, _, first_port = nodes[0].address.rpartition(":")
+    share = 16384 // len(nodes)
+    for i, rec in enumerate(nodes):
+        if i:
+            call(rec.address, "cluster", "meet", first_host, first_port)
+        last = 16383 if i == len(nodes) - 1 else (i + 1) * share - 1
+        call(rec.address, "cluster", "addslotsrange", str(i * share), str(last))
     deadline = time.monotonic() + timeout_s
     while not all(cluster_ok(cli, r.address, len(nodes)) for r in nodes):
         if time.monotonic() > deadline:

@@ -2,9 +2,16 @@
 
 Embeddings and claim-checked inputs spread over the masters by key (their keys carry no hash
 tag: each lands where its own hash puts it). Values use the blob layout of
-:mod:`runtime.stores.base`, exactly as on ``redis://``. The data path is redis-py's asyncio
-``RedisCluster`` (its slot map, ``MOVED``/``ASK`` handling and retries); reads go to masters
-(see :mod:`runtime.redis_cluster`).
+:mod:`runtime.stores.base`, exactly as on ``redis://``. Reads go to masters (see
+:mod:`runtime.redis_cluster`).
+
+Data path: redis-py's asyncio ``RedisCluster`` keeps the slot map and is the way back whenever
+something is off (``MOVED``/``ASK`` while a slot moves, a master gone, ``CLUSTERDOWN``): it
+follows the redirect, refreshes its map and retries. Puts, gets, multi-gets and existence checks
+go first, through that map, to the slot's master over the wire client of the ``redis://`` store
+(:mod:`runtime.stores.redis_wire`: a value received straight into its own buffer and sent from
+the tensor's memory), which costs a large value about a third of redis-py's time; a redirect or
+a dead connection there falls back to redis-py for that call (``wire_io=False``: redis-py only).
 
 Readiness: a put is ``SET key blob PX ttl`` and ``SPUBLISH <slot channel> key`` in one
 ``MULTI``/``EXEC`` on the key's master. The slot channel is ``{channel}:{<tag>}`` where the tag
@@ -34,6 +41,7 @@ import torch
 
 from runtime.redis_cluster import ClusterURL, cluster_client, read_many, slot_of, slot_tags
 from runtime.sharded_pubsub import ShardedChannels
+from runtime.stores import redis_wire as wire
 from runtime.stores.base import (
     Blob,
     EmbeddingStore,
@@ -62,6 +70,50 @@ UNAVAILABLE = (
 """What a cluster answers while a master is down or a slot is moving: transient."""
 
 
+REDIRECTS = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN")
+"""Error replies that say "not here, not now": the call goes the redis-py way instead."""
+
+
+def _redirected(exc: rexc.ResponseError) -> bool:
+    return str(exc).startswith(REDIRECTS)
+
+
+class _WireRoutes:
+    """Wire pools to the masters, found through the cluster client's slot map."""
+
+    def __init__(self, client: Any, parsed: ClusterURL, connect_timeout_s: float) -> None:
+        self.client = client
+        self.parsed = parsed
+        self.connect_timeout_s = connect_timeout_s
+        timeout = parsed.option("socket_timeout")
+        self.timeout_s = float(timeout) if timeout not in (None, "", "None") else None
+        self._pools: dict[str, wire.WirePool] = {}
+
+    async def pool(self, rkey: bytes) -> wire.WirePool | None:
+        """The pool of ``rkey``'s master by the client's map (None when it names none)."""
+        await self.client.initialize()  # a no-op unless the map is stale or unknown
+        node = self.client.get_node_from_key(rkey)
+        if node is None:
+            return None
+        found = self._pools.get(node.name)
+        if found is None:
+            found = self._pools[node.name] = wire.WirePool(
+                node.host,
+                int(node.port),
+                0,
+                username=self.parsed.username,
+                password=self.parsed.password,
+                connect_timeout_s=self.connect_timeout_s,
+                timeout_s=self.timeout_s,
+            )
+        return found
+
+    def close(self) -> None:
+        for p in self._pools.values():
+            p.close()
+        self._pools.clear()
+
+
 def _px(ttl_s: float | None) -> int | None:
     expiry_ms(ttl_s)  # validates the TTL; Redis does the expiring itself
     return None if ttl_s is None else max(1, int(ttl_s * 1000))
@@ -70,7 +122,11 @@ def _px(ttl_s: float | None) -> int | None:
 class RedisClusterStore(EmbeddingStore):
     """Embedding store on a Redis Cluster; see the module docstring."""
 
-    def __init__(self, url: str, *, socket_connect_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, url: str, *, socket_connect_timeout_s: float = 5.0, wire_io: bool = True
+    ) -> None:
+        """Open a handle on ``url`` (no I/O yet). ``wire_io=False``: redis-py for everything
+        (tests and the benchmark compare the two)."""
         parsed = ClusterURL.parse(url)
         self._parsed = parsed
         self._url = parsed.name
@@ -81,6 +137,9 @@ class RedisClusterStore(EmbeddingStore):
             max_connections=int(parsed.option("max_connections", "64") or 64),
             socket_connect_timeout=socket_connect_timeout_s,
             decode_responses=False,
+        )
+        self._routes = (
+            _WireRoutes(self._client, parsed, socket_connect_timeout_s) if wire_io else None
         )
         self._subs = ShardedChannels(
             self._client,
@@ -112,6 +171,29 @@ class RedisClusterStore(EmbeddingStore):
         """The readiness channel of ``rkey``'s slot."""
         return store_ready_slot_channel(self._channel, self._tags[slot_of(rkey)]).encode()
 
+    async def _by_wire(self, rkey: bytes, op: Any) -> tuple[bool, Any]:
+        """``(True, op(pool))`` over the wire to ``rkey``'s master, or ``(False, None)`` when
+        the caller should go the redis-py way (no wire path, a redirect, a dead connection)."""
+        if self._routes is None:
+            return False, None
+        try:
+            pool = await self._routes.pool(rkey)
+            if pool is None:
+                return False, None
+            return True, await op(pool)
+        except rexc.ResponseError as exc:
+            if _redirected(exc):
+                return False, None
+            raise
+        except (
+            rexc.ConnectionError,
+            rexc.TimeoutError,
+            rexc.SlotNotCoveredError,
+            OSError,
+            TimeoutError,
+        ):
+            return False, None  # redis-py finds the slot's master now, or says it cannot
+
     def _unavailable(self, what: str, exc: BaseException) -> StoreUnavailable:
         return StoreUnavailable(f"redis cluster store {self._url}: {what} failed: {exc}")
 
@@ -120,21 +202,39 @@ class RedisClusterStore(EmbeddingStore):
     async def put(self, key: str, tensor: torch.Tensor, ttl_s: float | None = None) -> None:
         px = _px(ttl_s)
         rkey = self._k(key)
-        blob = b"".join((encode_header(tensor), tensor_view(tensor)))
+        header, data, channel = (
+            encode_header(tensor),
+            tensor_view(tensor),
+            self._ready_channel(rkey),
+        )
+
+        async def by_wire(pool: wire.WirePool) -> None:
+            await wire.set_and_publish(pool, rkey, (header, data), px, channel, b"SPUBLISH")
+
+        try:
+            done, _ = await self._by_wire(rkey, by_wire)
+        except UNAVAILABLE as exc:
+            raise self._unavailable(f"put {key!r}", exc) from exc
+        if done:
+            return
+        blob = b"".join((header, data))  # redis-py sends one argument from one buffer
         try:
             async with self._client.pipeline(transaction=True) as pipe:
                 if px is None:
                     pipe.set(rkey, blob)
                 else:
                     pipe.set(rkey, blob, px=px)
-                pipe.spublish(self._ready_channel(rkey), rkey)
+                pipe.spublish(channel, rkey)
                 await pipe.execute()
         except UNAVAILABLE as exc:
             raise self._unavailable(f"put {key!r}", exc) from exc
 
     async def _get_blob(self, key: str) -> Blob:
+        rkey = self._k(key)
         try:
-            blob = await self._client.get(self._k(key))
+            done, blob = await self._by_wire(rkey, lambda pool: wire.get(pool, rkey))
+            if not done:
+                blob = await self._client.get(rkey)
         except UNAVAILABLE as exc:
             raise self._unavailable(f"get {key!r}", exc) from exc
         if blob is None:
@@ -154,17 +254,42 @@ class RedisClusterStore(EmbeddingStore):
         if not keys:
             return []
         try:
-            blobs = await read_many(self._client, [self._k(k) for k in keys])
+            blobs = await self._read_many([self._k(k) for k in keys])
         except UNAVAILABLE as exc:
             raise self._unavailable("mget", exc) from exc
         missing = [k for k, b in zip(keys, blobs, strict=True) if b is None]
         if missing:
             raise StoreKeyMissing(missing)
-        return [tensor_from_blob(b, decode_header(b, k)) for k, b in zip(keys, blobs, strict=True)]
+        present = [b for b in blobs if b is not None]
+        return [
+            tensor_from_blob(b, decode_header(b, k)) for k, b in zip(keys, present, strict=True)
+        ]
+
+    async def _read_many(self, rkeys: list[bytes]) -> list[Blob | None]:
+        """MGET by slot (a multi-key command must stay in one slot), over the wire where it
+        can go, all slots at once."""
+        by_slot: dict[int, list[int]] = {}
+        for i, k in enumerate(rkeys):
+            by_slot.setdefault(slot_of(k), []).append(i)
+
+        async def one(group: list[int]) -> list[Any]:
+            keys = [rkeys[i] for i in group]
+            done, values = await self._by_wire(keys[0], lambda pool: wire.mget(pool, keys))
+            return values if done else await read_many(self._client, keys)
+
+        groups = list(by_slot.values())
+        out: list[Blob | None] = [None] * len(rkeys)
+        for group, values in zip(groups, await asyncio.gather(*map(one, groups)), strict=True):
+            for i, v in zip(group, values, strict=True):
+                out[i] = v
+        return out
 
     async def _exists_each(self, rkeys: Sequence[bytes]) -> list[bool]:
-        found = await asyncio.gather(*(self._client.exists(k) for k in rkeys))
-        return [bool(n) for n in found]
+        async def one(rkey: bytes) -> bool:
+            done, found = await self._by_wire(rkey, lambda pool: wire.exists_each(pool, [rkey]))
+            return bool(found[0]) if done else bool(await self._client.exists(rkey))
+
+        return list(await asyncio.gather(*map(one, rkeys)))
 
     async def exists(self, key: str) -> bool:
         try:
@@ -275,5 +400,7 @@ class RedisClusterStore(EmbeddingStore):
             return
         self._closed = True
         await self._subs.close()
+        if self._routes is not None:
+            self._routes.close()
         with contextlib.suppress(Exception):
             await self._client.aclose()
