@@ -38,14 +38,16 @@ BENCHMARKS: dict[str, str] = {
     "encoder_cache": "bench.encoder_cache",
     "pipeline": "bench.pipeline",
     "throughput": "bench.throughput",
+    "decode": "bench.decode_batching",
+    "openai": "bench.openai_stream",
     "gpu": "bench.gpu",
 }
 """Benchmark name -> module exposing ``run(*, quick, out, ...) -> dict``, in run order."""
-FIGURES_ONLY = frozenset({"brokers"})
+FIGURES_ONLY = frozenset({"brokers", "openai"})
 """Benchmarks that report figures without a DESIGN.md budget (no ``meets_budget``)."""
 OPT_IN = frozenset({"gpu"})
 """Run only when named: ``gpu`` needs CUDA (without it, it reports ``skipped: no CUDA``)."""
-NEEDS_REDIS = frozenset({"stores", "encoder_cache", "pipeline", "throughput"})
+NEEDS_REDIS = frozenset({"stores", "encoder_cache", "pipeline", "throughput", "decode", "openai"})
 DEFAULT_OUT = Path(__file__).parent / "out"
 
 

@@ -141,16 +141,16 @@ def big_bundle(prof: Profile) -> Any:
     """A ModelBundle around a Qwen2-VL-2B-sized model with random weights (transformers' init)."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    from runtime.model import ModelBundle, tiny_image_processor
+    from runtime.model import ModelBundle, text_config, tiny_image_processor
     from runtime.tokenizer import build_tiny_tokenizer
     from schemas.families import FAMILIES
 
     cfg = Qwen2VLConfig(
         text_config=QWEN2VL_2B_TEXT, vision_config=QWEN2VL_2B_VISION, tie_word_embeddings=True
     )
-    cfg._attn_implementation = "sdpa"
     with prof.device:
         model: Any = Qwen2VLForConditionalGeneration(cfg)
+    model.set_attn_implementation("sdpa")
     peaked_init(model, seed=0)
     model = model.to(prof.dtype).eval()
     model.generation_config.eos_token_id = QWEN2VL_2B_TEXT["eos_token_id"]
@@ -171,6 +171,8 @@ def big_bundle(prof: Profile) -> Any:
         vision_end_id=151653,
         eos_token_id=151645,
         merge_size=2,
+        vocab_size=int(text_config(cfg).vocab_size),
+        context_length=int(text_config(cfg).max_position_embeddings),
     )
 
 
@@ -335,10 +337,10 @@ def vision_bundle(prof: Profile) -> Any:
 
     cfg = Qwen2VLConfig(vision_config=QWEN2VL_2B_VISION) if prof.big_model else tiny_config()
     vcfg = vision_config(cfg)
-    vcfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with prof.device:
         tower: Any = Qwen2VisionTransformerPretrainedModel(vcfg)
+    tower.set_attn_implementation("sdpa")
     tower = tower.to(prof.dtype).eval()
     return SimpleNamespace(
         model=SimpleNamespace(model=SimpleNamespace(visual=tower)),

@@ -342,7 +342,8 @@ async def _transport(settings: Any, topic: str, events: list[Any], compression: 
     """Events/s of encode -> produce -> fetch -> decode over one partition (all ``events``)."""
     from aiokafka import TopicPartition
 
-    from runtime.kafka import ensure_topics, event_headers, make_consumer, make_producer
+    from runtime.kafka import ensure_topics, make_consumer, make_producer
+    from runtime.publisher import frame
     from schemas.codec import get_codec
     from schemas.types import PrefillEvent
 
@@ -363,12 +364,10 @@ async def _transport(settings: Any, topic: str, events: list[Any], compression: 
         async def produce(batch: list[Any]) -> None:
             sent = []
             for ev in batch:
+                record = frame(ev, ev.request_id)
                 sent.append(
                     await producer.send(
-                        topic,
-                        value=codec.encode(ev),
-                        key=ev.request_id.encode(),
-                        headers=event_headers(ev),
+                        topic, value=record.value, key=record.key, headers=record.headers
                     )
                 )
             await asyncio.gather(*sent)

@@ -30,7 +30,7 @@ OWN_FRAME = re.compile(
     r"\((?:.*/)?(?:runtime|producers|consumers|gpu_workers|schemas|epd)/[^/]+\.py:"
 )
 """A frame of the project's own code: py-spy names files relative to sys.path or in full."""
-ENTRY_FRAME = re.compile(r"\((?:.*/)?epd/(?:cli|commands/worker)\.py:")
+ENTRY_FRAME = re.compile(r"\((?:.*/)?epd/(?:cli|stages|commands/worker)\.py:")
 """The process's entry point, on every stack: not worth a line of the summary."""
 
 

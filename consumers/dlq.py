@@ -9,8 +9,9 @@ Replay is guarded three ways, so it can never feed a record back into the failur
 * **Re-validation first.** The original value is decoded and checked against the event type its
   topic carries and the validator rules the workers apply (and its deadline). An undecodable or
   still-invalid record is not republished; the outcome names the rule (and modality/item).
-* **No loops.** A republished record carries :data:`REPLAYED_FROM_HEADER` (``dlq:p:o`` of the dead
-  letter) and :data:`REPLAY_COUNT_HEADER`. The consume loop copies a record's headers into its dead
+* **No loops.** A republished record carries ``epd-replayed-from`` (``dlq:p:o`` of the dead
+  letter) and ``epd-replay-count`` (:mod:`schemas.dead_letters`, the envelope's one home). The
+  consume loop copies a record's headers into its dead
   letter, so when a replayed record fails again its new dead letter still says it was replayed,
   and replay refuses it (fix the cause and resubmit instead).
 * **Once per dead letter.** A :class:`ReplayLedger` in Redis remembers which dead letters were
@@ -30,27 +31,27 @@ from typing import TYPE_CHECKING, Any
 
 from aiokafka import TopicPartition
 
-from consumers.loop import ERROR_HEADER_PREFIX
 from runtime.kafka import make_consumer, read_topic, topic_partitions
 from runtime.redis_cluster import read_many
 from runtime.settings import Settings
 from schemas import codec
+from schemas import dead_letters as envelope
 from schemas.errors import CodecError, ValidationError
 from schemas.keys import RedisKeys
 from schemas.topics import Topics
 from schemas.types import (
     DeadLetter,
-    EncodedEvent,
+    DecodeEvent,
     EncodeEvent,
     ErrorInfo,
     PrefillEvent,
     RenderEvent,
-    ResultEvent,
     TensorRef,
     now_ms,
 )
 from schemas.validator import (
     ValidationConfig,
+    validate_decode_event,
     validate_encode_event,
     validate_prefill_event,
     validate_render_event,
@@ -62,11 +63,6 @@ if TYPE_CHECKING:
     from runtime.redis_cluster import RedisClient
     from runtime.stores.base import EmbeddingStore
 
-REPLAYED_FROM_HEADER = "epd-replayed-from"
-"""On a republished record: the dead letter it came from, as ``dlq_topic:partition:offset``."""
-REPLAY_COUNT_HEADER = "epd-replay-count"
-"""On a republished record: how many times its payload has been replayed (1 for the first)."""
-VALUE_DROPPED_HEADER = f"{ERROR_HEADER_PREFIX}value-dropped"
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])", re.IGNORECASE)
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -151,21 +147,12 @@ class DeadLetterRecord:
     @property
     def replayed_from(self) -> str | None:
         """The dead letter this record's payload was replayed from, if it was a replay."""
-        if self.letter is None:
-            return None
-        raw = self.letter.headers.get(REPLAYED_FROM_HEADER)
-        return raw.decode("utf-8", "replace") if raw is not None else None
+        return envelope.replayed_from(self.letter) if self.letter is not None else None
 
     @property
     def replay_count(self) -> int:
         """How many times the payload had been replayed when it failed (0: never)."""
-        if self.letter is None:
-            return 0
-        raw = self.letter.headers.get(REPLAY_COUNT_HEADER)
-        try:
-            return int(raw) if raw is not None else 0
-        except ValueError:
-            return 1  # a malformed count still says "replayed"
+        return envelope.replay_count(self.letter) if self.letter is not None else 0
 
 
 def _record(rec: Any) -> DeadLetterRecord:
@@ -320,17 +307,6 @@ def _event_summary(value: bytes) -> dict[str, Any]:
 # --- replay ---------------------------------------------------------------------------------
 
 
-def topic_event_types(topics: Topics) -> dict[str, type]:
-    """The event type each replayable topic carries (the DLQ itself is not a replay target)."""
-    return {
-        topics.render: RenderEvent,
-        topics.encode: EncodeEvent,
-        topics.prefill: PrefillEvent,
-        topics.encoded: EncodedEvent,
-        topics.results: ResultEvent,
-    }
-
-
 def check_replayable(
     r: DeadLetterRecord, topics: Topics, config: ValidationConfig, now: int | None = None
 ) -> ErrorInfo | None:
@@ -340,6 +316,19 @@ def check_replayable(
     topic carries, its deadline has not passed, and it passes the validator's rules. A record that
     was itself a replay is refused outright (it failed again: replaying it would loop).
     """
+    expected = _replay_target(r, topics)
+    if isinstance(expected, ErrorInfo):
+        return expected
+    assert r.letter is not None
+    try:
+        ev: Any = codec.decode(r.letter.value, expected)
+    except CodecError as exc:
+        return ErrorInfo("undecodable", f"the original does not decode: {exc}")
+    return _expired(ev, now) or _invalid(ev, config)
+
+
+def _replay_target(r: DeadLetterRecord, topics: Topics) -> type | ErrorInfo:
+    """The event type the letter's payload must decode as, or why there is none to replay."""
     if r.letter is None:
         return ErrorInfo("dlq-undecodable", f"the DLQ record does not decode: {r.decode_error}")
     lt = r.letter
@@ -350,36 +339,46 @@ def check_replayable(
             f"#{r.replay_count}) and failed again; replaying it would loop. Fix the cause and "
             "submit the request again.",
         )
-    expected = topic_event_types(topics).get(lt.original_topic)
-    if expected is None:
+    expected = topics.event_type(lt.original_topic)
+    if expected is None or expected is DeadLetter:  # the DLQ itself is no replay target
         return ErrorInfo(
             "unknown-topic",
             f"original topic {lt.original_topic!r} is not a replayable topic of pipeline "
             f"{topics.prefix!r}",
         )
     if not lt.value:
-        dropped = lt.headers.get(VALUE_DROPPED_HEADER, b"?").decode("utf-8", "replace")
+        dropped = lt.headers.get(envelope.VALUE_DROPPED_HEADER, b"?").decode("utf-8", "replace")
         return ErrorInfo(
             "payload-dropped",
             f"the {dropped}-byte original was too large for the DLQ and is not in it; it is "
             f"still at {r.source} while the topic retains it",
         )
-    try:
-        ev: Any = codec.decode(lt.value, expected)
-    except CodecError as exc:
-        return ErrorInfo("undecodable", f"the original does not decode: {exc}")
+    return expected
+
+
+def _expired(ev: Any, now: int | None) -> ErrorInfo | None:
     deadline = getattr(ev, "deadline_ms", None)
     if deadline is not None and (now if now is not None else now_ms()) >= deadline:
         return ErrorInfo(
             "expired", f"its deadline passed at {_iso(deadline)}; the worker would only expire it"
         )
+    return None
+
+
+_VALIDATORS: dict[type, Callable[[Any, ValidationConfig], None]] = {
+    RenderEvent: validate_render_event,
+    EncodeEvent: validate_encode_event,
+    PrefillEvent: validate_prefill_event,
+    DecodeEvent: validate_decode_event,
+}
+"""The rules the worker of each replayable event type applies before any work."""
+
+
+def _invalid(ev: Any, config: ValidationConfig) -> ErrorInfo | None:
+    check = _VALIDATORS.get(type(ev))
     try:
-        if isinstance(ev, RenderEvent):
-            validate_render_event(ev, config)
-        elif isinstance(ev, EncodeEvent):
-            validate_encode_event(ev, config)
-        elif isinstance(ev, PrefillEvent):
-            validate_prefill_event(ev, config)
+        if check is not None:
+            check(ev, config)
     except ValidationError as exc:
         return ErrorInfo(
             "still-invalid",
@@ -435,17 +434,8 @@ def replay_headers(r: DeadLetterRecord) -> list[tuple[str, bytes]]:
     """The original record's headers (minus the DLQ's ``epd-error-*`` ones), plus the replay
     marks that let replay recognise this payload if it is dead-lettered again."""
     assert r.letter is not None
-    kept = [
-        (k, v)
-        for k, v in r.letter.headers.items()
-        if not k.startswith(ERROR_HEADER_PREFIX)
-        and k not in (REPLAYED_FROM_HEADER, REPLAY_COUNT_HEADER)
-    ]
-    return [
-        *kept,
-        (REPLAYED_FROM_HEADER, f"{r.topic}:{r.partition}:{r.offset}".encode()),
-        (REPLAY_COUNT_HEADER, str(r.replay_count + 1).encode()),
-    ]
+    position = f"{r.topic}:{r.partition}:{r.offset}"
+    return [*envelope.original_headers(r.letter), *envelope.replay_marks(r.letter, position)]
 
 
 class ReplayLedger:

@@ -63,7 +63,6 @@ from consumers.retry import (
 )
 from consumers.transactions import BatchSpan, ProducerFenced, abort_quietly, commit_batch
 from runtime.kafka import (
-    event_headers,
     is_transactional,
     make_consumer,
     make_producer,
@@ -72,9 +71,11 @@ from runtime.kafka import (
     transactional_id,
 )
 from runtime.metrics import per_registry
+from runtime.publisher import frame
 from runtime.settings import Settings
 from runtime.tracing import carrier_of, stage_span
 from schemas import codec
+from schemas import dead_letters as envelope
 from schemas.types import DeadLetter, ErrorInfo, now_ms
 
 log = logging.getLogger(__name__)
@@ -88,8 +89,6 @@ __all__ = [
     "Poison",
     "Transient",
 ]
-
-ERROR_HEADER_PREFIX = "epd-error-"
 
 
 @dataclass(slots=True)
@@ -208,6 +207,28 @@ class _Metrics:
         )
 
 
+@dataclass(slots=True)
+class _Failures:
+    """One record's failures so far, as the retry policy weighs them: handler errors, and
+    infrastructure outages timed from the first one."""
+
+    handler: int = 0
+    infrastructure: int = 0
+    outage_began: float | None = None
+
+    def count(self, *, permanent: bool, infrastructure: bool) -> None:
+        if infrastructure:
+            self.infrastructure += 1
+            if self.outage_began is None:
+                self.outage_began = time.monotonic()
+        elif not permanent:
+            self.handler += 1
+
+    def outage_s(self) -> float:
+        """How long the outage has lasted (0 when there was none)."""
+        return time.monotonic() - self.outage_began if self.outage_began is not None else 0.0
+
+
 def _deadline_left_s(event: Any) -> float | None:
     """Seconds until ``event``'s ``deadline_ms`` (negative once past; None if it has none)."""
     deadline = getattr(event, "deadline_ms", None)
@@ -232,6 +253,7 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: Sequence[TopicPartition]) -> None:
         log.info("%s: assigned %s", self._owner.config.group_id, sorted(assigned))
+        self._owner._on_assigned(set(assigned))
         if assigned:
             self._owner.assigned.set()
 
@@ -290,6 +312,13 @@ class ConsumeLoop:
         self._next_offset: dict[TopicPartition, int] = {}
         self.log_rewinds = 0
         """Partitions found to have lost records and read again from the start."""
+        self._lost_topics: set[str] = set()
+        """Topics whose log the broker lost, until their start offsets are committed: the group's
+        committed offsets may point into the log that is gone (a commit sent before the loss was
+        seen lands on the new log), so the partitions of them assigned meanwhile are re-read."""
+        self._to_rewind: set[TopicPartition] = set()
+        self._commit_lock = asyncio.Lock()
+        """Commits go one at a time: a lost log's start is committed after any sent before."""
         self._last_commit = 0.0
         self._started = False
         self._running = False
@@ -432,7 +461,7 @@ class ConsumeLoop:
         if batch is not None:
             self._dispatch(batch)
             self._record_lag()
-        await self._rewind_shrunk_logs()
+        await self._rewind_lost_logs()
 
     async def _fetch(
         self,
@@ -482,8 +511,10 @@ class ConsumeLoop:
         group = self.config.group_id
         span = BatchSpan()
         self._batch_idle.clear()
+        began = False  # whether there is an open transaction to abort
         try:
             await producer.begin_transaction()
+            began = True
             self._dispatch(batch, span)
             self._record_lag()
             await self._await_batch(list(self._tasks), stop_wait)
@@ -505,7 +536,8 @@ class ConsumeLoop:
                     "%s: transaction failed (%r); the batch will be re-delivered", group, exc
                 )
             try:
-                await abort_quietly(producer, group)
+                if began:
+                    await abort_quietly(producer, group)
             except ProducerFenced as fenced:
                 self.failure = self.failure or fenced
                 self._stop_event.set()
@@ -545,15 +577,18 @@ class ConsumeLoop:
             lag = max(0, high - nxt)
             self._metrics.lag.labels(self.config.group_id, tp.topic, str(tp.partition)).set(lag)
 
-    async def _rewind_shrunk_logs(self) -> None:
+    async def _rewind_lost_logs(self) -> None:
         """A partition whose log ends below where this member reads has lost records (a memory
-        broker restarted, a topic deleted and made again): read its new log from the start.
+        broker restarted, a topic deleted and made again): read its topic's new log from the start.
 
         Kafka never reports a high watermark below an offset it handed out, nor commits past
         one; without this the member would wait at its old (or an old committed) position while
-        the new log's records went unread."""
+        the new log's records went unread. One partition found so stands for its whole topic: a
+        partition of the new log that already holds as many records as the old one had looks
+        whole, yet its records are new."""
         consumer = self.consumer
-        for tp in consumer.assignment():
+        assigned = consumer.assignment()
+        for tp in assigned:
             high = consumer.highwater(tp)  # from the last fetch: known once one answered
             if high is None:
                 continue
@@ -562,7 +597,42 @@ class ConsumeLoop:
                 at = await consumer.position(tp)  # a fetch answered: the position is known
             if high < at:
                 self._forget_lost_log(tp, at, high)
-                consumer.seek_to_beginning(tp)
+                self._lose_topic(tp.topic, assigned)
+        todo = self._to_rewind & assigned
+        if todo:
+            await self._read_again_from_start(todo)
+
+    def _lose_topic(self, topic: str, partitions: set[TopicPartition]) -> None:
+        """Mark ``topic`` lost and ``partitions`` of it (this member's) to be read again."""
+        rewind = {tp for tp in partitions if tp.topic == topic}
+        if rewind:
+            self._lost_topics.add(topic)
+            self._to_rewind |= rewind
+
+    def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        self._to_rewind = {tp for tp in assigned if tp.topic in self._lost_topics}
+
+    async def _read_again_from_start(self, tps: set[TopicPartition]) -> None:
+        """Seek ``tps`` to their log's start and commit that (their records are delivered
+        again: handlers are idempotent); the topics are whole again once the commit went."""
+        consumer = self.consumer
+        try:
+            starts: dict[TopicPartition, int] = await consumer.beginning_offsets(list(tps))
+            for tp, start in starts.items():
+                self._tracker.forget(tp)
+                self._next_offset.pop(tp, None)
+                consumer.seek(tp, start)
+        except KafkaError as exc:  # revoked meanwhile (IllegalStateError), or the broker away
+            log.info("%s: rewinding %s later (%r)", self.config.group_id, sorted(tps), exc)
+            return
+        self._to_rewind -= tps
+        log.warning(
+            "%s: reading %s again from the start (their topic's log was lost)",
+            self.config.group_id,
+            sorted(tps),
+        )
+        if self.transactional or await self._commit_offsets(starts):
+            self._lost_topics -= {tp.topic for tp in tps}
 
     def _forget_lost_log(self, tp: TopicPartition, expected: int, found: int) -> None:
         """Drop what this member tracked of ``tp``'s old log (its unfinished work is delivered
@@ -591,6 +661,7 @@ class ConsumeLoop:
             if records and expected is not None and records[0].offset < expected:
                 # aiokafka reset an out-of-range position to the start of a new log.
                 self._forget_lost_log(tp, expected, records[0].offset)
+                self._lose_topic(tp.topic, assigned - {tp})
             for i, rec in enumerate(records):
                 if len(self._tasks) >= self.config.max_in_flight:
                     # Give the rest back: the next poll after a slot frees returns them again.
@@ -672,77 +743,84 @@ class ConsumeLoop:
             await self._run_handler(ce)
 
     async def _run_handler(self, ce: ConsumedEvent) -> None:
-        group = self.config.group_id
-        handler_failures = infra_failures = 0
-        outage_began: float | None = None
+        """Run the handler until it succeeds, or the retry policy gives up: then dead-letter."""
+        failures = _Failures()
         attempt = 0
         while True:
             attempt += 1
             ce.attempt = attempt
-            started = time.perf_counter()
-            failure: Exception
-            try:
-                await self._handler(ce)
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is None or task.cancelling():
-                    raise  # we are being cancelled (shutdown, revoke): the offset stays open
-                # The handler re-raised someone else's cancellation (an awaited future that was
-                # cancelled). Treat it as a failure; swallowing it would stall the partition's
-                # commits forever.
-                failure = RuntimeError("handler raised CancelledError without being cancelled")
-            except Exception as exc:
-                failure = exc
-            else:
-                elapsed = time.perf_counter() - started
-                self._metrics.handler_seconds.labels(group).observe(elapsed)
-                self.processed += 1
-                self._metrics.processed.labels(group).inc()
-                log.info(
-                    "%s: handled %s[%d]@%d in %.1f ms",
-                    group,
-                    ce.topic,
-                    ce.partition,
-                    ce.offset,
-                    elapsed * 1000,
-                )
+            failure = await self._attempt(ce)
+            if failure is None:
                 return
-            self._metrics.handler_seconds.labels(group).observe(time.perf_counter() - started)
             permanent = not self._is_transient(failure)
             infrastructure = not permanent and self._is_infrastructure(failure)
-            if infrastructure:
-                infra_failures += 1
-                if outage_began is None:
-                    outage_began = time.monotonic()
-            elif not permanent:
-                handler_failures += 1
+            failures.count(permanent=permanent, infrastructure=infrastructure)
             decision = self._policy.decide(
                 permanent=permanent,
                 infrastructure=infrastructure,
-                handler_failures=handler_failures,
-                infra_failures=infra_failures,
-                outage_s=time.monotonic() - outage_began if outage_began is not None else 0.0,
+                handler_failures=failures.handler,
+                infra_failures=failures.infrastructure,
+                outage_s=failures.outage_s(),
                 deadline_left_s=_deadline_left_s(ce.event),
             )
             if not decision.retry:
-                await self._dead_letter(
-                    ce, error_info(failure, code=decision.code), attempts=attempt
-                )
+                info = error_info(failure, code=decision.code)
+                await self._dead_letter(ce, info, attempts=ce.attempt)
                 return
-            self.retried += 1
-            self._metrics.retried.labels(group).inc()
+            self._log_retry(ce, failure, infrastructure, decision.delay_s)
+            await self._sleep_unless_stopping(decision.delay_s)
+
+    async def _attempt(self, ce: ConsumedEvent) -> Exception | None:
+        """One try of the handler: None when it succeeded, else what it failed with."""
+        group = self.config.group_id
+        started = time.perf_counter()
+        try:
+            await self._handler(ce)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # we are being cancelled (shutdown, revoke): the offset stays open
+            # The handler re-raised someone else's cancellation (an awaited future that was
+            # cancelled). Treat it as a failure; swallowing it would stall the partition's
+            # commits forever.
+            failure: Exception = RuntimeError(
+                "handler raised CancelledError without being cancelled"
+            )
+        except Exception as exc:
+            failure = exc
+        else:
+            elapsed = time.perf_counter() - started
+            self._metrics.handler_seconds.labels(group).observe(elapsed)
+            self.processed += 1
+            self._metrics.processed.labels(group).inc()
             log.info(
-                "%s: %s[%d]@%d attempt %d failed (%s%r); retrying in %.2fs",
+                "%s: handled %s[%d]@%d in %.1f ms",
                 group,
                 ce.topic,
                 ce.partition,
                 ce.offset,
-                attempt,
-                "outage: " if infrastructure else "",
-                failure,
-                decision.delay_s,
+                elapsed * 1000,
             )
-            await self._sleep_unless_stopping(decision.delay_s)
+            return None
+        self._metrics.handler_seconds.labels(group).observe(time.perf_counter() - started)
+        return failure
+
+    def _log_retry(
+        self, ce: ConsumedEvent, failure: Exception, infrastructure: bool, delay_s: float
+    ) -> None:
+        self.retried += 1
+        self._metrics.retried.labels(self.config.group_id).inc()
+        log.info(
+            "%s: %s[%d]@%d attempt %d failed (%s%r); retrying in %.2fs",
+            self.config.group_id,
+            ce.topic,
+            ce.partition,
+            ce.offset,
+            ce.attempt,
+            "outage: " if infrastructure else "",
+            failure,
+            delay_s,
+        )
 
     async def _sleep_unless_stopping(self, delay: float) -> None:
         """Back off; raise :class:`_Abandoned` if a stop is requested meanwhile."""
@@ -756,32 +834,10 @@ class ConsumeLoop:
     async def _dead_letter(self, ce: ConsumedEvent, info: ErrorInfo, *, attempts: int) -> None:
         """Publish the DLQ record (retrying until the broker takes it), then run the hook."""
         group = self.config.group_id
-        err_headers = {
-            f"{ERROR_HEADER_PREFIX}code": info.code.encode(),
-            f"{ERROR_HEADER_PREFIX}message": info.message.encode()[:1024],
-            f"{ERROR_HEADER_PREFIX}original-topic": ce.topic.encode(),
-            f"{ERROR_HEADER_PREFIX}original-partition": str(ce.partition).encode(),
-            f"{ERROR_HEADER_PREFIX}original-offset": str(ce.offset).encode(),
-            f"{ERROR_HEADER_PREFIX}attempts": str(attempts).encode(),
-            f"{ERROR_HEADER_PREFIX}group": group.encode(),
-        }
-        for name in ("rule", "modality", "item", "field"):
-            val = getattr(info, name)
-            if val is not None:
-                err_headers[f"{ERROR_HEADER_PREFIX}{name}"] = str(val).encode()
-        letter = DeadLetter(
-            original_topic=ce.topic,
-            partition=ce.partition,
-            offset=ce.offset,
-            key=ce.key,
-            value=ce.value,
-            consumer_group=group,
-            error=info,
-            attempts=attempts,
-            headers={**ce.headers, **err_headers},
+        original = envelope.Original(
+            ce.topic, ce.partition, ce.offset, ce.key, ce.value, ce.headers
         )
-        value = codec.encode(letter)
-        headers = event_headers(letter) + list(err_headers.items())
+        letter = envelope.dead_letter(original, info, attempts=attempts, group=group)
         self._metrics.errors.labels(group, info.code, info.rule or "").inc()
         log.warning(
             "%s: dead-lettering %s[%d]@%d after %d attempt(s): %s %s",
@@ -793,45 +849,55 @@ class ConsumeLoop:
             info.code,
             info.message,
         )
+        await self._publish_dead_letter(letter, ce.key)
+        self.dead_lettered += 1
+        self._metrics.dead_lettered.labels(group).inc()
+        await self._report_dead_letter(ce, info)
+
+    async def _publish_dead_letter(self, letter: DeadLetter, key: bytes | None) -> None:
+        """Send ``letter`` until the broker takes it: one too large loses its payload (still in
+        the source topic at its offset); a broker error is retried (the offset must not be
+        committed without its dead letter), or, in a transaction, abandons the batch."""
         assert self._producer is not None
+        group = self.config.group_id
         failures = 0
         while True:
             try:
+                record = frame(letter, key, headers=envelope.envelope_headers(letter))
                 await self._producer.send_and_wait(
-                    self.config.dlq_topic, value=value, key=ce.key, headers=headers
+                    self.config.dlq_topic,
+                    value=record.value,
+                    key=record.key,
+                    headers=record.headers,
                 )
-                break
+                return
             except MessageSizeTooLargeError:
                 if not letter.value:
                     raise
-                # The original value plus the envelope is over the cap: keep the coordinates and
-                # the error, drop the payload (it is still in the source topic at that offset).
-                err_headers[f"{ERROR_HEADER_PREFIX}value-dropped"] = str(len(ce.value)).encode()
-                letter.value = b""
-                letter.headers = {**ce.headers, **err_headers}
-                value = codec.encode(letter)
-                headers = event_headers(letter) + list(err_headers.items())
+                letter = envelope.without_value(letter)
             except KafkaError as exc:
                 if self.transactional:
                     # The transaction may be unusable now: abort the batch, deliver it again.
                     log.warning("%s: DLQ publish failed in a transaction (%r)", group, exc)
                     raise _Abandoned from exc
-                # Without the DLQ record the offset must not be committed: keep trying.
                 failures += 1
                 delay = backoff_delay(
                     failures, self.config.backoff_initial_s, self.config.backoff_max_s
                 )
                 log.warning("%s: DLQ publish failed (%r); retry in %.2fs", group, exc, delay)
                 await self._sleep_unless_stopping(delay)
-        self.dead_lettered += 1
-        self._metrics.dead_lettered.labels(group).inc()
-        if self._on_dead_letter is not None:
-            try:
-                await self._on_dead_letter(ce, info)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("%s: on_dead_letter hook failed", group)
+
+    async def _report_dead_letter(self, ce: ConsumedEvent, info: ErrorInfo) -> None:
+        """The worker's own report of a dead letter (a ``rejected`` status); its failure is
+        logged, never raised: the dead letter is out."""
+        if self._on_dead_letter is None:
+            return
+        try:
+            await self._on_dead_letter(ce, info)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s: on_dead_letter hook failed", self.config.group_id)
 
     # --- commits, rebalance, shutdown -----------------------------------------------------------
 
@@ -846,15 +912,21 @@ class ConsumeLoop:
         if self._consumer is None or self.transactional:
             return {}  # transactional: offsets are committed only inside their batch's transaction
         offsets = self._tracker.to_commit(tps)
-        if not offsets:
-            return {}
-        try:
-            await asyncio.wait_for(self._consumer.commit(offsets), self.config.commit_timeout_s)
-        except (KafkaError, TimeoutError) as exc:
-            log.warning("%s: commit failed (%r); will retry", self.config.group_id, exc)
+        if not offsets or not await self._commit_offsets(offsets):
             return {}
         self._tracker.mark_committed(offsets)
         return offsets
+
+    async def _commit_offsets(self, offsets: dict[TopicPartition, int]) -> bool:
+        """Commit ``offsets`` as they are (bounded in time); False, logged, when it failed."""
+        assert self._consumer is not None
+        async with self._commit_lock:
+            try:
+                await asyncio.wait_for(self._consumer.commit(offsets), self.config.commit_timeout_s)
+            except (KafkaError, TimeoutError) as exc:
+                log.warning("%s: commit failed (%r); will retry", self.config.group_id, exc)
+                return False
+        return True
 
     async def _drain(self, tasks: list[asyncio.Task[None]], timeout_s: float) -> None:
         """Let ``tasks`` finish within ``timeout_s``; cancel and reap the rest."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runtime.kafka import ResultReporter, StatusWriter
+from runtime.reporting import ResultReporter, StatusWriter
 from schemas.topics import Topics
 from schemas.types import ErrorInfo
 
@@ -24,12 +24,13 @@ def _status_of(code: str) -> str:
     return "expired" if code == "expired" else "failed"
 
 
-def request_id_of(ce: ConsumedEvent, keyed_by_request: bool) -> str | None:
-    """The request a consumed record belongs to, from the decoded event or the record key."""
+def request_id_of(ce: ConsumedEvent, topics: Topics) -> str | None:
+    """The request a consumed record belongs to: from the decoded event, or (an undecodable
+    record) from its key where the channel table says its topic is keyed by request id."""
     rid = getattr(ce.event, "request_id", None)
     if isinstance(rid, str) and rid:
         return rid
-    return ce.key_str if keyed_by_request else None
+    return ce.key_str if topics.keyed_by_request(ce.topic) else None
 
 
 def dead_letter_reporter(
@@ -37,7 +38,6 @@ def dead_letter_reporter(
     topics: Topics,
     stage: str,
     *,
-    keyed_by_request: bool,
     record: StatusWriter | None = None,
 ) -> DeadLetterHook:
     """A ConsumeLoop hook that emits ``rejected``/``failed`` for the dead-lettered request
@@ -45,7 +45,7 @@ def dead_letter_reporter(
     reporter = ResultReporter(publisher, topics.results, stage, record=record)
 
     async def report(ce: ConsumedEvent, info: ErrorInfo) -> None:
-        rid = request_id_of(ce, keyed_by_request)
+        rid = request_id_of(ce, topics)
         if rid is None:
             return
         await reporter(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import ProducerFenced
@@ -63,10 +62,8 @@ async def commit_batch(
 
 
 async def abort_quietly(producer: AIOKafkaProducer, group_id: str) -> None:
-    """Abort the open transaction; an error here is logged (the broker aborts it on timeout)."""
-    manager: Any = getattr(producer, "_txn_manager", None)
-    if manager is not None and not manager.is_in_transaction():
-        return
+    """Abort the transaction the caller opened; an error here is logged (the broker aborts it
+    on timeout). A fence is raised: the caller must stop."""
     try:
         await producer.abort_transaction()
     except ProducerFenced:

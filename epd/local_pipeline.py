@@ -28,6 +28,12 @@ if TYPE_CHECKING:
 DEFAULT_WORKERS = ("results", "encode", "prefill")
 
 
+def worker_kinds(settings: Settings) -> tuple[str, ...]:
+    """The workers a local pipeline runs: results, encode, prefill, and (``EPD_DECODE_STAGE``)
+    a decode worker."""
+    return (*DEFAULT_WORKERS, "decode") if settings.decode_stage else DEFAULT_WORKERS
+
+
 class WorkerDied(RuntimeError):
     """A worker process exited while it should be running."""
 
@@ -201,9 +207,10 @@ async def local_pipeline(
     spawn_workers: bool,
     log_dir: Path,
     isolate: bool = True,
-    kinds: Sequence[str] = DEFAULT_WORKERS,
+    kinds: Sequence[str] | None = None,
 ) -> AsyncIterator[LocalRun]:
-    """Connect to the pipeline in ``settings``; with ``spawn_workers`` also run its workers here.
+    """Connect to the pipeline in ``settings``; with ``spawn_workers`` also run its workers here
+    (``kinds``, default :func:`worker_kinds`).
 
     ``isolate`` gives this run its own topic prefix, embedding namespace and EC secret, so
     reruns against a long-lived broker and Redis never see each other's events or embeddings.
@@ -227,6 +234,7 @@ async def local_pipeline(
         )
     topics = Topics(settings.topic_prefix)
     await ensure_topics(settings, topics.all())
+    kinds = worker_kinds(settings) if kinds is None else kinds
     workers = WorkerProcesses(worker_env(settings), log_dir, kinds) if spawn_workers else None
     if workers is not None:
         workers.start()
@@ -245,7 +253,8 @@ async def local_pipeline(
         yield LocalRun(settings, submitter, publisher, workers)
     finally:
         if workers is not None:
-            workers.stop()
+            # Up to its drain timeout (20 s): in a thread, so this loop's other tasks run on.
+            await asyncio.to_thread(workers.stop)
         await publisher.stop()
         await store.close()
         await client.aclose()

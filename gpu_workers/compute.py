@@ -8,13 +8,15 @@ in any grouping) yields exactly the tokens of ``generate_monolithic`` (``model.g
 same prompt and pixels, for every family of :mod:`schemas.families`. What must match the
 monolithic path: the M-RoPE positions (``get_rope_index`` with ``mm_token_type_ids`` and the
 family's extra arguments, e.g. Qwen2.5-VL's ``second_per_grid_ts``), the decode-step position
-``prompt_len + step + rope_delta`` on all three axes, and for Qwen3-VL the deepstack features
+(the prompt's last position + 1 + step on each axis, as ``generate`` continues), and for
+Qwen3-VL the deepstack features
 added to the first LLM layers at the visual positions (``visual_pos_masks``).
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,11 +25,12 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from runtime.model import ModelBundle, text_config, vision_config
+from gpu_workers.sequence import DecodeState
+from runtime.model import ModelBundle, placeholder_ids, text_config, vision_config
 from schemas.errors import ComputeError
 from schemas.families import DEEPSTACK, EMBEDS
 from schemas.modalities import GRID_FIELDS, MODALITIES
-from schemas.types import now_ms
+from schemas.types import SamplingParams, now_ms
 
 # mm_token_type_ids values understood by every family's get_rope_index (0 is text).
 TOKEN_TYPE = {"text": 0} | {
@@ -41,17 +44,30 @@ Qwen3-VL, ``deepstack``)."""
 
 @dataclass(slots=True)
 class ItemEmbedding:
-    """One multimodal item's encoder output, placed at ``[offset, offset + length)``."""
+    """One multimodal item's encoder output, placed in ``[offset, offset + length)``: at every
+    position of it, or (``embed_mask``) at the positions the mask marks, in order."""
 
     modality: str
     offset: int
     length: int
-    embeds: torch.Tensor  # (length, hidden)
+    embeds: torch.Tensor  # (embedding positions, hidden)
     grid_thw: torch.Tensor  # (3,) or (1, 3), int
     deepstack: torch.Tensor | None = None
-    """(layers, length, hidden): Qwen3-VL's deepstack features of this item."""
+    """(layers, embedding positions, hidden): Qwen3-VL's deepstack features of this item."""
     metadata: Mapping[str, Any] = field(default_factory=dict)
     """The item's other metadata the positions read (e.g. ``second_per_grid_ts``)."""
+    embed_mask: torch.Tensor | None = None
+    """(length,) bool: which positions of the range take embeddings (the placeholder's
+    ``is_embed``; a Qwen3-VL video's range also holds its frames' timestamp text). None: all."""
+
+    def positions(self) -> torch.Tensor:
+        """The prompt positions that take this item's embedding rows, in order."""
+        span = torch.arange(self.offset, self.offset + self.length)
+        return span if self.embed_mask is None else span[self.embed_mask]
+
+    @property
+    def embed_count(self) -> int:
+        return self.length if self.embed_mask is None else int(self.embed_mask.sum())
 
 
 def grid_row(grid_thw: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -143,8 +159,10 @@ def item_embedding(
     length: int,
     outputs: Mapping[str, torch.Tensor],
     metadata: Mapping[str, Any],
+    is_embed: Sequence[bool] | None = None,
 ) -> ItemEmbedding:
-    """An ``ItemEmbedding`` from an item's encoder outputs and its ``mm_metadata`` entry."""
+    """An ``ItemEmbedding`` from an item's encoder outputs, its ``mm_metadata`` entry and its
+    placeholder's ``is_embed`` mask (None: every position)."""
     grid_name = GRID_FIELDS.get(modality)
     if grid_name is None or metadata.get(grid_name) is None:
         raise ComputeError(f"{modality} item has no {grid_name or 'grid'} for its positions")
@@ -156,6 +174,7 @@ def item_embedding(
         grid_thw=metadata[grid_name],
         deepstack=outputs.get(DEEPSTACK),
         metadata={k: v for k, v in metadata.items() if k != grid_name},
+        embed_mask=None if is_embed is None else torch.tensor(list(is_embed), dtype=torch.bool),
     )
 
 
@@ -181,6 +200,14 @@ def context_length(bundle: ModelBundle) -> int:
     return int(text_config(bundle.config).max_position_embeddings)
 
 
+def kv_bytes_per_token(bundle: ModelBundle) -> int:
+    """Bytes of KV cache one position takes: keys and values of every layer's KV heads."""
+    tc = text_config(bundle.config)
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    itemsize = torch.empty((), dtype=bundle.dtype).element_size()
+    return 2 * int(tc.num_hidden_layers) * int(tc.num_key_value_heads) * int(head_dim) * itemsize
+
+
 def check_token_range(bundle: ModelBundle, token_ids: Sequence[int]) -> None:
     """Every id in ``[0, vocab)``, checked before any tensor is built: on CUDA an id outside the
     embedding table is a device-side assert that kills the process and every request on it."""
@@ -198,7 +225,7 @@ def _past(deadline_ms: int | None) -> bool:
 # prefill + decode
 
 
-def _cache_kwarg(module: torch.nn.Module) -> str:
+def cache_kwarg(module: torch.nn.Module) -> str:
     """transformers renamed ``past_key_values`` to ``cache``; use whichever this version has.
 
     Looked up once per prefill/decode call (not per step), so no memo is needed.
@@ -210,11 +237,7 @@ def _cache_kwarg(module: torch.nn.Module) -> str:
 def _check_items(bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]):
     fam = bundle.family
     hidden = text_config(bundle.config).hidden_size
-    pad_ids = {
-        m: i
-        for m, i in (("image", bundle.image_token_id), ("video", bundle.video_token_id))
-        if m in fam.modalities
-    }
+    pad_ids = placeholder_ids(bundle)
     layers = len(vision_config(bundle.config).deepstack_visual_indexes) if fam.has_deepstack else 0
     n = len(token_ids)
     ordered = sorted(items, key=lambda it: it.offset)
@@ -228,24 +251,27 @@ def _check_items(bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[
                 f"item {idx}: placeholder [{it.offset}, {it.offset + it.length}) outside the "
                 f"{n}-token prompt"
             )
+        if it.embed_mask is not None and tuple(it.embed_mask.shape) != (it.length,):
+            raise ComputeError(f"item {idx}: is_embed has not {it.length} entries")
         if it.offset < prev_end:
             raise ComputeError(f"item {idx}: placeholder overlaps the previous item")
         if it.offset == prev_end and it.modality == prev_mod:
             # get_rope_index groups consecutive same-type tokens into one run and would give both
             # items the first item's grid; real prompts have vision_end/start in between.
             raise ComputeError(f"item {idx}: placeholder touches the previous {prev_mod} item")
+        count = it.embed_count
         want = tokens_for_grid(it.grid_thw, bundle.merge_size)
-        if it.length != want:
+        if count != want:
             raise ComputeError(
-                f"item {idx}: placeholder length {it.length} != {want} implied by grid "
-                f"{grid_row(it.grid_thw).tolist()}"
+                f"item {idx}: placeholder holds {count} embedding positions, {want} implied by "
+                f"grid {grid_row(it.grid_thw).tolist()}"
             )
-        if tuple(it.embeds.shape) != (it.length, hidden):
+        if tuple(it.embeds.shape) != (count, hidden):
             raise ComputeError(
-                f"item {idx}: embeddings shape {tuple(it.embeds.shape)} != ({it.length}, {hidden})"
+                f"item {idx}: embeddings shape {tuple(it.embeds.shape)} != ({count}, {hidden})"
             )
         if fam.has_deepstack:
-            want_ds = (layers, it.length, hidden)
+            want_ds = (layers, count, hidden)
             if it.deepstack is None or tuple(it.deepstack.shape) != want_ds:
                 got = None if it.deepstack is None else tuple(it.deepstack.shape)
                 raise ComputeError(
@@ -254,25 +280,37 @@ def _check_items(bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[
                 )
         elif it.deepstack is not None:
             raise ComputeError(f"item {idx}: {fam.display_name} has no deepstack features")
-        frames = int(grid_row(it.grid_thw)[0])
-        if (
-            it.modality == "video"
-            and fam.video_frames_per_run
-            and frames > fam.video_frames_per_run
-        ):
-            # Qwen3-VL's positions treat each run of video pads as one frame group; more temporal
-            # rows need the processor's per-frame timestamp text between them.
-            raise ComputeError(
-                f"item {idx}: {fam.display_name} video placeholders hold "
-                f"{fam.video_frames_per_run} temporal grid row(s) per run, grid has {frames}"
-            )
-        run = token_ids[it.offset : it.offset + it.length]
-        if any(t != pad_ids[it.modality] for t in run):
-            raise ComputeError(
-                f"item {idx}: tokens in the placeholder are not all {it.modality} pad tokens"
-            )
+        _check_pads(bundle, token_ids, it, idx, pad_ids[it.modality])
         prev_end, prev_mod = it.offset + it.length, it.modality
     return ordered
+
+
+def _check_pads(
+    bundle: ModelBundle, token_ids: Sequence[int], it: ItemEmbedding, idx: int, pad: int
+) -> None:
+    """The item's embedding positions hold its pad token and its other positions do not (the
+    positions come from the pad runs); a timestamped video has one run per temporal row."""
+    run = torch.tensor(list(token_ids[it.offset : it.offset + it.length]))
+    mask = torch.ones(it.length, dtype=torch.bool) if it.embed_mask is None else it.embed_mask
+    if bool((run[mask] != pad).any()) or bool((run[~mask] == pad).any()):
+        raise ComputeError(
+            f"item {idx}: the {it.modality} pad tokens of the placeholder are not exactly its "
+            "embedding positions"
+        )
+    if it.modality != "video" or not bundle.family.video_timestamps:
+        return
+    t, h, w = grid_row(it.grid_thw).tolist()
+    per_row = h * w // bundle.merge_size**2
+    # Runs of embedding positions: where the mask switches on.
+    starts = int(mask[0]) + int((mask[1:] & ~mask[:-1]).sum())
+    if starts != t:
+        # Qwen3-VL's positions treat each run of video pads as one frame; the rows of one
+        # video come apart only with the timestamp text between them.
+        raise ComputeError(
+            f"item {idx}: {bundle.family.display_name} video placeholders hold one temporal "
+            f"grid row per run of pads ({per_row} each, with timestamp text between), grid "
+            f"has {t} in {starts} run(s)"
+        )
 
 
 def _rope_value(it: ItemEmbedding, name: str, default: float | None) -> torch.Tensor:
@@ -315,7 +353,7 @@ def mrope_positions(
     ids = torch.tensor([list(token_ids)], dtype=torch.long)
     types = torch.zeros_like(ids, dtype=torch.int32)
     for it in ordered:
-        types[0, it.offset : it.offset + it.length] = TOKEN_TYPE[it.modality]
+        types[0, it.positions()] = TOKEN_TYPE[it.modality]
     if not ordered:
         pos = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
         return pos, 0
@@ -336,7 +374,7 @@ def deepstack_inputs(
     ordered = sorted(items, key=lambda it: it.offset)
     mask = torch.zeros((1, len(token_ids)), dtype=torch.bool, device=bundle.device)
     for it in ordered:
-        mask[0, it.offset : it.offset + it.length] = True
+        mask[0, it.positions().to(bundle.device)] = True
     feats = torch.cat([it.deepstack for it in ordered if it.deepstack is not None], dim=1)
     feats = feats.to(device=bundle.device, dtype=bundle.dtype)
     return {"visual_pos_masks": mask, "deepstack_visual_embeds": list(feats.unbind(0))}
@@ -345,12 +383,13 @@ def deepstack_inputs(
 def splice_embeddings(
     bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]
 ) -> torch.Tensor:
-    """``inputs_embeds (1, L, hidden)``: token embeddings with each item's rows at its range."""
+    """``inputs_embeds (1, L, hidden)``: token embeddings with each item's rows at its
+    embedding positions."""
     lm = bundle.model.model.language_model
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=bundle.device)
     embeds = lm.embed_tokens(ids).clone()
     for it in items:
-        embeds[0, it.offset : it.offset + it.length] = it.embeds.to(
+        embeds[0, it.positions().to(bundle.device)] = it.embeds.to(
             device=bundle.device, dtype=embeds.dtype
         )
     return embeds
@@ -363,7 +402,16 @@ class Prefilled:
     cache: Any
     logits: torch.Tensor  # (vocab,) float32, for the next token
     prompt_len: int
-    rope_delta: int
+    next_position: tuple[int, int, int]
+    """The M-RoPE position (temporal, height, width) the first generated token is fed at: the
+    prompt's last position + 1 on each axis, as ``generate`` continues (which is not the
+    largest position + 1 when a video's temporal positions run past the text after it, as
+    Qwen2.5-VL's do for a short tail); step ``s`` adds ``s`` on every axis."""
+
+    def position(self, step: int) -> tuple[int, int, int]:
+        """The M-RoPE position of decode step ``step`` (0: the first generated token)."""
+        t, h, w = self.next_position
+        return (t + step, h + step, w + step)
 
 
 class DecodeStopped(Exception):
@@ -390,17 +438,74 @@ def prefill(
     lm = bundle.model.model.language_model
     with torch.inference_mode():
         embeds = splice_embeddings(bundle, token_ids, ordered)
-        position_ids, delta = mrope_positions(bundle, token_ids, ordered)
+        position_ids, _ = mrope_positions(bundle, token_ids, ordered)
         kv = DynamicCache(config=text_config(bundle.config))
         out = lm(
             inputs_embeds=embeds,
             position_ids=position_ids.to(bundle.device),
             use_cache=True,
-            **{_cache_kwarg(lm): kv},
+            **{cache_kwarg(lm): kv},
             **deepstack_inputs(bundle, token_ids, ordered),
         )
         logits = bundle.model.lm_head(out.last_hidden_state[:, -1, :])[0].float()
-    return Prefilled(cache=kv, logits=logits, prompt_len=len(token_ids), rope_delta=delta)
+    t, h, w = (int(x) + 1 for x in position_ids[:, 0, -1].tolist())
+    return Prefilled(cache=kv, logits=logits, prompt_len=len(token_ids), next_position=(t, h, w))
+
+
+def decode(
+    bundle: ModelBundle,
+    state: Prefilled,
+    seq: DecodeState,
+    *,
+    deadline_ms: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    on_token: Callable[[DecodeState], None] | None = None,
+) -> list[int]:
+    """Decode one sequence from its prefilled state until it finishes (its
+    :class:`DecodeState` says when: eos or a stop token, a stop string, ``max_tokens``); its
+    tokens.
+
+    Step ``s`` (0-based) feeds the token generated at step ``s`` at
+    ``state.position(s)``: the prompt's last position + 1 + ``s`` on each M-RoPE axis, as
+    ``generate`` continues. The deadline is checked before
+    every step's forward pass; past it, ``DeadlineExceeded`` carries the tokens so far.
+    ``should_stop`` is asked before every step after the first; when it says yes,
+    :class:`DecodeStopped` is raised (a cancelled request stops between steps instead of
+    running to ``max_tokens``). ``on_token`` is called after each token is accepted.
+    """
+    lm = bundle.model.model.language_model
+    kw = cache_kwarg(lm)
+    logits = state.logits
+    with torch.inference_mode():
+        for step in itertools.count():
+            tok = seq.choose(logits)
+            done = seq.accept(tok)
+            if on_token is not None:
+                on_token(seq)
+            if done:
+                break
+            if _past(deadline_ms):
+                raise DeadlineExceeded(seq.tokens)
+            if should_stop is not None and should_stop():
+                raise DecodeStopped(seq.tokens)
+            position_ids = torch.tensor(
+                state.position(step), dtype=torch.long, device=bundle.device
+            ).view(3, 1, 1)
+            emb = lm.embed_tokens(torch.tensor([[tok]], device=bundle.device))
+            out = lm(
+                inputs_embeds=emb, position_ids=position_ids, use_cache=True, **{kw: state.cache}
+            )
+            logits = bundle.model.lm_head(out.last_hidden_state[:, -1, :])[0].float()
+    return seq.tokens
+
+
+def new_sequence(
+    bundle: ModelBundle, sampling: SamplingParams, request_id: str = ""
+) -> DecodeState:
+    """A :class:`DecodeState` for ``sampling`` on ``bundle`` (its tokenizer, eos and device)."""
+    return DecodeState.start(
+        request_id, sampling, bundle.tokenizer, bundle.eos_token_id, bundle.device
+    )
 
 
 def greedy_decode(
@@ -413,42 +518,19 @@ def greedy_decode(
     deadline_ms: int | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> list[int]:
-    """Greedy decode from a prefilled state; the stop/eos token, when hit, is included.
-
-    Step ``s`` (0-based) feeds the token generated at step ``s`` at position
-    ``prompt_len + s + rope_delta`` on all three M-RoPE axes. The deadline is checked before
-    every step's forward pass; past it, ``DeadlineExceeded`` carries the tokens so far.
-    ``should_stop`` is asked before every step after the first; when it says yes,
-    :class:`DecodeStopped` is raised (a cancelled request stops between steps instead of
-    running to ``max_tokens``).
-    """
+    """Greedy :func:`decode` to ``max_tokens``; the stop/eos token, when hit, is included."""
     if max_tokens <= 0:
         return []
-    stops = set(int(t) for t in stop_token_ids)
-    if not ignore_eos:
-        stops.add(bundle.eos_token_id)
-    lm = bundle.model.model.language_model
-    kw = _cache_kwarg(lm)
-    out_ids: list[int] = []
-    logits = state.logits
-    with torch.inference_mode():
-        for step in range(max_tokens):
-            tok = int(torch.argmax(logits))
-            out_ids.append(tok)
-            if tok in stops or step == max_tokens - 1:
-                break
-            if _past(deadline_ms):
-                raise DeadlineExceeded(out_ids)
-            if should_stop is not None and should_stop():
-                raise DecodeStopped(out_ids)
-            pos = state.prompt_len + step + state.rope_delta
-            position_ids = torch.full((3, 1, 1), pos, dtype=torch.long, device=bundle.device)
-            emb = lm.embed_tokens(torch.tensor([[tok]], device=bundle.device))
-            out = lm(
-                inputs_embeds=emb, position_ids=position_ids, use_cache=True, **{kw: state.cache}
-            )
-            logits = bundle.model.lm_head(out.last_hidden_state[:, -1, :])[0].float()
-    return out_ids
+    sampling = SamplingParams(
+        max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos
+    )
+    return decode(
+        bundle,
+        state,
+        new_sequence(bundle, sampling),
+        deadline_ms=deadline_ms,
+        should_stop=should_stop,
+    )
 
 
 def generate_from_embeddings(
@@ -460,22 +542,31 @@ def generate_from_embeddings(
     ignore_eos: bool = False,
     deadline_ms: int | None = None,
     should_stop: Callable[[], bool] | None = None,
+    *,
+    sampling: SamplingParams | None = None,
+    request_id: str = "",
 ) -> list[int]:
-    """The disaggregated path: precomputed embeddings -> prefill -> greedy decode -> token ids.
+    """The disaggregated path: precomputed embeddings -> prefill -> decode -> token ids.
 
-    ``deadline_ms``: checked before the prefill and before every decode step
-    (``DeadlineExceeded``); ``should_stop`` is asked at the same points (``DecodeStopped``)."""
+    Greedy unless ``sampling`` is given (then its own ``max_tokens`` and stops apply, and the
+    arguments above them are ignored). ``deadline_ms``: checked before the prefill and before
+    every decode step (``DeadlineExceeded``); ``should_stop`` is asked at the same points
+    (``DecodeStopped``)."""
     if _past(deadline_ms):
         raise DeadlineExceeded([])
     if should_stop is not None and should_stop():
         raise DecodeStopped([])
+    if sampling is None:
+        if max_tokens <= 0:
+            return []
+        sampling = SamplingParams(
+            max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos
+        )
     state = prefill(bundle, token_ids, items)
-    return greedy_decode(
+    return decode(
         bundle,
         state,
-        max_tokens,
-        stop_token_ids=stop_token_ids,
-        ignore_eos=ignore_eos,
+        new_sequence(bundle, sampling, request_id),
         deadline_ms=deadline_ms,
         should_stop=should_stop,
     )
@@ -488,9 +579,29 @@ def generate_from_embeddings(
 def mm_token_type_ids(bundle: ModelBundle, input_ids: torch.Tensor) -> torch.Tensor:
     """0 for text, 1 for image pad tokens, 2 for video pad tokens (what the processor returns)."""
     types = torch.zeros_like(input_ids, dtype=torch.int32)
-    types[input_ids == bundle.image_token_id] = TOKEN_TYPE["image"]
-    types[input_ids == bundle.video_token_id] = TOKEN_TYPE["video"]
+    for modality, pad_id in placeholder_ids(bundle).items():
+        types[input_ids == pad_id] = TOKEN_TYPE[modality]
     return types
+
+
+def _oracle_sampling(bundle: ModelBundle, sampling: SamplingParams) -> dict[str, Any]:
+    """``generate`` arguments for ``sampling``'s stop strings and (seeding the global
+    generator, as a caller of ``generate`` would) its sampling."""
+    kwargs: dict[str, Any] = {}
+    if sampling.stop:
+        kwargs["stop_strings"] = list(sampling.stop)
+        kwargs["tokenizer"] = bundle.tokenizer
+    if not sampling.greedy:
+        if sampling.seed is None:
+            raise ComputeError("the oracle samples only with an explicit seed")
+        kwargs.update(
+            do_sample=True,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+        )
+        torch.manual_seed(sampling.seed)
+    return kwargs
 
 
 def generate_monolithic(
@@ -505,8 +616,14 @@ def generate_monolithic(
     pixel_values_videos: torch.Tensor | None = None,
     video_grid_thw: torch.Tensor | None = None,
     second_per_grid_ts: torch.Tensor | None = None,
+    sampling: SamplingParams | None = None,
 ) -> list[int]:
     """The oracle: ``model.generate`` on raw pixels in one process, greedy; new tokens only.
+
+    ``sampling`` (when it samples): ``generate(do_sample=True)`` with its temperature, top-k
+    and top-p spelled out (``generate`` would otherwise apply its own default top-k of 50), the
+    global generator seeded with its ``seed`` first, and its stop strings as ``stop_strings``;
+    its ``max_tokens`` and stops replace the arguments above.
 
     Video items (all of them, concatenated in offset order) go in ``pixel_values_videos`` /
     ``video_grid_thw``, with Qwen2.5-VL's ``second_per_grid_ts`` (one per video) when given.
@@ -516,6 +633,9 @@ def generate_monolithic(
     ``mm_token_type_ids`` is always passed: transformers 5.x computes M-RoPE from it, and
     generate without it yields different tokens after a few steps.
     """
+    if sampling is not None:
+        max_tokens = sampling.max_tokens
+        stop_token_ids, ignore_eos = sampling.stop_token_ids, sampling.ignore_eos
     if max_tokens <= 0:
         return []
     ids = torch.tensor([list(token_ids)], dtype=torch.long, device=bundle.device)
@@ -542,6 +662,8 @@ def generate_monolithic(
         kwargs["video_grid_thw"] = grid
         if second_per_grid_ts is not None:
             kwargs["second_per_grid_ts"] = torch.as_tensor(second_per_grid_ts).reshape(-1)
+    if sampling is not None:
+        kwargs.update(_oracle_sampling(bundle, sampling))
     with torch.inference_mode():
         out = bundle.model.generate(**kwargs)
     new = out[0, ids.shape[1] :].tolist()

@@ -2,16 +2,19 @@
 
 A store hit, or the same mm_hash already being encoded by this worker, never runs the encoder
 a second time. Encode events are keyed by mm_hash, so repeats of one image land on one
-partition, hence on one worker, where this single-flight check sees them.
+partition, hence on one worker, where its single flight (:mod:`gpu_workers.single_flight`) sees
+them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import socket
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import blake3
@@ -21,16 +24,17 @@ from gpu_workers.batcher import MicroBatcher
 from gpu_workers.compute import EncoderOutput, encode_items
 from gpu_workers.entries import request_cancelled, store_outputs, worker_validation
 from gpu_workers.metrics import encode_metrics
-from runtime.kafka import ResultReporter, StatusWriter
+from gpu_workers.single_flight import SingleFlight
 from runtime.model import vision_config
+from runtime.publisher import publish
+from runtime.reporting import ResultReporter, StatusWriter
 from runtime.settings import Settings
 from runtime.stores.base import StoreError, StoreKeyMissing
 from runtime.tracing import broker_hop_ms
 from schemas.errors import ValidationError
 from schemas.families import EMBEDS
 from schemas.keys import claim_key
-from schemas.modalities import GRID_FIELDS
-from schemas.modalities import MAIN_ENCODER_INPUT as ENCODER_INPUT_FIELDS
+from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT
 from schemas.status_record import encoded_update
 from schemas.tensors import dtype_name, tensor_from_bytes
 from schemas.topics import Topics
@@ -88,14 +92,15 @@ class EncodeWorker:
         self.publisher = publisher
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"encode@{socket.gethostname()}"
-        self.vconfig = worker_validation(settings, bundle)
+        self.vconfig = worker_validation(settings, bundle, store)
         self.report = ResultReporter(
             publisher, self.topics.results, "encode", self.worker_id, record=record
         )
         self.batcher: MicroBatcher[Job, EncoderOutput] = MicroBatcher(
             self._compute, max_cost=settings.encode_batch_patches
         )
-        self._inflight: dict[str, asyncio.Future[None]] = {}
+        self.flights: SingleFlight[str] = SingleFlight()
+        """Items being encoded now, by store key: a second event of one waits for the first."""
         self.cache_hits = 0
         self.items_encoded = 0
         self.claims_deleted = 0
@@ -224,17 +229,17 @@ class EncodeWorker:
         # record writer), and through the results collector, which reads the topic.
         await asyncio.gather(
             self.report.write_through(encoded_update(encoded, hop_ms=hop_ms)),
-            self.publisher.send(self.topics.encoded, ev.mm_hash, encoded),
+            publish(self.publisher, self.topics, encoded),
         )
 
     def _fields(self, ev: EncodeEvent) -> tuple[str, str]:
-        pv_name = ENCODER_INPUT_FIELDS.get(ev.modality)
+        pv_name = MAIN_ENCODER_INPUT.get(ev.modality)
         grid_name = GRID_FIELDS.get(ev.modality)
         if pv_name is None or grid_name is None or ev.modality not in self.bundle.family.modalities:
             raise ValidationError(
                 "encode-inputs",
                 f"modality {ev.modality!r} has no vision encoder here; supported: "
-                f"{sorted(ENCODER_INPUT_FIELDS)}",
+                f"{sorted(MAIN_ENCODER_INPUT)}",
                 modality=ev.modality,
                 item=ev.item_index,
             )
@@ -256,7 +261,11 @@ class EncodeWorker:
 
     async def handle(self, ev: EncodeEvent) -> None:
         """Encode one item (or find it already encoded) and announce it. An input lost with
-        the store is reported ``failed`` (``input-lost``): a failure of ours, not a rejection."""
+        the store is reported ``failed`` (``input-lost``): a failure of ours, not a rejection.
+
+        Phases: the deadline, then validation, then the item's single flight (another event of
+        the same item being encoded here is waited for, and its work counts as a hit), then
+        :meth:`_lookup_or_encode` and storing inside the flight, then :meth:`_finish`."""
         try:
             await self._handle(ev)
         except InputLost as lost:
@@ -267,89 +276,69 @@ class EncodeWorker:
         # event would otherwise fail validation as ec-expired (rejected) instead of expiring.
         # Nothing is read or computed on this path.
         if ev.deadline_ms is not None and now_ms() >= ev.deadline_ms:
-            await self.report(
-                ev.request_id,
-                "expired",
-                error=ErrorInfo(
-                    "expired",
-                    "deadline passed before encoding",
-                    modality=ev.modality,
-                    item=ev.item_index,
-                ),
-            )
+            await self._report_expired(ev)
             return
         hop_ms = broker_hop_ms(now_ms())
         validate_encode_event(ev, self.vconfig)
-        key = ev.ec_transfer.key
-        pending = self._inflight.get(key)
-        while pending is not None:
-            # The same item is being encoded right now (by another event of this worker).
-            try:
-                await asyncio.shield(pending)
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise
-                pending = self._inflight.get(key)  # its owner was cancelled: take over
-                continue
-            self.cache_hits += 1
-            self.metrics.items.labels("hit").inc()
-            await self._encoded(ev, dtype_name(self.bundle.dtype), [], hit=True, ms=0.0)
-            return
         pv_name, grid_name = self._fields(ev)
-        # Register before the first await, so concurrent events of this item wait on us.
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = done
-        cancelled = False
-        try:
-            # The inputs are read (and checked) beside the cancel flag and the store lookup, which
-            # share one round trip: a miss, the usual case (the fan-out looked already), waits
-            # for neither in turn. A hit or a cancel drops them unread by anyone. A hit extends
-            # the TTL: the EncodedEvent tells prefill the embedding is there.
-            inputs = asyncio.ensure_future(self._inputs(ev, pv_name, grid_name))
-            t0 = time.perf_counter()
-            # A batch being formed waits for this item while its inputs arrive (a hit or a
-            # cancel withdraws it on leaving the block).
-            with self.batcher.on_the_way():
-                try:
-                    cancelled, hit = await asyncio.gather(
-                        request_cancelled(self.cancel, ev.request_id),
-                        self.store.touch(key, self.settings.embedding_ttl_s),
-                    )
-                except BaseException:
-                    await _discard(inputs)
-                    raise
-                if cancelled or hit:
-                    await _discard(inputs)
-                else:
-                    pixels, grid = await inputs
-                    self._check_patch_width(pixels, pv_name, ev)
-                    out = await self.batcher.submit((pixels, grid), cost=int(pixels.shape[0]))
-            if cancelled:
-                done.cancel()  # waiters on this item take over instead of counting a hit
-            elif not hit:
-                # One entry per item: the embedding and any other outputs (deepstack) together.
-                await store_outputs(
-                    self.store, key, out, self.bundle.family, self.settings.embedding_ttl_s
+        flight = await self.flights.join(ev.ec_transfer.key)
+        if flight is None:
+            # The same item was encoded meanwhile, by another event of this worker.
+            await self._finish(ev, Lookup(Found.HIT), hop_ms)
+            return
+        with flight:
+            found = await self._lookup_or_encode(ev, pv_name, grid_name)
+            if found.kind is Found.CANCELLED:
+                flight.give_up()  # waiters on this item take over instead of counting a hit
+            elif found.kind is Found.ENCODED:
+                # Inside the flight: a waiter told "done" must find the entry in the store.
+                await self._store(ev, found)
+        await self._finish(ev, found, hop_ms)
+
+    async def _lookup_or_encode(self, ev: EncodeEvent, pv_name: str, grid_name: str) -> Lookup:
+        """The item's embedding already in the store (a hit, whose TTL is extended: the
+        EncodedEvent tells prefill it is there), its request cancelled, or the vision tower's
+        output for it (micro-batched with other items)."""
+        # The inputs are read (and checked) beside the cancel flag and the store lookup, which
+        # share one round trip: a miss, the usual case (the fan-out looked already), waits for
+        # neither in turn. A hit or a cancel drops them unread by anyone.
+        inputs = asyncio.ensure_future(self._inputs(ev, pv_name, grid_name))
+        t0 = time.perf_counter()
+        # A batch being formed waits for this item while its inputs arrive (a hit or a cancel
+        # withdraws it on leaving the block).
+        with self.batcher.on_the_way():
+            try:
+                cancelled, hit = await asyncio.gather(
+                    request_cancelled(self.cancel, ev.request_id),
+                    self.store.touch(ev.ec_transfer.key, self.settings.embedding_ttl_s),
                 )
-                emb = out[EMBEDS]
-                ms = (time.perf_counter() - t0) * 1000
-                self.items_encoded += 1
-                self.metrics.items.labels("miss").inc()
-                self.metrics.bytes_out.inc(sum(t.numel() * t.element_size() for t in out.values()))
-            if not cancelled:
-                done.set_result(None)
-        except asyncio.CancelledError:
-            done.cancel()  # waiters take over instead of failing
-            raise
-        except BaseException as exc:
-            if not done.done():
-                done.set_exception(exc)
-                done.exception()  # mark retrieved; waiters re-raise their own copy
-            raise
-        finally:
-            self._inflight.pop(key, None)
-        if cancelled:
+            except BaseException:
+                await _discard(inputs)
+                raise
+            if cancelled or hit:
+                await _discard(inputs)
+                return Lookup(Found.CANCELLED if cancelled else Found.HIT)
+            pixels, grid = await inputs
+            self._check_patch_width(pixels, pv_name, ev)
+            out = await self.batcher.submit((pixels, grid), cost=int(pixels.shape[0]))
+        return Lookup(Found.ENCODED, out, t0)
+
+    async def _store(self, ev: EncodeEvent, found: Lookup) -> None:
+        """Write the item's entry: the embedding and any other outputs (deepstack) together."""
+        out = found.outputs
+        assert out is not None
+        await store_outputs(
+            self.store, ev.ec_transfer.key, out, self.bundle.family, self.settings.embedding_ttl_s
+        )
+        found.ms = (time.perf_counter() - found.t0) * 1000
+        self.items_encoded += 1
+        self.metrics.items.labels("miss").inc()
+        self.metrics.bytes_out.inc(sum(t.numel() * t.element_size() for t in out.values()))
+
+    async def _finish(self, ev: EncodeEvent, found: Lookup, hop_ms: float | None) -> None:
+        """Report the item: ``cancelled``, or announced as a hit or as encoded (and then its
+        claim-checked inputs deleted)."""
+        if found.kind is Found.CANCELLED:
             self.skipped_cancelled += 1
             await self.report(
                 ev.request_id,
@@ -363,17 +352,52 @@ class EncodeWorker:
                 info={f"encode.cancelled.{ev.modality}{ev.item_index}": "skipped"},
             )
             return
-        if hit:
+        if found.kind is Found.HIT:
             self.cache_hits += 1
             self.metrics.items.labels("hit").inc()
             announce = self._encoded(ev, dtype_name(self.bundle.dtype), [], hit=True, ms=0.0)
         else:
+            assert found.outputs is not None
+            emb = found.outputs[EMBEDS]
             announce = self._encoded(
-                ev, dtype_name(emb.dtype), list(emb.shape), hit=False, ms=ms, hop_ms=hop_ms
+                ev, dtype_name(emb.dtype), list(emb.shape), hit=False, ms=found.ms, hop_ms=hop_ms
             )
         # Only now (the embedding is stored) is the claim-checked input garbage: a redelivery of
         # this event finds the embedding (a hit) and never reads the claim again.
         await asyncio.gather(announce, self._drop_claims(ev))
+
+    async def _report_expired(self, ev: EncodeEvent) -> None:
+        await self.report(
+            ev.request_id,
+            "expired",
+            error=ErrorInfo(
+                "expired",
+                "deadline passed before encoding",
+                modality=ev.modality,
+                item=ev.item_index,
+            ),
+        )
+
+
+class Found(enum.Enum):
+    """What looking an item up (and encoding it on a miss) came to."""
+
+    HIT = "hit"
+    """Its embedding was in the store already (or another event here just stored it)."""
+    ENCODED = "encoded"
+    """The vision tower ran on it."""
+    CANCELLED = "cancelled"
+    """Its request was cancelled: nothing read, nothing encoded."""
+
+
+@dataclass(slots=True)
+class Lookup:
+    """:meth:`EncodeWorker._lookup_or_encode`'s answer; the outputs when it encoded."""
+
+    kind: Found
+    outputs: EncoderOutput | None = None
+    t0: float = 0.0
+    ms: float = 0.0
 
 
 async def _discard(task: asyncio.Future[Any]) -> None:

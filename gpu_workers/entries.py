@@ -28,13 +28,17 @@ if TYPE_CHECKING:
     from runtime.stores.base import EmbeddingStore
 
 
-def worker_validation(settings: Settings, bundle: ModelBundle) -> ValidationConfig:
-    """The encode/prefill gate for ``bundle``: strict, keys pinned to its fingerprint, and its
-    family's own metadata fields and merge size (a Qwen2-VL worker refuses Qwen2.5-VL's
-    ``second_per_grid_ts`` by rule ``metadata-field`` instead of ignoring it)."""
+def worker_validation(
+    settings: Settings, bundle: ModelBundle, store: EmbeddingStore | None = None
+) -> ValidationConfig:
+    """The encode/prefill gate for ``bundle``: strict, keys pinned to its fingerprint, entries
+    pinned to ``store`` (rule ``ec-store``), and its family's own metadata fields and merge size
+    (a Qwen2-VL worker refuses Qwen2.5-VL's ``second_per_grid_ts`` by rule ``metadata-field``
+    instead of ignoring it)."""
     return ValidationConfig.for_worker(
         settings,
         bundle.fingerprint,
+        store=store.url if store is not None else None,
         metadata_fields=bundle.family.metadata_fields,
         merge_size=bundle.merge_size,
         # The same derived limit as the fan-out's: what the processor can emit, the worker reads.
@@ -95,7 +99,9 @@ def items_from_features(
                 modality=modality,
                 item=index,
             )
-        items.append(item_embedding(modality, ph.offset, ph.length, outputs[mm_hash], item_meta))
+        items.append(
+            item_embedding(modality, ph.offset, ph.length, outputs[mm_hash], item_meta, ph.is_embed)
+        )
     items.sort(key=lambda it: it.offset)
     return items
 

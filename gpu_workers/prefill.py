@@ -1,49 +1,58 @@
-"""Prefill worker: PrefillEvents -> wait for embeddings -> splice -> prefill + greedy decode.
+"""Prefill worker: PrefillEvents -> wait for embeddings -> splice -> prefill + decode.
 
 Validation is strict (a metadata-only item without a valid ``ec_transfer_params`` entry is
 rejected before anything runs), and so are the bounds of what runs (:func:`check_bounds`:
-``max_tokens``, prompt length against the context, token ids against the vocabulary, greedy
-sampling only). Waiting for embeddings is an async store wait, so one slow request never blocks
-others; model compute runs on a single worker thread and stops at the deadline between decode
-steps.
+``max_tokens``, prompt length against the context, token ids against the vocabulary, sampling
+parameters). Waiting for embeddings is an async store wait, so one slow request never blocks
+others; model compute runs on one compute thread, where every request the worker holds decodes
+in one batch (:mod:`gpu_workers.engine`: a forward per step over all of them, each stopping at
+its own end, deadline or cancel), tokens streamed as they come (:mod:`runtime.token_stream`).
+With the decode stage on, the worker parks the KV cache and hands the request to a decode
+worker (:mod:`gpu_workers.decode`) instead of decoding it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
 import math
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from gpu_workers.compute import (
-    DeadlineExceeded,
-    DecodeStopped,
     EncoderOutput,
+    ItemEmbedding,
     Prefilled,
     context_length,
-    greedy_decode,
+    new_sequence,
     prefill,
     vocab_size,
 )
+from gpu_workers.engine import CANCELLED, COMPLETED, EXPIRED, DecodeEngine, DecodeJob
 from gpu_workers.entries import (
     fetch_outputs,
     items_from_features,
     request_cancelled,
     worker_validation,
 )
-from runtime.kafka import RequestUpdates, ResultReporter, StatusWriter
+from gpu_workers.kv_handoff import kv_entry, kv_tensors, park
+from runtime.publisher import publish
+from runtime.reporting import RequestUpdates, ResultReporter, StatusWriter
+from runtime.request_limits import MIN_TEMPERATURE
 from runtime.settings import Settings
 from runtime.stores.base import StoreError, StoreTimeout, StoreUnavailable
 from runtime.tracing import broker_hop_ms
 from schemas.errors import ValidationError
 from schemas.status_record import short_hash
 from schemas.topics import Topics
-from schemas.types import ErrorInfo, PrefillEvent, now_ms
+from schemas.types import DecodeEvent, ErrorInfo, PrefillEvent, SamplingParams, now_ms
 from schemas.validator import validate_prefill_event, validate_prefill_expiry
 
 if TYPE_CHECKING:
@@ -51,6 +60,7 @@ if TYPE_CHECKING:
     from runtime.publisher import Publisher
     from runtime.status import CancelWatch, RequestState, RequestStateReader
     from runtime.stores.base import EmbeddingStore
+    from runtime.token_stream import TokenStreams, TokenStreamWriter
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +73,8 @@ class Bounds:
     context: int
     """Most tokens (prompt + generated) one request may hold."""
     max_tokens: int
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
 
     @classmethod
     def for_model(cls, settings: Settings, bundle: ModelBundle) -> Bounds:
@@ -70,7 +82,13 @@ class Bounds:
         ctx = context_length(bundle)
         if settings.max_context_tokens:
             ctx = min(ctx, settings.max_context_tokens)
-        return cls(vocab_size(bundle), ctx, settings.max_tokens_limit)
+        return cls(
+            vocab_size(bundle),
+            ctx,
+            settings.max_tokens_limit,
+            settings.max_stop_strings,
+            settings.max_stop_string_chars,
+        )
 
 
 def check_bounds(ev: PrefillEvent, bounds: Bounds) -> None:
@@ -78,8 +96,8 @@ def check_bounds(ev: PrefillEvent, bounds: Bounds) -> None:
 
     Rules: ``max-tokens`` (1 .. ``EPD_MAX_TOKENS_LIMIT``), ``context-length`` (prompt +
     ``max_tokens`` within the context), ``token-ids`` (every id below the vocabulary size: on
-    CUDA an out-of-range id is a device-side assert that kills the process), ``temperature``
-    (only greedy decoding runs, so any other temperature is refused rather than ignored).
+    CUDA an out-of-range id is a device-side assert that kills the process), ``sampling``
+    (:func:`check_sampling`).
     """
     s = ev.sampling
     if not 1 <= s.max_tokens <= bounds.max_tokens:
@@ -102,13 +120,36 @@ def check_bounds(ev: PrefillEvent, bounds: Bounds) -> None:
                 f"token_ids[{i}] = {t} is outside the vocabulary [0, {bounds.vocab_size})",
                 field="token_ids",
             )
-    if not math.isfinite(s.temperature) or s.temperature != 0.0:
-        raise ValidationError(
-            "temperature",
-            f"temperature is {s.temperature}; this worker decodes greedily, so only 0 is "
-            "accepted (sampling is not implemented, and ignoring it would be silent)",
-            field="temperature",
-        )
+    check_sampling(s, bounds)
+
+
+def check_sampling(s: SamplingParams, bounds: Bounds) -> None:
+    """Rule ``sampling`` (the field named): ``temperature`` 0 (greedy) or a finite value of at
+    least ``MIN_TEMPERATURE``; ``top_p`` in (0, 1]; ``top_k`` >= 0 (0: off); stop token ids in
+    the vocabulary; at most ``EPD_MAX_STOP_STRINGS`` stop strings, each non-empty and at most
+    ``EPD_MAX_STOP_STRING_CHARS`` long."""
+
+    def bad(name: str, why: str) -> ValidationError:
+        return ValidationError("sampling", f"{name} {why}", field=name)
+
+    t = s.temperature
+    if not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
+        raise bad("temperature", f"is {t}; it must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+    if not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
+        raise bad("top_p", f"is {s.top_p}; it must be in (0, 1]")
+    if s.top_k < 0:
+        raise bad("top_k", f"is {s.top_k}; it must be 0 (off) or positive")
+    for i, t_id in enumerate(s.stop_token_ids):
+        if not 0 <= t_id < bounds.vocab_size:
+            raise bad("stop_token_ids", f"[{i}] = {t_id} is outside the vocabulary")
+    if len(s.stop) > bounds.max_stop_strings:
+        raise bad("stop", f"has {len(s.stop)} strings; at most {bounds.max_stop_strings}")
+    for i, stop in enumerate(s.stop):
+        if not 1 <= len(stop) <= bounds.max_stop_string_chars:
+            raise bad(
+                "stop",
+                f"[{i}] has {len(stop)} characters; 1 to {bounds.max_stop_string_chars}",
+            )
 
 
 def embeddings_lost(missing: list[str], state: RequestState | None, created_ms: int) -> list[str]:
@@ -129,8 +170,67 @@ def embeddings_lost(missing: list[str], state: RequestState | None, created_ms: 
     return [h for h in missing if short_hash(h) in state.encoded]
 
 
+class Readiness(enum.Enum):
+    """Where a request's embeddings stand once the first read did not find them all."""
+
+    PRESENT = "present"
+    """Every entry is in the store now: read them, nothing to wait for."""
+    COMING = "coming"
+    """Some are missing but may still arrive (or the store cannot tell): wait for them."""
+    LOST = "lost"
+    """One can never arrive (evicted after it was stored, or lost with a Redis restart)."""
+
+
+@dataclass(slots=True)
+class Admission:
+    """A request let in to run: its store keys and what the first read found."""
+
+    keys: dict[str, str]
+    """mm_hash -> its entry's store key, in the request's item order."""
+    present: list[EncoderOutput] | None
+    """Every entry, when all were in the store at the first read (else None)."""
+    started_ms: int
+    t_start: float
+    hop_ms: float | None
+
+    @property
+    def key_list(self) -> list[str]:
+        return list(self.keys.values())
+
+
+@dataclass(slots=True)
+class Generation:
+    """What the compute phase made of an admitted request."""
+
+    outcome: str
+    """``completed``, ``cancelled`` or ``expired``: the status it is reported with."""
+    tokens: list[int]
+    """Every token generated (for a stopped request, the ones made before it stopped)."""
+    detail: str = ""
+    compute_ms: float = 0.0
+    text: str = ""
+    """The tokens' text (cut at a stop string)."""
+    finish_reason: str | None = None
+    """``stop`` or ``length`` once completed."""
+    stream: TokenStreamWriter | None = None
+    """The request's token stream, still to be ended."""
+
+
 class PrefillWorker:
-    """Handles PrefillEvents; plug :meth:`handle` into a ConsumeLoop."""
+    """Handles PrefillEvents; plug :meth:`handle` into a ConsumeLoop.
+
+    One request goes through four phases: :meth:`_admit` (validation, the request's state,
+    deadline, bounds and cancel flag, read together with the embeddings in one round trip),
+    :meth:`_await_embeddings` (waits for those the first read missed, unless they cannot come
+    any more), :meth:`_compute` (prefill, then decode in the worker's batch) and
+    :meth:`_report` (the outcome and timings). A phase that ends the request early reports
+    why itself and returns None. With the decode stage on (``EPD_DECODE_STAGE``),
+    :meth:`_hand_off` replaces the last two: the KV cache is parked and the request handed to
+    a decode worker.
+    """
+
+    STAGE = "prefill"
+    """The stage name on this worker's status updates."""
 
     def __init__(
         self,
@@ -145,9 +245,11 @@ class PrefillWorker:
         cancel: CancelWatch | None = None,
         request_state: RequestStateReader | None = None,
         record: StatusWriter | None = None,
+        streams: TokenStreams | None = None,
     ) -> None:
         """``cancel``: asked before the embedding wait, before compute and between decode
-        steps; a cancelled request is reported ``cancelled`` and its work is skipped.
+        steps; a cancelled request is reported ``cancelled`` (with the tokens made before the
+        cancel took effect) and its work is skipped.
 
         ``request_state``: reads the request's status record. A request whose record is
         already terminal (a redelivered event) is skipped without a word; and when an embedding
@@ -155,37 +257,41 @@ class PrefillWorker:
         coming (waited for).
 
         ``record`` (``StatusStore.apply``): every update is also written to the request's
-        status record directly (the results topic stays the durable record)."""
+        status record directly (the results topic stays the durable record).
+
+        ``streams``: each request's tokens are written to its token stream while it decodes
+        (:mod:`runtime.token_stream`), ended before its terminal status."""
         self.settings = settings
         self.bundle = bundle
         self.store = store
         self.publisher = publisher
         self.topics = topics or Topics(settings.topic_prefix)
         self.worker_id = worker_id or f"prefill@{socket.gethostname()}"
-        self.vconfig = worker_validation(settings, bundle)
+        self.vconfig = worker_validation(settings, bundle, store)
         # Every event is checked on arrival without its entries' expiry, which is judged
         # (validate_prefill_expiry) only once the request is known to run: arriving late is no
         # offence for a redelivery of a finished request (nothing runs), and a late one expires.
         self._arrival_vconfig = dataclasses.replace(self.vconfig, now_ms=None)
         self.bounds = Bounds.for_model(settings, bundle)
         self.report = ResultReporter(
-            publisher, self.topics.results, "prefill", self.worker_id, record=record
+            publisher, self.topics.results, self.STAGE, self.worker_id, record=record
         )
         self.embedding_wait_s = (
             settings.embedding_wait_s if embedding_wait_s is None else embedding_wait_s
         )
         self.cancel = cancel
         self.request_state = request_state
-        # One compute thread: the model is shared, and CPU/GPU work does not speed up by
-        # interleaving requests inside one process.
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="epd-prefill")
+        self.streams = streams
+        # One compute thread runs the batch: requests decode together, one forward per step.
+        self.engine = DecodeEngine.for_settings(settings, bundle)
         self.completed = 0
         self.cancelled = 0
         self.skipped = 0
         self.lost = 0
+        self.handed_off = 0
 
     async def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        await self.engine.close()
 
     async def handle(self, ev: PrefillEvent) -> None:
         """Run one request to completion (or to a clear failure)."""
@@ -198,21 +304,52 @@ class PrefillWorker:
         await updates.flush()
 
     async def _run(self, ev: PrefillEvent, updates: RequestUpdates) -> None:
+        admitted = await self._admit(ev, updates)
+        if admitted is None:
+            return
+        # Progress updates go out in the background: the request does not wait for the
+        # broker's acknowledgement or the record write before its own work.
+        updates.soon("prefilling")
+        t_wait = time.perf_counter()
+        outputs = await self._await_embeddings(ev, admitted, updates)
+        if outputs is None:
+            return
+        timings = {
+            "queue": float(admitted.started_ms - ev.created_ms),
+            **({"broker_hop": admitted.hop_ms} if admitted.hop_ms is not None else {}),
+            "admission": (t_wait - admitted.t_start) * 1000,
+            "embedding_wait": (time.perf_counter() - t_wait) * 1000,
+        }
+        items = items_from_features(ev.features, dict(zip(admitted.keys, outputs, strict=True)))
+        if self.settings.decode_stage:
+            await self._hand_off(ev, items, timings, updates)
+            return
+        result = await self._compute(ev, items, updates)
+        await self._report(ev, result, timings, updates)
+
+    # ----------------------------------------------------------------------------- admit
+
+    async def _admit(
+        self, ev: PrefillEvent, updates: RequestUpdates, *, reads_embeddings: bool = True
+    ) -> Admission | None:
+        """Decide whether the request runs, reading its record, cancel flag and (when it may
+        run) embeddings in one round trip. Returns None when it does not run (a redelivery of
+        a finished request, a passed deadline, a cancel: each reported as such); raises the
+        ``ValidationError`` of an unsafe or out-of-bounds event (the loop dead-letters it).
+
+        ``reads_embeddings=False`` (a decode worker with a parked KV cache): the embeddings are
+        neither read nor their entries' expiry judged; the caller does both if it needs them."""
         started = now_ms()
         t_start = time.perf_counter()
         hop_ms = broker_hop_ms(started)
-        # Every rule but the entries' expiry is judged on arrival. An unsafe event is still
-        # refused (to the DLQ) only after the request's state and deadline are known, as
-        # below, but none of its keys is read.
-        unsafe: ValidationError | None = None
-        try:
-            validate_prefill_event(ev, self._arrival_vconfig)
-        except ValidationError as exc:
-            unsafe = exc
+        unsafe = self._judge_on_arrival(ev)
         hashes = dict.fromkeys(h for _, _, h in ev.features.items())
         keys = {} if unsafe else {h: ev.ec_transfer_params[h].key for h in hashes}
-        key_list = list(keys.values())
-        fetch = unsafe is None and not (ev.deadline_ms is not None and started >= ev.deadline_ms)
+        fetch = (
+            reads_embeddings
+            and unsafe is None
+            and not (ev.deadline_ms is not None and started >= ev.deadline_ms)
+        )
         # Three independent reads, one round trip: the record (a redelivery of a finished
         # request?), the cancel flag, and the embeddings, which are often all there (a cache
         # hit, or encoded while this event travelled). Each entry holds all of an item's encoder
@@ -220,7 +357,7 @@ class PrefillWorker:
         record, cancelled, present = await asyncio.gather(
             self.request_state(ev.request_id) if self.request_state else _none(),
             request_cancelled(self.cancel, ev.request_id),
-            self._fetch_present(key_list) if fetch else _none(),
+            self._fetch_present(list(keys.values())) if fetch else _none(),
         )
         if record is not None and record.terminal:
             # A redelivery (crash before the offset commit, rebalance): the outcome is out
@@ -230,7 +367,7 @@ class PrefillWorker:
                 raise unsafe
             self.skipped += 1
             log.info("%s: %s is already %s; skipped", self.worker_id, ev.request_id, record.status)
-            return
+            return None
         # The deadline comes first (judged now, after the reads): the fan-out caps ec_transfer
         # expiry at the deadline, so a late event would otherwise fail validation as ec-expired
         # (rejected) instead of expiring. Nothing is run on this path.
@@ -238,109 +375,67 @@ class PrefillWorker:
             await updates.now(
                 "expired", error=ErrorInfo("expired", "deadline passed before prefill")
             )
-            return
+            return None
         if unsafe is not None:
             raise unsafe
-        validate_prefill_expiry(ev, self.vconfig)
+        if reads_embeddings:
+            validate_prefill_expiry(ev, self.vconfig)
         check_bounds(ev, self.bounds)
         if cancelled:
             await self._report_cancelled(updates, "skipped before prefill")
-            return
-        # Progress updates go out in the background: the request does not wait for the
-        # broker's acknowledgement or the record write before its own work.
-        updates.soon("prefilling")
+            return None
+        return Admission(keys, present, started, t_start, hop_ms)
+
+    def _judge_on_arrival(self, ev: PrefillEvent) -> ValidationError | None:
+        """Every rule but the entries' expiry, judged on arrival. An unsafe event is still
+        refused (to the DLQ) only after the request's state and deadline are known, but none of
+        its keys is read."""
+        try:
+            validate_prefill_event(ev, self._arrival_vconfig)
+        except ValidationError as exc:
+            return exc
+        return None
+
+    # ----------------------------------------------------------------- await embeddings
+
+    async def _await_embeddings(
+        self, ev: PrefillEvent, admitted: Admission, updates: RequestUpdates
+    ) -> list[EncoderOutput] | None:
+        """Every entry of the request, waiting for the ones the first read missed; None when
+        the request ends here (an embedding lost or missing past the wait, a cancel: each
+        reported). A store outage raises (the loop retries the event)."""
+        if admitted.present is not None:
+            return admitted.present
         timeout = self.embedding_wait_s
         if ev.deadline_ms is not None:
             timeout = max(0.0, min(timeout, (ev.deadline_ms - now_ms()) / 1000))
-        t_wait = time.perf_counter()
-        admission_ms = (t_wait - t_start) * 1000
-        if present is not None:
-            outputs = present
-        else:
-            ready = await self._ready(ev, keys, updates)
-            if ready is None:
-                return  # lost: reported
-            if not ready:
-                try:
-                    if not await self._wait_unless_cancelled(key_list, timeout, ev.request_id):
-                        # The encoder skips a cancelled request's items: nothing will come.
-                        await self._report_cancelled(updates, "skipped before compute")
-                        return
-                except StoreUnavailable:
-                    # Redis went away under the wait. If it came back without the embeddings,
-                    # say so now rather than after a retry's full wait; else the loop retries.
-                    if await self._ready(ev, keys, updates) is None:
-                        return
-                    raise
-                except StoreTimeout as exc:
-                    await self._report_missing(ev, keys, set(exc.missing), timeout, updates)
-                    return
-            outputs, cancelled = await asyncio.gather(
-                fetch_outputs(self.store, key_list, self.bundle.family),
-                request_cancelled(self.cancel, ev.request_id),
-            )
-            if cancelled:
-                await self._report_cancelled(updates, "skipped before compute")
-                return
-        wait_ms = (time.perf_counter() - t_wait) * 1000
-        items = items_from_features(ev.features, dict(zip(keys, outputs, strict=True)))
-        t_compute = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        cancel = self.cancel
-        rid = ev.request_id
-        # Asked in the compute thread, before prefill and between decode steps: a set lookup.
-        should_stop = (lambda: cancel.cancelled_now(rid)) if cancel else None
-
-        def run_prefill() -> Prefilled:
-            if should_stop is not None and should_stop():
-                raise DecodeStopped([])  # cancelled while it waited for the compute thread
-            if ev.deadline_ms is not None and now_ms() >= ev.deadline_ms:
-                raise DeadlineExceeded([])
-            return prefill(self.bundle, ev.token_ids, items)
-
-        try:
-            state = await loop.run_in_executor(self._executor, run_prefill)
-            # Started from the loop between the two compute calls, so it goes out while the
-            # thread decodes (a thread decoding thousands of steps would otherwise hold it up).
-            updates.soon("decoding")
-            tokens = await loop.run_in_executor(
-                self._executor,
-                lambda: greedy_decode(
-                    self.bundle,
-                    state,
-                    ev.sampling.max_tokens,
-                    stop_token_ids=ev.sampling.stop_token_ids,
-                    ignore_eos=ev.sampling.ignore_eos,
-                    deadline_ms=ev.deadline_ms,
-                    should_stop=should_stop,
-                ),
-            )
-        except DecodeStopped as stopped:
-            await self._report_cancelled(updates, f"stopped after {len(stopped.tokens)} tokens")
-            return
-        except DeadlineExceeded as exc:
-            await updates.now(
-                "expired",
-                token_ids=exc.tokens,
-                error=ErrorInfo("expired", f"deadline passed during prefill/decode: {exc}"),
-            )
-            return
-        compute_ms = (time.perf_counter() - t_compute) * 1000
-        text = str(self.bundle.tokenizer.decode(tokens, skip_special_tokens=True))
-        self.completed += 1
-        await updates.now(
-            "completed",
-            token_ids=tokens,
-            text=text,
-            timings={
-                "queue": float(started - ev.created_ms),
-                **({"broker_hop": hop_ms} if hop_ms is not None else {}),
-                "admission": admission_ms,
-                "embedding_wait": wait_ms,
-                "prefill_decode": compute_ms,
-                "total": float(now_ms() - ev.created_ms),
-            },
+        keys = admitted.keys
+        readiness = await self._readiness(ev, keys, updates)
+        if readiness is Readiness.LOST:
+            return None
+        if readiness is Readiness.COMING:
+            try:
+                if not await self._wait_unless_cancelled(admitted.key_list, timeout, ev.request_id):
+                    # The encoder skips a cancelled request's items: nothing will come.
+                    await self._report_cancelled(updates, "skipped before compute")
+                    return None
+            except StoreUnavailable:
+                # Redis went away under the wait. If it came back without the embeddings,
+                # say so now rather than after a retry's full wait; else the loop retries.
+                if await self._readiness(ev, keys, updates) is Readiness.LOST:
+                    return None
+                raise
+            except StoreTimeout as exc:
+                await self._report_missing(ev, keys, set(exc.missing), timeout, updates)
+                return None
+        outputs, cancelled = await asyncio.gather(
+            fetch_outputs(self.store, admitted.key_list, self.bundle.family),
+            request_cancelled(self.cancel, ev.request_id),
         )
+        if cancelled:
+            await self._report_cancelled(updates, "skipped before compute")
+            return None
+        return outputs
 
     async def _wait_unless_cancelled(
         self, keys: list[str], timeout_s: float, request_id: str
@@ -373,6 +468,175 @@ class PrefillWorker:
         except StoreError:
             return None
 
+    async def _readiness(
+        self, ev: PrefillEvent, keys: dict[str, str], updates: RequestUpdates
+    ) -> Readiness:
+        """Whether the request's embeddings are all in the store, may still come (also when
+        the store cannot tell), or one of them never will (reported ``failed``,
+        ``embedding-lost``, here). The record is read only when something is missing."""
+        try:
+            present = await asyncio.gather(*(self.store.exists(k) for k in keys.values()))
+        except StoreUnavailable:
+            return Readiness.COMING  # cannot tell; the wait (or its retry) decides
+        missing = [h for h, ok in zip(keys, present, strict=True) if not ok]
+        if not missing:
+            return Readiness.PRESENT
+        if self.request_state is None:
+            return Readiness.COMING
+        state = await self.request_state(ev.request_id, since=True)
+        lost = embeddings_lost(missing, state, ev.created_ms)
+        if lost:
+            # The record was read after the EXISTS above: an item stored and marked encoded in
+            # between reads "encoded" while its key was missing then. Only a key still missing
+            # now, after the record said encoded, is gone.
+            try:
+                again = await asyncio.gather(*(self.store.exists(keys[h]) for h in lost))
+            except StoreUnavailable:
+                return Readiness.COMING
+            lost = [h for h, ok in zip(lost, again, strict=True) if not ok]
+        if not lost:
+            return Readiness.COMING
+        await self._report_lost(ev, lost, updates)
+        return Readiness.LOST
+
+    # --------------------------------------------------------------------------- compute
+
+    async def _compute(
+        self, ev: PrefillEvent, items: list[ItemEmbedding], updates: RequestUpdates
+    ) -> Generation:
+        """Prefill and decode in the worker's batch (:mod:`gpu_workers.engine`)."""
+        return await self._generate(ev, lambda: prefill(self.bundle, ev.token_ids, items), updates)
+
+    async def _generate(
+        self, ev: PrefillEvent, start: Callable[[], Prefilled], updates: RequestUpdates
+    ) -> Generation:
+        """Decode ``ev`` from ``start`` (run on the compute thread as it joins the batch) to
+        ``max_tokens``, a stop token or string, the deadline or a cancel (asked before the
+        start and between steps), streaming its tokens as they come."""
+        t_compute = time.perf_counter()
+        cancel = self.cancel
+        rid = ev.request_id
+        seq = new_sequence(self.bundle, ev.sampling, rid)
+        stream = self.streams.writer(rid) if self.streams is not None else None
+        if stream is not None:
+            await stream.resume()
+        job = DecodeJob(
+            rid,
+            seq,
+            start,
+            kv_tokens=len(ev.token_ids) + ev.sampling.max_tokens,
+            deadline_ms=ev.deadline_ms,
+            # Asked on the compute thread before the start and between steps: a set lookup.
+            should_stop=(lambda: cancel.cancelled_now(rid)) if cancel else None,
+            on_tokens=stream.push if stream is not None else None,
+            # Sent in the background while the batch decodes.
+            on_started=lambda: updates.soon("decoding"),
+        )
+        try:
+            done = await self.engine.run(job)
+        except BaseException:
+            if stream is not None:
+                await stream.abandon()
+            raise
+        seq.settle()
+        return Generation(
+            done.outcome,
+            seq.tokens,
+            done.detail,
+            compute_ms=(time.perf_counter() - t_compute) * 1000,
+            text=seq.text,
+            finish_reason=seq.finish_reason if done.outcome == COMPLETED else None,
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------------- hand off
+
+    async def _hand_off(
+        self,
+        ev: PrefillEvent,
+        items: list[ItemEmbedding],
+        timings: dict[str, float],
+        updates: RequestUpdates,
+    ) -> None:
+        """The decode stage (``EPD_DECODE_STAGE``): run the prompt, park its KV cache in the
+        store (signed, bound to the request, with a TTL) and hand the request to the decode
+        workers (a ``DecodeEvent`` on ``{prefix}.decode``, keyed by request id). The request
+        stays ``prefilling`` here; the decode worker reports the rest."""
+        cancel, rid = self.cancel, ev.request_id
+
+        def run() -> tuple[Prefilled, dict[str, torch.Tensor], float] | str:
+            # Asked on the compute thread as it takes the request up, as a batch asks.
+            if cancel is not None and cancel.cancelled_now(rid):
+                return CANCELLED
+            if ev.deadline_ms is not None and now_ms() >= ev.deadline_ms:
+                return EXPIRED
+            t0 = time.perf_counter()
+            state = prefill(self.bundle, ev.token_ids, items)
+            return state, kv_tensors(state), (time.perf_counter() - t0) * 1000
+
+        done = await self.engine.call(run)
+        if done == CANCELLED:
+            await self._report_cancelled(updates, "skipped before prefill")
+            return
+        if done == EXPIRED:
+            await updates.now(
+                "expired", error=ErrorInfo("expired", "deadline passed before prefill")
+            )
+            return
+        assert not isinstance(done, str)
+        state, tensors, prefill_ms = done
+        kv = kv_entry(self.settings, self.bundle, self.store, rid, state, ev.deadline_ms)
+        t_park = time.perf_counter()
+        await park(self.store, kv, tensors)
+        park_ms = (time.perf_counter() - t_park) * 1000
+        handoff = DecodeEvent(prefill=ev, kv=kv, kv_transfer_params=ev.kv_transfer_params)
+        await publish(self.publisher, self.topics, handoff)
+        self.handed_off += 1
+        await updates.now(
+            "prefilling",
+            timings={**timings, "prefill": prefill_ms, "kv_park": park_ms},
+            info={"prefill.handoff": "decode", "kv_bytes": str(kv.nbytes)},
+        )
+
+    # ---------------------------------------------------------------------------- report
+
+    async def _report(
+        self,
+        ev: PrefillEvent,
+        result: Generation,
+        timings: dict[str, float],
+        updates: RequestUpdates,
+        info: dict[str, str] | None = None,
+    ) -> None:
+        """The request's outcome, with its tokens and text (a stopped or expired request's
+        partial output included) and, once completed, its timings, finish reason and ``info``.
+        The token stream ends first, so a terminal record means a complete stream."""
+        if result.stream is not None:
+            await result.stream.close(result.outcome, result.finish_reason)
+        if result.outcome == "cancelled":
+            await self._report_cancelled(updates, result.detail, result.tokens, result.text)
+            return
+        if result.outcome == "expired":
+            await updates.now(
+                "expired",
+                token_ids=result.tokens,
+                text=result.text,
+                error=ErrorInfo("expired", result.detail),
+            )
+            return
+        self.completed += 1
+        await updates.now(
+            "completed",
+            token_ids=result.tokens,
+            text=result.text,
+            timings={
+                **timings,
+                "prefill_decode": result.compute_ms,
+                "total": float(now_ms() - ev.created_ms),
+            },
+            info={"finish_reason": result.finish_reason or "", **(info or {})},
+        )
+
     async def _report_missing(
         self,
         ev: PrefillEvent,
@@ -399,35 +663,10 @@ class PrefillWorker:
             ),
         )
 
-    async def _ready(
-        self, ev: PrefillEvent, keys: dict[str, str], updates: RequestUpdates
-    ) -> bool | None:
-        """Whether every embedding is in the store already (True: nothing to wait for), or
-        may still come (False: wait for it, also when the store cannot tell); None when one
-        cannot come any more, which is reported (``failed``, ``embedding-lost``). The record is
-        read only when something is missing."""
-        try:
-            present = await asyncio.gather(*(self.store.exists(k) for k in keys.values()))
-        except StoreUnavailable:
-            return False  # cannot tell; the wait (or its retry) decides
-        missing = [h for h, ok in zip(keys, present, strict=True) if not ok]
-        if not missing:
-            return True
-        if self.request_state is None:
-            return False
-        state = await self.request_state(ev.request_id, since=True)
-        lost = embeddings_lost(missing, state, ev.created_ms)
-        if lost:
-            # The record was read after the EXISTS above: an item stored and marked encoded in
-            # between reads "encoded" while its key was missing then. Only a key still missing
-            # now, after the record said encoded, is gone.
-            try:
-                again = await asyncio.gather(*(self.store.exists(keys[h]) for h in lost))
-            except StoreUnavailable:
-                return False
-            lost = [h for h, ok in zip(lost, again, strict=True) if not ok]
-        if not lost:
-            return False
+    async def _report_lost(
+        self, ev: PrefillEvent, lost: list[str], updates: RequestUpdates
+    ) -> None:
+        """``failed``, ``embedding-lost``, naming the first lost item."""
         modality, index = next(
             ((m, i) for m, i, h in ev.features.items() if h in lost), (None, None)
         )
@@ -443,12 +682,20 @@ class PrefillWorker:
                 item=index,
             ),
         )
-        return None
 
-    async def _report_cancelled(self, updates: RequestUpdates, what: str) -> None:
+    async def _report_cancelled(
+        self,
+        updates: RequestUpdates,
+        what: str,
+        tokens: list[int] | None = None,
+        text: str | None = None,
+    ) -> None:
+        """``cancelled``, with the tokens made before the cancel took effect (if any)."""
         self.cancelled += 1
         await updates.now(
             "cancelled",
+            token_ids=tokens or None,
+            text=text if tokens else None,
             error=ErrorInfo("cancelled", f"cancelled: {what}"),
             # info survives in the record even though the API's cancel was the terminal status
             info={"prefill.cancelled": what},

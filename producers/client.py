@@ -96,12 +96,24 @@ class RequestStatus:
 
 @dataclass(slots=True)
 class StatusEvent:
-    """One Server-Sent Event of ``/events``."""
+    """One ``status`` Server-Sent Event of ``/events``."""
 
     id: str
     status: str
     stage: str
     data: dict[str, Any]
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """One ``token`` Server-Sent Event of ``/events``: tokens as they were made, and their text
+    (never half a character)."""
+
+    id: str
+    token_ids: list[int]
+    text: str
+    tokens_total: int
+    finish_reason: str | None = None
 
 
 # ------------------------------------------------------------------------------ errors
@@ -248,10 +260,15 @@ def _submit_parts(
     deadline_s: float | None,
     metadata: Mapping[str, str] | None,
     ignore_eos: bool = False,
+    sampling: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """httpx keyword arguments of a submission: multipart with the image files (no base64
-    inflation), or JSON when there is no image."""
+    inflation), or JSON when there is no image. ``sampling``: the sampling fields given
+    (temperature, top_p, top_k, seed, stop)."""
+    chosen = {k: v for k, v in (sampling or {}).items() if v is not None}
     fields: dict[str, Any] = {"max_tokens": str(max_tokens)}
+    for k, v in chosen.items():
+        fields[k] = [str(x) for x in v] if isinstance(v, list | tuple) else str(v)
     if ignore_eos:
         fields["ignore_eos"] = "true"
     if prompt is not None:
@@ -275,9 +292,26 @@ def _submit_parts(
             body["deadline_s"] = deadline_s
         if metadata is not None:
             body["metadata"] = dict(metadata)
+        body.update({k: list(v) if isinstance(v, tuple) else v for k, v in chosen.items()})
         return {"json": body}
     files = [("images", (f"image{i}", _image_bytes(img))) for i, img in enumerate(images)]
     return {"data": fields, "files": files}
+
+
+def _sampling(
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    seed: int | None,
+    stop: Sequence[str] | None,
+) -> dict[str, Any]:
+    return {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": seed,
+        "stop": list(stop) if stop else None,
+    }
 
 
 def image_to_data_url(data: bytes, mime: str = "image/png") -> str:
@@ -289,17 +323,31 @@ def _headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def _parse_sse(lines: list[str]) -> StatusEvent | None:
-    ev_id, data = "", []
+def _parse_sse(lines: list[str]) -> StatusEvent | TokenEvent | None:
+    ev_id, kind, data = "", "status", []
     for line in lines:
         if line.startswith("id:"):
             ev_id = line[3:].strip()
+        elif line.startswith("event:"):
+            kind = line[6:].strip()
         elif line.startswith("data:"):
             data.append(line[5:].lstrip())
     if not data:
         return None
     obj = json.loads("\n".join(data))
+    if kind == "token":
+        return TokenEvent(
+            id=ev_id,
+            token_ids=list(obj.get("token_ids") or []),
+            text=str(obj.get("text") or ""),
+            tokens_total=int(obj.get("tokens_total") or 0),
+            finish_reason=obj.get("finish_reason"),
+        )
     return StatusEvent(id=ev_id, status=obj.get("status", ""), stage=obj.get("stage", ""), data=obj)
+
+
+def _wanted(ev: StatusEvent | TokenEvent | None, tokens: bool) -> bool:
+    return ev is not None and (tokens or isinstance(ev, StatusEvent))
 
 
 class EPDClient:
@@ -366,10 +414,27 @@ class EPDClient:
         metadata: Mapping[str, str] | None = None,
         idempotency_key: str | None = None,
         ignore_eos: bool = False,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] | None = None,
     ) -> str:
-        """Submit a request; returns its id (202, or 200 for a repeated Idempotency-Key)."""
+        """Submit a request; returns its id (202, or 200 for a repeated Idempotency-Key).
+        ``temperature`` 0 (the server's default) is greedy; above it the tokens are sampled
+        (``top_p``, ``top_k``, ``seed``: the same seed gives the same tokens); ``stop``
+        strings end generation."""
+        sampling = _sampling(temperature, top_p, top_k, seed, stop)
         kw = _submit_parts(
-            prompt, token_ids, images, max_tokens, cache_salt, deadline_s, metadata, ignore_eos
+            prompt,
+            token_ids,
+            images,
+            max_tokens,
+            cache_salt,
+            deadline_s,
+            metadata,
+            ignore_eos,
+            sampling,
         )
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         resp = await self._request("POST", "/v1/requests", headers=headers, **kw)
@@ -411,9 +476,11 @@ class EPDClient:
                 raise TimeoutError(f"request {request_id} still {st.status} after {timeout_s}s")
 
     async def events(
-        self, request_id: str, *, last_event_id: str | None = None
-    ) -> AsyncIterator[StatusEvent]:
-        """Every status change as it happens (SSE); ends after the terminal one."""
+        self, request_id: str, *, last_event_id: str | None = None, tokens: bool = False
+    ) -> AsyncIterator[Any]:
+        """Every status change as it happens (SSE: :class:`StatusEvent`); ends after the
+        terminal one. ``tokens``: the :class:`TokenEvent` s too, as the request decodes.
+        Resume with ``last_event_id`` (the ``id`` of the last event seen, of either kind)."""
         headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
         async with self._http.stream(
             "GET",
@@ -431,7 +498,7 @@ class EPDClient:
                     continue
                 ev = _parse_sse(lines)
                 lines = []
-                if ev is not None:
+                if _wanted(ev, tokens):
                     yield ev
 
     async def cancel(self, request_id: str) -> RequestStatus:
@@ -500,10 +567,24 @@ class SyncEPDClient:
         metadata: Mapping[str, str] | None = None,
         idempotency_key: str | None = None,
         ignore_eos: bool = False,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] | None = None,
     ) -> str:
         """See :meth:`EPDClient.submit`."""
+        sampling = _sampling(temperature, top_p, top_k, seed, stop)
         kw = _submit_parts(
-            prompt, token_ids, images, max_tokens, cache_salt, deadline_s, metadata, ignore_eos
+            prompt,
+            token_ids,
+            images,
+            max_tokens,
+            cache_salt,
+            deadline_s,
+            metadata,
+            ignore_eos,
+            sampling,
         )
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return str(
@@ -546,7 +627,9 @@ class SyncEPDClient:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"request {request_id} still {st.status} after {timeout_s}s")
 
-    def events(self, request_id: str, *, last_event_id: str | None = None) -> Iterator[StatusEvent]:
+    def events(
+        self, request_id: str, *, last_event_id: str | None = None, tokens: bool = False
+    ) -> Iterator[Any]:
         """See :meth:`EPDClient.events`."""
         headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
         with self._http.stream(
@@ -565,7 +648,7 @@ class SyncEPDClient:
                     continue
                 ev = _parse_sse(lines)
                 lines = []
-                if ev is not None:
+                if _wanted(ev, tokens):
                     yield ev
 
     def cancel(self, request_id: str) -> RequestStatus:

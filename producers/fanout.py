@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.kafka import ResultReporter, StatusWriter
 from runtime.limits import InputLimits, input_limits, pixel_dtype
-from runtime.publisher import Publisher
+from runtime.publisher import Publisher, publish
+from runtime.reporting import ResultReporter, StatusWriter
 from runtime.settings import Settings
 from schemas.codec import get_codec
 from schemas.errors import CodecError, ValidationError
@@ -335,6 +335,7 @@ class FanOut:
             cache_salt=ev.cache_salt,
             deadline_ms=ev.deadline_ms,
             trace=dict(ev.trace),
+            kv_transfer_params=ev.kv_transfer_params,  # vLLM's, on to prefill and decode as is
         )
 
     async def _encode_events(
@@ -407,9 +408,7 @@ class FanOut:
         )
         # The encode events go at once: the encoder's marks carry "encoding" too, so one that
         # reaches the record before this update costs a client streaming the statuses nothing.
-        encodes = asyncio.gather(
-            *(publisher.send(self.topics.encode, enc.mm_hash, enc) for enc in plan.encode)
-        )
+        encodes = asyncio.gather(*(publish(publisher, self.topics, enc) for enc in plan.encode))
         if self.record is not None:
             # The request's "encoding" status must be recorded before any prefill worker can
             # record "prefilling", or a client streaming the statuses never sees it; a prefill
@@ -425,13 +424,13 @@ class FanOut:
                 recorded,
                 reporter.send(update),
                 encodes,
-                publisher.send(self.topics.prefill, ev.request_id, plan.prefill),
+                publish(publisher, self.topics, plan.prefill),
             )
         else:
             # No record at hand: the results topic holds the order, so the update is
             # acknowledged (with the encode events, all in flight) before the prefill event.
             _, encode_sizes = await asyncio.gather(reporter.send(update), encodes)
-            prefill_bytes = await publisher.send(self.topics.prefill, ev.request_id, plan.prefill)
+            prefill_bytes = await publish(publisher, self.topics, plan.prefill)
         return _stats(ev, plan, sum(encode_sizes), prefill_bytes)
 
 

@@ -77,6 +77,10 @@ class Submission:
     deadline_ms: int | None = None
     metadata: dict[str, str] | None = None
     """Opaque labels kept on the status record."""
+    front: dict[str, Any] | None = None
+    """What the front keeps on the record to answer in its own wire format later (the OpenAI
+    routes: which API made the request, the model name, parameters a response echoes); small,
+    and written by the front's own code, never a client's."""
     foreign_labels: bool = False
     """The items' ``mm_hash`` come from another renderer (vLLM): labels, not store keys."""
     traceparent: str | None = None
@@ -286,7 +290,10 @@ class Intake:
             "metadata": sub.metadata,
             "info": {"trace_id": trace_id_of(traceparent) or ""},
             "items": _items(ev),
+            "prompt_tokens": len(ev.token_ids),
         }
+        if sub.front is not None:
+            fields["front"] = sub.front
         if render_timing is not None:
             fields["render"] = render_timing
         return await self.status.create(rid, fields)

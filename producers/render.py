@@ -34,8 +34,9 @@ from producers.pictures import to_rgb as to_rgb  # re-exported: part of this mod
 from producers.video import VideoInput, VideoLimits
 from producers.video_items import VideoItems
 from runtime.limits import input_limits
-from runtime.model import ModelBundle, RenderInfo
+from runtime.model import ModelBundle, RenderInfo, placeholder_ids
 from runtime.settings import Settings
+from schemas import defaults
 from schemas.errors import ValidationError
 from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT
 from schemas.signing import ItemHasher
@@ -77,6 +78,7 @@ class _Item:
     length: int
     data: ItemData
     metadata: ItemData | None
+    is_embed: list[bool] | None = None
 
 
 def _pil_errors(index: int) -> AbstractContextManager[None]:
@@ -152,7 +154,7 @@ def build_features(items: Sequence[_Item]) -> Features:
     return Features(
         mm_hashes={m: [it.mm_hash for it in per[m]] for m in mods},
         mm_placeholders={
-            m: [PlaceholderRange(it.offset, it.length) for it in per[m]] for m in mods
+            m: [PlaceholderRange(it.offset, it.length, it.is_embed) for it in per[m]] for m in mods
         },
         kwargs_data={m: [it.data for it in per[m]] for m in mods} if items else None,
         mm_metadata={m: [it.metadata for it in per[m]] for m in mods} if any_meta else None,
@@ -170,7 +172,7 @@ class Renderer:
         max_images: int = 64,
         allow_file_paths: bool = False,
         video_limits: VideoLimits | None = None,
-        max_tensor_bytes: int = 256 * 1024 * 1024,
+        max_tensor_bytes: int = defaults.MAX_TENSOR_BYTES,
         max_video_bytes: int | None = None,
         video_pixels: dict[str, int | None] | None = None,
     ) -> None:
@@ -365,7 +367,7 @@ class Renderer:
                 f"token ids must be in [0, {info.vocab_size}); got {bad[:5]}",
                 field="token_ids",
             )
-        pads = {info.image_token_id: "image", info.video_token_id: "video"}
+        pads = {pad: modality for modality, pad in placeholder_ids(info).items()}
         marks = [i for i, t in enumerate(ids) if t in pads]
         kinds = [pads[ids[i]] for i in marks]
         for kind, given in (("image", n_images), ("video", n_videos)):
@@ -464,8 +466,6 @@ class Renderer:
     ) -> tuple[list[int], list[_Item]]:
         """The prompt's token ids with each item's placeholder run spliced in at its marker,
         and the rendered items."""
-        info = self.info
-        pad_id = {"image": info.image_token_id, "video": info.video_token_id}
         seen = {"image": 0, "video": 0}
         ids: list[int] = list(segments[0])
         items: list[_Item] = []
@@ -473,35 +473,75 @@ class Renderer:
             i = seen[kind]
             seen[kind] += 1
             _check_time(give_up_at, kind, i)
-            data, meta, grid = self._item(kind, sources[kind][i], i, give_up_at)
-            n = _placeholder_count(grid, info.merge_size)
-            ids.append(info.vision_start_id)
-            offset = len(ids)
-            ids.extend([pad_id[kind]] * n)
-            ids.append(info.vision_end_id)
+            items.append(self._item(ids, kind, i, sources[kind][i], cache_salt, give_up_at))
             ids.extend(segments[k + 1])
-            items.append(
-                _Item(
-                    modality=kind,
-                    mm_hash=self.mm_hash(kind, data, cache_salt),
-                    offset=offset,
-                    length=n,
-                    data=data,
-                    metadata=meta,
-                )
-            )
         return ids, items
 
     def _item(
-        self, kind: str, source: Any, index: int, give_up_at: float | None
-    ) -> tuple[ItemData, ItemData | None, torch.Tensor]:
-        """One item's encoder inputs, its metadata and its grid."""
+        self,
+        ids: list[int],
+        kind: str,
+        index: int,
+        src: Any,
+        cache_salt: str | None,
+        give_up_at: float | None,
+    ) -> _Item:
+        """Process one image or video and lay its placeholder out onto ``ids``."""
+        pad = placeholder_ids(self.info)[kind]
+        is_embed: list[bool] | None = None
         if kind == "image":
-            pv, grid = self.process_image(self.load_image(source, index), index)
+            pv, grid = self.process_image(self.load_image(src, index), index)
             data: ItemData = {MAIN_ENCODER_INPUT["image"]: pv, GRID_FIELDS["image"]: grid}
-            return data, {GRID_FIELDS["image"]: grid}, grid
-        video = self.videos.render(source, index, give_up_at=give_up_at)
-        return video.data, video.metadata, video.grid
+            meta: ItemData = {GRID_FIELDS["image"]: grid}
+            offset, length = self._lay_out(ids, pad, grid)
+        else:
+            video = self.videos.render(src, index, give_up_at=give_up_at)
+            data, meta, grid = video.data, video.metadata, video.grid
+            if self.info.family.video_timestamps:
+                offset, length, is_embed = self._lay_out_frames(ids, pad, grid, video.timestamps)
+            else:
+                offset, length = self._lay_out(ids, pad, grid)
+        return _Item(
+            modality=kind,
+            mm_hash=self.mm_hash(kind, data, cache_salt),
+            offset=offset,
+            length=length,
+            data=data,
+            metadata=meta,
+            is_embed=is_embed,
+        )
+
+    def _lay_out(self, ids: list[int], pad: int, grid: torch.Tensor) -> tuple[int, int]:
+        """``<|vision_start|>`` + N pads + ``<|vision_end|>`` onto ``ids``; the pads' range."""
+        n = _placeholder_count(grid, self.info.merge_size)
+        ids.append(self.info.vision_start_id)
+        offset = len(ids)
+        ids.extend([pad] * n)
+        ids.append(self.info.vision_end_id)
+        return offset, n
+
+    def _lay_out_frames(
+        self, ids: list[int], pad: int, grid: torch.Tensor, timestamps: list[float]
+    ) -> tuple[int, int, list[bool]]:
+        """A video frame by frame (Qwen3-VL): per temporal grid row, its timestamp text
+        ``<{t:.1f} seconds>`` then ``<|vision_start|>`` + its pads + ``<|vision_end|>``, as the
+        Qwen3-VL processor writes it in place of the video's block. The item's range is all of
+        it, ``is_embed`` marking the pads (vLLM's layout of the same item)."""
+        t, h, w = (int(x) for x in grid.reshape(-1).tolist())
+        if len(timestamps) != t:
+            raise RenderError(
+                "render.video_layout",
+                f"{len(timestamps)} frame timestamps for a grid of {t} temporal rows",
+                modality="video",
+            )
+        per_row = h * w // (self.info.merge_size**2)
+        offset = len(ids)
+        for seconds in timestamps:
+            ids.extend(self._text_ids(f"<{seconds:.1f} seconds>"))
+            ids.append(self.info.vision_start_id)
+            ids.extend([pad] * per_row)
+            ids.append(self.info.vision_end_id)
+        return offset, len(ids) - offset, [tok == pad for tok in ids[offset:]]
 
     async def render_async(
         self, request_id: str, *, timeout_s: float | None = None, **kwargs: Any

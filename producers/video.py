@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import io
 import math
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,213 +36,36 @@ from PIL import Image
 
 from producers.animation_headers import HeaderError, gif_frame_delays, webp_durations
 from producers.pictures import IMAGE_FORMATS, pil_errors, upright_rgb, upright_size
-from schemas.errors import ValidationError
+from producers.video_file import plan_file
+from producers.video_plan import (
+    ANIMATION_DECODE_COST,
+    Size,
+    VideoClip,
+    VideoError,
+    VideoFrames,
+    VideoInput,
+    VideoLimits,
+    VideoPlan,
+    check_budget,
+    check_count,
+    check_duration,
+    check_size,
+    check_time,
+    finish,
+    sample_indices,
+    video_error,
+)
 
 if TYPE_CHECKING:
-    from runtime.settings import Settings
+    pass
 
 ANIMATION_FORMATS = ("GIF", "WEBP")
 """Pillow decoders for animated images given as a video."""
-MIN_FRAMES = 4
-"""The Qwen2-VL video processor's ``min_frames``: short clips still get this many frames."""
-ANIMATION_DECODE_COST = 16
-"""Weight of one GIF/WebP pixel against one FFmpeg-decoded pixel in the decode budget. Measured
-here: Pillow seeks through GIF frames at ~70 Mpx/s and animated WebP at ~33 Mpx/s, FFmpeg decodes
-H.264 at ~1 Gpx/s."""
-DEFAULT_MAX_DECODE_PIXELS = 4_000_000_000
-"""About 2,000 decoded 1080p frames: a few seconds of FFmpeg time per video on one core."""
-
-
-class VideoError(ValidationError):
-    """A video the renderer cannot use; names the rule and the item."""
-
-
-@dataclass(frozen=True, slots=True)
-class VideoLimits:
-    """What a video may cost; every field is checked before frames are decoded."""
-
-    fps: float = 2.0
-    """Frames sampled per second of video (``EPD_VIDEO_FPS``)."""
-    max_frames: int = 64
-    """Frames kept per video after sampling (``EPD_VIDEO_MAX_FRAMES``)."""
-    max_duration_s: float = 600.0
-    """Longest video, by its header and by the decoded timestamps."""
-    max_source_frames: int = 36_000
-    """Frames the decoder may read (10 minutes at 60 fps)."""
-    max_frame_pixels: int = 3840 * 2160
-    """width * height of one source frame."""
-    temporal_patch_size: int = 2
-    """Sampled counts are rounded down to a multiple of this (the model's temporal patch)."""
-    max_decode_pixels: int = DEFAULT_MAX_DECODE_PIXELS
-    """Frames decoded x their pixels (GIF/WebP weighted by ``ANIMATION_DECODE_COST``)."""
-
-    @classmethod
-    def from_settings(cls, settings: Settings, temporal_patch_size: int = 2) -> VideoLimits:
-        """The limits ``EPD_VIDEO_*`` settings give."""
-        return cls(
-            fps=settings.video_fps,
-            max_frames=settings.video_max_frames,
-            max_duration_s=settings.video_max_duration_s,
-            max_source_frames=settings.video_max_source_frames,
-            max_frame_pixels=settings.video_max_frame_pixels,
-            temporal_patch_size=temporal_patch_size,
-            max_decode_pixels=settings.video_max_decode_pixels,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class VideoFrames:
-    """Frames a caller already has, with the rate they were taken at (None: ``EPD_VIDEO_FPS``,
-    i.e. already sampled)."""
-
-    frames: Sequence[Any]
-    """PIL images, ``(H, W, 3)`` uint8 arrays or encoded frame images (bytes)."""
-    fps: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class VideoClip:
-    """Sampled frames of one video, all RGB and of one size."""
-
-    frames: list[Image.Image]
-    fps: float
-    """The rate of the *sampled* frames (the processor's ``sampled_fps``)."""
-    source_frames: int
-    source: str
-    """``file``, ``animation`` or ``frames``."""
-
-
-Size = tuple[int, int]
-"""``(width, height)`` kept frames are resized to as they are decoded (None: as they are)."""
-Decoder = Callable[[Size | None, float | None], list[Image.Image]]
-
-
-@dataclass(frozen=True, slots=True)
-class VideoPlan:
-    """What one video will give and cost, known from headers before any kept frame decodes."""
-
-    source: str
-    width: int
-    """Upright frame width (after EXIF orientation or a stream's display rotation)."""
-    height: int
-    total: int
-    """Source frames."""
-    keep: list[int]
-    """Indices of the sampled frames."""
-    native_fps: float
-    decode_frames: int
-    """Frames the decoder must produce to reach the kept ones."""
-    decoder: Decoder
-    close: Callable[[], None] = field(default=lambda: None)
-
-    @property
-    def fps(self) -> float:
-        """The rate of the sampled frames."""
-        return len(self.keep) / self.total * self.native_fps
-
-    def clip(self, size: Size | None = None, give_up_at: float | None = None) -> VideoClip:
-        """Decode the kept frames (resized to ``size`` as they come); ``give_up_at``: a
-        ``time.monotonic()`` past which decoding stops with ``render.timeout``."""
-        try:
-            frames = self.decoder(size, give_up_at)
-        finally:
-            self.close()
-        return VideoClip(frames, self.fps, self.total, self.source)
-
-
-VideoInput = bytes | bytearray | memoryview | Path | VideoFrames | Sequence[Any]
-
-
-def _err(rule: str, msg: str, index: int) -> VideoError:
-    return VideoError(rule, msg, modality="video", item=index)
-
-
-def sample_indices(total: int, native_fps: float, limits: VideoLimits) -> list[int]:
-    """Indices of the frames to keep out of ``total`` taken at ``native_fps``.
-
-    The Qwen2-VL video processor's rule (``sample_frames`` with ``fps``): ``total / native_fps *
-    fps`` frames, at least ``MIN_FRAMES``, at most ``max_frames`` and ``total``, rounded down to a
-    multiple of the temporal patch, spread as ``arange(0, total, total / n)``. A clip too short
-    for one temporal patch keeps all its frames (the processor pads by repeating the last).
-    """
-    tps = limits.temporal_patch_size
-    cap = math.floor(min(limits.max_frames, total) / tps) * tps
-    want = total / native_fps * limits.fps if native_fps > 0 else float(total)
-    n = math.floor(min(max(want, MIN_FRAMES), cap, total) / tps) * tps
-    if n <= 0:
-        return list(range(min(total, limits.max_frames)))
-    # arange(0, total, total / n) truncated, in exact integer arithmetic.
-    return [i * total // n for i in range(n)]
-
-
-def check_size(w: int, h: int, limits: VideoLimits, index: int) -> None:
-    """``render.video_too_large`` for a frame over ``max_frame_pixels``."""
-    if w <= 0 or h <= 0 or w * h > limits.max_frame_pixels:
-        raise _err(
-            "render.video_too_large",
-            f"video frames are {w}x{h} = {w * h} pixels; the limit is {limits.max_frame_pixels}",
-            index,
-        )
-
-
-def check_duration(seconds: float, limits: VideoLimits, index: int) -> None:
-    """``render.video_too_long`` past ``max_duration_s``."""
-    if seconds > limits.max_duration_s:
-        raise _err(
-            "render.video_too_long",
-            f"video lasts {seconds:.1f} s; the limit is {limits.max_duration_s:g} s",
-            index,
-        )
-
-
-def check_count(frames: int, limits: VideoLimits, index: int) -> None:
-    """``render.video_too_many_frames`` past ``max_source_frames``."""
-    if frames > limits.max_source_frames:
-        raise _err(
-            "render.video_too_many_frames",
-            f"video has {frames} frames; the limit is {limits.max_source_frames}",
-            index,
-        )
-
-
-def check_budget(
-    frames: int, w: int, h: int, limits: VideoLimits, index: int, weight: int = 1
-) -> None:
-    """``render.video_decode_budget`` when reaching the kept frames means decoding more than
-    ``max_decode_pixels`` (weighted) pixels."""
-    cost = frames * w * h * weight
-    if cost > limits.max_decode_pixels:
-        how = f" x {weight} (GIF/WebP decoding cost)" if weight != 1 else ""
-        raise _err(
-            "render.video_decode_budget",
-            f"reaching the sampled frames means decoding {frames} frames of {w}x{h}{how} = "
-            f"{cost} pixels; the limit is {limits.max_decode_pixels} (EPD_VIDEO_MAX_DECODE_"
-            "PIXELS): send a shorter or smaller video",
-            index,
-        )
-
-
-def check_time(give_up_at: float | None, index: int) -> None:
-    """``render.timeout`` once ``time.monotonic()`` is past ``give_up_at``."""
-    if give_up_at is not None and time.monotonic() > give_up_at:
-        raise _err(
-            "render.timeout",
-            "decoding the video ran past the render time limit (EPD_API_RENDER_TIMEOUT_S)",
-            index,
-        )
-
-
-def finish(img: Image.Image, size: Size | None) -> Image.Image:
-    """A kept frame at its final size: the processor's resize (PIL bicubic), done as the frame
-    is decoded so that only resized frames are held."""
-    if size is None or img.size == size:
-        return img
-    return img.resize(size, resample=Image.Resampling.BICUBIC)
 
 
 def _pil(index: int, unreadable: str = "render.video_unreadable") -> AbstractContextManager[None]:
     return pil_errors(
-        lambda rule, msg: _err(rule, msg, index),
+        lambda rule, msg: video_error(rule, msg, index),
         too_large="render.video_too_large",
         unreadable=unreadable,
         what="video frame",
@@ -264,7 +85,7 @@ def _frame_errors(k: int, index: int) -> AbstractContextManager[None]:
     anything else names the frame (``render.video_frames``)."""
 
     def make(rule: str, msg: str) -> VideoError:
-        return _err(rule, f"frame {k}: {msg}", index)
+        return video_error(rule, f"frame {k}: {msg}", index)
 
     return pil_errors(
         make, too_large="render.video_too_large", unreadable="render.video_frames", what="frame"
@@ -290,13 +111,13 @@ def _frame_image(f: Any, k: int, index: int) -> Image.Image:
             return upright_rgb(f)
     if isinstance(f, np.ndarray):
         if f.dtype != np.uint8 or f.ndim != 3 or f.shape[2] != 3:
-            raise _err(
+            raise video_error(
                 "render.video_frames",
                 f"frame {k}: arrays must be (H, W, 3) uint8, got {f.shape} {f.dtype}",
                 index,
             )
         return Image.fromarray(f, "RGB")
-    raise _err(
+    raise video_error(
         "render.video_frames",
         f"frame {k}: unsupported frame type {type(f).__name__} (PIL image or uint8 array)",
         index,
@@ -315,13 +136,13 @@ def plan_frames(src: VideoFrames, limits: VideoLimits, index: int = 0) -> VideoP
     """Sample a caller's frame list; every frame must have the first frame's (upright) size."""
     frames = _open_frames(list(src.frames), index)
     if not frames:
-        raise _err("render.video_empty", "the frame list is empty", index)
+        raise video_error("render.video_empty", "the frame list is empty", index)
     check_count(len(frames), limits, index)
     w, h = _frame_size(frames[0])
     check_size(w, h, limits, index)
     for k, f in enumerate(frames):
         if _frame_size(f) != (w, h):
-            raise _err(
+            raise video_error(
                 "render.video_frames",
                 f"frame {k} is {'x'.join(map(str, _frame_size(f)))}, frame 0 is {w}x{h}; all "
                 "frames of a video must have one size",
@@ -329,7 +150,7 @@ def plan_frames(src: VideoFrames, limits: VideoLimits, index: int = 0) -> VideoP
             )
     fps = float(src.fps) if src.fps is not None else limits.fps
     if not math.isfinite(fps) or fps <= 0:
-        raise _err("render.video_fps", f"frame rate must be positive, got {src.fps}", index)
+        raise video_error("render.video_fps", f"frame rate must be positive, got {src.fps}", index)
     check_duration(len(frames) / fps, limits, index)
     keep = sample_indices(len(frames), fps, limits)
     check_budget(len(keep), w, h, limits, index)
@@ -359,9 +180,11 @@ def _durations_ms(img: Image.Image, data: bytes, index: int) -> list[float]:
         try:
             raw: list[float] = [float(d) for d in gif_frame_delays(data)]
         except HeaderError as e:
-            raise _err("render.video_unreadable", f"cannot read the GIF: {e}", index) from None
+            raise video_error(
+                "render.video_unreadable", f"cannot read the GIF: {e}", index
+            ) from None
         if not raw:
-            raise _err("render.video_empty", "the GIF holds no frames", index)
+            raise video_error("render.video_empty", "the GIF holds no frames", index)
     else:
         total = int(getattr(img, "n_frames", 1))
         raw = [float(d) for d in webp_durations(data)][:total]
@@ -416,9 +239,11 @@ def plan_video(
         try:
             src = src.read_bytes()
         except OSError as e:
-            raise _err("render.video_unreadable", f"cannot read the file: {e}", index) from None
+            raise video_error(
+                "render.video_unreadable", f"cannot read the file: {e}", index
+            ) from None
     if not isinstance(src, bytes | bytearray | memoryview):
-        raise _err(
+        raise video_error(
             "render.video_type",
             f"unsupported video input type {type(src).__name__} (file bytes, a pathlib.Path, "
             "VideoFrames or a list of frames)",
@@ -426,17 +251,15 @@ def plan_video(
         )
     data = bytes(src)
     if max_bytes is not None and len(data) > max_bytes:
-        raise _err(
+        raise video_error(
             "render.video_too_large",
             f"video file is {len(data)} bytes; the limit is {max_bytes}",
             index,
         )
     if not data:
-        raise _err("render.video_empty", "the video file is empty", index)
+        raise video_error("render.video_empty", "the video file is empty", index)
     if is_animation(data):
         return plan_animation(data, limits, index)
-    from producers.video_file import plan_file  # it builds on this module
-
     return plan_file(data, limits, index)
 
 

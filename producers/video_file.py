@@ -21,11 +21,10 @@ from typing import Any
 
 from PIL import Image
 
-from producers.video import (
+from producers.video_plan import (
     Size,
     VideoLimits,
     VideoPlan,
-    _err,
     check_budget,
     check_count,
     check_duration,
@@ -33,6 +32,7 @@ from producers.video import (
     check_time,
     finish,
     sample_indices,
+    video_error,
 )
 
 CONTAINER_FORMATS = ("mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm")
@@ -61,11 +61,11 @@ def _open_container(data: bytes, index: int) -> Any:
             },
         )
     except av.EOFError:
-        raise _err(
+        raise video_error(
             "render.video_empty", "the file ends before its first video frame", index
         ) from None
     except (av.FFmpegError, ValueError, OSError) as e:
-        raise _err(
+        raise video_error(
             "render.video_unreadable",
             "not a video file in an accepted container (MP4/MOV, WebM/MKV) or corrupt: "
             f"{type(e).__name__}: {e}",
@@ -89,7 +89,7 @@ class VideoHeader:
 
 def _header(container: Any, index: int) -> VideoHeader:
     if not container.streams.video:
-        raise _err("render.video_empty", "the file holds no video stream", index)
+        raise video_error("render.video_empty", "the file holds no video stream", index)
     s = container.streams.video[0]
     rate = s.average_rate or s.guessed_rate or s.base_rate
     duration = None
@@ -112,9 +112,11 @@ def _header(container: Any, index: int) -> VideoHeader:
 def check_header(h: VideoHeader, limits: VideoLimits, index: int = 0) -> int:
     """Apply the limits to a header; returns the expected frame count (0: header says none)."""
     if h.container not in CONTAINER_FORMATS:
-        raise _err("render.video_format", f"container {h.container!r} is not accepted", index)
+        raise video_error(
+            "render.video_format", f"container {h.container!r} is not accepted", index
+        )
     if h.codec not in VIDEO_CODECS:
-        raise _err(
+        raise video_error(
             "render.video_codec",
             f"video codec {h.codec!r} is not accepted ({', '.join(VIDEO_CODECS)} are)",
             index,
@@ -131,7 +133,7 @@ def check_header(h: VideoHeader, limits: VideoLimits, index: int = 0) -> int:
 
 
 def _unreadable(e: Exception, what: str, index: int) -> Exception:
-    return _err("render.video_unreadable", f"cannot {what}: {type(e).__name__}: {e}", index)
+    return video_error("render.video_unreadable", f"cannot {what}: {type(e).__name__}: {e}", index)
 
 
 def _demux(container: Any, stream: Any, limits: VideoLimits, index: int) -> list[Any]:
@@ -148,7 +150,7 @@ def _demux(container: Any, stream: Any, limits: VideoLimits, index: int) -> list
     except av.FFmpegError as e:
         raise _unreadable(e, "read the video packets", index) from None
     if not packets:
-        raise _err("render.video_empty", "the video stream holds no frames", index)
+        raise video_error("render.video_empty", "the video stream holds no frames", index)
     return packets
 
 
@@ -267,7 +269,7 @@ def _decode(
 
     def take(frame: Any) -> None:
         if (frame.width, frame.height) != (header.width, header.height):
-            raise _err(
+            raise video_error(
                 "render.video_frames",
                 f"a frame is {frame.width}x{frame.height}, the stream header says "
                 f"{header.width}x{header.height}",
@@ -297,7 +299,7 @@ def _decode(
     except av.FFmpegError as e:
         raise _unreadable(e, f"decode the video (frame {seen[0]})", index) from None
     if not got:
-        raise _err("render.video_empty", "the video stream decodes to no frames", index)
+        raise video_error("render.video_empty", "the video stream decodes to no frames", index)
     # A target the decoder did not emit (a broken reference) takes the nearest earlier frame.
     out, last = [], None
     for t in targets:

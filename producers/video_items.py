@@ -36,6 +36,7 @@ from producers.video_processing import (
     process_video,
 )
 from runtime.model import RenderInfo
+from schemas import defaults
 from schemas.modalities import MODALITIES
 from schemas.types import ItemData
 
@@ -55,6 +56,9 @@ class VideoItem:
     grid: torch.Tensor
     frames: int
     """Sampled frames (before padding to the temporal patch)."""
+    timestamps: list[float]
+    """Seconds into the video of each temporal grid row (the mean of its frames' times), as
+    Qwen3-VL's prompt writes them before each row."""
 
 
 class VideoItems:
@@ -65,7 +69,7 @@ class VideoItems:
         info: RenderInfo,
         limits: VideoLimits | None = None,
         *,
-        max_tensor_bytes: int = 256 * 1024 * 1024,
+        max_tensor_bytes: int = defaults.MAX_TENSOR_BYTES,
         max_file_bytes: int | None = None,
         min_pixels: int | None = None,
         max_pixels: int | None = None,
@@ -101,15 +105,12 @@ class VideoItems:
         }
 
     def check_family(self, index: int) -> None:
-        """Refuse video for a family this renderer cannot lay out."""
+        """Refuse video for a family that does not run it."""
         fam = self.info.family
-        if "video" not in fam.modalities or fam.video_frames_per_run is not None:
-            # Qwen3-VL writes a timestamp between temporal rows ("<1.0 seconds>"): one item spans
-            # several placeholder runs, which this renderer does not produce.
+        if "video" not in fam.modalities:
             raise VideoError(
                 "render.video_family",
-                f"{fam.display_name} video prompts (per-frame timestamps) are not supported; "
-                "video works with Qwen2-VL and Qwen2.5-VL",
+                f"{fam.display_name} does not take video",
                 modality="video",
                 item=index,
             )
@@ -157,6 +158,7 @@ class VideoItems:
         fps: float,
         cfg: VideoProcessorConfig,
         size: tuple[int, int],
+        times: list[float],
     ) -> VideoItem:
         pv, grid = process_video(frames, cfg, size)
         data: ItemData = {VIDEO.encoder_input: pv, VIDEO.grid or "video_grid_thw": grid}
@@ -164,13 +166,15 @@ class VideoItems:
             seconds = self.config.temporal_patch_size / fps
             data[TIMING] = torch.tensor([seconds], dtype=torch.float32)
         meta: ItemData = {k: data[k] for k in self.metadata_fields if k in data}
-        return VideoItem(data=data, metadata=meta, grid=grid, frames=len(frames))
+        rows = row_timestamps(times, cfg.temporal_patch_size)
+        return VideoItem(data=data, metadata=meta, grid=grid, frames=len(frames), timestamps=rows)
 
     def item(self, clip: VideoClip, index: int = 0) -> VideoItem:
-        """Processor output for an already decoded clip."""
+        """Processor output for an already decoded clip (its frames taken ``1 / fps`` apart)."""
         w, h = clip.frames[0].size
         cfg, size = self.sized(len(clip.frames), w, h, index)
-        return self._item(clip.frames, clip.fps, cfg, size)
+        times = [i / clip.fps for i in range(len(clip.frames))]
+        return self._item(clip.frames, clip.fps, cfg, size, times)
 
     def render(
         self, src: VideoInput, index: int = 0, *, give_up_at: float | None = None
@@ -184,4 +188,16 @@ class VideoItems:
             plan.close()
             raise
         clip = plan.clip((rw, rh), give_up_at)
-        return self._item(clip.frames, clip.fps, cfg, (rh, rw))
+        times = [i / plan.native_fps for i in plan.keep]
+        return self._item(clip.frames, clip.fps, cfg, (rh, rw), times)
+
+
+def row_timestamps(frame_times: list[float], temporal_patch_size: int) -> list[float]:
+    """Seconds of each temporal grid row: the frames padded to whole temporal patches by
+    repeating the last (as the processor pads them), each row the mean of its first and last
+    frame's time (Qwen3-VL's processor and vLLM compute them so)."""
+    if not frame_times:
+        return []
+    tps = temporal_patch_size
+    padded = frame_times + [frame_times[-1]] * (-len(frame_times) % tps)
+    return [(padded[i] + padded[i + tps - 1]) / 2 for i in range(0, len(padded), tps)]

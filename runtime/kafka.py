@@ -7,19 +7,17 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
-from runtime.publisher import Publisher, event_headers
+from runtime.publisher import frame
 from runtime.settings import Settings
-from runtime.tracing import current_carrier, current_trace_id
-from schemas.codec import get_codec
 from schemas.topics import Topics
-from schemas.types import ErrorInfo, Event, ResultEvent
+from schemas.types import Event
 
 log = logging.getLogger(__name__)
 
@@ -159,11 +157,6 @@ async def ensure_topics(
     return created
 
 
-async def send_event(producer: AIOKafkaProducer, topic: str, key: str | None, event: Event) -> None:
-    """Encode and send one event, waiting for the broker's acknowledgement."""
-    await KafkaPublisher(producer).send(topic, key, event)
-
-
 class KafkaPublisher:
     """The Publisher of real runs: aiokafka producers, one per compression setting.
 
@@ -228,16 +221,11 @@ class KafkaPublisher:
         *,
         headers: Sequence[tuple[str, bytes]] = (),
     ) -> int:
-        value = get_codec().encode(event)
-        # The active trace context travels as a W3C header beside the event's own trace map.
-        trace_headers = [(k, v.encode()) for k, v in current_carrier().items()]
+        record = frame(event, key, headers=headers)
         await self.routes.get(topic, self.producer).send_and_wait(
-            topic,
-            value=value,
-            key=key.encode() if key is not None else None,
-            headers=[*event_headers(event), *trace_headers, *headers],
+            topic, value=record.value, key=record.key, headers=record.headers
         )
-        return len(value)
+        return len(record.value)
 
 
 async def topic_partitions(settings: Settings, topics: Sequence[str]) -> dict[str, list[int]]:
@@ -289,180 +277,3 @@ async def read_topic(settings: Settings, topic: str, *, timeout_s: float = 30.0)
         return records
     finally:
         await consumer.stop()
-
-
-StatusWriter = Callable[[ResultEvent], Awaitable[object]]
-"""Folds one update into the request's status record (``StatusStore.apply``)."""
-
-
-class ResultReporter:
-    """Sends one stage's ResultEvents (status updates and outcomes) to the results topic.
-
-    Each record carries a stable id in the :attr:`RESULT_ID_HEADER` Kafka header,
-    ``{request_id}:{stage}:{status}``, so a downstream reader can drop duplicates (the results
-    topic is at-least-once: a worker that crashes before committing sends its updates again).
-    It is the same pair the status record dedupes by: one id per stage outcome of a request,
-    however many times that outcome is sent.
-
-    ``record`` (write-through, e.g. ``StatusStore.apply``): each update is also folded into the
-    request's status record directly, beside the send, so a client polling the record sees it
-    without waiting for the results collector's hop. The topic stays the durable record: the
-    collector folds the same update later as a duplicate, and a failed direct write (Redis
-    away) is only logged.
-    """
-
-    RESULT_ID_HEADER = "epd-result-id"
-    WRITE_THROUGH_TIMEOUT_S = 2.0
-
-    @staticmethod
-    def result_id(request_id: str, stage: str, status: str) -> str:
-        """The stable id of one (request, stage, status) update."""
-        return f"{request_id}:{stage}:{status}"
-
-    def __init__(
-        self,
-        publisher: Publisher,
-        results_topic: str,
-        stage: str,
-        worker: str = "",
-        *,
-        record: StatusWriter | None = None,
-    ):
-        self.publisher = publisher
-        self.topic = results_topic
-        self.stage = stage
-        self.worker = worker
-        self.record = record
-
-    async def __call__(
-        self,
-        request_id: str,
-        status: str,
-        *,
-        token_ids: list[int] | None = None,
-        text: str | None = None,
-        error: ErrorInfo | None = None,
-        timings: dict[str, float] | None = None,
-        info: dict[str, str] | None = None,
-    ) -> None:
-        """Publish one update for ``request_id`` (keyed by it, so a request stays ordered)."""
-        event = self.update(
-            request_id,
-            status,
-            token_ids=token_ids,
-            text=text,
-            error=error,
-            timings=timings,
-            info=info,
-        )
-        if self.record is None:
-            await self.send(event)
-            return
-        # Both must be done before the caller goes on: the caller's next update (or the event
-        # it publishes next) must not overtake this one in the record. The record first: it is
-        # what a waiting client sees.
-        await asyncio.gather(self.write_through(event), self.send(event))
-
-    def update(
-        self,
-        request_id: str,
-        status: str,
-        *,
-        token_ids: list[int] | None = None,
-        text: str | None = None,
-        error: ErrorInfo | None = None,
-        timings: dict[str, float] | None = None,
-        info: dict[str, str] | None = None,
-    ) -> ResultEvent:
-        """The ResultEvent of one update of this stage (with the active trace's id in ``info``),
-        for callers that send it and write it through separately (:meth:`send`,
-        :meth:`write_through`)."""
-        info = dict(info or {})
-        trace_id = current_trace_id()
-        if trace_id is not None:
-            info.setdefault("trace_id", trace_id)  # the request's trace, on its status record
-        return ResultEvent(
-            request_id=request_id,
-            stage=self.stage,
-            status=status,
-            token_ids=token_ids,
-            text=text,
-            error=error,
-            timings=timings or {},
-            info=info,
-            worker=self.worker,
-        )
-
-    async def send(self, event: ResultEvent) -> None:
-        """Publish ``event`` to the results topic, keyed by its request, with its result id."""
-        rid = self.result_id(event.request_id, self.stage, event.status)
-        await self.publisher.send(
-            self.topic, event.request_id, event, headers=[(self.RESULT_ID_HEADER, rid.encode())]
-        )
-
-    async def write_through(self, event: ResultEvent) -> None:
-        """Fold ``event`` into the status record now (nothing without a ``record`` writer); a
-        failure is only logged: the results topic still carries the update."""
-        if self.record is None:
-            return
-        try:
-            # Bounded: a frozen Redis must not hold the stage up; the topic carries the update.
-            await asyncio.wait_for(self.record(event), self.WRITE_THROUGH_TIMEOUT_S)
-        except Exception as exc:  # any failure: the results topic still carries the update
-            log.warning(
-                "status write-through of %s %s failed (%r); the results topic carries it",
-                event.request_id,
-                event.status,
-                exc,
-            )
-
-
-class RequestUpdates:
-    """One request's updates from one stage, kept in order, without holding the stage up.
-
-    :meth:`soon` starts a progress update (``prefilling``, ``decoding``) in the background:
-    the stage goes on with its work while the broker acknowledges it and the record takes it.
-    Each update waits for the one before it, so the record and the results topic see them in
-    the order they were made; :meth:`now` (an outcome) waits for every earlier one first.
-    A background update that failed raises from the next :meth:`now` or :meth:`flush`, so the
-    consume loop retries the event exactly as if the update had failed in place.
-    """
-
-    def __init__(self, reporter: ResultReporter, request_id: str) -> None:
-        self.reporter = reporter
-        self.request_id = request_id
-        self._last: asyncio.Task[None] | None = None
-
-    def soon(self, status: str, **fields: Any) -> None:
-        """Start one update after the earlier ones; return at once."""
-        before = self._last
-
-        async def send_after() -> None:
-            if before is not None:
-                await before
-            await self.reporter(self.request_id, status, **fields)
-
-        self._last = asyncio.create_task(send_after())
-
-    async def now(self, status: str, **fields: Any) -> None:
-        """One update, sent and recorded before this returns (earlier ones first)."""
-        await self.flush()
-        await self.reporter(self.request_id, status, **fields)
-
-    async def flush(self) -> None:
-        """Wait for every update started so far; raise the first failure among them."""
-        last, self._last = self._last, None
-        if last is not None:
-            await last
-
-    async def abandon(self) -> None:
-        """The stage failed or is being cancelled: end the updates still in flight quietly
-        (a retry of the event sends them again; the record folds repeats away)."""
-        last, self._last = self._last, None
-        if last is None or last.done():
-            if last is not None and not last.cancelled():
-                last.exception()  # retrieved: the stage's own failure is the one that matters
-            return
-        last.cancel()
-        with contextlib.suppress(BaseException):
-            await last

@@ -18,6 +18,7 @@ import torch
 from runtime.errors import ModelLoadError
 from runtime.model import load_render_info, resolve_device
 from runtime.settings import Settings
+from schemas import defaults
 
 PIXEL_CHANNELS = 3
 PROCESSOR_ITEMSIZE = 4
@@ -29,7 +30,7 @@ DECODE_FACTOR = 4
 """Images up to ``DECODE_FACTOR x max_pixels`` are decoded (the processor halves each side at
 most); a 48 MP phone photo fits the public Qwen2-VL config."""
 
-DEFAULT_TENSOR_BYTES = 256 * 1024 * 1024
+DEFAULT_TENSOR_BYTES = defaults.MAX_TENSOR_BYTES
 """Floor of the derived tensor limit: a small processor keeps the headroom it had."""
 
 PIXEL_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}

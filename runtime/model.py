@@ -16,9 +16,9 @@ without moving weights onto a device.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +56,14 @@ TINY = "tiny"
 TINY_SEED = 20240917
 
 
-__all__ = ["FAMILY_CLASSES", "ModelBundle", "ModelLoadError", "RenderInfo", "load_model"]
+__all__ = [
+    "FAMILY_CLASSES",
+    "ModelBundle",
+    "ModelLoadError",
+    "RenderInfo",
+    "load_model",
+    "placeholder_ids",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,43 +115,31 @@ class RenderInfo:
     """The text model's ``max_position_embeddings``: prompt + generated tokens fit in it."""
 
 
-@dataclass(slots=True)
-class ModelBundle:
-    """A loaded model of a supported family with its processor, tokenizer and identity."""
+@dataclass(frozen=True, slots=True)
+class ModelBundle(RenderInfo):
+    """A loaded model of a supported family: its render info (identity, processor, tokenizer,
+    special ids, limits), and the weights with where and how they run."""
 
-    model_name: str
-    family: ModelFamily
     model: Any  # the family's *ForConditionalGeneration (FAMILY_CLASSES)
-    image_processor: Qwen2VLImageProcessorPil
-    tokenizer: PreTrainedTokenizerBase
     config: Any  # the family's config class
     device: torch.device
     dtype: torch.dtype
-    fingerprint: str
-    image_token_id: int
-    video_token_id: int
-    vision_start_id: int
-    vision_end_id: int
-    eos_token_id: int
-    merge_size: int
 
     def render_info(self) -> RenderInfo:
-        """The renderer's view of this bundle."""
-        return RenderInfo(
-            model_name=self.model_name,
-            family=self.family,
-            fingerprint=self.fingerprint,
-            image_processor=self.image_processor,
-            tokenizer=self.tokenizer,
-            image_token_id=self.image_token_id,
-            video_token_id=self.video_token_id,
-            vision_start_id=self.vision_start_id,
-            vision_end_id=self.vision_end_id,
-            eos_token_id=self.eos_token_id,
-            merge_size=self.merge_size,
-            vocab_size=int(text_config(self.config).vocab_size),
-            context_length=int(text_config(self.config).max_position_embeddings),
-        )
+        """The renderer's view of this bundle: its :class:`RenderInfo` fields, no weights."""
+        return RenderInfo(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RenderInfo)})
+
+
+def placeholder_ids(info: RenderInfo | ModelBundle) -> dict[str, int]:
+    """modality -> the id of the token its placeholder repeats, for the modalities the family
+    runs (which token that is, is the family table's fact: ``ModelFamily.placeholder_tokens``).
+
+    The one lookup of the pad ids: the renderer lays prompts out with them, and the prefill
+    compute checks placeholders and builds ``mm_token_type_ids`` from them. The ids are the
+    config's (what the model embeds); loading checks the tokenizer agrees
+    (:func:`_check_placeholder_tokens`)."""
+    by_modality = {"image": info.image_token_id, "video": info.video_token_id}
+    return {m: by_modality[m] for m in info.family.placeholder_tokens}
 
 
 def text_config(cfg: Any) -> Any:
@@ -354,8 +349,8 @@ def _seed_weights(model: torch.nn.Module, seed: int) -> None:
 
 def _build_tiny_model(model_type: str = "qwen2_vl") -> tuple[Any, Any]:
     cfg = tiny_config(model_type)
-    cfg._attn_implementation = "sdpa"
     model = FAMILY_CLASSES[model_type].model(cfg)
+    model.set_attn_implementation("sdpa")  # fixed, not whatever this host would pick
     model.float()
     _seed_weights(model, TINY_SEED)
     return model, cfg
@@ -437,6 +432,21 @@ def _special_ids(tokenizer: PreTrainedTokenizerBase, cfg: Any) -> dict[str, int]
         "vision_end_id": int(cfg.vision_end_token_id),
         "eos_token_id": int(eos),
     }
+
+
+def _check_placeholder_tokens(
+    fam: ModelFamily, tokenizer: PreTrainedTokenizerBase, ids: dict[str, int]
+) -> None:
+    """The tokenizer spells each placeholder token (the family table's) with the config's id: a
+    checkpoint whose tokenizer and config disagree would render prompts the model misreads."""
+    config_ids = {"image": ids["image_token_id"], "video": ids["video_token_id"]}
+    for modality, token in fam.placeholder_tokens.items():
+        got = tokenizer.convert_tokens_to_ids(token)
+        if got != config_ids[modality]:
+            raise ModelLoadError(
+                f"the tokenizer's {token} is id {got}, the config's {modality} token id is "
+                f"{config_ids[modality]}"
+            )
 
 
 def _check_processor(proc: Qwen2VLImageProcessorPil, cfg: Any) -> int:
@@ -540,6 +550,8 @@ def load_render_info(spec: str = TINY) -> RenderInfo:
     For a tiny spec the random weights are rebuilt on CPU (cheap) to compute the fingerprint.
     """
     ld = _load(spec, weights=False, dtype=torch.float32)
+    ids = _special_ids(ld.tokenizer, ld.config)
+    _check_placeholder_tokens(ld.family, ld.tokenizer, ids)
     return RenderInfo(
         model_name=ld.name,
         family=ld.family,
@@ -549,7 +561,7 @@ def load_render_info(spec: str = TINY) -> RenderInfo:
         merge_size=_check_processor(ld.processor, ld.config),
         vocab_size=int(text_config(ld.config).vocab_size),
         context_length=int(text_config(ld.config).max_position_embeddings),
-        **_special_ids(ld.tokenizer, ld.config),
+        **ids,
     )
 
 
@@ -569,6 +581,7 @@ def load_model(
     model = ld.model.to(device=dev, dtype=dt)
     model.eval()
     ids = _special_ids(ld.tokenizer, ld.config)
+    _check_placeholder_tokens(ld.family, ld.tokenizer, ids)
     # generate() reads its defaults from here. A real checkpoint keeps its own eos list (the
     # oracle passes stop ids explicitly anyway); pad must be set to silence generate's warning.
     if spec in TINY_SPECS:
@@ -586,18 +599,7 @@ def load_model(
         dtype=dt,
         fingerprint=ld.fingerprint,
         merge_size=_check_processor(ld.processor, ld.config),
+        vocab_size=int(text_config(ld.config).vocab_size),
+        context_length=int(text_config(ld.config).max_position_embeddings),
         **ids,
     )
-
-
-def describe(bundle: ModelBundle) -> dict[str, Any]:
-    """A JSON-friendly summary (for logs and ``/healthz``)."""
-    return {
-        "model": bundle.model_name,
-        "family": bundle.family.model_type,
-        "fingerprint": bundle.fingerprint,
-        "device": str(bundle.device),
-        "dtype": str(bundle.dtype).removeprefix("torch."),
-        "params": sum(p.numel() for p in bundle.model.parameters()),
-        "pid": os.getpid(),
-    }

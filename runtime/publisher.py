@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from runtime.tracing import current_carrier
 from schemas.codec import SCHEMA_HEADER, get_codec
+from schemas.topics import Topics
 from schemas.types import Event
 
 Headers = list[tuple[str, bytes]]
@@ -22,6 +24,30 @@ Headers = list[tuple[str, bytes]]
 def event_headers(event: Event) -> Headers:
     """Kafka headers for a framed event: the schema name travels beside the fingerprint."""
     return [(SCHEMA_HEADER, get_codec().schema_name(event).encode())]
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One record as it leaves a process: key, value and headers."""
+
+    key: bytes | None
+    value: bytes
+    headers: Headers
+
+
+def frame(
+    event: Event, key: str | bytes | None, *, headers: Sequence[tuple[str, bytes]] = ()
+) -> Frame:
+    """The one framing of every event a process sends: the Avro single-object value, the schema
+    name header, the active trace context as W3C headers (beside the event's own trace map),
+    then ``headers``. Every publisher, real or in memory, and the DLQ frame through this. A
+    ``bytes`` key is sent as it is (a dead letter keeps its original record's key)."""
+    trace = [(k, v.encode()) for k, v in current_carrier().items()]
+    return Frame(
+        key.encode() if isinstance(key, str) else key,
+        get_codec().encode(event),
+        [*event_headers(event), *trace, *headers],
+    )
 
 
 @runtime_checkable
@@ -38,6 +64,19 @@ class Publisher(Protocol):
     ) -> int:
         """Encode ``event``, send it keyed by ``key`` and return the encoded value's size."""
         ...
+
+
+async def publish(
+    publisher: Publisher,
+    topics: Topics,
+    event: Event,
+    *,
+    headers: Sequence[tuple[str, bytes]] = (),
+) -> int:
+    """Send ``event`` to the topic its type goes to, keyed as the channel table says
+    (:meth:`schemas.topics.Topics.route`): no send site picks a key of its own."""
+    topic, key = topics.route(event)
+    return await publisher.send(topic, key, event, headers=headers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +107,9 @@ class InMemoryPublisher:
         *,
         headers: Sequence[tuple[str, bytes]] = (),
     ) -> int:
-        value = get_codec().encode(event)
-        self.records.append(SentRecord(topic, key, value, [*event_headers(event), *headers]))
-        return len(value)
+        record = frame(event, key, headers=headers)
+        self.records.append(SentRecord(topic, key, record.value, record.headers))
+        return len(record.value)
 
     def on(self, topic: str) -> list[SentRecord]:
         """The records sent to ``topic``, in send order."""

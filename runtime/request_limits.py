@@ -1,6 +1,6 @@
 """Every bound a request is held to at the door, from the settings and the model: one home.
 
-The HTTP routes (native, vLLM, and later OpenAI-compatible), the intake and ``/openapi.json``
+The HTTP routes (native, vLLM and OpenAI-compatible), the intake and ``/openapi.json``
 read the same :class:`RequestLimits`, built once from the settings and the model's render
 info (vocabulary, context), so what is documented, what is refused at the door and what the
 workers refuse agree. Each check raises ``schemas.errors.ValidationError`` naming its rule and
@@ -24,6 +24,10 @@ if TYPE_CHECKING:
     from schemas.types import RenderEvent, SamplingParams
 
 MAX_TEMPERATURE = 2.0
+MIN_TEMPERATURE = 1e-3
+"""Smallest temperature that samples: below it the logits over the temperature overflow (a
+temperature of 0 is greedy). The prefill workers hold requests to the same value."""
+INT32_MAX = 2**31 - 1
 MAX_DEADLINE_S = 86400.0
 
 SIZE_RULES = frozenset(
@@ -35,6 +39,7 @@ SIZE_RULES = frozenset(
         "request.prompt",
         "image.count",
         "video.count",
+        "request.messages",
     }
 )
 """Rules of this module that mean "too large" (the client must send less)."""
@@ -50,6 +55,14 @@ def context_limit(settings: Settings, model_context: int) -> int:
 
 def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _finite(value: Any) -> bool:
+    return _number(value) and math.isfinite(value)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +95,14 @@ class RequestLimits:
     """``EPD_API_MAX_JSON_DEPTH``: nesting of objects and arrays in a JSON body."""
     max_wait_s: float
     """``EPD_API_MAX_WAIT_S``: longest long-poll."""
+    max_stop_strings: int = 16
+    """``EPD_MAX_STOP_STRINGS``: stop strings per request (the workers' bound too)."""
+    max_stop_string_chars: int = 256
+    """``EPD_MAX_STOP_STRING_CHARS``: characters of one stop string."""
+    max_messages: int = 256
+    """``EPD_API_MAX_MESSAGES``: messages of a chat request (input items of a response)."""
+    max_message_parts: int = 64
+    """``EPD_API_MAX_MESSAGE_PARTS``: content parts of one message."""
     max_deadline_s: float = MAX_DEADLINE_S
 
     @classmethod
@@ -103,43 +124,154 @@ class RequestLimits:
             max_id_chars=settings.api_max_id_chars,
             max_json_depth=settings.api_max_json_depth,
             max_wait_s=settings.api_max_wait_s,
+            max_stop_strings=settings.max_stop_strings,
+            max_stop_string_chars=settings.max_stop_string_chars,
+            max_messages=settings.api_max_messages,
+            max_message_parts=settings.api_max_message_parts,
         )
 
     # ---------------------------------------------------------------- before anything runs
 
-    def check_sampling(self, max_tokens: Any, temperature: Any, *, prefix: str = "") -> None:
-        """``max_tokens`` an integer (not a boolean) in ``[1, max_tokens]``; ``temperature``
-        a finite number in ``[0, 2]``, and 0 for now: decoding is greedy, so any other value
-        is refused rather than ignored (the one place that decides which are accepted)."""
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
-            raise ValidationError(
-                "request.schema", "max_tokens must be an integer", field=f"{prefix}max_tokens"
-            )
+    def check_sampling(
+        self,
+        max_tokens: Any,
+        temperature: Any,
+        *,
+        top_p: Any = None,
+        top_k: Any = None,
+        seed: Any = None,
+        stop: Any = None,
+        stop_token_ids: Any = None,
+        prefix: str = "",
+    ) -> None:
+        """The sampling parameters as the prefill workers will take them (the same settings,
+        the same bounds), each refused naming its field:
+
+        ``max_tokens`` an integer (not a boolean) in ``[1, EPD_MAX_TOKENS_LIMIT]``;
+        ``temperature`` a finite number in ``[0, 2]``, 0 (greedy) or at least
+        ``MIN_TEMPERATURE``; ``top_p`` in ``(0, 1]``; ``top_k`` an integer >= 0 (0: off);
+        ``seed`` a 64-bit integer; at most ``EPD_MAX_STOP_STRINGS`` ``stop`` strings of 1 to
+        ``EPD_MAX_STOP_STRING_CHARS`` characters; ``stop_token_ids`` inside the vocabulary.
+        None leaves a parameter at its default."""
+        self.check_max_tokens(max_tokens, field=f"{prefix}max_tokens")
+        if temperature is not None:
+            self._check_temperature(temperature, f"{prefix}temperature")
+        if top_p is not None:
+            field = f"{prefix}top_p"
+            if not _finite(top_p) or not 0.0 < top_p <= 1.0:
+                raise ValidationError(
+                    "sampling.top_p", f"top_p is {top_p!r}; it must be in (0, 1]", field=field
+                )
+        if top_k is not None:
+            if not _integer(top_k) or not 0 <= top_k <= INT32_MAX:
+                raise ValidationError(
+                    "sampling.top_k",
+                    f"top_k is {top_k!r}; it must be an integer, 0 (off) or positive",
+                    field=f"{prefix}top_k",
+                )
+        if seed is not None:
+            if not _integer(seed) or not -(2**63) <= seed < 2**63:
+                raise ValidationError(
+                    "sampling.seed",
+                    f"seed is {seed!r}; it must be a 64-bit integer",
+                    field=f"{prefix}seed",
+                )
+        if stop is not None:
+            self.check_stop(stop, f"{prefix}stop")
+        if stop_token_ids is not None:
+            field = f"{prefix}stop_token_ids"
+            if not isinstance(stop_token_ids, list):
+                raise ValidationError(
+                    "sampling.stop_token_ids", "stop_token_ids must be a list", field=field
+                )
+            for i, t in enumerate(stop_token_ids):
+                if not _integer(t) or not 0 <= t < self.vocab_size:
+                    raise ValidationError(
+                        "sampling.stop_token_ids",
+                        f"stop_token_ids[{i}] = {t!r} is outside the vocabulary "
+                        f"[0, {self.vocab_size})",
+                        field=field,
+                        item=i,
+                    )
+
+    def check_sampling_params(self, s: SamplingParams, *, prefix: str = "") -> None:
+        """:meth:`check_sampling` over a ``SamplingParams``."""
+        self.check_sampling(
+            s.max_tokens,
+            s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed,
+            stop=list(s.stop),
+            stop_token_ids=list(s.stop_token_ids),
+            prefix=prefix,
+        )
+
+    def check_max_tokens(self, max_tokens: Any, field: str = "max_tokens") -> None:
+        """An integer (not a boolean) in ``[1, EPD_MAX_TOKENS_LIMIT]``, as the workers allow."""
+        if not _integer(max_tokens):
+            raise ValidationError("request.schema", "max_tokens must be an integer", field=field)
         if not 1 <= max_tokens <= self.max_tokens:
             raise ValidationError(
                 "max-tokens",
                 f"max_tokens is {max_tokens}; it must be between 1 and {self.max_tokens} "
                 "(EPD_MAX_TOKENS_LIMIT)",
-                field=f"{prefix}max_tokens",
+                field=field,
             )
-        field = f"{prefix}temperature"
-        if temperature is None:
-            return
-        if not _number(temperature) or not math.isfinite(temperature):
+
+    def _check_temperature(self, temperature: Any, field: str) -> None:
+        if not _finite(temperature):
             raise ValidationError(
                 "sampling.temperature", "temperature must be a finite number", field=field
             )
-        if not 0.0 <= temperature <= MAX_TEMPERATURE:
+        if not 0.0 <= temperature <= MAX_TEMPERATURE or 0 < temperature < MIN_TEMPERATURE:
             raise ValidationError(
                 "sampling.temperature",
-                f"temperature is {temperature}; it must be between 0 and {MAX_TEMPERATURE:g}",
+                f"temperature is {temperature}; it must be 0 (greedy) or between "
+                f"{MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}",
                 field=field,
             )
-        if temperature != 0.0:
+
+    def check_stop(self, stop: Any, field: str = "stop") -> None:
+        """At most ``EPD_MAX_STOP_STRINGS`` strings, each 1 to ``EPD_MAX_STOP_STRING_CHARS``
+        characters (a single string counts as one)."""
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
             raise ValidationError(
-                "sampling.temperature",
-                "only greedy decoding (temperature 0) is supported",
+                "sampling.stop", "stop must be a string or a list of strings", field=field
+            )
+        if len(stops) > self.max_stop_strings:
+            raise ValidationError(
+                "sampling.stop",
+                f"stop has {len(stops)} strings; the limit is {self.max_stop_strings} "
+                "(EPD_MAX_STOP_STRINGS)",
                 field=field,
+            )
+        for i, text in enumerate(stops):
+            if not 1 <= len(text) <= self.max_stop_string_chars:
+                raise ValidationError(
+                    "sampling.stop",
+                    f"stop[{i}] has {len(text)} characters; it must have 1 to "
+                    f"{self.max_stop_string_chars} (EPD_MAX_STOP_STRING_CHARS)",
+                    field=field,
+                    item=i,
+                )
+
+    def check_chat_counts(self, messages: int, parts: int, where: str = "messages") -> None:
+        """At most ``EPD_API_MAX_MESSAGES`` messages and ``EPD_API_MAX_MESSAGE_PARTS``
+        content parts in any one of them (counted before any is parsed)."""
+        if messages > self.max_messages:
+            raise ValidationError(
+                "request.messages",
+                f"{messages} messages; the limit is {self.max_messages} (EPD_API_MAX_MESSAGES)",
+                field=where,
+            )
+        if parts > self.max_message_parts:
+            raise ValidationError(
+                "request.messages",
+                f"a message has {parts} content parts; the limit is {self.max_message_parts} "
+                "(EPD_API_MAX_MESSAGE_PARTS)",
+                field=where,
             )
 
     def check_deadline(self, deadline_s: Any, field: str = "deadline_s") -> None:
@@ -261,7 +393,7 @@ class RequestLimits:
         deadline_s: float | None = None,
     ) -> None:
         """What the intake checks of every submission before rendering it."""
-        self.check_sampling(sampling.max_tokens, sampling.temperature)
+        self.check_sampling_params(sampling)
         self.check_cache_salt(cache_salt)
         self.check_metadata(metadata)
         self.check_deadline(deadline_s)

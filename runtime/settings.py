@@ -15,11 +15,13 @@ from pydantic import ValidationError as PydanticValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from runtime.api_tokens import parse_tokens
+from runtime.url_hosts import UrlHosts, parse_url_hosts
 from schemas import defaults
 from schemas.families import MODEL_HELP
 
-SIGNING_WORKERS = frozenset({"encode", "prefill", "router", "api"})
-"""Processes that sign or verify ``ec_transfer_params`` (the API's fan-out signs them)."""
+SIGNING_WORKERS = frozenset({"encode", "prefill", "decode", "router", "api"})
+"""Processes that sign or verify ``ec_transfer_params`` and parked-KV entries (the API's fan-out
+signs them)."""
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _TOPIC_PREFIX = re.compile(r"[A-Za-z0-9._-]{1,200}")
@@ -199,6 +201,61 @@ class Settings(BaseSettings):
         "(a larger value is still held to the model's context)",
     )
 
+    max_stop_strings: int = Field(
+        16, ge=0, description="most stop strings one request may carry; more is rejected"
+    )
+    max_stop_string_chars: int = Field(
+        256, ge=1, description="longest stop string (characters); longer is rejected"
+    )
+
+    # Decoding: continuous batching and the optional decode stage
+    decode_max_batch: int = Field(
+        32,
+        ge=1,
+        description="most sequences one worker decodes together (one forward per step over all "
+        "of them); 1 decodes one request at a time",
+    )
+    decode_kv_budget_bytes: int = Field(
+        0,
+        ge=0,
+        description="KV cache one worker's batch may hold at its largest (sequences x the "
+        "longest prompt + max_tokens among them x the model's KV bytes per position); a request "
+        "that does not fit waits, one that never could is rejected (kv-budget); 0: derived "
+        "(40% of the GPU memory free after loading the model; 2 GiB on CPU)",
+    )
+    decode_stage: bool = Field(
+        False,
+        description="prefill workers run the prompt only, park its KV cache in the store and "
+        "hand the request to decode workers (`epd worker decode`) through {prefix}.decode",
+    )
+    kv_ttl_s: int = Field(
+        300,
+        ge=1,
+        description="lifetime of a parked KV cache (capped by the request's deadline); a decode "
+        "worker that finds it gone runs the prefill again itself",
+    )
+
+    # Token streams (the decode loop -> Redis -> the API's streams)
+    stream_tokens: bool = Field(
+        True,
+        description="prefill and decode workers write each request's tokens to its token "
+        "stream while it decodes; false: only the final result (streamed answers then arrive "
+        "whole, at the end)",
+    )
+    stream_interval_ms: float = Field(
+        20.0,
+        ge=0,
+        description="least time between two writes of one request's token stream (the first "
+        "tokens go at once; later ones wait at most this long, batched): bounds the rate Redis "
+        "sees per request whatever the decode speed",
+    )
+    stream_ttl_s: int = Field(
+        3600, ge=1, description="lifetime of a request's token stream after its last write"
+    )
+    stream_max_entries: int = Field(
+        4096, ge=16, description="entries kept per token stream (oldest trimmed first)"
+    )
+
     # Model
     model: str = Field(defaults.TINY_MODEL, description=MODEL_HELP)
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
@@ -323,6 +380,35 @@ class Settings(BaseSettings):
     api_max_json_depth: int = Field(
         32, ge=2, description="nesting of objects and arrays in a JSON body (deeper: 400)"
     )
+    api_max_messages: int = Field(
+        256, ge=1, description="messages of one chat request (and input items of a response)"
+    )
+    api_max_message_parts: int = Field(
+        64, ge=1, description="content parts (text, image, video) of one chat message"
+    )
+
+    # OpenAI-compatible routes (/v1/chat/completions, /v1/responses, /v1/models)
+    served_model_name: str | None = Field(
+        None,
+        description="the model name /v1/models lists and requests name; unset: EPD_MODEL as given",
+    )
+    chat_template: Path | None = Field(
+        None,
+        description="a Jinja chat template file used instead of the checkpoint's own (the "
+        "tiny models have one of their own)",
+    )
+    api_image_url_hosts: str = Field(
+        "",
+        description="hosts whose http(s) image and video URLs the API fetches, comma "
+        "separated, each HOST (any port) or HOST:PORT; empty (the default): none, only data: "
+        "URLs are taken, and no request makes the API connect anywhere",
+    )
+    api_image_url_timeout_s: float = Field(
+        10.0, gt=0, description="longest fetch of one image or video URL, redirects included"
+    )
+    api_image_url_max_redirects: int = Field(
+        3, ge=0, description="redirects followed per URL fetch (only to the same host and port)"
+    )
 
     @field_validator("store_url")
     @classmethod
@@ -363,6 +449,12 @@ class Settings(BaseSettings):
             raise ValueError("a topic prefix is 1-200 of A-Z a-z 0-9 . _ -")
         return prefix
 
+    @field_validator("api_image_url_hosts")
+    @classmethod
+    def _url_hosts(cls, hosts: str) -> str:
+        parse_url_hosts(hosts)
+        return hosts
+
     @field_validator("api_tokens")
     @classmethod
     def _tokens(cls, tokens: SecretStr | None) -> SecretStr | None:
@@ -397,6 +489,14 @@ class Settings(BaseSettings):
                 "broker (`epd up` prints it), which has neither: use Apache Kafka "
                 "(EPD_BROKER=apache) or unset EPD_KAFKA_TRANSACTIONS"
             )
+
+    def url_hosts(self) -> UrlHosts:
+        """The hosts ``EPD_API_IMAGE_URL_HOSTS`` lets the API fetch media URLs from."""
+        return parse_url_hosts(self.api_image_url_hosts)
+
+    def model_name(self) -> str:
+        """The name the OpenAI-compatible routes serve the model under."""
+        return self.served_model_name or self.model
 
     @property
     def embedding_store_url(self) -> str:

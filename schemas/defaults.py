@@ -13,3 +13,8 @@ EMBEDDING_TTL_S = 600
 TINY_MODEL = "tiny"
 STORE_SCHEMES = ("redis", "rediss", "redis+cluster", "shm", "local", "cuda")
 """Embedding store URI schemes (``runtime.stores.open_store``; checked when settings load)."""
+MAX_KV_TRANSFER_PARAMS_BYTES = 64 * 1024
+"""Largest vLLM ``kv_transfer_params`` (JSON text) an event may carry through to decode."""
+MAX_TENSOR_BYTES = 256 * 1024 * 1024
+"""The floor of the largest tensor an event may carry or claim-check (``EPD_MAX_TENSOR_BYTES``
+unset: derived from the processor's ``max_pixels``, never below this)."""

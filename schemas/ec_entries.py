@@ -1,6 +1,7 @@
 """``ec_transfer_params`` entries: finding an item's entry and the strict checks of one.
 
-Rules ``ec-entry``, ``ec-namespace``, ``ec-key``, ``ec-signature`` and ``ec-expired`` of the
+Rules ``ec-entry``, ``ec-namespace``, ``ec-key``, ``ec-signature``, ``ec-store`` and
+``ec-expired`` of the
 safety gate (:mod:`schemas.validator`, which re-exports these functions).
 """
 
@@ -8,15 +9,28 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from schemas.errors import ValidationError
 from schemas.signing import verify_ec
 from schemas.types import ECTransfer
 
 if TYPE_CHECKING:
-    from schemas.validator import ValidationConfig
+    from schemas.validation_config import ValidationConfig
 
 _EC_FIELDS = ("store", "key", "expires_ms", "signature")
+
+
+def without_credentials(url: str) -> str:
+    """``url`` without a user or password (store URLs may carry Redis credentials; rejection
+    messages reach DLQ headers and status records)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable store URL>"
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
 def short_repr(v: Any) -> str:
@@ -126,7 +140,8 @@ def check_ec_entry(
     item: int | None,
     request_id: str | None = None,
 ) -> None:
-    """Strict checks of one entry: non-empty, shape, ``mm_hash``, namespace, signature, expiry.
+    """Strict checks of one entry: non-empty, shape, ``mm_hash``, namespace, signature, store,
+    expiry.
 
     ``request_id``: the request of the event that carries the entry; signatures bind it."""
     if not entry_locates_embedding(entry):
@@ -166,6 +181,18 @@ def check_ec_entry(
         raise ValidationError(
             "ec-signature",
             f"signature of the entry for {mm_hash!r} does not verify",
+            modality=modality,
+            item=item,
+            field="ec_transfer_params",
+        )
+    if config.store is not None and ec.store != config.store:
+        # After the signature: a verified entry names the store the fan-out really parked the
+        # item in, so the mismatch is a configuration error, said at once instead of a wait.
+        raise ValidationError(
+            "ec-store",
+            f"the entry for {mm_hash!r} names store {without_credentials(ec.store)!r}, this "
+            f"worker reads {without_credentials(config.store)!r} (EPD_STORE_URL must be the "
+            "same for the fan-out and the workers)",
             modality=modality,
             item=item,
             field="ec_transfer_params",

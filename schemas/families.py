@@ -57,9 +57,11 @@ class ModelFamily:
     """The tensors the vision tower yields per item, stored together as one store entry."""
     default_merge_size: int = 2
     """The spatial merge size of published checkpoints (a checkpoint's config has the last word)."""
-    video_frames_per_run: int | None = None
-    """Temporal grid rows one contiguous video placeholder may hold (None: any). Qwen3-VL
-    separates frames with timestamp text, so a contiguous run is one temporal row."""
+    video_timestamps: bool = False
+    """The prompt lays a video out frame by frame: each temporal grid row is its own run of
+    pads, ``<|vision_start|>`` ... ``<|vision_end|>``, after its timestamp text
+    ``<{t:.1f} seconds>`` (Qwen3-VL). The item's placeholder spans all of it, with ``is_embed``
+    marking the pads (as vLLM lays it out); otherwise a video is one run of pads."""
     notes: str = ""
 
     @property
@@ -123,7 +125,7 @@ FAMILIES: dict[str, ModelFamily] = {
         metadata={"image": ("image_grid_thw",), "video": ("video_grid_thw",)},
         rope_args=_GRIDS,
         encoder_outputs=(EMBEDS, DEEPSTACK),
-        video_frames_per_run=1,
+        video_timestamps=True,
         notes=(
             "deepstack: features of early vision blocks are added to the first LLM layers' "
             "hidden states at the placeholder positions; they travel with the embedding in one "
@@ -137,7 +139,7 @@ FAMILIES: dict[str, ModelFamily] = {
         metadata={"image": ("image_grid_thw",), "video": ("video_grid_thw",)},
         rope_args=_GRIDS,
         encoder_outputs=(EMBEDS, DEEPSTACK),
-        video_frames_per_run=1,
+        video_timestamps=True,
         notes="Qwen3-VL with a mixture-of-experts language model (e.g. Qwen3-VL-30B-A3B)",
     ),
 }

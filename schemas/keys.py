@@ -2,13 +2,14 @@
 
 One home, as :class:`schemas.topics.Topics` is for topics (and arq's ``constants.py`` for its
 keys): the status records, their event streams and change channels, the in-flight set, cancel
-flags, idempotency claims, the dead-letter replay ledger and the store's readiness channels are
-named here and nowhere else.
+flags, token streams and their channels, idempotency claims, the dead-letter replay ledger and
+the store's readiness channels are named here and nowhere else.
 
 On a Redis Cluster (``cluster=True``) every key of one request carries the hash tag
-``{request_id}``: its record, event stream, cancel flag and change channel then sit in one slot,
-so the record's compare-and-set script (which writes the record, appends to the stream and
-announces the change) runs on one shard. A request id holding a brace (or none at all) would
+``{request_id}``: its record, event stream, cancel flag, token stream and change channels then
+sit in one slot, so the record's compare-and-set script (which writes the record, appends to the
+stream and announces the change) and a token write (append, expiry, announcement) each run on
+one shard. A request id holding a brace (or none at all) would
 give the request's keys different slots, so such an id is tagged by a digest of it instead. On a
 single Redis the names are the ones this project always used (no braces), so an upgrade finds
 the records written before it.
@@ -33,6 +34,12 @@ def claim_key(namespace: str, mm_hash: str, field_name: str) -> str:
     stored (and deletes nothing that is not exactly this key for the event's item).
     """
     return f"{namespace}:claim:{mm_hash}:{field_name}"
+
+
+def kv_key(namespace: str, model_fingerprint: str, request_id: str) -> str:
+    """Store key of a request's parked KV cache: ``{namespace}:kv:{model_fingerprint}:{id}``
+    (no hash tag: one large entry, read and written alone, spread by its own hash)."""
+    return f"{namespace}:kv:{model_fingerprint}:{request_id}"
 
 
 def store_ready_channel(db: str) -> str:
@@ -80,6 +87,19 @@ class RedisKeys:
     def status_changes(self, request_id: str) -> str:
         """Redis Cluster: the request's own sharded channel of changes (in its slot)."""
         return f"{self.prefix}:status-notify:{self._request(request_id)}"
+
+    def tokens(self, request_id: str) -> str:
+        """The stream of the request's tokens (:mod:`runtime.token_stream`)."""
+        return f"{self.prefix}:tokens:{self._request(request_id)}"
+
+    @property
+    def tokens_notify(self) -> str:
+        """Single Redis: the one channel announcing every token-stream write (message: the id)."""
+        return f"{self.prefix}:tokens-notify"
+
+    def token_changes(self, request_id: str) -> str:
+        """Redis Cluster: the request's own sharded channel of token writes (in its slot)."""
+        return f"{self.prefix}:tokens-notify:{self._request(request_id)}"
 
     @property
     def inflight(self) -> str:

@@ -88,10 +88,6 @@ REQUIRED_METADATA: dict[str, tuple[str, ...]] = {
     k: m.required_metadata for k, m in MODALITIES.items() if m.required_metadata
 }
 """modality -> the metadata fields every item must carry."""
-PLACEHOLDER_TOKENS: tuple[str, ...] = tuple(
-    m.placeholder_token for m in MODALITIES.values() if m.placeholder_token is not None
-)
-"""The placeholder tokens, in table order."""
 
 
 def metadata_of(modality: str) -> tuple[str, ...]:

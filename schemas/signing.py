@@ -1,5 +1,5 @@
-"""HMAC signatures on ``ec_transfer_params`` entries, the embedding and claim key layout, and the
-content hash an embedding is keyed by.
+"""HMAC signatures on ``ec_transfer_params`` entries and parked-KV entries, the embedding,
+claim and KV key layout, and the content hash an embedding is keyed by.
 
 The fan-out signs each entry; the prefill side checks the signature and that the key stays
 inside the configured namespace, so a forged event cannot point a worker at another tenant's
@@ -11,6 +11,7 @@ function, so the ``mm_hash`` it labels an item with is that same hash).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -21,7 +22,7 @@ from typing import Any
 import blake3
 import torch
 
-from schemas.types import ECTransfer, TensorLike, TensorRef
+from schemas.types import ECTransfer, KVTransfer, TensorLike, TensorRef
 
 _SIGNATURE_TAG = b"epd-ec-v2"
 _HASH_TAG = b"epd-mm-v2"
@@ -115,6 +116,42 @@ def verify_ec(secret: bytes, ec: ECTransfer, *, request_id: str | None = None) -
         request_id=request_id,
     )
     return hmac.compare_digest(expected, ec.signature)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parked KV caches (the decode stage)
+
+_KV_TAG = b"epd-kv-v1"
+
+
+def kv_message(kv: KVTransfer, request_id: str) -> bytes:
+    """The bytes a KV entry's HMAC covers: a version tag, the request and every field but the
+    signature, length-prefixed (so the entry cannot be replayed into another request, nor its
+    shapes or resume position changed)."""
+    return _framed(
+        _KV_TAG,
+        request_id.encode(),
+        kv.store.encode(),
+        kv.key.encode(),
+        str(int(kv.expires_ms)).encode(),
+        f"{kv.layers}:{kv.kv_heads}:{kv.head_dim}:{kv.dtype}".encode(),
+        str(int(kv.seq_len)).encode(),
+        ",".join(str(int(p)) for p in kv.next_position).encode(),
+        str(int(kv.nbytes)).encode(),
+    )
+
+
+def sign_kv(secret: bytes | None, kv: KVTransfer, request_id: str) -> KVTransfer:
+    """``kv`` with its signature for ``request_id`` (unsigned without a secret)."""
+    sig = hmac.new(secret, kv_message(kv, request_id), hashlib.sha256).hexdigest() if secret else ""
+    return dataclasses.replace(kv, signature=sig)
+
+
+def verify_kv(secret: bytes, kv: KVTransfer, request_id: str) -> bool:
+    """True when the KV entry's signature matches its fields and ``request_id`` (constant
+    time)."""
+    expected = hmac.new(secret, kv_message(kv, request_id), hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected, kv.signature)
 
 
 # ---------------------------------------------------------------------------------------------

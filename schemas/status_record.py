@@ -171,6 +171,17 @@ class StatusRecord:
         """The front's render timing (``started_ms``, ``finished_ms``, ``ms``), if it rendered."""
         return dict(self.fields.get("render") or {})
 
+    @property
+    def front(self) -> dict[str, Any]:
+        """What an OpenAI-compatible route recorded of its call (``api``, ``model``,
+        ``max_tokens``, ``created_s``...); empty for a native request."""
+        return dict(self.fields.get("front") or {})
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length in tokens as the intake recorded it (0: not recorded)."""
+        return int(self.fields.get("prompt_tokens") or 0)
+
     def with_fields(self, fields: dict[str, Any]) -> StatusRecord:
         """A copy with top-level ``fields`` merged in (a key the fold owns is set as such)."""
         merged = self.to_dict()
@@ -318,6 +329,11 @@ def fold(record: StatusRecord | None, ev: ResultEvent) -> StatusRecord | None:
             rec.token_ids = ev.token_ids
             rec.text = ev.text
             rec.error = asdict(ev.error) if ev.error else None
+    elif was_terminal and ev.status == rec.status and rec.token_ids is None and ev.token_ids:
+        # The same outcome from the stage that did the work fills in what the first lacked: a
+        # cancel from the API carries no tokens, the worker's carries those made before it.
+        rec.token_ids = ev.token_ids
+        rec.text = ev.text
     rec.updated_ms = now_ms()
     return rec
 

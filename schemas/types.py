@@ -95,10 +95,26 @@ class ECTransfer:
 
 @dataclass(slots=True)
 class SamplingParams:
+    """How a request's tokens are chosen and when generation ends.
+
+    ``temperature`` 0 is greedy (``top_p``, ``top_k`` and ``seed`` unused); above 0 the logits
+    go through temperature, top-k and top-p in transformers' warper order and the token is drawn
+    from the request's own generator seeded with ``seed``. ``stop`` strings end generation and
+    are cut from the text; ``stop_token_ids`` (and eos unless ``ignore_eos``) end it too."""
+
     max_tokens: int = 16
     temperature: float = 0.0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether tokens are chosen by argmax (temperature 0)."""
+        return self.temperature == 0.0
 
 
 @dataclass(slots=True)
@@ -122,6 +138,8 @@ class RenderEvent:
     deadline_ms: int | None = None
     created_ms: int = field(default_factory=now_ms)
     trace: dict[str, str] = field(default_factory=dict)
+    kv_transfer_params: str | None = None
+    """vLLM's ``kv_transfer_params`` as JSON text, passed through to prefill and decode as is."""
 
 
 @dataclass(slots=True)
@@ -150,6 +168,50 @@ class PrefillEvent:
     deadline_ms: int | None = None
     created_ms: int = field(default_factory=now_ms)
     trace: dict[str, str] = field(default_factory=dict)
+    kv_transfer_params: str | None = None
+    """vLLM's ``kv_transfer_params`` as JSON text, passed through as is."""
+
+
+@dataclass(slots=True)
+class KVTransfer:
+    """Where a request's parked KV cache lives (prefill -> decode handoff); signed like an
+    ``ec_transfer_params`` entry, bound to its request."""
+
+    store: str
+    key: str
+    expires_ms: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    seq_len: int
+    next_position: list[int]
+    nbytes: int
+    signature: str = ""
+
+
+@dataclass(slots=True)
+class DecodeEvent:
+    """A request handed from a prefill worker to decode workers (``{prefix}.decode``)."""
+
+    prefill: PrefillEvent
+    """The event the request came as: its tokens, sampling, deadline and, should the KV be
+    gone, what a decode worker needs to run the prefill again."""
+    kv: KVTransfer | None = None
+    kv_transfer_params: str | None = None
+    created_ms: int = field(default_factory=now_ms)
+
+    @property
+    def request_id(self) -> str:
+        return self.prefill.request_id
+
+    @property
+    def deadline_ms(self) -> int | None:
+        return self.prefill.deadline_ms
+
+    @property
+    def trace(self) -> dict[str, str]:
+        return self.prefill.trace
 
 
 @dataclass(slots=True)
@@ -196,11 +258,14 @@ class DeadLetter:
     failed_ms: int = field(default_factory=now_ms)
 
 
-Event = RenderEvent | EncodeEvent | PrefillEvent | EncodedEvent | ResultEvent | DeadLetter
+Event = (
+    RenderEvent | EncodeEvent | PrefillEvent | DecodeEvent | EncodedEvent | ResultEvent | DeadLetter
+)
 EVENT_TYPES: tuple[type, ...] = (
     RenderEvent,
     EncodeEvent,
     PrefillEvent,
+    DecodeEvent,
     EncodedEvent,
     ResultEvent,
     DeadLetter,

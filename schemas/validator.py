@@ -30,6 +30,9 @@ Rules (slug: what it rejects):
 - ``ec-key``: an entry key that is not ``{namespace}:{model_fingerprint}:{mm_hash}`` for its
   item (the fingerprint is pinned when the config names one).
 - ``ec-signature``: an entry whose HMAC does not verify (only when a secret is configured).
+- ``ec-store``: an entry naming another embedding store than the one this worker reads (only
+  when the config names one: the workers' gates do). A worker whose ``EPD_STORE_URL`` differs
+  from the fan-out's would otherwise wait in vain for embeddings parked elsewhere.
 - ``ec-expired``: an entry whose ``expires_ms`` has passed (only when ``now_ms`` is set).
 - ``metadata-field``: ``mm_metadata`` holding a field that is not a metadata field (e.g.
   ``pixel_values``).
@@ -47,6 +50,8 @@ Rules (slug: what it rejects):
 - ``slots-across-modalities``: (render side) some item has metadata but ``mm_metadata`` lacks a
   full-length list for some modality of ``mm_hashes``.
 - ``render-data-missing``: a render event item without its encoder inputs in ``kwargs_data``.
+- ``kv-key``, ``kv-signature``, ``kv-store``, ``kv-shape``, ``kv-transfer-params``: the decode
+  stage's rules (:mod:`schemas.kv_entries`, ``validate_decode_event``).
 
 ``vllm`` applies exactly what vLLM 0.33's ``/inference/v1/generate`` applies (on JSON,
 :func:`schemas.vllm_rules.check_vllm_request`: its field types, cross-field checks and item
@@ -56,11 +61,11 @@ what vLLM refuses.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pydantic
 import torch
@@ -75,9 +80,11 @@ from schemas.ec_entries import (
     short_repr,
 )
 from schemas.errors import ValidationError
-from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT, METADATA_FIELDS, REQUIRED_METADATA
+from schemas.kv_entries import KVShape, check_kv_entry, check_kv_transfer_params
+from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT
 from schemas.types import (
     DTYPES,
+    DecodeEvent,
     EncodeEvent,
     Features,
     ItemData,
@@ -86,12 +93,12 @@ from schemas.types import (
     TensorLike,
     TensorRef,
 )
-from schemas.types import now_ms as wall_now_ms
+from schemas.validation_config import DEFAULT_METADATA_FIELDS, Mode, ValidationConfig
 
 __all__ = [
     "DEFAULT_METADATA_FIELDS",
-    "ENCODER_INPUT_FIELDS",
     "GRID_FIELDS",
+    "Mode",
     "ValidationConfig",
     "carries_encoder_inputs",
     "check_agreement",
@@ -106,6 +113,7 @@ __all__ = [
     "entry_locates_embedding",
     "find_ec_entry",
     "grid_patches",
+    "validate_decode_event",
     "validate_encode_event",
     "validate_features",
     "validate_prefill_event",
@@ -113,66 +121,6 @@ __all__ = [
     "validate_render_event",
     "validate_render_slots",
 ]
-
-Mode = Literal["strict", "vllm"]
-
-# From the one modality-field table (schemas/modalities.py).
-DEFAULT_METADATA_FIELDS = METADATA_FIELDS
-ENCODER_INPUT_FIELDS = MAIN_ENCODER_INPUT
-
-
-def _default_required() -> dict[str, tuple[str, ...]]:
-    return dict(REQUIRED_METADATA)
-
-
-@dataclass(frozen=True)
-class ValidationConfig:
-    """What the validator enforces. ``from_settings`` builds it from ``EPD_*`` settings."""
-
-    mode: Mode = "strict"
-    secret: bytes | None = None
-    namespace: str = "ec"
-    merge_size: int = 2
-    metadata_fields: frozenset[str] = DEFAULT_METADATA_FIELDS
-    required_metadata: Mapping[str, tuple[str, ...]] = field(default_factory=_default_required)
-    max_tensor_bytes: int = 256 * 1024 * 1024
-    allowed_dtypes: frozenset[str] = frozenset(DTYPES)
-    now_ms: Callable[[], int] | None = None
-    model_fingerprint: str | None = None
-    """When set, entry keys must be exactly ``{namespace}:{model_fingerprint}:{mm_hash}``."""
-    check_values: bool = True
-    """Scan floating-point tensors for NaN/Inf. The fan-out turns it off: it never touches the
-    pixels, and the encode worker scans them where it reads them anyway."""
-
-    @classmethod
-    def from_settings(cls, settings: Any, **overrides: Any) -> ValidationConfig:
-        """Config from an ``runtime.settings.Settings``; keyword overrides win (CLI flags)."""
-        values: dict[str, Any] = {
-            "mode": settings.validation_mode,
-            "secret": settings.secret_bytes(),
-            "namespace": settings.ec_namespace,
-            "merge_size": settings.spatial_merge_size,
-            "now_ms": wall_now_ms,
-        }
-        # None: derived from the model's processor by whoever knows it (runtime.limits), passed
-        # in as an override; a gate that knows no processor keeps the class default.
-        if getattr(settings, "max_tensor_bytes", None) is not None:
-            values["max_tensor_bytes"] = settings.max_tensor_bytes
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
-
-    @classmethod
-    def for_worker(
-        cls, settings: Any, model_fingerprint: str, **model_facts: Any
-    ) -> ValidationConfig:
-        """The gate of an encode or prefill worker: strict whatever ``EPD_VALIDATION_MODE``
-        says (``vllm`` is for the vLLM-facing gate), with entry keys pinned to the worker's own
-        model, so two models never share embeddings. ``model_facts``: what the loaded model
-        dictates (its family's ``metadata_fields``, its ``merge_size``)."""
-        return cls.from_settings(
-            settings, mode="strict", model_fingerprint=model_fingerprint, **model_facts
-        )
-
 
 # ---------------------------------------------------------------------------------------------
 # Structure
@@ -395,7 +343,7 @@ def carries_encoder_inputs(modality: str, data: ItemData | None) -> bool:
     encoder input, any field that is not a metadata field counts."""
     if not data:
         return False
-    name = ENCODER_INPUT_FIELDS.get(modality)
+    name = MAIN_ENCODER_INPUT.get(modality)
     if name is not None:
         return name in data
     return any(k not in DEFAULT_METADATA_FIELDS for k in data)
@@ -478,7 +426,7 @@ def check_item_data(
             item=item,
             field=grid_name,
         )
-    pv_name = ENCODER_INPUT_FIELDS.get(modality)
+    pv_name = MAIN_ENCODER_INPUT.get(modality)
     if full is not None and pv_name is not None and pv_name in full:
         _check_rows(full[pv_name], patches, modality=modality, item=item, name=pv_name)
 
@@ -661,6 +609,19 @@ def validate_prefill_event(ev: PrefillEvent, config: ValidationConfig) -> None:
                     )
     for h, entry in ev.ec_transfer_params.items():
         check_ec_entry(entry, h, config, modality=None, item=None, request_id=ev.request_id)
+    check_kv_transfer_params(ev.kv_transfer_params)
+
+
+def validate_decode_event(
+    ev: DecodeEvent, config: ValidationConfig, shape: KVShape | None = None
+) -> None:
+    """A decode event: its prefill event by every prefill rule (without the entries' expiry:
+    it matters only if the prefill has to run again), its passed-through params, and its KV
+    entry (``shape``: the worker's model; :mod:`schemas.kv_entries`)."""
+    validate_prefill_event(ev.prefill, dataclasses.replace(config, now_ms=None))
+    check_kv_transfer_params(ev.kv_transfer_params)
+    if ev.kv is not None:
+        check_kv_entry(ev.kv, ev.request_id, len(ev.prefill.token_ids), config, shape)
 
 
 def validate_encode_event(ev: EncodeEvent, config: ValidationConfig) -> None:
@@ -672,7 +633,7 @@ def validate_encode_event(ev: EncodeEvent, config: ValidationConfig) -> None:
         )
     for name, v in ev.data.items():
         check_tensor(v, config, modality=ev.modality, item=ev.item_index, name=name)
-    pv_name = ENCODER_INPUT_FIELDS.get(ev.modality)
+    pv_name = MAIN_ENCODER_INPUT.get(ev.modality)
     grid_name = GRID_FIELDS.get(ev.modality)
     if pv_name is not None and pv_name not in ev.data:
         raise ValidationError(

@@ -2,8 +2,9 @@
 
 vLLM's ``render`` endpoint returns a ``GenerateRequest`` (``vllm/entrypoints/serve/disagg/
 protocol.py``): ``request_id``, ``token_ids``, ``features``, ``sampling_params``, ``model``,
-``stream``, ``stream_options``, ``cache_salt``, ``priority``, ``kv_transfer_params`` and, for
-encoder-cache disaggregation, ``ec_transfer_params``. ``features`` is a ``MultiModalFeatures``:
+``stream``, ``stream_options``, ``cache_salt``, ``priority``, ``kv_transfer_params`` (vLLM's P/D
+connector parameters: modelled, never read, passed through unchanged) and, for encoder-cache
+disaggregation, ``ec_transfer_params``. ``features`` is a ``MultiModalFeatures``:
 ``mm_hashes``, ``mm_placeholders`` (``offset``, ``length``, optional ``is_embed``),
 ``kwargs_data`` and ``mm_metadata`` (per modality, per item: base64 string or null). Fields we
 do not model are kept verbatim and written back, so a round trip loses nothing.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -68,6 +70,7 @@ KNOWN_REQUEST_KEYS = (
     "model",
     "cache_salt",
     "ec_transfer_params",
+    "kv_transfer_params",
 )
 KNOWN_FEATURE_KEYS = ("mm_hashes", "mm_placeholders", "kwargs_data", "mm_metadata")
 
@@ -402,8 +405,12 @@ class GenerateRequest:
     model: str | None = None
     cache_salt: str | None = None
     ec_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's P/D connector parameters (``do_remote_decode``, ``do_remote_prefill``,
+    ``remote_engine_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``...): never
+    read here, passed on unchanged (:func:`kv_transfer_params_text` for an event)."""
     extra: dict[str, Any] = field(default_factory=dict)
-    """Top-level fields we do not model (``stream``, ``priority``, ``kv_transfer_params``...)."""
+    """Top-level fields we do not model (``stream``, ``priority``...)."""
     features_extra: dict[str, Any] = field(default_factory=dict)
     """``features`` fields we do not model (``requires_kv``, ``kv_handoff``...)."""
 
@@ -427,6 +434,9 @@ def parse_generate_request(obj: Any) -> GenerateRequest:
         ec = sampling["extra_args"].get("ec_transfer_params")
     if ec is not None and not isinstance(ec, dict):
         raise request_shape_error("ec_transfer_params must be an object", fld="ec_transfer_params")
+    kv = obj.get("kv_transfer_params")
+    if kv is not None and not isinstance(kv, dict):
+        raise request_shape_error("kv_transfer_params must be an object", fld="kv_transfer_params")
     feats_obj = obj.get("features")
     features = None if feats_obj is None else features_from_json(feats_obj)
     features_extra = (
@@ -442,6 +452,7 @@ def parse_generate_request(obj: Any) -> GenerateRequest:
         model=obj.get("model"),
         cache_salt=obj.get("cache_salt"),
         ec_transfer_params=copy.deepcopy(ec),
+        kv_transfer_params=copy.deepcopy(kv),
         extra={k: copy.deepcopy(v) for k, v in obj.items() if k not in KNOWN_REQUEST_KEYS},
         features_extra=features_extra,
     )
@@ -481,5 +492,21 @@ def generate_request_to_json(
         out["cache_salt"] = req.cache_salt
     if req.ec_transfer_params is not None:
         out["ec_transfer_params"] = copy.deepcopy(req.ec_transfer_params)
+    if req.kv_transfer_params is not None:
+        out["kv_transfer_params"] = copy.deepcopy(req.kv_transfer_params)
     out.update(copy.deepcopy(req.extra))
     return out
+
+
+def kv_transfer_params_text(req: GenerateRequest) -> str | None:
+    """The request's ``kv_transfer_params`` as the JSON text a RenderEvent carries (None when
+    it has none): fan-out, prefill and decode pass it on unchanged, and
+    :func:`kv_transfer_params_from_text` gives the object back."""
+    if req.kv_transfer_params is None:
+        return None
+    return json.dumps(req.kv_transfer_params, separators=(",", ":"), sort_keys=False)
+
+
+def kv_transfer_params_from_text(text: str | None) -> dict[str, Any] | None:
+    """The object :func:`kv_transfer_params_text` wrote."""
+    return None if text is None else dict(json.loads(text))

@@ -11,9 +11,13 @@ Serve the HTTP front door of the pipeline:
   POST   /v1/requests              submit (JSON with base64/data: URL images, or multipart);
                                    202 {request_id, status_url, events_url} without waiting
   GET    /v1/requests/{id}         status, per-stage timings, result; ?wait=S long-polls
-  GET    /v1/requests/{id}/events  Server-Sent Events of every status change
+  GET    /v1/requests/{id}/events  Server-Sent Events: status changes and tokens as they come
   DELETE /v1/requests/{id}         cancel
   POST   /v1/vllm/generate         fan out a vLLM render response
+  POST   /v1/chat/completions      OpenAI chat completions (plain, or streamed as SSE chunks)
+  POST   /v1/responses             OpenAI responses (background: queued at once, then poll)
+  GET    /v1/responses/{id}        ... and POST /v1/responses/{id}/cancel
+  GET    /v1/models                the served model (EPD_SERVED_MODEL_NAME, else EPD_MODEL)
   GET    /healthz /readyz /metrics /docs /openapi.json
 
 Configuration comes from EPD_* variables (Kafka, Redis, model, EPD_API_* limits). Set
@@ -21,7 +25,8 @@ EPD_API_TOKENS=TOKEN=TENANT,... (or EPD_API_TOKENS_FILE=PATH, one pair per line)
 bearer tokens; without either the API is open. EPD_EC_SECRET is required, as for the workers
 (it signs embedding entries and keys tenant salts). A malformed setting stops the API before
 it starts (exit 2, the variable named). Replicas (--workers, or several hosts) share every
-piece of state through Redis.
+piece of state through Redis. Image and video URLs are fetched only from the hosts of
+EPD_API_IMAGE_URL_HOSTS (none by default: data: URLs only).
 """
 
 

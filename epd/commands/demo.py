@@ -29,6 +29,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for all requests")
+    p.add_argument(
+        "--decode-stage",
+        action="store_true",
+        help="run a separate decode worker (EPD_DECODE_STAGE=true): prefill parks the KV cache "
+        "and hands each request over",
+    )
     p.set_defaults(func=run)
 
 
@@ -112,81 +118,105 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _demo(args: argparse.Namespace, quiet: bool, state_dir: Path) -> int:
+    """Start the workers, run the demo's requests, print what became of them."""
     from epd.local_pipeline import local_pipeline
     from runtime.kafka import read_topic
+    from runtime.model import model_family
     from runtime.settings import Settings
     from schemas.codec import get_codec
-    from schemas.types import EncodedEvent, SamplingParams
+    from schemas.topics import Topics
+    from schemas.types import EncodedEvent
 
     def say(msg: str) -> None:
         if not quiet:
             print(msg, flush=True)
 
-    from runtime.model import model_family
-
-    settings = Settings(**({"model": args.model} if args.model else {}))
-    # Qwen3-VL video prompts need per-frame timestamps, which the renderer does not lay out.
-    reqs = demo_requests(video=model_family(settings.model).video_frames_per_run is None)
+    overrides: dict[str, Any] = {"model": args.model} if args.model else {}
+    if args.decode_stage:
+        overrides["decode_stage"] = True
+    settings = Settings(**overrides)
+    reqs = demo_requests(video="video" in model_family(settings.model).modalities)
     log_dir = state_dir / "demo-logs"
     t0 = time.perf_counter()
     say(
         f"epd demo: Kafka {settings.kafka_bootstrap}, Redis {settings.redis_url}, "
         f"model {settings.model}"
     )
-    say(f"  starting results, encode and prefill workers (logs in {log_dir}/)")
+    stages = (
+        "results, encode, prefill and decode"
+        if settings.decode_stage
+        else "results, encode and prefill"
+    )
+    say(f"  starting {stages} workers (logs in {log_dir}/)")
     async with local_pipeline(settings, spawn_workers=True, log_dir=log_dir) as run:
         say(
             f"  workers ready after {time.perf_counter() - t0:.1f}s; "
             f"topics {run.settings.topic_prefix}.*"
         )
-        sampling = SamplingParams(max_tokens=args.max_tokens)
-        # Submit one after another so the repeated image finds its embedding (or its encode in
-        # flight); the workers process them concurrently.
-        for r in reqs:
-            ev, stats = await run.submitter.submit(
-                prompt=r.prompt, images=r.images, videos=r.videos, sampling=sampling
-            )
-            r.extra["request_id"] = ev.request_id
-            r.extra["prompt_tokens"] = len(ev.token_ids)
-            r.stats = stats
+        await _submit_all(run, reqs, args.max_tokens)
         say(f"  submitted {len(reqs)} requests")
-        done = 0
-        tty = not quiet and sys.stderr.isatty()
-
-        async def wait_one(r: DemoRequest) -> None:
-            nonlocal done
-            try:
-                r.result = await run.submitter.wait(r.extra["request_id"], timeout_s=args.timeout)
-            except TimeoutError as exc:
-                r.error = str(exc)
-            done += 1
-            _progress(done, len(reqs), tty)
-
-        waits = asyncio.gather(*(wait_one(r) for r in reqs))
-        while not waits.done():
-            if run.workers is not None:
-                run.workers.check_alive()
-            await asyncio.wait([waits], timeout=0.5)
-        await waits
+        await _wait_all(run, reqs, args.timeout, tty=not quiet and sys.stderr.isatty())
         codec = get_codec()
         encoded = [
             codec.decode(rec.value, EncodedEvent)
-            for rec in await read_topic(run.settings, f"{run.settings.topic_prefix}.encoded")
+            for rec in await read_topic(run.settings, Topics(run.settings.topic_prefix).encoded)
         ]
-    elapsed = time.perf_counter() - t0
+    summary = _summary(reqs, encoded, time.perf_counter() - t0)
+    if quiet:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_outcomes(reqs, summary)
+    return 0 if summary["completed"] == len(reqs) else 1
 
+
+async def _submit_all(run: Any, reqs: list[DemoRequest], max_tokens: int) -> None:
+    """Submit one after another, so the repeated image finds its embedding (or its encode in
+    flight); the workers process them concurrently."""
+    from schemas.types import SamplingParams
+
+    sampling = SamplingParams(max_tokens=max_tokens)
+    for r in reqs:
+        ev, stats = await run.submitter.submit(
+            prompt=r.prompt, images=r.images, videos=r.videos, sampling=sampling
+        )
+        r.extra["request_id"] = ev.request_id
+        r.extra["prompt_tokens"] = len(ev.token_ids)
+        r.stats = stats
+
+
+async def _wait_all(run: Any, reqs: list[DemoRequest], timeout_s: float, *, tty: bool) -> None:
+    """Every request's outcome (or its timeout), watching that no worker died meanwhile."""
+    done = 0
+
+    async def wait_one(r: DemoRequest) -> None:
+        nonlocal done
+        try:
+            r.result = await run.submitter.wait(r.extra["request_id"], timeout_s=timeout_s)
+        except TimeoutError as exc:
+            r.error = str(exc)
+        done += 1
+        _progress(done, len(reqs), tty)
+
+    waits = asyncio.gather(*(wait_one(r) for r in reqs))
+    while not waits.done():
+        if run.workers is not None:
+            run.workers.check_alive()
+        await asyncio.wait([waits], timeout=0.5)
+    await waits
+
+
+def _summary(reqs: list[DemoRequest], encoded: list[Any], elapsed: float) -> dict[str, Any]:
+    """The demo's figures: outcomes, encoder runs and hits, the bytes on each topic."""
     completed = [r for r in reqs if r.result and r.result.status == "completed"]
-    encoder_runs = sum(1 for e in encoded if not e.cache_hit)
-    worker_hits = sum(1 for e in encoded if e.cache_hit)
-    fanout_hits = sum(r.stats.cache_hits for r in reqs)
-    summary = {
+    summary: dict[str, Any] = {
         "requests": len(reqs),
         "completed": len(completed),
         "failed": len(reqs) - len(completed),
         "images": sum(len(r.images) for r in reqs),
         "videos": sum(len(r.videos) for r in reqs),
-        "encoder_runs": encoder_runs,
-        "encoder_cache_hits": fanout_hits + worker_hits,
+        "encoder_runs": sum(1 for e in encoded if not e.cache_hit),
+        "encoder_cache_hits": sum(r.stats.cache_hits for r in reqs)
+        + sum(1 for e in encoded if e.cache_hit),
         "bytes_encode_topic": sum(r.stats.encode_bytes for r in reqs),
         "bytes_prefill_topic": sum(r.stats.prefill_bytes for r in reqs),
         "bytes_if_prefill_carried_kwargs_data": sum(
@@ -208,27 +238,27 @@ async def _demo(args: argparse.Namespace, quiet: bool, state_dir: Path) -> int:
         for r in reqs
         if r not in completed
     ]
-    if quiet:
-        print(json.dumps(summary, indent=2))
-    else:
-        print()
-        for r in reqs:
-            rec = r.result
-            status = rec.status if rec else "timeout"
-            line = f"  {r.name:<24} {status:<10}"
-            if rec is not None and status == "completed":
-                line += f" tokens={rec.token_ids}"
-                total = rec.timings.get("total")
-                if total is not None:
-                    line += f"  ({total:.0f} ms)"
-            else:
-                line += f" {(rec.error if rec else None) or r.error}"
-            print(line)
-        print()
-        print("Summary")
-        width = max(len(k) for k in summary)
-        for k, v in summary.items():
-            if k == "not_completed":
-                continue  # the per-request lines above already say what happened
-            print(f"  {k:<{width}}  {v:,}" if isinstance(v, int) else f"  {k:<{width}}  {v}")
-    return 0 if len(completed) == len(reqs) else 1
+    return summary
+
+
+def _print_outcomes(reqs: list[DemoRequest], summary: dict[str, Any]) -> None:
+    print()
+    for r in reqs:
+        rec = r.result
+        status = rec.status if rec else "timeout"
+        line = f"  {r.name:<24} {status:<10}"
+        if rec is not None and status == "completed":
+            line += f" tokens={rec.token_ids}"
+            total = rec.timings.get("total")
+            if total is not None:
+                line += f"  ({total:.0f} ms)"
+        else:
+            line += f" {(rec.error if rec else None) or r.error}"
+        print(line)
+    print()
+    print("Summary")
+    width = max(len(k) for k in summary)
+    for k, v in summary.items():
+        if k == "not_completed":
+            continue  # the per-request lines above already say what happened
+        print(f"  {k:<{width}}  {v:,}" if isinstance(v, int) else f"  {k:<{width}}  {v}")

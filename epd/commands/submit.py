@@ -46,7 +46,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "/v1/requests). Mark each image in the prompt with <image>, in the order of the "
             "--image options. Prints the request id; with --wait, shows the request's progress "
             "stage by stage on stderr (queued, encoding, prefilling, decoding, completed) and "
-            "prints the result."
+            "prints the result; with --stream, prints the text on stdout as the tokens are "
+            "made (the progress and the outcome on stderr)."
         )
         + COMMON,
         formatter_class=fmt,
@@ -59,7 +60,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     s.add_argument("--cache-salt", default=None, help="encoder-cache isolation label")
     s.add_argument("--deadline-s", type=float, default=None, help="give up after N seconds")
     s.add_argument("--idempotency-key", default=None, help="retry-safe submission key")
+    s.add_argument("--temperature", type=float, default=None, help="0 (default): greedy")
+    s.add_argument("--top-p", type=float, default=None, help="nucleus sampling")
+    s.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens")
+    s.add_argument("--seed", type=int, default=None, help="same seed, same tokens")
+    s.add_argument(
+        "--stop", action="append", default=None, help="stop string (repeatable; not printed)"
+    )
     s.add_argument("--wait", action="store_true", help="wait for the outcome (progress on stderr)")
+    s.add_argument(
+        "--stream",
+        action="store_true",
+        help="print the text on stdout as it is generated (implies --wait)",
+    )
     s.add_argument("--timeout", type=float, default=300.0, help="seconds --wait waits at most")
     _add_common(s)
     s.set_defaults(func=run_submit)
@@ -147,6 +160,48 @@ def _follow(client: Any, request_id: str, timeout_s: float) -> Any:
     return client.wait(request_id, timeout_s=max(1.0, timeout_s - (time.monotonic() - t0)))
 
 
+def _stream(client: Any, request_id: str, timeout_s: float) -> Any:
+    """Print the request's text on stdout as its tokens arrive (``token`` events), its status
+    changes on stderr; then the final status. Should a token write have been lost, the rest of
+    the final text is printed at the end, so stdout always holds the whole text."""
+    from producers.client import TokenEvent
+
+    t0 = time.monotonic()
+    shown: list[str] = []
+    try:
+        for ev in client.events(request_id, tokens=True):
+            if isinstance(ev, TokenEvent):
+                if ev.text:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+                    shown.append(ev.text)
+            else:
+                print(f"  {time.monotonic() - t0:7.2f}s  {ev.status}", file=sys.stderr, flush=True)
+            if time.monotonic() - t0 > timeout_s:
+                break
+    except Exception as exc:  # the stream is a view; the long-poll below decides
+        print(f"\n  (stream interrupted: {exc})", file=sys.stderr)
+    st = client.wait(request_id, timeout_s=max(1.0, timeout_s - (time.monotonic() - t0)))
+    text = (st.result.text if st.result else None) or ""
+    streamed = "".join(shown)
+    if text.startswith(streamed) and len(text) > len(streamed):
+        sys.stdout.write(text[len(streamed) :])
+    if shown or text:
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    return st
+
+
+def _print_outcome(st: Any) -> None:
+    """One line on stderr: the outcome, the tokens made, the error."""
+    made = len(st.result.token_ids) if st.result else 0
+    line = f"request {st.request_id}: {st.status} ({made} tokens)"
+    if st.error is not None:
+        rule = f" [{st.error.rule}]" if st.error.rule else ""
+        line += f"; {st.error.code}{rule}: {st.error.message}"
+    print(line, file=sys.stderr)
+
+
 def _run(args: argparse.Namespace, body: Any) -> int:
     import httpx
 
@@ -187,7 +242,20 @@ def run_submit(args: argparse.Namespace) -> int:
             cache_salt=args.cache_salt,
             deadline_s=args.deadline_s,
             idempotency_key=args.idempotency_key,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop,
         )
+        if args.stream:
+            print(f"submitted {rid}", file=sys.stderr)
+            st = _stream(client, rid, args.timeout)
+            if args.json:
+                _print_status(st, True)
+            else:
+                _print_outcome(st)
+            return 0 if st.status == "completed" else 1
         if not args.wait:
             print(json.dumps({"request_id": rid}) if args.json else rid)
             return 0

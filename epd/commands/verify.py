@@ -43,6 +43,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.add_argument(
+        "--decode-stage",
+        action="store_true",
+        help="run the cases with a separate decode worker (EPD_DECODE_STAGE=true): prefill parks "
+        "the KV cache, the decode worker continues from it",
+    )
     p.set_defaults(func=run)
 
 
@@ -210,12 +216,14 @@ async def _verify(args: argparse.Namespace, state_dir: Path) -> int:
     from runtime.model import load_model
     from runtime.settings import Settings
 
-    settings = Settings(**({"model": args.model} if args.model else {}))
+    overrides: dict[str, Any] = {"model": args.model} if args.model else {}
+    if args.decode_stage:
+        overrides["decode_stage"] = True
+    settings = Settings(**overrides)
     own = args.images or args.videos
     from runtime.model import model_family
 
-    # Qwen3-VL video prompts need per-frame timestamps, which the renderer does not lay out.
-    video = model_family(settings.model).video_frames_per_run is None
+    video = "video" in model_family(settings.model).modalities
     cases = file_cases(args.images, args.videos) if own else builtin_cases(video)
     bundle_task = asyncio.create_task(
         asyncio.to_thread(load_model, settings.model, device=settings.device)

@@ -173,31 +173,26 @@ def up(
     directory.mkdir(parents=True, exist_ok=True)
     settings = Settings()
     previous = load_state(directory)
-    kafka_port = kafka_port or LocalServices().kafka_port
     if kafka_bootstrap is None and "kafka_bootstrap" in settings.model_fields_set:
         kafka_bootstrap = settings.kafka_bootstrap
     if redis_url is None and "redis_url" in settings.model_fields_set:
         redis_url = settings.redis_url
-
     new: list[ServiceRecord] = []
     nodes: list[ServiceRecord] = []
     notes: list[str] = []
     try:
-        if previous and _reusable(previous.kafka, kafka_answers):
-            kafka = previous.kafka
-        elif kafka_bootstrap and kafka_answers(kafka_bootstrap):
-            kafka = ServiceRecord("kafka", kafka_bootstrap, False)
-        else:
-            kafka, notes = _start_embedded_broker(
-                directory if record else (log_dir or directory),
-                port=kafka_port,
-                log_dir=log_dir,
-                tie_to_parent=tie_to_parent,
-            )
-            new.append(kafka)
+        kafka = _kafka_for(
+            previous,
+            kafka_bootstrap,
+            node_root=directory if record else (log_dir or directory),
+            port=kafka_port or LocalServices().kafka_port,
+            log_dir=log_dir,
+            tie_to_parent=tie_to_parent,
+            new=new,
+            notes=notes,
+        )
         if kafka.kind == "tansu" and settings.kafka_transactions:
             raise ServiceError(TANSU_TRANSACTIONS)
-
         if previous and _other_redis_kind(previous, bool(redis_cluster)):
             raise ServiceError(
                 "the Redis recorded here is "
@@ -209,14 +204,15 @@ def up(
                 previous, directory, redis_cluster, redis_replicas, log_dir, tie_to_parent
             )
             new.extend(n for n in nodes if previous is None or n not in previous.redis_nodes)
-        elif previous and not previous.redis_nodes and _reusable(previous.redis, redis_answers):
-            redis_rec = previous.redis
-        elif redis_url and redis_answers(redis_url):
-            redis_rec = ServiceRecord("redis", redis_url, False)
         else:
-            wanted = redis_url or f"redis://127.0.0.1:{free_port()}/0"
-            redis_rec = start_redis(directory, wanted, log_dir=log_dir, tie_to_parent=tie_to_parent)
-            new.append(redis_rec)
+            redis_rec = _redis_for(
+                previous,
+                redis_url,
+                directory,
+                log_dir=log_dir,
+                tie_to_parent=tie_to_parent,
+                new=new,
+            )
     except BaseException:
         for rec in new:  # leave nothing half-started behind
             stop_process(rec.pid, rec.command)
@@ -268,6 +264,52 @@ def _cluster(
     )
     # The cluster's record owns no process of its own: its nodes' records do.
     return ServiceRecord("redis", cluster.url, False), cluster.nodes
+
+
+def _kafka_for(
+    previous: ServicesState | None,
+    bootstrap: str | None,
+    *,
+    node_root: Path,
+    port: int | None,
+    log_dir: Path | None,
+    tie_to_parent: bool,
+    new: list[ServiceRecord],
+    notes: list[str],
+) -> ServiceRecord:
+    """A live recorded broker, else ``bootstrap`` when it answers, else a new embedded one
+    (appended to ``new``; what the user should hear of it, to ``notes``)."""
+    if previous and _reusable(previous.kafka, kafka_answers):
+        return previous.kafka
+    if bootstrap and kafka_answers(bootstrap):
+        return ServiceRecord("kafka", bootstrap, False)
+    rec, said = _start_embedded_broker(
+        node_root, port=port, log_dir=log_dir, tie_to_parent=tie_to_parent
+    )
+    new.append(rec)
+    notes.extend(said)
+    return rec
+
+
+def _redis_for(
+    previous: ServicesState | None,
+    url: str | None,
+    directory: Path,
+    *,
+    log_dir: Path | None,
+    tie_to_parent: bool,
+    new: list[ServiceRecord],
+) -> ServiceRecord:
+    """A live recorded Redis, else ``url`` when given and answering, else a new redis-server (on
+    that URL's port, or a free one), appended to ``new``."""
+    if previous and not previous.redis_nodes and _reusable(previous.redis, redis_answers):
+        return previous.redis
+    if url and redis_answers(url):
+        return ServiceRecord("redis", url, False)
+    wanted = url or f"redis://127.0.0.1:{free_port()}/0"
+    rec = start_redis(directory, wanted, log_dir=log_dir, tie_to_parent=tie_to_parent)
+    new.append(rec)
+    return rec
 
 
 def down(directory: Path | None = None) -> list[ServiceRecord]:

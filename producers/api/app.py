@@ -25,8 +25,9 @@ from producers.api.checks import pydantic_error
 from producers.api.docs import mount_docs
 from producers.api.errors import ApiError, from_refusal, from_validation, unavailable
 from producers.api.metrics import Metrics
+from producers.api.openai_compat.errors import is_openai_path, openai_body
 from producers.api.openapi import install_openapi
-from producers.api.routes import ops, requests, vllm
+from producers.api.routes import chat, models, ops, requests, responses, vllm
 from producers.api.state import ApiState
 from producers.refusal import Refused
 from runtime.request_limits import RequestLimits
@@ -38,8 +39,12 @@ log = logging.getLogger("epd.api")
 DESCRIPTION = (
     "Submit-and-poll front door of the encode/prefill/decode pipeline. `POST /v1/requests` "
     "renders and enqueues a request and answers 202 at once; poll `GET /v1/requests/{id}` "
-    "(optionally `?wait=SECONDS`), follow `/events` (SSE) or `DELETE` to cancel. Errors are "
-    '`{"error": {"code", "message", "rule"?}}`.'
+    "(optionally `?wait=SECONDS`), follow `/events` (SSE: status changes and tokens) or "
+    "`DELETE` to cancel. Errors are "
+    '`{"error": {"code", "message", "rule"?}}`. The OpenAI-compatible routes '
+    "(`/v1/chat/completions`, `/v1/responses`, `/v1/models`) take the `openai` client on the "
+    "same intake, tenants and limits; their errors are in OpenAI's shape "
+    '`{"error": {"message", "type", "param", "code"}}` with the same status codes.'
 )
 
 
@@ -85,57 +90,67 @@ def create_app(settings: Settings) -> FastAPI:
             settings, vocab_size=info.vocab_size, model_context=info.context_length
         )
 
-    install_openapi(app, limits)
+    install_openapi(app, limits, model=settings.model_name())
     mount_docs(app)
     add_error_handlers(app, settings)
     add_observation(app, metrics)
-    for router in (requests.router, vllm.router, ops.router):
+    for router in (
+        requests.router,
+        vllm.router,
+        chat.router,
+        responses.router,
+        models.router,
+        ops.router,
+    ):
         app.include_router(router)
     return app
 
 
-def _answer(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+def _answer(request: Request, exc: ApiError) -> JSONResponse:
+    """``exc`` in the shape of the route it answers: OpenAI's on the OpenAI-compatible
+    routes, the native one elsewhere (same status codes either way)."""
+    body = openai_body(exc) if is_openai_path(request.url.path) else exc.body()
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
 def add_error_handlers(app: FastAPI, settings: Settings) -> None:
     """Every error, raised anywhere in a route, as one JSON shape with a code (and a rule)."""
     retry_after = settings.api_retry_after_s
 
-    async def api_error(_r: Request, exc: Exception) -> JSONResponse:
+    async def api_error(r: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
-        return _answer(exc)
+        return _answer(r, exc)
 
-    async def refused(_r: Request, exc: Exception) -> JSONResponse:
+    async def refused(r: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, Refused)
-        return _answer(from_refusal(exc))
+        return _answer(r, from_refusal(exc))
 
-    async def rejected(_r: Request, exc: Exception) -> JSONResponse:
+    async def rejected(r: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ValidationError)
-        return _answer(from_validation(exc))
+        return _answer(r, from_validation(exc))
 
-    async def schema(_r: Request, exc: Exception) -> JSONResponse:
+    async def schema(r: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        return _answer(pydantic_error(exc))
+        return _answer(r, pydantic_error(exc))
 
-    async def http(_r: Request, exc: Exception) -> JSONResponse:
+    async def http(r: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return _answer(ApiError(exc.status_code, code, str(exc.detail)))
+        return _answer(r, ApiError(exc.status_code, code, str(exc.detail)))
 
-    async def redis_down(_r: Request, exc: Exception) -> JSONResponse:
+    async def redis_down(r: Request, exc: Exception) -> JSONResponse:
         log.warning("Redis error: %s", exc)
-        return _answer(unavailable(f"Redis unavailable: {exc}", retry_after, rule="redis"))
+        return _answer(r, unavailable(f"Redis unavailable: {exc}", retry_after, rule="redis"))
 
-    async def kafka_down(_r: Request, exc: Exception) -> JSONResponse:
+    async def kafka_down(r: Request, exc: Exception) -> JSONResponse:
         log.warning("Kafka error: %s", exc)
-        return _answer(unavailable(f"Kafka unavailable: {exc}", retry_after, rule="kafka"))
+        return _answer(r, unavailable(f"Kafka unavailable: {exc}", retry_after, rule="kafka"))
 
-    async def internal(_r: Request, exc: Exception) -> JSONResponse:
+    async def internal(r: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, (ConnectionError, OSError)):
-            return _answer(unavailable(str(exc), retry_after, rule="dependency"))
+            return _answer(r, unavailable(str(exc), retry_after, rule="dependency"))
         log.exception("unhandled error", exc_info=exc)
-        return _answer(ApiError(500, "internal", "internal error; see the API log"))
+        return _answer(r, ApiError(500, "internal", "internal error; see the API log"))
 
     for kind, handler in (
         (ApiError, api_error),

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,11 +20,12 @@ from starlette.requests import Request
 
 from producers.api.checks import pydantic_error
 from producers.api.data_strings import check_image_bytes, decode_image_string
-from producers.api.errors import ApiError, bad_request, from_validation
+from producers.api.errors import ApiError, answered, bad_request
 from producers.api.models import SubmitRequest
 from producers.api.videos import decode_videos
 from runtime.request_limits import RequestLimits
 from schemas.errors import ValidationError
+from schemas.types import SamplingParams
 
 
 @dataclass(slots=True)
@@ -44,6 +43,22 @@ class SubmitInput:
     metadata: dict[str, str] | None
     image_types: list[str] = field(default_factory=list)
     videos: list[bytes | list[bytes]] = field(default_factory=list)
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    def sampling(self) -> SamplingParams:
+        """The request's sampling parameters (``top_k`` -1 means off, as in vLLM)."""
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            ignore_eos=self.ignore_eos,
+            top_p=self.top_p,
+            top_k=0 if self.top_k == -1 else self.top_k,
+            seed=self.seed,
+            stop=list(self.stop),
+        )
 
     def fingerprint(self) -> str:
         """A digest of the request's meaning (not its bytes: multipart boundaries and base64
@@ -57,6 +72,10 @@ class SubmitInput:
                     "max_tokens": self.max_tokens,
                     "temperature": self.temperature,
                     "ignore_eos": self.ignore_eos,
+                    "top_p": self.top_p,
+                    "top_k": self.top_k,
+                    "seed": self.seed,
+                    "stop": self.stop,
                     "cache_salt": self.cache_salt,
                     "deadline_s": self.deadline_s,
                     "metadata": self.metadata,
@@ -125,6 +144,10 @@ def _from_model(req: SubmitRequest, images: list[bytes], types: list[str]) -> Su
         deadline_s=req.deadline_s,
         metadata=req.metadata,
         image_types=types,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
     )
 
 
@@ -178,21 +201,20 @@ def _checked(req: SubmitRequest, limits: RequestLimits) -> None:
         )
     limits.check_prompt(req.prompt, req.token_ids)
     limits.check_deadline(req.deadline_s)
-
-
-@contextmanager
-def _answered() -> Iterator[None]:
-    """A limit's ``ValidationError`` as the API error it is answered with."""
-    try:
-        yield
-    except ValidationError as e:
-        raise from_validation(e) from None
+    limits.check_sampling(
+        req.max_tokens,
+        req.temperature,
+        top_p=req.top_p,
+        top_k=0 if req.top_k == -1 else req.top_k,
+        seed=req.seed,
+        stop=req.stop,
+    )
 
 
 def parse_json_submit(body: bytes, limits: RequestLimits, settings: Any) -> SubmitInput:
     """A JSON submission (400 bad JSON, 422 schema, 413/415/400 per image). CPU-bound for a
     large body (parsing, base64): run it in a worker thread."""
-    with _answered():
+    with answered():
         return _parse_json_submit(body, limits, settings)
 
 
@@ -228,7 +250,7 @@ async def parse_multipart_submit(
     """A ``multipart/form-data`` submission (``body``: the bytes :func:`read_body` read):
     image files (or base64 strings) in ``images`` parts, the other fields as form values
     (``token_ids`` and ``metadata`` as JSON)."""
-    with _answered():
+    with answered():
         return await _parse_multipart_submit(request, body, limits, settings)
 
 
@@ -257,6 +279,8 @@ async def _parse_multipart_submit(
                 images.append(data)
             elif isinstance(value, UploadFile):
                 raise bad_request(f"unexpected file part {name!r}", rule="body.form", field=name)
+            elif name == "stop":  # one stop string per field (repeat the field for more)
+                fields.setdefault("stop", []).append(value)
             elif name in ("token_ids", "metadata"):
                 fields[name] = parse_json(value, limits.max_json_depth, where=f"form field {name}")
             else:

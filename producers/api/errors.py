@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from producers.refusal import Refused
@@ -18,9 +20,12 @@ TOO_LARGE_RULES = frozenset(
         "render.video_too_long",
         "render.video_too_many_frames",
         "render.video_decode_budget",
+        "image_url.size",
         *SIZE_RULES,
     }
 )
+UNSUPPORTED_RULES = frozenset({"image_url.type"})
+"""Rules that mean "a type this server does not take" (415)."""
 TIMEOUT_RULE = "render.timeout"
 """A render that ran past EPD_API_RENDER_TIMEOUT_S: 503, the server gave up on it."""
 
@@ -60,16 +65,19 @@ class ApiError(Exception):
 
 
 def from_validation(exc: ValidationError) -> ApiError:
-    """A renderer or validator rejection as an API error (413 for size rules, 503 for a render
-    timeout, else 422)."""
+    """A renderer or validator rejection as an API error (413 for size rules, 415 for types,
+    503 for a render timeout, else 422)."""
     if exc.rule == TIMEOUT_RULE:
         return ApiError(
             503, "timeout", exc.detail, rule=exc.rule, modality=exc.modality, item=exc.item
         )
     too_large = exc.rule in TOO_LARGE_RULES
+    status, code = (413, "too_large") if too_large else (422, "validation_failed")
+    if exc.rule in UNSUPPORTED_RULES:
+        status, code = 415, "unsupported_media_type"
     return ApiError(
-        413 if too_large else 422,
-        "too_large" if too_large else "validation_failed",
+        status,
+        code,
         exc.detail,
         rule=exc.rule,
         field=exc.field,
@@ -121,3 +129,12 @@ def from_refusal(exc: Refused) -> ApiError:
         field=exc.field,
         headers=headers,
     )
+
+
+@contextmanager
+def answered() -> Iterator[None]:
+    """A rule's ``ValidationError`` raised inside as the API error it is answered with."""
+    try:
+        yield
+    except ValidationError as e:
+        raise from_validation(e) from None

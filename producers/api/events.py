@@ -1,15 +1,17 @@
-"""Server-Sent Events of a request's status changes: history from the Redis stream, then
-each change as the notifier announces it; ``Last-Event-ID`` resumes."""
+"""Server-Sent Events of a request: its status changes and, while it decodes, its tokens
+(``token`` events), from :func:`producers.api.follow.follow`; ``Last-Event-ID`` resumes across
+both kinds."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from producers.api.follow import Position, StatusChange, follow
 from producers.api.state import ApiState
-from schemas.types import STATUSES, TERMINAL_STATUSES
+from runtime.token_stream import TokenChunk
+from schemas.types import STATUSES
 
 # One Server-Sent Event of /events (OpenAPI 3.1: the media type's schema describes one event;
 # its data is JSON).
@@ -17,53 +19,79 @@ SSE_EVENT_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["event", "data"],
     "properties": {
-        "event": {"type": "string", "enum": ["status"]},
-        "id": {"type": "string", "description": "resume with Last-Event-ID"},
+        "event": {"type": "string", "enum": ["status", "token"]},
+        "id": {
+            "type": "string",
+            "description": "resume with Last-Event-ID (it covers both status and token events)",
+        },
         "data": {
             "type": "string",
             "contentMediaType": "application/json",
             "contentSchema": {
-                "type": "object",
-                "required": ["request_id", "status", "stage", "at_ms"],
-                "properties": {
-                    "request_id": {"type": "string"},
-                    "status": {"type": "string", "enum": list(STATUSES)},
-                    "stage": {"type": "string"},
-                    "at_ms": {"type": "integer"},
-                    "token_ids": {"type": ["array", "null"], "items": {"type": "integer"}},
-                    "text": {"type": ["string", "null"]},
-                    "error": {"type": ["object", "null"]},
-                },
+                "oneOf": [
+                    {
+                        "title": "status event",
+                        "type": "object",
+                        "required": ["request_id", "status", "stage", "at_ms"],
+                        "properties": {
+                            "request_id": {"type": "string"},
+                            "status": {"type": "string", "enum": list(STATUSES)},
+                            "stage": {"type": "string"},
+                            "at_ms": {"type": "integer"},
+                            "token_ids": {
+                                "type": ["array", "null"],
+                                "items": {"type": "integer"},
+                            },
+                            "text": {"type": ["string", "null"]},
+                            "error": {"type": ["object", "null"]},
+                        },
+                    },
+                    {
+                        "title": "token event",
+                        "type": "object",
+                        "required": ["request_id", "token_ids", "text", "tokens_total"],
+                        "properties": {
+                            "request_id": {"type": "string"},
+                            "token_ids": {"type": "array", "items": {"type": "integer"}},
+                            "text": {
+                                "type": "string",
+                                "description": "the tokens' text (never half a character)",
+                            },
+                            "tokens_total": {"type": "integer"},
+                            "finish_reason": {"type": ["string", "null"]},
+                        },
+                    },
+                ]
             },
         },
     },
 }
-SSE_KEEPALIVE_S = 15.0
 
 
 def is_stream_id(text: str) -> bool:
-    """True for a Redis stream id (``MS-SEQ``): what this API sends as an event id."""
-    ms, sep, seq = text.partition("-")
-    return ms.isdigit() and (not sep or seq.isdigit()) and len(text) < 64
+    """True for an event id this API sends (see :class:`producers.api.follow.Position`)."""
+    return Position.parse(text) is not None
+
+
+def _frame(kind: str, at: Position, data: dict[str, Any]) -> bytes:
+    return f"id: {at.event_id()}\nevent: {kind}\ndata: {json.dumps(data)}\n\n".encode()
 
 
 async def event_stream(st: ApiState, request_id: str, last: str) -> AsyncIterator[bytes]:
-    """SSE frames: history after ``last``, then each change as it is announced; ends after
-    the terminal status (or when the record is gone)."""
-    async with st.notifier.watch(request_id) as changed:
-        while True:
-            changed.clear()
-            rows = await st.status.events(request_id, last)
-            for sid, data in rows:
-                last = sid
-                yield (f"id: {sid}\nevent: status\ndata: {json.dumps(data)}\n\n").encode()
-                if data.get("status") in TERMINAL_STATUSES:
-                    return
-            if not rows:
-                rec = await st.status.get(request_id)
-                if rec is None or rec.terminal:
-                    return  # resumed after the terminal event, or expired
-            try:
-                await asyncio.wait_for(changed.wait(), SSE_KEEPALIVE_S)
-            except TimeoutError:
-                yield b": keep-alive\n\n"
+    """SSE frames: what happened after ``last`` (an event id), then each status change and
+    token chunk as it comes; ends after the terminal status (or when the record is gone)."""
+    async for item, at in follow(st, request_id, Position.parse(last) or Position()):
+        if item is None:
+            yield b": keep-alive\n\n"
+        elif isinstance(item, StatusChange):
+            yield _frame("status", at, item.data)
+        elif isinstance(item, TokenChunk) and (item.token_ids or item.text or item.finish_reason):
+            data: dict[str, Any] = {
+                "request_id": request_id,
+                "token_ids": item.token_ids,
+                "text": item.text,
+                "tokens_total": item.tokens_total,
+            }
+            if item.finish_reason:
+                data["finish_reason"] = item.finish_reason
+            yield _frame("token", at, data)

@@ -42,7 +42,8 @@ class SubmitRequest(BaseModel):
 
     Images are base64 strings or ``data:image/...;base64,`` URLs: data, never file paths or
     URLs; videos likewise (``data:video/mp4;base64,...``) or lists of frame images. Decoding
-    is greedy (``temperature`` 0).
+    is greedy at ``temperature`` 0 (the default), else sampled (``top_p``, ``top_k``,
+    ``seed``); ``stop`` strings end it.
 
     The model holds the fields' types; their bounds come from the settings
     (:class:`runtime.request_limits.RequestLimits`), which the routes check and
@@ -76,7 +77,17 @@ class SubmitRequest(BaseModel):
         "frame size are checked from the file's headers before decoding",
     )
     max_tokens: Integer = Field(16, description="tokens to generate")
-    temperature: Number = Field(0.0, description="only 0 (greedy) is supported")
+    temperature: Number = Field(
+        0.0, description="0: greedy; above 0: sampled (temperature, then top_k, then top_p)"
+    )
+    top_p: Number = Field(1.0, description="nucleus sampling: the most likely tokens up to p")
+    top_k: Integer = Field(0, description="the k most likely tokens; 0 (or -1): all")
+    seed: Integer | None = Field(
+        None, description="seeds the request's own generator (same seed, same tokens)"
+    )
+    stop: str | list[str] | None = Field(
+        None, description="stop strings: generation ends at the first, which is not returned"
+    )
     ignore_eos: bool = Field(False, description="keep decoding past the end-of-sequence token")
     cache_salt: str | None = Field(None, description="encoder-cache isolation")
     deadline_s: Number | None = Field(

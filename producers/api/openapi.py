@@ -16,7 +16,9 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from producers.api.models import ERROR_RESPONSES, Accepted, SubmitRequest
-from runtime.request_limits import MAX_TEMPERATURE, RequestLimits
+from producers.api.openai_compat.openapi import document_openai_limits, hoist_defs
+from producers.api.schema_bounds import bound, sampling_bounds
+from runtime.request_limits import RequestLimits
 
 SUBMIT_PATH = "/v1/requests"
 VLLM_PATH = "/v1/vllm/generate"
@@ -36,6 +38,10 @@ _MULTIPART_FIELDS: dict[str, Any] = {
     "images": {"type": "array", "items": {"type": "string", "format": "binary"}},
     "max_tokens": {"type": "integer"},
     "temperature": {"type": "number"},
+    "top_p": {"type": "number"},
+    "top_k": {"type": "integer"},
+    "seed": {"type": "integer"},
+    "stop": {"type": "array", "items": {"type": "string"}, "description": "repeat per string"},
     "ignore_eos": {"type": "boolean"},
     "cache_salt": {"type": "string"},
     "deadline_s": {"type": "number"},
@@ -76,9 +82,23 @@ VLLM_BODY: dict[str, Any] = {
                     },
                     "sampling_params": {
                         "type": "object",
+                        "description": "vLLM's SamplingParams (its defaults: temperature 1, "
+                        "max_tokens 16); fields that would change the tokens and are not "
+                        "supported (n > 1, penalties, logprobs...) are refused",
                         "properties": {
                             "max_tokens": {"type": "integer"},
                             "temperature": {"type": "number"},
+                            "top_p": {"type": "number"},
+                            "top_k": {"type": "integer"},
+                            "seed": {"type": ["integer", "null"]},
+                            "stop": {
+                                "anyOf": [
+                                    {"type": "string"},
+                                    {"type": "array", "items": {"type": "string"}},
+                                ]
+                            },
+                            "stop_token_ids": {"type": "array", "items": {"type": "integer"}},
+                            "ignore_eos": {"type": "boolean"},
                         },
                     },
                     "cache_salt": {"type": ["string", "null"]},
@@ -99,8 +119,9 @@ SUBMIT_RESPONSES = with_errors(
 )
 
 
-def install_openapi(app: FastAPI, limits_of: Any) -> None:
-    """Serve ``/openapi.json`` with the bounds of ``limits_of()`` written in (made once)."""
+def install_openapi(app: FastAPI, limits_of: Any, model: str | None = None) -> None:
+    """Serve ``/openapi.json`` with the bounds of ``limits_of()`` written in (made once);
+    ``model``: the served model's name, the one ``model`` the OpenAI routes take."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -110,22 +131,20 @@ def install_openapi(app: FastAPI, limits_of: Any) -> None:
                 description=app.description,
                 routes=app.routes,
             )
-            document_limits(schema, limits_of())
+            document_limits(schema, limits_of(), model=model)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _bound(prop: dict[str, Any], **bounds: Any) -> None:
-    """Add ``bounds`` to a property schema (to its non-null branch when it is nullable)."""
-    branches = [b for b in prop.get("anyOf", []) if b.get("type") != "null"]
-    for target in branches or [prop]:
-        target.update(bounds)
-
-
-def document_limits(schema: dict[str, Any], limits: RequestLimits) -> None:
-    """Write the limits into the submit, vLLM and status operations of ``schema``."""
+def document_limits(
+    schema: dict[str, Any], limits: RequestLimits, *, model: str | None = None
+) -> None:
+    """Write the limits into the submit, vLLM, status and OpenAI-compatible operations of
+    ``schema`` (``model``: the served model's name)."""
+    hoist_defs(schema)
+    document_openai_limits(schema, limits, model=model)
     paths = schema.get("paths", {})
     submit = paths.get(SUBMIT_PATH, {}).get("post")
     if submit is not None:
@@ -151,19 +170,19 @@ def document_limits(schema: dict[str, Any], limits: RequestLimits) -> None:
     status = paths.get(STATUS_PATH, {}).get("get")
     for param in (status or {}).get("parameters", []):
         if param.get("name") == "wait":
-            _bound(param["schema"], maximum=limits.max_wait_s)
+            bound(param["schema"], maximum=limits.max_wait_s)
 
 
 def _submit_bounds(props: dict[str, Any], limits: RequestLimits, *, form: bool = False) -> None:
-    _bound(props["prompt"], maxLength=limits.max_prompt_chars)
+    bound(props["prompt"], maxLength=limits.max_prompt_chars)
     if not form:
-        _bound(
+        bound(
             props["token_ids"],
             maxItems=limits.context_tokens - 1,
             items={"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1},
         )
-        _bound(props["videos"], maxItems=limits.max_videos)
-        _bound(
+        bound(props["videos"], maxItems=limits.max_videos)
+        bound(
             props["metadata"],
             maxProperties=limits.max_metadata_keys,
             propertyNames={"maxLength": limits.max_metadata_chars},
@@ -171,27 +190,24 @@ def _submit_bounds(props: dict[str, Any], limits: RequestLimits, *, form: bool =
             description=f"opaque labels returned with the status; keys and values together at "
             f"most {limits.max_metadata_bytes} bytes (UTF-8)",
         )
-    _bound(props["images"], maxItems=limits.max_images)
-    _bound(props["max_tokens"], minimum=1, maximum=limits.max_tokens)
-    _bound(
-        props["temperature"],
-        minimum=0,
-        maximum=MAX_TEMPERATURE,
-        description="only 0 (greedy) is supported for now",
-    )
-    _bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
-    _bound(props["deadline_s"], exclusiveMinimum=0, maximum=limits.max_deadline_s)
+    bound(props["images"], maxItems=limits.max_images)
+    sampling_bounds(props, limits, stop_form=form)
+    bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
+    bound(props["deadline_s"], exclusiveMinimum=0, maximum=limits.max_deadline_s)
 
 
 def _vllm_bounds(props: dict[str, Any], limits: RequestLimits) -> None:
-    _bound(props["request_id"], minLength=1, maxLength=limits.max_id_chars)
-    _bound(
+    bound(props["request_id"], minLength=1, maxLength=limits.max_id_chars)
+    bound(
         props["token_ids"],
         minItems=1,
         maxItems=limits.context_tokens - 1,
         items={"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1},
     )
-    _bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
+    bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
     sampling = props["sampling_params"]["properties"]
-    _bound(sampling["max_tokens"], minimum=1, maximum=limits.max_tokens)
-    _bound(sampling["temperature"], minimum=0, maximum=MAX_TEMPERATURE)
+    sampling_bounds(sampling, limits)
+    bound(
+        sampling["stop_token_ids"],
+        items={"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1},
+    )

@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiokafka.admin import AIOKafkaAdminClient
 
 from producers.api.admission import ApiAdmission, LagMonitor
+from producers.api.media_urls import MediaFetcher
 from producers.api.metrics import Metrics
 from producers.api.tenants import Tenants
+from producers.chat import ChatTemplate
 from producers.fanout import build_fanout
 from producers.idempotency import IdempotencyStore
 from producers.intake import Intake
@@ -23,6 +27,7 @@ from runtime.redis_cluster import RedisClient
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
 from runtime.status import StatusNotifier, StatusStore
+from runtime.token_stream import TokenStreams
 from schemas.topics import Topics
 
 if TYPE_CHECKING:
@@ -49,10 +54,27 @@ class ApiState:
     renderer: Renderer
     publisher: KafkaPublisher
     intake: Intake
+    tokens: TokenStreams
+    """Requests' token streams (the SSE ``token`` events and the OpenAI streams read them)."""
+    chat: ChatTemplate
+    """The model's chat template (the OpenAI-compatible routes)."""
+    media: MediaFetcher
+    """Fetches the http(s) media URLs ``EPD_API_IMAGE_URL_HOSTS`` allows."""
     kafka_ready: asyncio.Event = field(default_factory=asyncio.Event)
     admin: AIOKafkaAdminClient | None = None
     """Started with the publisher: ``/readyz`` lists the topics through it."""
     _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    started_s: float = field(default_factory=time.time)
+    chores: set[asyncio.Task[Any]] = field(default_factory=set)
+    """Small tasks that outlive the HTTP request that began them (see :meth:`later`)."""
+
+    def later(self, work: Coroutine[Any, Any, Any], name: str) -> None:
+        """Run ``work`` in the background, kept until it ends (e.g. cancelling a request whose
+        client went away: the handler that noticed is itself being cancelled)."""
+        task = asyncio.create_task(work, name=name)
+        self.chores.add(task)
+        task.add_done_callback(self.chores.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     @classmethod
     async def open(cls, settings: Settings, metrics: Metrics) -> ApiState:
@@ -112,6 +134,9 @@ class ApiState:
             ),
             publisher=publisher,
             intake=intake,
+            tokens=TokenStreams.from_settings(client, settings),
+            chat=ChatTemplate.for_model(info, settings.model, settings.chat_template),
+            media=MediaFetcher.from_settings(settings),
             kafka_ready=ready,
         )
 
@@ -131,8 +156,11 @@ class ApiState:
         if pending:
             # Together, not one timeout each: a stuck enqueue costs the shutdown 10 s once.
             await asyncio.wait(pending, timeout=10)
+        for task in list(self.chores):
+            task.cancel()
         await self.lag.close()
         await self.notifier.close()
+        await self.tokens.close()
         with contextlib.suppress(Exception):
             await self.publisher.stop()
         if self.admin is not None:

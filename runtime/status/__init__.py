@@ -4,14 +4,16 @@ what workers read of a request. The record's shape and fold are :mod:`schemas.st
 
 Modules: :mod:`~runtime.status.store` (records: compare-and-set updates, event streams),
 :mod:`~runtime.status.inflight` (admission and the sweep's worklist),
-:mod:`~runtime.status.notify` (pub/sub listener and status waiters),
+:mod:`~runtime.status.listener` (a pub/sub subscription that survives reconnects),
+:mod:`~runtime.status.notify` (status waiters),
 :mod:`~runtime.status.cancel` (cancel flag and the workers' watch),
 :mod:`~runtime.status.reader` (the workers' view of a request).
 """
 
 from runtime.status.cancel import CancelWatch
 from runtime.status.inflight import InFlight
-from runtime.status.notify import ChannelListener, StatusNotifier
+from runtime.status.listener import ChannelListener
+from runtime.status.notify import StatusNotifier
 from runtime.status.reader import RequestReader, RequestState, RequestStateReader
 from runtime.status.store import StatusStore
 

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from redis.exceptions import RedisError
 
 from runtime.redis_cluster import RedisClient, is_cluster_client
-from runtime.status.notify import ChannelListener, forget
+from runtime.status.listener import ChannelListener, forget
 from schemas.keys import RedisKeys
 
 

@@ -102,13 +102,20 @@ class StatusStore:
         """Create a ``queued`` record carrying ``fields`` (owner, items...); False if it exists.
 
         The first entry of the event stream is this ``queued`` status. One script run, like
-        any update: it writes only where no record is (its expected text is "none").
+        any update: it writes only where no record is (its expected text is "none"). It rides
+        out a connection Redis dropped, as updates do.
         """
+        record = created(request_id, fields)
+        text = record.to_json()
 
         def make(rec: StatusRecord | None) -> StatusRecord | None:
-            return created(request_id, fields) if rec is None else None
+            return record if rec is None else None
 
-        return await self._modify(request_id, make, stage="api", absent=True)
+        if await self._modify(request_id, make, stage="api", absent=True):
+            return True
+        # A connection dropped after the script ran, and the retry found the record: one that
+        # holds this very text is ours.
+        return self._known.get(request_id) == text
 
     async def update_fields(self, request_id: str, fields: dict[str, Any]) -> None:
         """Merge top-level ``fields`` into an existing record (no status change)."""

@@ -25,7 +25,7 @@ import abc
 import mmap
 import struct
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import blake3
@@ -278,11 +278,6 @@ def tensor_from_blob(blob: Blob, header: BlobHeader) -> torch.Tensor:
         return torch.empty(header.shape, dtype=dt)
     flat = torch.frombuffer(blob, dtype=dt, offset=header.data_offset, count=numel)
     return flat.view(header.shape)
-
-
-def missing_of(keys: Iterable[str], present: Iterable[bool]) -> list[str]:
-    """Keys whose flag in ``present`` is false (helper for ``wait`` implementations)."""
-    return [k for k, ok in zip(keys, present, strict=True) if not ok]
 
 
 # --- multi-tensor entries --------------------------------------------------------------------

@@ -12,7 +12,6 @@ loops, e.g. pytest's per-test loops.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from urllib.parse import urlsplit
 import torch
 
 from runtime.stores.base import EmbeddingStore, StoreKeyMissing, StoreTimeout, expiry_ms
+from runtime.waiters import KeyedWaiters, wait_present
 
 
 @dataclass(slots=True)
@@ -29,7 +29,7 @@ class _Space:
     """One named namespace: values, expiries and the futures waiting on keys."""
 
     values: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
-    waiters: dict[str, set[asyncio.Future[None]]] = field(default_factory=dict)
+    waiters: KeyedWaiters[str] = field(default_factory=lambda: KeyedWaiters(threadsafe=True))
     lock: threading.Lock = field(default_factory=threading.Lock)
     next_sweep: float = 0.0
 
@@ -46,11 +46,6 @@ def _space(name: str) -> _Space:
 
 def _live(entry: tuple[torch.Tensor, int] | None, now_ms: int) -> bool:
     return entry is not None and (entry[1] == 0 or entry[1] > now_ms)
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class LocalStore(EmbeddingStore):
@@ -75,14 +70,8 @@ class LocalStore(EmbeddingStore):
         sp = self._space
         with sp.lock:
             sp.values[key] = (tensor.detach(), exp)
-            futs = sp.waiters.pop(key, set())
             self._maybe_sweep(sp)
-        for fut in futs:
-            loop = fut.get_loop()
-            if loop is asyncio.get_running_loop():
-                _wake(fut)
-            elif not loop.is_closed():
-                loop.call_soon_threadsafe(_wake, fut)
+        sp.waiters.wake(key)  # after the value is in: a waiter that looks now finds it
 
     def _maybe_sweep(self, sp: _Space) -> None:
         """Drop expired entries at most once a second (caller holds the lock)."""
@@ -132,42 +121,17 @@ class LocalStore(EmbeddingStore):
             self._space.values.pop(key, None)
 
     async def wait(self, keys: Sequence[str], timeout_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        pending = list(dict.fromkeys(keys))
-        while True:
-            # Register first, then look: a put racing with the look resolves the future.
-            futs: dict[str, asyncio.Future[None]] = {}
-            with self._space.lock:
-                for k in pending:
-                    fut = loop.create_future()
-                    self._space.waiters.setdefault(k, set()).add(fut)
-                    futs[k] = fut
+        async def missing(pending: list[str]) -> list[str]:
             self.wake_checks += 1
-            pending = [k for k in pending if self._lookup(k) is None]
-            try:
-                if not pending:
-                    return
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise StoreTimeout(pending, timeout_s)
-                await asyncio.wait(
-                    [futs[k] for k in pending],
-                    timeout=remaining,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-            finally:
-                self._unregister(futs)
+            return [k for k in pending if self._lookup(k) is None]
 
-    def _unregister(self, futs: dict[str, asyncio.Future[None]]) -> None:
-        with self._space.lock:
-            for k, fut in futs.items():
-                fut.cancel()
-                waiting = self._space.waiters.get(k)
-                if waiting is not None:
-                    waiting.discard(fut)
-                    if not waiting:
-                        del self._space.waiters[k]
+        await wait_present(
+            self._space.waiters,
+            keys,
+            timeout_s,
+            missing=missing,
+            timed_out=lambda left: StoreTimeout(left, timeout_s),
+        )
 
     async def close(self) -> None:
         """Nothing to release: the space outlives the handle (other handles may share it)."""

@@ -62,6 +62,7 @@ from runtime.stores.base import (
     tensor_from_blob,
     tensor_view,
 )
+from runtime.waiters import KeyedWaiters, wait_present
 from schemas.keys import store_ready_channel
 
 log = logging.getLogger(__name__)
@@ -262,7 +263,8 @@ class RedisStore(EmbeddingStore):
         )
         self._listener: _Listener | None = None
         self._sub_lock = asyncio.Lock()
-        self._waiters: dict[bytes, set[asyncio.Future[None]]] = {}
+        self._waiters: KeyedWaiters[bytes] = KeyedWaiters()
+        """Futures of ``wait``, by the Redis key a put publishes."""
         self._closed = False
         self.wake_checks = 0
         """How many times ``wait`` re-examined its keys (tests use it to prove it does not spin)."""
@@ -372,9 +374,7 @@ class RedisStore(EmbeddingStore):
                     if not listener.confirmed.done():
                         listener.confirmed.set_result(None)
                 elif kind in (b"message", "message"):
-                    for fut in self._waiters.get(msg["data"], ()):
-                        if not fut.done():
-                            fut.set_result(None)
+                    self._waiters.wake(msg["data"])
             # listen() ends once nothing is subscribed: just as deaf as a lost connection.
             err = StoreUnavailable(f"redis store {self._url}: readiness subscription ended")
             log.warning("%s", err)
@@ -394,10 +394,7 @@ class RedisStore(EmbeddingStore):
         listener.stopped = True
         if not listener.confirmed.done():
             listener.confirmed.set_exception(err)
-        for futs in self._waiters.values():
-            for fut in futs:
-                if not fut.done():
-                    fut.set_exception(err)
+        self._waiters.wake_all(err)
 
     async def wait(self, keys: Sequence[str], timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -414,44 +411,32 @@ class RedisStore(EmbeddingStore):
         # (SET and PUBLISH are one MULTI/EXEC), so no second EXISTS follows a notification: the
         # wake costs no round trip of its own. (Only its TTL, eviction or a restart removes it
         # before the reader's fetch, which then reports it missing.)
-        futs = {k: loop.create_future() for k in pending}
-        for k, fut in futs.items():
-            self._waiters.setdefault(self._k(k), set()).add(fut)
-        try:
+        names = {self._k(k): k for k in pending}
+
+        def listener_live() -> None:
             # A listener that stopped before these futures were registered (since it confirmed)
             # failed only the waiters it knew of: nothing would wake these. One still live now
             # fails them itself when it stops.
             if not listener.live:
                 raise StoreUnavailable(f"redis store {self._url}: readiness channel lost")
+
+        async def missing(keys: list[bytes]) -> list[bytes]:
             self.wake_checks += 1
             try:
-                present = await self._io.exists_each([self._k(k) for k in pending])
+                present = await self._io.exists_each(keys)
             except _UNAVAILABLE as exc:
                 raise StoreUnavailable(f"redis store {self._url}: wait failed: {exc}") from exc
-            waiting = [futs[k] for k, ok in zip(pending, present, strict=True) if not ok]
-            while waiting:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise StoreTimeout([k for k, f in futs.items() if f in waiting], timeout_s)
-                done, _ = await asyncio.wait(
-                    waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-                )
-                for fut in done:
-                    failure = fut.exception()
-                    if failure is not None:
-                        raise failure
-                waiting = [f for f in waiting if not f.done()]
-        finally:
-            for k, fut in futs.items():
-                if not fut.done():
-                    fut.cancel()
-                elif not fut.cancelled():
-                    fut.exception()  # mark a listener failure as retrieved
-                registered = self._waiters.get(self._k(k))
-                if registered is not None:
-                    registered.discard(fut)
-                    if not registered:
-                        del self._waiters[self._k(k)]
+            return [k for k, ok in zip(keys, present, strict=True) if not ok]
+
+        await wait_present(
+            self._waiters,
+            list(names),
+            max(0.0, deadline - loop.time()),
+            missing=missing,
+            timed_out=lambda left: StoreTimeout([names[k] for k in left], timeout_s),
+            recheck=False,
+            registered=listener_live,
+        )
 
     async def close(self) -> None:
         if self._closed:

@@ -84,6 +84,7 @@ from runtime.stores.base import (
     tensor_from_blob,
     tensor_view,
 )
+from runtime.waiters import KeyedWaiters, wait_present
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _TMP_PREFIX = ".tmp-"
@@ -230,7 +231,8 @@ class ShmStore(EmbeddingStore):
         self._next_sweep = 0.0
         self._sweeping: asyncio.Task[int] | None = None
         self._inotify: _Inotify | None = None
-        self._waiters: dict[str, set[asyncio.Future[None]]] = {}
+        self._waiters: KeyedWaiters[str] = KeyedWaiters()
+        """Futures of ``wait``, by file name (what inotify reports)."""
         self.wake_checks = 0
         """How many times ``wait`` re-examined its keys (tests use it to prove it does not spin)."""
 
@@ -465,51 +467,32 @@ class ShmStore(EmbeddingStore):
 
     def _wake_names(self, names: list[str]) -> None:
         for name in names:
-            for fut in self._waiters.get(name, ()):
-                if not fut.done():
-                    fut.set_result(None)
+            self._waiters.wake(name)
 
     def _wake_all(self) -> None:
-        for futs in self._waiters.values():
-            for fut in futs:
-                if not fut.done():
-                    fut.set_result(None)
+        self._waiters.wake_all()
 
     async def wait(self, keys: Sequence[str], timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        pending = list(dict.fromkeys(keys))
-        if not pending:
+        if not keys:
             return
         if self._inotify is None or self._inotify.loop is not loop:
             if self._inotify is not None:
                 self._inotify.close()
             self._inotify = _Inotify(self.directory, self._wake_names, self._wake_all)
-        while True:
-            futs = {key_filename(k): loop.create_future() for k in pending}
-            for name, fut in futs.items():
-                self._waiters.setdefault(name, set()).add(fut)
-            try:
-                self.wake_checks += 1
-                pending = [k for k in pending if not self._live(k)]
-                if not pending:
-                    return
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise StoreTimeout(pending, timeout_s)
-                await asyncio.wait(
-                    [futs[key_filename(k)] for k in pending],
-                    timeout=remaining,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-            finally:
-                for name, fut in futs.items():
-                    fut.cancel()
-                    waiting = self._waiters.get(name)
-                    if waiting is not None:
-                        waiting.discard(fut)
-                        if not waiting:
-                            del self._waiters[name]
+        key_of = {key_filename(k): k for k in keys}  # inotify reports file names
+
+        async def missing(names: list[str]) -> list[str]:
+            self.wake_checks += 1
+            return [n for n in names if not self._live(key_of[n])]
+
+        await wait_present(
+            self._waiters,
+            list(key_of),
+            timeout_s,
+            missing=missing,
+            timed_out=lambda left: StoreTimeout([key_of[n] for n in left], timeout_s),
+        )
 
     async def close(self) -> None:
         self._maps.clear()

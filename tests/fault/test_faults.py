@@ -20,7 +20,7 @@ import torch
 from aiokafka.errors import MessageSizeTooLargeError
 
 from epd.local_pipeline import LocalRun, local_pipeline
-from runtime.kafka import make_producer, read_topic, send_event
+from runtime.kafka import KafkaPublisher, make_producer, read_topic
 from runtime.settings import Settings
 from schemas.codec import get_codec
 from schemas.types import DeadLetter, EncodeEvent, TensorRef
@@ -110,7 +110,7 @@ async def test_redis_down_5s_and_restarted_empty_mid_stream(
         if i == 5:
             fault_task = asyncio.create_task(fault())
         ev = await render_one(run, 600 + i, salt)
-        await send_event(run.publisher.producer, topic, ev.request_id, ev)
+        await KafkaPublisher(run.publisher.producer).send(topic, ev.request_id, ev)
         ids.append(ev.request_id)
         await asyncio.sleep(0.2)
     assert fault_task is not None

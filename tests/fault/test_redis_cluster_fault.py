@@ -20,8 +20,8 @@ import pytest
 
 from epd.local_pipeline import LocalRun, local_pipeline
 from producers.refusal import Refused
-from runtime.kafka import send_event
 from runtime.settings import Settings
+from schemas.topics import Topics
 from tests import services as layer
 from tests.fault.traffic import figures, outcomes, render_one
 
@@ -85,8 +85,9 @@ async def _stream(
                 if i % 2:
                     await run.submitter.submit_rendered(ev)
                 else:  # through the render topic and the router (its fan-out retries itself)
-                    topic = f"{run.settings.topic_prefix}.render"
-                    await send_event(run.publisher.producer, topic, ev.request_id, ev)
+                    await run.publisher.send(
+                        Topics(run.settings.topic_prefix).render, ev.request_id, ev
+                    )
                 break
             except Refused as exc:  # not accepted: the client sends it again, as a new request
                 assert exc.kind == "unavailable" and time.monotonic() < deadline, exc

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from bench.worker_profile import rss_mb
 from epd.local_pipeline import LocalRun
 from producers.sample_images import synthetic_image
-from runtime.kafka import read_topic, send_event
+from runtime.kafka import KafkaPublisher, read_topic
 from schemas.codec import decode
 from schemas.status_record import StatusRecord
 from schemas.types import TERMINAL_STATUSES, DeadLetter, RenderEvent, ResultEvent, SamplingParams
@@ -65,7 +65,7 @@ async def stream(
             await run.submitter.submit_rendered(ev)
         else:
             topic = f"{run.settings.topic_prefix}.render"
-            await send_event(run.publisher.producer, topic, ev.request_id, ev)
+            await KafkaPublisher(run.publisher.producer).send(topic, ev.request_id, ev)
         sent.append(ev.request_id)
         await asyncio.sleep(every_s)
     if fault_task is not None:

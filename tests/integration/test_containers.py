@@ -23,7 +23,7 @@ import yaml
 
 from epd import services
 from epd.cli import build_parser
-from runtime.kafka import ensure_topics, make_consumer, make_producer, read_topic, send_event
+from runtime.kafka import KafkaPublisher, ensure_topics, make_consumer, make_producer, read_topic
 from runtime.settings import Settings
 from schemas.codec import SCHEMA_HEADER, get_codec
 from schemas.types import ECTransfer, EncodeEvent, ResultEvent
@@ -79,7 +79,7 @@ async def test_events_and_values_cross_the_services(settings: Settings) -> None:
     await producer.start()
     try:
         for ev in events:
-            await send_event(producer, topic, "r1", ev)
+            await KafkaPublisher(producer).send(topic, "r1", ev)
     finally:
         await producer.stop()
 

@@ -14,8 +14,6 @@ import torch
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from consumers.dlq import (
-    REPLAY_COUNT_HEADER,
-    REPLAYED_FROM_HEADER,
     LetterFilter,
     Replayer,
     ReplayLedger,
@@ -25,9 +23,10 @@ from consumers.dlq import (
 from consumers.loop import ConsumedEvent, ConsumeLoop, ConsumerConfig
 from epd.cli import build_parser
 from epd.commands import dlq as dlq_cmd
-from runtime.kafka import make_producer, send_event, topic_partitions
+from runtime.kafka import KafkaPublisher, make_producer, topic_partitions
 from runtime.redis_client import redis_client
 from runtime.settings import Settings
+from schemas.dead_letters import REPLAY_COUNT_HEADER, REPLAYED_FROM_HEADER
 from schemas.topics import Topics
 from schemas.types import Features, PlaceholderRange, PrefillEvent, ResultEvent
 from schemas.validator import ValidationConfig, validate_prefill_event
@@ -104,9 +103,11 @@ async def test_list_show_and_replay_without_loops(
     await producer.start()
     try:
         for rid in ("ok", "flaky", "always-down"):
-            await send_event(producer, topics.results, rid, ResultEvent(rid, "test", "completed"))
+            await KafkaPublisher(producer).send(
+                topics.results, rid, ResultEvent(rid, "test", "completed")
+            )
         await producer.send_and_wait(topics.results, value=b"\x00not-avro", key=b"garbage")
-        await send_event(producer, topics.prefill, "bad-prefill", _invalid_prefill())
+        await KafkaPublisher(producer).send(topics.prefill, "bad-prefill", _invalid_prefill())
     finally:
         await producer.stop()
 

@@ -12,7 +12,7 @@ import torch
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import ConsumerRecord
 
-from runtime.kafka import make_consumer, make_producer, send_event
+from runtime.kafka import KafkaPublisher, make_consumer, make_producer
 from runtime.settings import Settings
 from schemas.codec import SCHEMA_HEADER, get_codec
 from schemas.topics import Topics
@@ -161,7 +161,7 @@ async def test_every_event_type_round_trips(settings: Settings, topics: Topics) 
     await producer.start()
     try:
         for topic, key, event in sent:
-            await send_event(producer, topic, key, event)
+            await KafkaPublisher(producer).send(topic, key, event)
     finally:
         await producer.stop()
 
@@ -192,7 +192,7 @@ async def test_eight_megabyte_event(settings: Settings, topics: Topics) -> None:
     producer = make_producer(settings)
     await producer.start()
     try:
-        await send_event(producer, topics.encode, H1, event)
+        await KafkaPublisher(producer).send(topics.encode, H1, event)
     finally:
         await producer.stop()
 
@@ -218,7 +218,7 @@ async def test_group_resumes_after_committed_offset(settings: Settings, topics: 
     await producer.start()
     try:
         for ev in events:  # one key: one partition, so offsets follow the send order
-            await send_event(producer, topics.results, "same-key", ev)
+            await KafkaPublisher(producer).send(topics.results, "same-key", ev)
     finally:
         await producer.stop()
 

@@ -18,7 +18,7 @@ import pytest
 from epd.commands.verify import builtin_cases, verify_cases
 from epd.local_pipeline import LocalRun, local_pipeline
 from producers.sample_images import synthetic_image
-from runtime.kafka import read_topic, send_event
+from runtime.kafka import KafkaPublisher, read_topic
 from runtime.settings import Settings
 from schemas.codec import get_codec
 from schemas.modalities import GRID_FIELDS, metadata_of
@@ -165,8 +165,8 @@ async def test_unsafe_metadata_only_event_is_rejected_and_others_finish(
     )
     plan = await run.submitter.fanout.plan(rendered)
     unsafe = dataclasses.replace(plan.prefill, ec_transfer_params={})
-    await send_event(
-        run.publisher.producer, f"{run.settings.topic_prefix}.prefill", unsafe.request_id, unsafe
+    await KafkaPublisher(run.publisher.producer).send(
+        f"{run.settings.topic_prefix}.prefill", unsafe.request_id, unsafe
     )
 
     outcomes = await _wait_all(run, [*good, unsafe.request_id])
@@ -197,8 +197,8 @@ async def test_render_topic_through_the_router_worker(pipeline: LocalRun) -> Non
         images=[synthetic_image(84, 84, seed=31)],
         sampling=SamplingParams(max_tokens=3),
     )
-    await send_event(
-        run.publisher.producer, f"{run.settings.topic_prefix}.render", ev.request_id, ev
+    await KafkaPublisher(run.publisher.producer).send(
+        f"{run.settings.topic_prefix}.render", ev.request_id, ev
     )
     outcome = (await _wait_all(run, [ev.request_id]))[ev.request_id]
     assert outcome.status == "completed", outcome
@@ -224,8 +224,8 @@ async def test_trace_id_flows_from_submit_to_result_and_every_stage_log(
     )
     ev.trace["traceparent"] = f"00-{trace_id}-{uuid.uuid4().hex[:16]}-01"
     # Through the render topic, so the router stage handles it too.
-    await send_event(
-        run.publisher.producer, f"{run.settings.topic_prefix}.render", ev.request_id, ev
+    await KafkaPublisher(run.publisher.producer).send(
+        f"{run.settings.topic_prefix}.render", ev.request_id, ev
     )
     outcome = (await _wait_all(run, [ev.request_id]))[ev.request_id]
     assert outcome.status == "completed", outcome

@@ -28,10 +28,10 @@ REPO = Path(__file__).resolve().parents[2]
 READY_S = 420.0
 
 
-def http_section_blocks() -> dict[str, list[str]]:
-    """The fenced code blocks of the README's "HTTP API" section, by language."""
+def http_section_blocks(title: str = "HTTP API") -> dict[str, list[str]]:
+    """The fenced code blocks of a README section ("HTTP API" unless named), by language."""
     text = (REPO / "README.md").read_text()
-    section = text.split("\n## HTTP API\n", 1)[1].split("\n## ", 1)[0]
+    section = text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
     blocks: dict[str, list[str]] = {}
     for lang, body in re.findall(r"```(\w+)\n(.*?)```", section, flags=re.S):
         blocks.setdefault(lang, []).append(body)
@@ -147,6 +147,26 @@ def test_the_readme_python_block_runs_as_written(stack: Stack) -> None:
     assert run.returncode == 0, run.stderr
     lines = run.stdout.split()
     assert lines[0] == "queued" and "completed" in lines
+
+
+def test_the_readme_openai_block_runs_as_written(stack: Stack) -> None:
+    [block] = http_section_blocks("OpenAI-compatible API")["python"]
+    script = stack.work / "readme_openai.py"
+    script.write_text(block)
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=stack.work,
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    print(f"\nREADME openai block:\n{run.stdout!r}")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].split()[0] in ("stop", "length")  # the finish reason, then the usage
+    assert "same seed, same text: True" in lines
+    assert lines[-2].startswith("completed ") and lines[-1] == "cancelled"
 
 
 def test_ctrl_c_stops_everything_the_stack_started(stack: Stack) -> None:

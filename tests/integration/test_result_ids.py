@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.kafka import KafkaPublisher, ResultReporter, read_topic
+from runtime.kafka import KafkaPublisher, read_topic
+from runtime.reporting import ResultReporter
 from runtime.settings import Settings
 from schemas.topics import Topics
 

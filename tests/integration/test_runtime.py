@@ -13,7 +13,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from prometheus_client import CollectorRegistry
 
 from consumers.loop import ConsumedEvent, ConsumeLoop, ConsumerConfig, Poison
-from runtime.kafka import ensure_topics, make_producer, send_event
+from runtime.kafka import KafkaPublisher, ensure_topics, make_producer
 from runtime.settings import Settings
 from runtime.stores import StoreUnavailable
 from schemas.codec import decode
@@ -61,7 +61,7 @@ async def _produce(settings: Settings, topic: str, values: list[str | bytes]) ->
             if isinstance(v, bytes):
                 await producer.send_and_wait(topic, value=v, key=b"raw")
             else:
-                await send_event(producer, topic, v, ResultEvent(v, "test", "completed"))
+                await KafkaPublisher(producer).send(topic, v, ResultEvent(v, "test", "completed"))
     finally:
         await producer.stop()
 
@@ -527,7 +527,7 @@ async def test_a_record_over_the_message_cap_is_dead_lettered_unread(settings: S
     await producer.start()
     try:  # a valid event, just bigger than the consumer's cap: the broker hands it out anyway
         padded = ResultEvent("big", "test", "completed", text="x" * 20000)
-        await send_event(producer, src, "big", padded)
+        await KafkaPublisher(producer).send(src, "big", padded)
     finally:
         await producer.stop()
     await _produce(settings, src, ["last"])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.kafka import ensure_topics, make_producer, read_topic
+from runtime.kafka import KafkaPublisher, ensure_topics, make_producer, read_topic
 from runtime.settings import Settings
 from tests import services as test_services_mod
 
@@ -183,7 +183,6 @@ async def test_a_zombie_with_the_same_transactional_id_is_fenced(
 async def test_results_stage_runs_transactionally_end_to_end(
     txn_settings: Settings, topics: object, redis_client: object, redis_prefix: str
 ) -> None:
-    from runtime.kafka import send_event
     from runtime.status import StatusStore
     from schemas.topics import Topics
     from schemas.types import ResultEvent
@@ -199,7 +198,9 @@ async def test_results_stage_runs_transactionally_end_to_end(
     await producer.start()
     try:
         await store.create(rid, {"status": "queued"})
-        await send_event(producer, t.results, rid, ResultEvent(rid, "prefill", "completed"))
+        await KafkaPublisher(producer).send(
+            t.results, rid, ResultEvent(rid, "prefill", "completed")
+        )
         await producer.send_and_wait(t.results, value=b"not an event", key=rid.encode())
         deadline = time.monotonic() + WAIT_S
         rec = None

@@ -15,11 +15,11 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import SecretStr
 
-from gpu_workers.compute import DecodeStopped, greedy_decode, prefill
+from gpu_workers.compute import DecodeStopped, generate_monolithic, greedy_decode, prefill
 from gpu_workers.encode import EncodeWorker
 from gpu_workers.prefill import PrefillWorker
 from producers.fanout import FanOut
-from producers.render import Renderer
+from producers.render import Renderer, monolithic_inputs
 from producers.sample_images import synthetic_image
 from runtime.kafka import KafkaPublisher, make_producer, read_topic
 from runtime.model import ModelBundle, load_model
@@ -183,6 +183,48 @@ async def test_same_request_runs_when_not_cancelled(
     assert enc.items_encoded == 1 and pre.completed == 1 and pre.cancelled == 0
     statuses = [e.status for e in await _results(cfg, ev.request_id)]
     assert statuses[-1] == "completed" and "decoding" in statuses
+
+
+async def test_a_request_cancelled_mid_decode_keeps_the_tokens_it_made(
+    env: dict[str, Any], bundle: ModelBundle
+) -> None:
+    """Issue 21 #14: the client's cancel makes the record ``cancelled`` at once (with no
+    tokens); the worker stops between decode steps and its ``cancelled`` update carries the
+    tokens it made, which the record keeps: exactly the start of the uncancelled generation."""
+    cfg, store, status = env["cfg"], env["store"], env["status"]
+    ev = Renderer(bundle, max_image_pixels=4096 * 4096).render(
+        f"req-{uuid.uuid4().hex[:8]}",
+        prompt="Go on <image>",
+        images=[synthetic_image(56, 56, seed=304)],
+        sampling=SamplingParams(max_tokens=2000, ignore_eos=True),
+    )
+    plan = await FanOut(cfg, store, bundle.render_info()).plan(ev)
+    enc = EncodeWorker(cfg, bundle, store, env["producer"], cancel=env["watch"])
+    pre = PrefillWorker(
+        cfg, bundle, store, env["producer"], cancel=env["watch"], record=status.apply
+    )
+    try:
+        await enc.handle(plan.encode[0])
+        running = asyncio.create_task(pre.handle(plan.prefill))
+        for _ in range(200):
+            rec = await status.get(ev.request_id)
+            if rec is not None and rec.status == "decoding":
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # a few hundred steps in
+        assert not running.done()
+        await status.cancel(ev.request_id)
+        await asyncio.wait_for(running, 30)
+    finally:
+        await enc.close()
+        await pre.close()
+    rec = await status.get(ev.request_id)
+    assert rec is not None and rec.status == "cancelled"
+    made = rec.token_ids
+    assert made and 0 < len(made) < 2000, rec
+    ids, pv, grid = monolithic_inputs(ev)
+    assert made == generate_monolithic(bundle, ids, pv, grid, len(made), ignore_eos=True)
+    assert rec.text == bundle.tokenizer.decode(made, skip_special_tokens=True)
 
 
 def test_decode_loop_stops_between_steps(bundle: ModelBundle) -> None:

@@ -528,6 +528,40 @@ async def test_prefill_reports_missing_embeddings(
     assert (err.modality, err.item) == ("image", 1)
 
 
+async def test_an_entry_signed_for_another_store_is_refused_at_once(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    encoder: EncodeWorker,
+    producer: KafkaPublisher,
+) -> None:
+    """A prefill (or encode) worker whose EPD_STORE_URL differs from the fan-out's: the signed
+    entries name the fan-out's store, so the worker says so at once (rule ec-store, item named)
+    instead of waiting for embeddings parked elsewhere and failing embeddings-missing."""
+    ev = render(renderer, (85,))
+    p = await plan(cfg, store, bundle, ev)
+    await encoder.handle(wire(p.encode[0]))  # the embedding is in the fan-out's store
+    other = RedisStore(redis_url_with_db(cfg.redis_url, REDIS_DB + 1))
+    # A wait long enough that a worker waiting instead of refusing trips the guard below.
+    prefill = PrefillWorker(cfg, bundle, other, producer, embedding_wait_s=HANG_GUARD_S * 2)
+    enc = EncodeWorker(cfg, bundle, other, producer)
+    try:
+        with pytest.raises(ValidationError) as err:
+            await asyncio.wait_for(prefill.handle(wire(p.prefill)), 10)
+        with pytest.raises(ValidationError) as enc_err:
+            await asyncio.wait_for(enc.handle(wire(p.encode[0])), 10)
+    finally:
+        await prefill.close()
+        await enc.close()
+        await other.close()
+    assert (err.value.rule, err.value.modality, err.value.item) == ("ec-store", "image", 0)
+    assert store.url in str(err.value) and other.url in str(err.value)
+    assert enc_err.value.rule == "ec-store" and enc.items_encoded == 0
+    results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
+    assert results == []  # nothing ran, nothing was reported: the loop dead-letters the event
+
+
 async def test_prefill_past_deadline_expires_without_running(
     cfg: Settings,
     bundle: ModelBundle,
@@ -683,7 +717,8 @@ async def test_forged_render_gets_no_hit_on_another_tenants_embedding(
     [
         ({"token_ids": "oov"}, "token-ids"),
         ({"max_tokens": 10**6}, "max-tokens"),
-        ({"temperature": 0.8}, "temperature"),
+        ({"temperature": -0.8}, "sampling"),
+        ({"temperature": 0.8, "top_p": 0.0}, "sampling"),
     ],
 )
 async def test_prefill_refuses_out_of_bounds_requests_before_running(
@@ -723,16 +758,17 @@ async def test_prefill_stops_at_the_deadline_between_decode_steps(
     producer: KafkaPublisher,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from gpu_workers import compute
+    from gpu_workers import engine
 
     deadline = now_ms() + 600_000
     ev = render(renderer, (131,), deadline_ms=deadline)
     ev = dataclasses.replace(ev, sampling=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     p = await plan(cfg, store, bundle, ev)
     await asyncio.gather(*(encoder.handle(wire(e)) for e in p.encode))
-    # The decode loop's clock passes the deadline after its first two steps' checks.
-    ticks = iter([0, 0])
-    monkeypatch.setattr(compute, "now_ms", lambda: next(ticks, deadline + 1))
+    # The batch's clock passes the deadline after its check before the prefill and those of
+    # the first two decode steps.
+    ticks = iter([0, 0, 0])
+    monkeypatch.setattr(engine, "now_ms", lambda: next(ticks, deadline + 1))
     prefill = PrefillWorker(cfg, bundle, store, producer)
     try:
         await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)

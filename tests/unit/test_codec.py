@@ -179,9 +179,10 @@ def test_decode_is_zero_copy_view_over_the_datum() -> None:
 # The fingerprints every frame on the wire carries today. They must never change by accident:
 # a new value makes every reader in the field refuse old frames ("unknown schema fingerprint").
 PINNED_FINGERPRINTS = {
-    "epd.RenderEvent": "f8ad59e342ffbb3d",
+    "epd.RenderEvent": "a15492e4fde01648",  # v2: sampling fields, kv_transfer_params
     "epd.EncodeEvent": "3bcb85c179737334",
-    "epd.PrefillEvent": "ed100a94c1fe9804",
+    "epd.PrefillEvent": "0ad5a59ed30e92d8",  # v2 (v1 frames still decode)
+    "epd.DecodeEvent": "2b4fe623e1b42112",  # v2: the decode stage
     "epd.EncodedEvent": "bd7915765d7a8780",
     "epd.ResultEvent": "2c865b01b931cff5",
     "epd.DeadLetter": "c8b3827170e5e499",

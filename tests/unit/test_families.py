@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -133,7 +134,7 @@ def image_and_video(spec: str) -> tuple[list[int], list[ItemEmbedding], dict, di
     bundle, renderer = bundle_of(spec), renderer_of(spec)
     event = renderer.render("iv", prompt="see <image> and", images=[rand_image(100, 150, 5)])
     fam = bundle.family
-    frames = 2 * (fam.video_frames_per_run or 2)  # Qwen3-VL: one temporal row per run
+    frames = 2 if fam.video_timestamps else 4  # Qwen3-VL: one temporal row per run
     vpv, vgrid = video_inputs(bundle, frames, 4, 6, seed=9)
     n = int(vgrid.prod()) // bundle.merge_size**2
     ids = [*event.token_ids, bundle.vision_start_id]
@@ -417,7 +418,7 @@ def with_video(spec: str, event: RenderEvent, frames_seed: int = 9) -> tuple[Ren
     """``event`` plus a trailing video item (full data + metadata), as a renderer would emit."""
     bundle, renderer = bundle_of(spec), renderer_of(spec)
     fam = bundle.family
-    vpv, vgrid = video_inputs(bundle, 2 * (fam.video_frames_per_run or 2), 4, 6, frames_seed)
+    vpv, vgrid = video_inputs(bundle, 2 if fam.video_timestamps else 4, 4, 6, frames_seed)
     n = int(vgrid.prod()) // bundle.merge_size**2
     ids = [*event.token_ids, bundle.vision_start_id]
     offset = len(ids)
@@ -444,8 +445,11 @@ def with_video(spec: str, event: RenderEvent, frames_seed: int = 9) -> tuple[Ren
     return ev, {"pixel_values_videos": vpv, **meta}
 
 
-async def run_pipeline(spec: str, event: RenderEvent, store: RedisStore, namespace: str):
-    """Fan-out -> encode worker -> Redis -> prefill worker, in-process; the prefill's result."""
+async def run_pipeline(
+    spec: str, event: RenderEvent, store: RedisStore, namespace: str, **prefill_options: Any
+):
+    """Fan-out -> encode worker -> Redis -> prefill worker, in-process; the prefill's result.
+    ``prefill_options`` go to the prefill worker (e.g. ``streams``)."""
     settings = _settings(namespace)
     topics = Topics(settings.topic_prefix)
     bundle = bundle_of(spec)
@@ -454,7 +458,7 @@ async def run_pipeline(spec: str, event: RenderEvent, store: RedisStore, namespa
     await fanout.publish(event)
     encoder = EncodeWorker(settings, bundle, store, pub, worker_id="enc-fam")
     prefiller = PrefillWorker(
-        settings, bundle, store, pub, worker_id="pre-fam", embedding_wait_s=30
+        settings, bundle, store, pub, worker_id="pre-fam", embedding_wait_s=30, **prefill_options
     )
     try:
         for enc in pub.events(topics.encode):

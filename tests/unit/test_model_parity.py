@@ -140,8 +140,9 @@ def test_negative_controls_show_the_oracle_can_fail(
     embeds = encode_event(bundle, event)
 
     state = prefill(bundle, event.token_ids, items_of(event, embeds))
-    assert state.rope_delta != 0
-    state.rope_delta = 0
+    plain = (state.prompt_len,) * 3
+    assert state.next_position != plain  # the images moved the positions
+    state.next_position = plain
     assert greedy_decode(bundle, state, MAX_TOKENS, ignore_eos=True) != want
 
     # Same-size images so the swap is shape-valid; different pixels.

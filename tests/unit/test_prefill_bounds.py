@@ -1,4 +1,4 @@
-"""What a prefill worker agrees to run: max_tokens, context, vocabulary, temperature, deadline.
+"""What a prefill worker agrees to run: max_tokens, context, vocabulary, sampling, deadline.
 
 ``check_bounds`` is pure (a ``Bounds`` and an event); the compute-level guards run on the
 seeded tiny model (CPU), with the clock the decode loop reads replaced so the deadline falls
@@ -69,9 +69,43 @@ def test_token_ids_must_be_inside_the_vocabulary(bad: int) -> None:
     assert "token_ids[1]" in str(err.value)
 
 
-@pytest.mark.parametrize("temperature", [0.7, 1.0, -0.5, float("nan"), float("inf")])
-def test_temperature_other_than_zero_is_refused_not_ignored(temperature: float) -> None:
-    assert rule_of(event([1], max_tokens=4, temperature=temperature)) == "temperature"
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 3},
+        {"temperature": 1.0},
+        {"temperature": 2.5, "top_p": 1.0, "top_k": 0},
+        {"temperature": 0.0, "stop": ["\n\n", "END"]},
+        {"temperature": 0.001},
+    ],
+)
+def test_sampling_within_bounds_runs(sampling: dict[str, object]) -> None:
+    assert rule_of(event([1], max_tokens=4, **sampling)) is None
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": 1e-9}, "temperature"),  # logits / 1e-9 overflow: refused, not NaN
+        ({"temperature": 1.0, "top_p": 0.0}, "top_p"),
+        ({"temperature": 1.0, "top_p": 1.5}, "top_p"),
+        ({"temperature": 1.0, "top_p": float("nan")}, "top_p"),
+        ({"temperature": 1.0, "top_k": -1}, "top_k"),
+        ({"stop_token_ids": [100]}, "stop_token_ids"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["x" * 257]}, "stop"),
+        ({"stop": [str(i) for i in range(17)]}, "stop"),
+    ],
+)
+def test_sampling_out_of_bounds_is_refused_naming_the_field(
+    sampling: dict[str, object], field: str
+) -> None:
+    with pytest.raises(ValidationError) as err:
+        check_bounds(event([1], max_tokens=4, **sampling), BOUNDS)
+    assert (err.value.rule, err.value.field) == ("sampling", field)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +116,7 @@ def bundle() -> ModelBundle:
 def test_bounds_follow_settings_within_the_model(bundle: ModelBundle) -> None:
     tc = text_config(bundle.config)
     b = Bounds.for_model(Settings(max_tokens_limit=32, max_context_tokens=0), bundle)
-    assert b == Bounds(tc.vocab_size, tc.max_position_embeddings, 32)
+    assert b == Bounds(tc.vocab_size, tc.max_position_embeddings, 32, 16, 256)
     assert Bounds.for_model(Settings(max_context_tokens=100), bundle).context == 100
     # A setting above the model's context cannot raise it.
     huge = Settings(max_context_tokens=tc.max_position_embeddings * 4)

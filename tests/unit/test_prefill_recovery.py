@@ -69,8 +69,8 @@ async def test_an_item_stored_while_the_record_is_read_is_not_lost() -> None:
     is there now, so nothing is lost; a key still missing after that read is."""
     import torch
 
-    from gpu_workers.prefill import PrefillWorker
-    from runtime.kafka import RequestUpdates
+    from gpu_workers.prefill import PrefillWorker, Readiness
+    from runtime.reporting import RequestUpdates
     from runtime.stores import open_store
 
     store = open_store("local://test-lost-race")
@@ -83,18 +83,20 @@ async def test_an_item_stored_while_the_record_is_read_is_not_lost() -> None:
         await store.put(f"k-{A}", torch.ones(2))  # encoded between the EXISTS and this read
         return RequestState("prefilling", frozenset({A[:12], B[:12]}))
 
-    worker = PrefillWorker.__new__(PrefillWorker)  # only what _ready touches
+    worker = PrefillWorker.__new__(PrefillWorker)  # only what _readiness touches
     worker.store, worker.lost = store, 0
     worker.request_state = state_after_encode
     updates = RequestUpdates(report, "r1")  # type: ignore[arg-type]
     ev = _prefill_event([A, B])
     try:
         # A arrived meanwhile: not lost, and (still missing when asked) waited for
-        assert await worker._ready(ev, {A: f"k-{A}"}, updates) is False
+        assert await worker._readiness(ev, {A: f"k-{A}"}, updates) is Readiness.COMING
         assert reports == [] and worker.lost == 0
-        assert await worker._ready(ev, {A: f"k-{A}"}, updates) is True  # there: no wait at all
+        # there: no wait at all
+        assert await worker._readiness(ev, {A: f"k-{A}"}, updates) is Readiness.PRESENT
         # B is still missing after the record said it was encoded: gone
-        assert await worker._ready(ev, {A: f"k-{A}", B: f"k-{B}"}, updates) is None
+        both = {A: f"k-{A}", B: f"k-{B}"}
+        assert await worker._readiness(ev, both, updates) is Readiness.LOST
         assert reports == [("r1", "failed")] and worker.lost == 1
     finally:
         await store.close()

@@ -16,9 +16,9 @@ from pydantic import SecretStr
 from producers.fanout import build_fanout
 from producers.render import Renderer
 from producers.sample_images import synthetic_image
-from runtime.kafka import RequestUpdates, ResultReporter
 from runtime.model import load_render_info
 from runtime.publisher import InMemoryPublisher, Publisher
+from runtime.reporting import RequestUpdates, ResultReporter
 from runtime.settings import Settings
 from runtime.stores.local import LocalStore
 from schemas.codec import SCHEMA_HEADER
@@ -201,3 +201,21 @@ async def test_fanout_records_its_status_before_the_prefill_event_goes(renderer:
     assert sorted(r.topic for r in pub.records) == sorted(
         [topics.encode, topics.results, topics.prefill]
     )
+
+
+async def test_every_publisher_frames_a_record_alike_trace_context_included() -> None:
+    """One framing for every publisher (runtime.publisher.frame): the in-memory one used to
+    drop the traceparent header the Kafka one sends."""
+    from runtime.publisher import frame
+    from runtime.tracing import TRACEPARENT, new_traceparent, stage_span
+
+    parent = new_traceparent()
+    pub = InMemoryPublisher()
+    event = ResultEvent("r1", "test", "completed")
+    with stage_span("test", {TRACEPARENT: parent}, request_id="r1"):
+        await pub.send("t.results", "r1", event, headers=[("x-extra", b"1")])
+        expected = frame(event, "r1", headers=[("x-extra", b"1")])
+    (sent,) = pub.records
+    headers = dict(sent.headers)
+    assert TRACEPARENT in headers and parent.split("-")[1] in headers[TRACEPARENT].decode()
+    assert sent.headers == expected.headers and sent.value == expected.value

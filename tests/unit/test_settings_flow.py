@@ -27,6 +27,8 @@ VALIDATED = {
     "kafka_bootstrap": "127.0.0.1:19092",
     "device": "cpu",
     "api_tokens": SecretStr("tok-settings-flow=flow-tenant"),
+    "api_image_url_hosts": "images.example.com,127.0.0.1:8443",
+    "served_model_name": "flow-model",
 }
 
 

@@ -284,3 +284,24 @@ async def test_a_judged_outcome_lands_only_on_the_record_as_judged(store: Status
     assert done is not None and done.status == "failed" and done.updated_ms is not None
     assert done.error is not None and done.error["code"] == "broker-lost"
     assert not await store.end_if_unchanged(lost, done.updated_ms)  # finished: never again
+
+
+def test_a_workers_cancel_fills_in_the_tokens_the_apis_cancel_lacked() -> None:
+    """The API's cancel is the first terminal status (no tokens); the worker's own ``cancelled``
+    update, with the tokens made before the cancel took effect, fills them in. Nothing else
+    changes the outcome: a late ``completed`` still changes nothing."""
+    rec = fold(None, ResultEvent("r", "prefill", "decoding"))
+    rec = fold(rec, ResultEvent("r", "api", "cancelled", error=ErrorInfo("cancelled", "client")))
+    assert rec is not None and rec.status == "cancelled" and rec.token_ids is None
+    worker = ResultEvent(
+        "r", "prefill", "cancelled", token_ids=[4, 5], text="ab", info={"prefill.cancelled": "x"}
+    )
+    rec = fold(rec, worker)
+    assert rec is not None and rec.token_ids == [4, 5] and rec.text == "ab"
+    assert rec.error is not None
+    assert rec.error["message"] == "client"  # the first outcome's error stays
+    late = fold(rec, ResultEvent("r", "prefill", "completed", token_ids=[9], text="z"))
+    assert late is not None and late.status == "cancelled" and late.token_ids == [4, 5]
+    other = fold(None, ResultEvent("q", "api", "cancelled"))
+    other = fold(other, ResultEvent("q", "prefill", "expired", token_ids=[1]))
+    assert other is not None and other.token_ids is None  # another outcome fills nothing

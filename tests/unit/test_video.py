@@ -44,7 +44,7 @@ from runtime.stores.local import LocalStore
 from schemas.codec import get_codec
 from schemas.errors import ValidationError
 from schemas.types import RenderEvent
-from schemas.validator import ValidationConfig, validate_prefill_event
+from schemas.validator import ValidationConfig, validate_prefill_event, validate_render_event
 
 LIMITS = VideoLimits()
 
@@ -334,17 +334,57 @@ def test_marker_counts_are_checked(renderer: Renderer) -> None:
         renderer.render("r", token_ids=ids)
 
 
-def test_qwen2_5_vl_carries_timing_and_qwen3_vl_is_refused() -> None:
+def test_qwen2_5_vl_carries_timing() -> None:
     r = Renderer(load_render_info("tiny-qwen2.5-vl"), max_image_pixels=4096 * 4096)
     ev = r.render("r", prompt="<video>", videos=[VideoFrames(synthetic_frames(4, 56, 56), 4.0)])
     meta = ev.features.mm_metadata["video"][0]  # type: ignore[index]
     assert set(meta) == {"video_grid_thw", "second_per_grid_ts"}  # type: ignore[arg-type]
     # all 4 frames kept (min_frames), so 4 fps sampled: temporal patch 2 / 4 fps = 0.5 s
     assert meta["second_per_grid_ts"].tolist() == [0.5]  # type: ignore[index,union-attr]
-    r3 = Renderer(load_render_info("tiny-qwen3-vl"), max_image_pixels=4096 * 4096)
-    with pytest.raises(VideoError, match="Qwen3-VL") as err:
-        r3.render("r", prompt="<video>", videos=[synthetic_frames(2, 56, 56)])
-    assert err.value.rule == "render.video_family"
+
+
+def _qwen3_processor_text(grid: torch.Tensor, fps: float, indices: list[int]) -> str:
+    """What transformers' Qwen3-VL processor writes for one video: its own
+    ``replace_video_token`` on a bare instance (its video processor needs torchvision, which
+    is not installed here; the method reads only the two sizes given)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3VLProcessor
+
+    proc = Qwen3VLProcessor.__new__(Qwen3VLProcessor)
+    proc.video_processor = SimpleNamespace(temporal_patch_size=2, merge_size=2)
+    proc.video_token = "<|video_pad|>"
+    proc.vision_start_token = "<|vision_start|>"
+    proc.vision_end_token = "<|vision_end|>"
+    meta = SimpleNamespace(fps=fps, frames_indices=list(indices))
+    inputs = {"video_grid_thw": grid.reshape(1, 3), "video_metadata": [meta]}
+    return str(proc.replace_video_token(inputs, 0))
+
+
+@pytest.mark.parametrize("spec", ["tiny-qwen3-vl", "tiny-qwen3-vl-moe"])
+def test_qwen3_vl_video_is_laid_out_frame_by_frame_with_its_timestamps(spec: str) -> None:
+    """Each temporal row after its timestamp, exactly as Qwen3-VL's processor writes the video
+    (from the same frame indices and rate); the item's placeholder spans it all with is_embed
+    marking the pads (vLLM's layout), and the grid still counts the embeddings."""
+    info = load_render_info(spec)
+    r = Renderer(info, max_image_pixels=4096 * 4096)
+    video = VideoFrames(synthetic_frames(12, 64, 64, seed=5), 6.0)
+    ev = r.render("q3", prompt="Watch <video> now", videos=[video])
+    (ph,) = ev.features.mm_placeholders["video"]
+    grid = ev.features.mm_metadata["video"][0]["video_grid_thw"]  # type: ignore[index]
+    t, h, w = grid.tolist()
+    assert t >= 2
+    keep = sample_indices(12, 6.0, r.videos.limits)
+    want = info.tokenizer.encode(_qwen3_processor_text(grid, 6.0, keep), add_special_tokens=False)
+    span = ev.token_ids[ph.offset : ph.offset + ph.length]
+    assert span == want
+    assert "<0." in info.tokenizer.decode(span[:8])
+    assert ph.is_embed == [tok == info.video_token_id for tok in span]
+    assert sum(ph.is_embed) == t * h * w // 4
+    # Text on both sides is untouched; the vLLM-shaped placeholder passes the gate.
+    assert info.tokenizer.decode(ev.token_ids[: ph.offset]) == "Watch "
+    assert info.tokenizer.decode(ev.token_ids[ph.offset + ph.length :]) == " now"
+    validate_render_event(ev)
 
 
 # ------------------------------------------------------------------ wire and fan-out
@@ -392,7 +432,7 @@ async def test_fanout_prefill_event_carries_only_video_grid(renderer: Renderer) 
 # ------------------------------------------------------------------ parity
 
 
-@pytest.mark.parametrize("spec", ["tiny", "tiny-qwen2.5-vl"])
+@pytest.mark.parametrize("spec", ["tiny", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe"])
 def test_rendered_video_matches_generate(spec: str) -> None:
     """A rendered video + image request: disaggregated tokens == model.generate tokens."""
     bundle = load_model(spec, device="cpu")
@@ -411,7 +451,7 @@ def test_rendered_video_matches_generate(spec: str) -> None:
                for d in data]  # type: ignore[index]  # fmt: skip
         outs = encode_items(bundle, enc)  # type: ignore[arg-type]
         for ph, o, m in zip(f.mm_placeholders[mod], outs, f.mm_metadata[mod], strict=True):  # type: ignore[index]
-            items.append(item_embedding(mod, ph.offset, ph.length, o, m))  # type: ignore[arg-type]
+            items.append(item_embedding(mod, ph.offset, ph.length, o, m, ph.is_embed))  # type: ignore[arg-type]
     ids, pv, grid = monolithic_inputs(ev)
     want = generate_monolithic(
         bundle, ids, pv, grid, 8, ignore_eos=True, **monolithic_video_inputs(ev)
@@ -690,3 +730,26 @@ def test_frames_follow_the_image_rgb_and_orientation_rules() -> None:
         jpegs.append(b.getvalue())
     clip = load_video(jpegs, LIMITS)
     assert {f.size for f in clip.frames} == {(64, 96)}
+
+
+@pytest.mark.parametrize("spec", ["tiny", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_a_prompt_ending_with_a_long_video_decodes_where_generate_does(spec: str) -> None:
+    """Qwen2.5-VL spaces a video's temporal positions by its timing: three rows of a 64x64
+    video reach past the one token after them, so the largest position is inside the video.
+    ``generate`` continues from the prompt's last position + 1 (not the largest + 1); decoding
+    from the largest went astray from the second token on."""
+    bundle = load_model(spec, device="cpu")
+    ev = Renderer(bundle, max_image_pixels=4096 * 4096).render(
+        "tail", prompt="What <video>", videos=[synthetic_frames(6, 64, 64, seed=511)]
+    )
+    (ph,) = ev.features.mm_placeholders["video"]
+    assert ev.features.mm_metadata["video"][0]["video_grid_thw"][0] == 3  # type: ignore[index]
+    data = ev.features.kwargs_data["video"][0]  # type: ignore[index]
+    (out,) = encode_items(bundle, [(data["pixel_values_videos"], data["video_grid_thw"])])  # type: ignore[index]
+    meta = ev.features.mm_metadata["video"][0]  # type: ignore[index]
+    items = [item_embedding("video", ph.offset, ph.length, out, meta, ph.is_embed)]  # type: ignore[arg-type]
+    ids, pv, grid = monolithic_inputs(ev)
+    want = generate_monolithic(
+        bundle, ids, pv, grid, 10, ignore_eos=True, **monolithic_video_inputs(ev)
+    )
+    assert generate_from_embeddings(bundle, ev.token_ids, items, 10, ignore_eos=True) == want

@@ -449,3 +449,101 @@ def test_split_rejects_a_broken_render() -> None:
     with pytest.raises(ValidationError) as ei:
         split_render(render, secret=None)
     assert ei.value.rule == "request-shape"
+
+
+# ------------------------------------------------------------------ sampling_params
+
+
+def test_vllm_sampling_params_map_both_ways_with_vllms_defaults() -> None:
+    from schemas.types import SamplingParams
+    from schemas.vllm_sampling import sampling_from_vllm, sampling_to_vllm
+
+    assert sampling_from_vllm({}) == SamplingParams(max_tokens=16, temperature=1.0)
+    got = sampling_from_vllm(
+        {
+            "max_tokens": 40,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": -1,
+            "seed": 5,
+            "stop": "END",
+            "stop_token_ids": [3],
+            "ignore_eos": True,
+            "n": 1,
+            "repetition_penalty": 1.0,
+            "detokenize": True,
+            "extra_args": {"ec_transfer_params": {}},
+        }
+    )
+    assert got == SamplingParams(40, 0.7, [3], True, 0.9, 0, 5, ["END"])
+    assert sampling_from_vllm(sampling_to_vllm(got)) == got
+    greedy = SamplingParams(max_tokens=8)
+    assert sampling_from_vllm(sampling_to_vllm(greedy)) == greedy  # temperature 0 spelled out
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"n": 2}, "n"),
+        ({"n": True}, "n"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"min_p": 0.1}, "min_p"),
+        ({"logprobs": 5}, "logprobs"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"stop": [1]}, "stop"),
+        ({"stop_token_ids": "x"}, "stop_token_ids"),
+        ({"seed": True}, "seed"),
+    ],
+)
+def test_vllm_sampling_params_we_cannot_honour_are_refused_not_ignored(
+    params: dict, field: str
+) -> None:
+    from schemas.vllm_sampling import sampling_from_vllm
+
+    with pytest.raises(ValidationError) as err:
+        sampling_from_vllm(params)
+    assert (err.value.rule, err.value.field) == ("sampling", field)
+
+
+def test_kv_transfer_params_pass_through_the_wire_the_split_and_the_events_unchanged() -> None:
+    """vLLM's NIXL P/D parameters: parsed as a field, written back as read, and carried as JSON
+    text through the prefill and decode events."""
+    from schemas.codec import get_codec
+    from schemas.types import DecodeEvent, Features, PrefillEvent
+    from schemas.vllm_wire import (
+        generate_request_to_json,
+        kv_transfer_params_from_text,
+        kv_transfer_params_text,
+        parse_generate_request,
+    )
+
+    kv = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": "engine-7",
+        "remote_block_ids": [[1, 2, 3]],
+        "remote_host": "10.0.0.7",
+        "remote_port": 5600,
+        "tp_size": 1,
+    }
+    body = {
+        "request_id": "r-kv",
+        "token_ids": [1, 2, 3],
+        "sampling_params": {},
+        "kv_transfer_params": kv,
+    }
+    req = parse_generate_request(body)
+    assert req.kv_transfer_params == kv and "kv_transfer_params" not in req.extra
+    assert generate_request_to_json(req)["kv_transfer_params"] == kv
+    text = kv_transfer_params_text(req)
+    pre = PrefillEvent("r-kv", "m", [1, 2, 3], Features({}, {}), kv_transfer_params=text)
+    ev = DecodeEvent(pre, kv_transfer_params=text)
+    back = get_codec().decode(get_codec().encode(ev))
+    assert kv_transfer_params_from_text(back.kv_transfer_params) == kv
+    assert kv_transfer_params_from_text(back.prefill.kv_transfer_params) == kv
+    with pytest.raises(ValidationError) as err:
+        parse_generate_request({**body, "kv_transfer_params": [1]})
+    assert err.value.rule == "request-shape"

@@ -18,7 +18,7 @@ from producers.api.state import ApiState
 from producers.api.submissions import SubmitHeaders, accepted_response, off_the_loop
 from producers.api.views import status_view
 from producers.intake import RenderContext, Submission
-from schemas.types import RenderEvent, SamplingParams, now_ms
+from schemas.types import RenderEvent, now_ms
 
 router = APIRouter(prefix="/v1", tags=["requests"])
 
@@ -63,9 +63,7 @@ def native_submission(
     deadline = None if inp.deadline_s is None else now_ms() + int(inp.deadline_s * 1000)
     return Submission(
         render=render,
-        sampling=SamplingParams(
-            max_tokens=inp.max_tokens, temperature=inp.temperature, ignore_eos=inp.ignore_eos
-        ),
+        sampling=inp.sampling(),
         tenant=tenant,
         cache_salt=inp.cache_salt,
         deadline_ms=deadline,
@@ -107,13 +105,15 @@ async def get_status(
     responses=with_errors(
         {
             200: {
-                "description": "Server-Sent Events: one `status` event per status change, "
-                "closing after the terminal one. Resume with `Last-Event-ID`.",
+                "description": "Server-Sent Events: one `status` event per status change and, "
+                "while the request decodes, `token` events with its tokens and their text as "
+                "they are made; the stream closes after the terminal status (which follows "
+                "the last token). Resume with `Last-Event-ID` (it covers both kinds).",
                 "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
             }
         }
     ),
-    summary="Server-Sent Events of every status change",
+    summary="Server-Sent Events of every status change and of the tokens as they come",
 )
 async def events(
     request: Request, request_id: str, st: State, rec: OwnedRecord

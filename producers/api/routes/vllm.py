@@ -19,6 +19,7 @@ from producers.api.submissions import SubmitHeaders, accepted_response, off_the_
 from producers.intake import RenderContext, Submission
 from schemas.errors import ValidationError
 from schemas.types import RenderEvent, SamplingParams
+from schemas.vllm_sampling import sampling_from_vllm
 
 router = APIRouter(prefix="/v1/vllm", tags=["vllm"])
 
@@ -86,9 +87,12 @@ def door_checks(st: ApiState, obj: Any) -> SamplingParams:
         raise ValidationError(
             "request.schema", "sampling_params must be an object", field="sampling_params"
         )
-    max_tokens, temperature = sp.get("max_tokens", 16), sp.get("temperature")
-    st.limits.check_sampling(max_tokens, temperature, prefix="sampling_params.")
-    return SamplingParams(max_tokens=max_tokens, temperature=float(temperature or 0.0))
+    # vLLM's meaning of each field (its defaults where one is absent: a temperature of 1),
+    # then the bounds every route holds sampling to.
+    st.limits.check_max_tokens(sp.get("max_tokens", 16), field="sampling_params.max_tokens")
+    sampling = sampling_from_vllm(sp)
+    st.limits.check_sampling_params(sampling, prefix="sampling_params.")
+    return sampling
 
 
 def fingerprint(obj: Any) -> str:

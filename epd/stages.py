@@ -1,0 +1,378 @@
+"""The pipeline's stages: one row each in :data:`STAGES`, and :func:`run_worker`, which runs one.
+
+A row says what a stage does, how its handler is assembled from shared parts (a builder taking
+a :class:`StageContext`), how its dead letters are reported, and its own fetch settings; the
+topics it reads and its consumer group come from the channel table (``schemas.topics``).
+``epd worker KIND`` only parses arguments and calls :func:`run_worker` (as arq's ``cli.py``
+hands a settings object to its ``run_worker``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from schemas.topics import Topics
+
+if TYPE_CHECKING:
+    from consumers.loop import ConsumeLoop
+    from runtime.kafka import KafkaPublisher
+    from runtime.settings import Settings
+    from runtime.stores.base import EmbeddingStore
+
+log = logging.getLogger("epd.worker")
+
+Handler = Callable[[Any], Awaitable[None]]
+Closer = Callable[[], Awaitable[Any]]
+
+
+@dataclass
+class StageContext:
+    """What every stage builder gets: settings, topics, the publisher, and a list of closers."""
+
+    settings: Settings
+    topics: Topics
+    publisher: KafkaPublisher
+    worker_id: str
+    closers: list[Closer] = field(default_factory=list)
+    _status: Any = None
+
+    def open_store(self) -> EmbeddingStore:
+        """The configured embedding store, closed when the worker stops."""
+        from runtime.stores import open_store
+
+        store = open_store(self.settings.embedding_store_url)
+        self.closers.append(store.close)
+        return store
+
+    async def cancel_watch(self) -> Any:
+        """Cancels (``DELETE /v1/requests/{id}``), checked before compute and between steps."""
+        from runtime.redis_client import redis_client
+        from runtime.status import CancelWatch
+
+        client = redis_client(self.settings)
+        watch = CancelWatch(client, self.settings.topic_prefix)
+        await watch.start()
+        self.closers.extend([client.aclose, watch.close])
+        return watch
+
+    async def warm(self) -> None:
+        """Ready what the builders opened for a request's first use (the status script)."""
+        if self._status is not None:
+            await self._status.warm()
+
+    def status_store(self) -> Any:
+        """The requests' status records: one per worker (its Redis client is closed when the
+        worker stops), so what one part of the worker wrote is what the next one starts from."""
+        from runtime.redis_client import redis_client
+        from runtime.status import StatusStore
+
+        if self._status is None:
+            client = redis_client(self.settings)
+            self.closers.append(client.aclose)
+            self._status = StatusStore(
+                client, prefix=self.settings.topic_prefix, ttl_s=self.settings.status_ttl_s
+            )
+        return self._status
+
+    async def load_model(self) -> Any:
+        """The model on the configured device (in a thread: loading takes seconds)."""
+        from runtime.model import load_model
+
+        bundle = await asyncio.to_thread(
+            load_model, self.settings.model, device=self.settings.device
+        )
+        log.info(
+            "%s: model %s fingerprint %s on %s",
+            self.worker_id,
+            self.settings.model,
+            bundle.fingerprint,
+            bundle.device,
+        )
+        return bundle
+
+
+async def _build_gpu_worker(ctx: StageContext, kind: str, **extra: Any) -> Handler:
+    """An encode, prefill or decode worker: the model, the store, the publisher and a cancel
+    watch."""
+    from gpu_workers.decode import DecodeWorker
+    from gpu_workers.encode import EncodeWorker
+    from gpu_workers.prefill import PrefillWorker
+
+    worker_cls = {"encode": EncodeWorker, "prefill": PrefillWorker, "decode": DecodeWorker}[kind]
+    store = ctx.open_store()
+    w = worker_cls(
+        ctx.settings,
+        await ctx.load_model(),
+        store,
+        ctx.publisher,
+        topics=ctx.topics,
+        worker_id=ctx.worker_id,
+        cancel=await ctx.cancel_watch(),
+        **extra,
+    )
+    ctx.closers.append(w.close)
+    return w.handle
+
+
+async def _build_encode(ctx: StageContext) -> Handler:
+    from prometheus_client import REGISTRY
+
+    # Encoder-cache hit ratio and bytes in/out, on the same /metrics as the consume loop's.
+    # Each item's encoded mark goes straight into its request's status record too, so the
+    # request's outcome (written through by prefill) never arrives before its encode timings.
+    return await _build_gpu_worker(
+        ctx, "encode", registry=REGISTRY, record=ctx.status_store().apply
+    )
+
+
+async def _build_prefill(ctx: StageContext, kind: str = "prefill") -> Handler:
+    from runtime.status import RequestReader
+    from runtime.token_stream import TokenStreams
+
+    # Prefill reads the request's status record: replays of a finished request are skipped,
+    # and a lost embedding ends the request at once (embedding-lost) instead of a long wait.
+    # It also writes its updates through to the record, so the client does not wait for the
+    # results collector's hop to see the outcome, and streams tokens while it decodes. A
+    # decode worker is built the same way: it is a prefill worker that starts from a parked KV.
+    status = ctx.status_store()
+    return await _build_gpu_worker(
+        ctx,
+        kind,
+        request_state=RequestReader(status),
+        record=status.apply,
+        streams=(
+            TokenStreams.from_settings(status.client, ctx.settings)
+            if ctx.settings.stream_tokens
+            else None
+        ),
+    )
+
+
+async def _build_decode(ctx: StageContext) -> Handler:
+    return await _build_prefill(ctx, "decode")
+
+
+async def _build_results(ctx: StageContext) -> Handler:
+    from consumers.results import ResultsCollector
+
+    status = ctx.status_store()
+    if ctx.settings.sweep_interval_s > 0:
+        await _start_sweep(ctx, status)
+    return ResultsCollector(status).handle
+
+
+async def _start_sweep(ctx: StageContext, status: Any) -> None:
+    """The sweep of requests nobody will finish (:mod:`consumers.sweeper`), beside the loop."""
+    from consumers.sweeper import BrokerProgress, Sweeper
+    from runtime.kafka import KafkaPublisher
+    from runtime.reporting import ResultReporter
+
+    publisher = ctx.publisher
+    if ctx.settings.kafka_transactions:
+        # The loop's producer sends only inside its batches' transactions; the sweep's
+        # outcomes are not part of any batch, so they go through a plain producer.
+        publisher = KafkaPublisher.for_pipeline(
+            ctx.settings.model_copy(update={"kafka_transactions": False}), ctx.topics
+        )
+        await publisher.start()
+        ctx.closers.append(publisher.stop)
+    progress = BrokerProgress(ctx.settings)
+    reporter = ResultReporter(publisher, ctx.topics.results, "sweep", ctx.worker_id)
+    sweeper = Sweeper(ctx.settings, status, reporter.send, progress)
+    task = asyncio.create_task(sweeper.run(), name="sweep")
+
+    async def stop() -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await progress.close()
+
+    ctx.closers.append(stop)
+
+
+async def _build_router(ctx: StageContext) -> Handler:
+    from producers.fanout import build_fanout
+    from producers.router import RenderRouter
+    from runtime.model import load_render_info
+
+    store = ctx.open_store()
+    info = await asyncio.to_thread(load_render_info, ctx.settings.model)
+    fanout = build_fanout(ctx.settings, store, info, ctx.publisher, record=ctx.status_store().apply)
+    return RenderRouter(fanout).handle
+
+
+def _fetch_overrides(stage: Stage, settings: Settings) -> dict[str, Any]:
+    """The stage's own fetch settings over the consumer defaults (none for most stages)."""
+    out: dict[str, Any] = {}
+    wait_ms = stage.fetch_wait_ms(settings)
+    if wait_ms is not None:
+        out["fetch_max_wait_ms"] = wait_ms
+    min_bytes = stage.fetch_min_bytes(settings)
+    if min_bytes is not None:
+        out["fetch_min_bytes"] = min_bytes
+    return out
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One kind of worker."""
+
+    kind: str
+    """The stage's name: its consumer group is ``Topics.group(kind)`` and it reads the topics
+    the channel table gives it (``Topics.read_by(kind)``)."""
+    help: str
+    build: Callable[[StageContext], Awaitable[Handler]]
+    report_as: str | None
+    """Stage name on the ``rejected``/``failed`` status of a dead-lettered request; None: none."""
+    uses_model: bool = True
+    """Whether the stage loads the model (or its render info): checked at start-up."""
+    fetch_wait_ms: Callable[[Settings], int | None] = lambda _: None
+    """The stage's own fetch wait, if it has one (None: ``EPD_KAFKA_FETCH_MAX_WAIT_MS``)."""
+    fetch_min_bytes: Callable[[Settings], int | None] = lambda _: None
+    """Bytes the broker gathers before answering this stage's fetch (None: one record)."""
+
+
+STAGES: dict[str, Stage] = {
+    s.kind: s
+    for s in (
+        Stage(
+            "encode",
+            "vision tower on encoder inputs, embeddings into the store",
+            _build_encode,
+            report_as="encode",
+        ),
+        Stage(
+            "prefill",
+            "wait for embeddings, splice, prefill and decode (or, with EPD_DECODE_STAGE, park "
+            "the KV cache and hand the request to decode workers)",
+            _build_prefill,
+            report_as="prefill",
+        ),
+        Stage(
+            "decode",
+            "continue requests prefill workers handed over (EPD_DECODE_STAGE): read the parked "
+            "KV cache, decode in a batch, stream",
+            _build_decode,
+            report_as="decode",
+        ),
+        Stage(
+            "results",
+            "fold stage updates and per-item encode records into status records",
+            _build_results,
+            report_as=None,
+            uses_model=False,
+            fetch_wait_ms=lambda s: s.results_fetch_max_wait_ms,
+            fetch_min_bytes=lambda s: s.results_fetch_min_bytes,
+        ),
+        Stage(
+            "router",
+            "fan RenderEvents from external renderers out to encode and prefill",
+            _build_router,
+            report_as="fanout",
+        ),
+    )
+}
+KINDS = tuple(STAGES)
+
+
+async def run_worker(
+    kind: str, settings: Settings, *, ready: Callable[[], Awaitable[None]] | None = None
+) -> None:
+    """Build the stage's handler, join its consumer group and run until SIGTERM/SIGINT
+    (``ready``: called once the worker holds partitions)."""
+    stage = STAGES[kind]
+    ctx = await _open_context(kind, settings)
+    try:
+        loop = await _consume_loop(stage, ctx, await stage.build(ctx))
+        log.info(
+            "%s: consuming %s as group %s",
+            ctx.worker_id,
+            ctx.topics.read_by(kind),
+            ctx.topics.group(kind),
+        )
+        await _run_until_signal(loop, ready)
+    finally:
+        for close in reversed(ctx.closers):
+            try:
+                await close()
+            except Exception:
+                log.exception("%s: error while closing", ctx.worker_id)
+
+
+async def _open_context(kind: str, settings: Settings) -> StageContext:
+    """Refuse what cannot run (no EC secret), make the topics, start the publisher."""
+    from runtime.kafka import KafkaPublisher, ensure_topics, transactional_id
+    from schemas.codec import get_codec
+
+    topics = Topics(settings.topic_prefix)
+    settings.require_signing(kind)  # no real EPD_EC_SECRET: refuse, unless EPD_ALLOW_UNSIGNED
+    # The codec's schemas and converters are built now, not by the first event's decode.
+    await asyncio.to_thread(get_codec)
+    await ensure_topics(settings, topics.all())
+    # Transactional: the handlers publish with the loop's transactional producer, so their
+    # outputs commit (or abort) together with the batch's offsets.
+    txn_id = transactional_id(settings, topics.group(kind)) if settings.kafka_transactions else None
+    publisher = KafkaPublisher.for_pipeline(settings, topics, txn_id=txn_id)
+    await publisher.start()
+    ctx = StageContext(settings, topics, publisher, f"{kind}@{socket.gethostname()}:{os.getpid()}")
+    ctx.closers.append(publisher.stop)
+    return ctx
+
+
+async def _consume_loop(stage: Stage, ctx: StageContext, handler: Handler) -> ConsumeLoop:
+    """The stage's consume loop around ``handler``, with its dead letters reported."""
+    from prometheus_client import REGISTRY
+
+    from consumers.loop import ConsumeLoop, ConsumerConfig
+    from consumers.reporting import dead_letter_reporter
+
+    async def on_event(ce: Any) -> None:
+        await handler(ce.event)
+
+    reporter = None
+    if stage.report_as is not None:
+        reporter = dead_letter_reporter(
+            ctx.publisher, ctx.topics, stage.report_as, record=ctx.status_store().apply
+        )
+    await ctx.warm()
+    settings = ctx.settings
+    return ConsumeLoop(
+        settings,
+        ConsumerConfig(
+            topics=ctx.topics.read_by(stage.kind),
+            group_id=ctx.topics.group(stage.kind),
+            dlq_topic=ctx.topics.dlq,
+            max_in_flight=settings.max_in_flight,
+            max_attempts=settings.max_attempts,
+            transient_retry_s=settings.transient_retry_s,
+            consumer_overrides=_fetch_overrides(stage, settings),
+        ),
+        on_event,
+        producer=ctx.publisher.producer,
+        on_dead_letter=reporter,
+        registry=REGISTRY,  # served by --metrics-port
+    )
+
+
+async def _run_until_signal(loop: ConsumeLoop, ready: Callable[[], Awaitable[None]] | None) -> None:
+    await loop.start()
+    announce = None
+    if ready is not None:
+        announce = asyncio.create_task(_when_assigned(loop, ready))
+    try:
+        await loop.run_until_signal()
+    finally:
+        if announce is not None:
+            announce.cancel()
+
+
+async def _when_assigned(loop: Any, ready: Callable[[], Awaitable[None]]) -> None:
+    await loop.assigned.wait()  # partitions arrive with the first poll after the group join
+    await ready()

@@ -1,0 +1,181 @@
+"""Fetching an image or video a request names by an ``http(s)`` URL, only where the operator
+allows it.
+
+The allow-list is ``EPD_API_IMAGE_URL_HOSTS`` (:mod:`runtime.url_hosts`; empty by default: no
+URL is fetched and no request makes the API connect anywhere). A URL is checked before any
+connection: the scheme (``http``/``https``), no user info, and its host and port in the list. The
+fetch is bounded in time (``EPD_API_IMAGE_URL_TIMEOUT_S``, redirects included) and size (the
+route's byte limit, counted while the body streams in; a larger ``Content-Length`` is refused
+before its body is read). Redirects are followed by hand, at most
+``EPD_API_IMAGE_URL_MAX_REDIRECTS``, and only to the same host and port: a redirect elsewhere is
+refused, never followed. Proxies from the environment are not used (``trust_env=False``): the
+connection goes where the URL says, or nowhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import httpx
+
+from producers.api.errors import bad_request
+from runtime.settings import Settings
+from runtime.url_hosts import UrlHosts
+from schemas.errors import ValidationError
+
+SCHEMES = ("http", "https")
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+@dataclass(frozen=True, slots=True)
+class MediaRef:
+    """Where a request's URL-named item is, for messages: its field and item index."""
+
+    field: str
+    item: int
+    modality: str
+
+
+def _port(url: httpx.URL) -> int:
+    return url.port or DEFAULT_PORTS.get(url.scheme, 0)
+
+
+class MediaFetcher:
+    """Fetches allowed media URLs (see the module docstring)."""
+
+    def __init__(
+        self,
+        hosts: UrlHosts,
+        *,
+        timeout_s: float = 10.0,
+        max_redirects: int = 3,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.hosts = hosts
+        self.timeout_s = timeout_s
+        self.max_redirects = max_redirects
+        self._transport = transport
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> MediaFetcher:
+        return cls(
+            settings.url_hosts(),
+            timeout_s=settings.api_image_url_timeout_s,
+            max_redirects=settings.api_image_url_max_redirects,
+        )
+
+    def check(self, text: str, ref: MediaRef) -> httpx.URL:
+        """The URL, when it may be fetched; 400 ``image_url.scheme`` / ``image_url.host``
+        otherwise (nothing is connected to)."""
+        try:
+            url = httpx.URL(text)
+        except (httpx.InvalidURL, TypeError, ValueError):
+            raise bad_request(
+                "not a URL", rule="image_url.scheme", field=ref.field, item=ref.item
+            ) from None
+        if url.scheme not in SCHEMES or not url.host:
+            raise bad_request(
+                "give a data: URL (base64) or an http(s) URL",
+                rule="image_url.scheme",
+                field=ref.field,
+                item=ref.item,
+            )
+        if url.userinfo:
+            raise bad_request(
+                "a media URL may not carry a user name or password",
+                rule="image_url.host",
+                field=ref.field,
+                item=ref.item,
+            )
+        if not self.hosts.allows(url.host, _port(url)):
+            where = (
+                "this server fetches no URLs (EPD_API_IMAGE_URL_HOSTS is empty); send the "
+                "file as a data: URL"
+                if not self.hosts
+                else f"host {url.host!r} (port {_port(url)}) is not in EPD_API_IMAGE_URL_HOSTS"
+            )
+            raise bad_request(where, rule="image_url.host", field=ref.field, item=ref.item)
+        return url
+
+    async def fetch(self, text: str, ref: MediaRef, limit: int) -> bytes:
+        """The bytes at an allowed URL, at most ``limit`` of them. ``ValidationError``:
+        ``image_url.fetch`` (no answer in time, an error status, a redirect elsewhere),
+        ``image_url.size`` (over ``limit``)."""
+        url = self.check(text, ref)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self._get(url, ref, limit)
+        except TimeoutError:
+            raise self._failed(
+                ref, f"no answer within {self.timeout_s:g} s (EPD_API_IMAGE_URL_TIMEOUT_S)"
+            ) from None
+        except httpx.HTTPError as exc:
+            raise self._failed(ref, f"cannot fetch it: {type(exc).__name__}: {exc}") from None
+
+    async def _get(self, url: httpx.URL, ref: MediaRef, limit: int) -> bytes:
+        async with httpx.AsyncClient(
+            follow_redirects=False, trust_env=False, transport=self._transport
+        ) as client:
+            for _ in range(self.max_redirects + 1):
+                async with client.stream("GET", url) as resp:
+                    if resp.is_redirect:
+                        url = self._redirect(url, resp, ref)
+                        continue
+                    if resp.status_code != 200:
+                        raise self._failed(ref, f"the server answered {resp.status_code}")
+                    return await _body(resp, ref, limit)
+        raise self._failed(
+            ref, f"more than {self.max_redirects} redirects (EPD_API_IMAGE_URL_MAX_REDIRECTS)"
+        )
+
+    def _redirect(self, url: httpx.URL, resp: httpx.Response, ref: MediaRef) -> httpx.URL:
+        """The redirect's target, when it stays on the same host and port."""
+        location = resp.headers.get("location")
+        if not location:
+            raise self._failed(ref, f"a redirect ({resp.status_code}) without a Location")
+        target = url.join(location)
+        same = (
+            target.scheme in SCHEMES
+            and not target.userinfo
+            and (target.host, _port(target)) == (url.host, _port(url))
+        )
+        if not same:
+            raise self._failed(
+                ref, "it redirects to another host, which is never followed", rule="image_url.host"
+            )
+        return target
+
+    @staticmethod
+    def _failed(ref: MediaRef, why: str, *, rule: str = "image_url.fetch") -> ValidationError:
+        return ValidationError(
+            rule,
+            f"the {ref.modality} URL: {why}",
+            field=ref.field,
+            item=ref.item,
+            modality=ref.modality,
+        )
+
+
+async def _body(resp: httpx.Response, ref: MediaRef, limit: int) -> bytes:
+    declared = resp.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit, ref)
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in resp.aiter_bytes():
+        total += len(chunk)
+        if total > limit:
+            raise _too_large(total, limit, ref)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int, ref: MediaRef) -> ValidationError:
+    return ValidationError(
+        "image_url.size",
+        f"the {ref.modality} at the URL is at least {size} bytes; the limit is {limit}",
+        field=ref.field,
+        item=ref.item,
+        modality=ref.modality,
+    )

@@ -1,0 +1,398 @@
+"""An OpenAI request body -> what the intake needs: the conversation, its media, sampling.
+
+Checked here, before the intake sees anything (nothing is stored, nothing fetched): the body's
+size and JSON (by the route), message and part counts (``EPD_API_MAX_MESSAGES`` /
+``EPD_API_MAX_MESSAGE_PARTS``) and image and video counts before pydantic copies the body,
+its schema, the parameters this pipeline cannot honour (:data:`models.NEUTRAL`), the model
+name, every text part (no vision tokens; all of it within ``EPD_API_MAX_PROMPT_CHARS``), every
+``data:`` URL (size before decoding, type from the bytes) and every ``http(s)`` URL against the
+allow-list (:class:`producers.api.media_urls.MediaFetcher`), and the sampling parameters
+against the request limits. Allowed URLs are fetched later, in the request's render.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from pydantic import ValidationError as PydanticValidationError
+
+from producers.api.bodies import parse_json
+from producers.api.data_strings import (
+    IMAGE_FIELD,
+    IMAGE_TYPES,
+    check_image_bytes,
+    decode_data_string,
+)
+from producers.api.errors import ApiError
+from producers.api.media_urls import MediaFetcher, MediaRef
+from producers.api.openai_compat.errors import schema_error
+from producers.api.openai_compat.models import (
+    NEUTRAL,
+    ChatCompletionRequest,
+    ChatMessageIn,
+    InputMessage,
+    ResponseRequest,
+)
+from producers.api.videos import VIDEO_FIELD, VIDEO_TYPES, sniff_video_type
+from producers.chat import ChatMessage, ChatPart, check_text
+from runtime.request_limits import RequestLimits
+from runtime.settings import Settings
+from schemas.errors import ValidationError
+from schemas.types import SamplingParams
+
+OPENAI_TEMPERATURE = 1.0
+"""OpenAI samples at temperature 1 when a request names none."""
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+"""The roles a conversation may hold, as the chat template is given them (OpenAI's
+``developer`` is the system message of models that have no such role)."""
+
+
+@dataclass(slots=True)
+class Media:
+    """One image or video of a conversation: its bytes, or the allowed URL to fetch them from."""
+
+    kind: Literal["image", "video"]
+    ref: MediaRef
+    data: bytes | None = None
+    url: str | None = None
+
+
+@dataclass(slots=True)
+class Conversation:
+    """What a body asks for, checked (see the module docstring)."""
+
+    messages: list[ChatMessage]
+    media: list[Media]
+    sampling: SamplingParams
+    max_tokens_given: bool
+    """False: ``max_tokens`` is the most the context leaves (set once the prompt is known)."""
+    cache_salt: str | None = None
+    metadata: dict[str, str] | None = None
+    fingerprint: str = ""
+    stream: bool = False
+    include_usage: bool = False
+    background: bool = False
+    model: str = ""
+
+
+@dataclass(slots=True)
+class Builder:
+    """Collects messages and media, holding them to the limits as it goes."""
+
+    limits: RequestLimits
+    settings: Settings
+    fetcher: MediaFetcher
+    video: bool
+    """The family takes video."""
+    messages: list[ChatMessage] = field(default_factory=list)
+    media: list[Media] = field(default_factory=list)
+    chars: int = 0
+
+    def message(self, role: str, where: str) -> ChatMessage:
+        if role not in ROLES:
+            raise unsupported(where + ".role", f"role {role!r} (tools are not supported)")
+        msg = ChatMessage(ROLES[role])
+        self.messages.append(msg)
+        return msg
+
+    def text(self, msg: ChatMessage, text: str, where: str) -> None:
+        check_text(text, where)
+        self.chars += len(text)
+        if self.chars > self.limits.max_prompt_chars:
+            raise ValidationError(
+                "request.prompt",
+                f"the messages hold more than {self.limits.max_prompt_chars} characters "
+                "(EPD_API_MAX_PROMPT_CHARS)",
+                field=where,
+            )
+        msg.parts.append(ChatPart("text", text))
+
+    def item(self, msg: ChatMessage, kind: Literal["image", "video"], url: str, where: str) -> None:
+        index = sum(m.kind == kind for m in self.media)
+        ref = MediaRef(where, index, kind)
+        if kind == "video" and not self.video:
+            raise unsupported(where, "video (this model family takes none)")
+        if url.startswith("data:"):
+            data = _decode(url, ref, self.settings)
+            self.media.append(Media(kind, ref, data=data))
+        else:
+            self.fetcher.check(url, ref)  # refused here, before anything connects
+            self.media.append(Media(kind, ref, url=url))
+        msg.parts.append(ChatPart(kind))
+
+
+def _decode(url: str, ref: MediaRef, settings: Settings) -> bytes:
+    """A ``data:`` URL's bytes, size and type checked, errors naming the part."""
+    try:
+        if ref.modality == "image":
+            where = replace(IMAGE_FIELD, field=ref.field)
+            data = decode_data_string(
+                url, ref.item, settings.api_max_image_bytes, IMAGE_TYPES, where
+            )
+            check_image_bytes(data, ref.item, settings.api_max_image_bytes)
+            return data
+        where = replace(VIDEO_FIELD, field=ref.field)
+        data = decode_data_string(url, ref.item, settings.api_max_video_bytes, VIDEO_TYPES, where)
+        if not data or sniff_video_type(data) is None:
+            raise ApiError(
+                415,
+                "unsupported_media_type",
+                "the video is not MP4/MOV, WebM/MKV, GIF or WebP (checked by its leading bytes)",
+                rule="video.type",
+                item=ref.item,
+                modality="video",
+            )
+        return data
+    except ApiError as exc:
+        exc.field = ref.field  # the part, not the native API's field name
+        raise
+
+
+def unsupported(where: str, what: str) -> ValidationError:
+    return ValidationError("request.unsupported", f"{what} is not supported", field=where)
+
+
+def check_neutral(obj: dict[str, Any], names: set[str]) -> None:
+    """Rule ``request.unsupported`` for a parameter of ``names`` set to anything but its
+    neutral value (:data:`models.NEUTRAL`)."""
+    for name in sorted(names & obj.keys()):
+        value, neutral = obj[name], NEUTRAL[name]
+        if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
+            shown = json.dumps(value)[:80]
+            raise ValidationError(
+                "request.unsupported",
+                f"{name} = {shown} is not supported (only {json.dumps(neutral[0])})",
+                field=name,
+            )
+
+
+def fingerprint(obj: Any) -> str:
+    """The body's meaning (key order and whitespace do not matter): for ``Idempotency-Key``."""
+    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(canonical).hexdigest()
+
+
+def _validate(model: type[BaseModel], obj: Any) -> Any:
+    try:
+        return model.model_validate(obj)
+    except PydanticValidationError as exc:
+        raise schema_error(exc) from None
+
+
+def _object(body: bytes, limits: RequestLimits) -> dict[str, Any]:
+    obj = parse_json(body, limits.max_json_depth)
+    if not isinstance(obj, dict):
+        raise ValidationError("request.schema", "the body must be a JSON object")
+    return obj
+
+
+def _count(items: Any, limits: RequestLimits, where: str) -> None:
+    """Messages, parts, images and videos counted in the raw body, before it is parsed."""
+    if not isinstance(items, list):
+        return
+    parts = [m.get("content") for m in items if isinstance(m, dict)]
+    lists = [p for p in parts if isinstance(p, list)]
+    limits.check_chat_counts(len(items), max((len(p) for p in lists), default=0), where)
+    kinds = [x.get("type") for p in lists for x in p if isinstance(x, dict)]
+    limits.check_counts(
+        kinds.count("image_url") + kinds.count("input_image"), kinds.count("video_url")
+    )
+
+
+def sampling_of(
+    limits: RequestLimits,
+    *,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    seed: int | None,
+    stop: str | list[str] | None,
+    stop_token_ids: list[int] | None = None,
+    ignore_eos: bool | None = None,
+    max_tokens_field: str = "max_tokens",
+) -> SamplingParams:
+    """The request's ``SamplingParams``, held to the limits (OpenAI's defaults: temperature 1,
+    ``max_tokens`` up to the context)."""
+    if max_tokens is not None:
+        limits.check_max_tokens(max_tokens, field=max_tokens_field)
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    s = SamplingParams(
+        max_tokens=limits.max_tokens if max_tokens is None else max_tokens,
+        temperature=OPENAI_TEMPERATURE if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=0 if top_k in (None, -1) else int(top_k),
+        seed=seed,
+        stop=stops,
+        stop_token_ids=list(stop_token_ids or []),
+        ignore_eos=bool(ignore_eos),
+    )
+    limits.check_sampling_params(s)
+    return s
+
+
+def check_model(name: str | None, served: str) -> None:
+    """404 ``model_not_found`` for a model this API does not serve."""
+    if name is not None and name != served:
+        raise ApiError(
+            404,
+            "not_found",
+            f"the model {name!r} does not exist; this API serves {served!r} (GET /v1/models)",
+            rule="model_not_found",
+            field="model",
+        )
+
+
+# ------------------------------------------------------------------------- chat completions
+
+
+def parse_chat(
+    body: bytes,
+    limits: RequestLimits,
+    settings: Settings,
+    fetcher: MediaFetcher,
+    video: bool,
+) -> Conversation:
+    """A ``/v1/chat/completions`` body, checked (CPU-bound for a large body: run it in a
+    worker thread)."""
+    obj = _object(body, limits)
+    _count(obj.get("messages"), limits, "messages")
+    req: ChatCompletionRequest = _validate(ChatCompletionRequest, obj)
+    check_neutral(obj, set(NEUTRAL) - {"stream"})
+    check_model(req.model, settings.model_name())
+    b = Builder(limits, settings, fetcher, video)
+    for i, m in enumerate(req.messages):
+        _chat_message(b, m, f"messages[{i}]")
+    if req.max_tokens is not None and req.max_completion_tokens not in (None, req.max_tokens):
+        raise ValidationError(
+            "request.schema",
+            "max_tokens and max_completion_tokens disagree; give one",
+            field="max_completion_tokens",
+        )
+    given = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+    sampling = sampling_of(
+        limits,
+        max_tokens=given,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        max_tokens_field="max_tokens" if req.max_tokens is not None else "max_completion_tokens",
+    )
+    options = req.stream_options
+    return Conversation(
+        b.messages,
+        b.media,
+        sampling,
+        max_tokens_given=given is not None,
+        cache_salt=req.cache_salt,
+        metadata=req.metadata,
+        fingerprint=fingerprint(obj),
+        stream=bool(req.stream),
+        include_usage=bool(options and options.include_usage),
+        model=settings.model_name(),
+    )
+
+
+def _chat_message(b: Builder, m: ChatMessageIn, where: str) -> None:
+    if m.tool_calls not in (None, []) or m.function_call is not None:
+        raise unsupported(f"{where}.tool_calls", "tool calls")
+    msg = b.message(m.role, where)
+    content = m.content
+    if content is None:
+        if m.role != "assistant":
+            raise ValidationError(
+                "request.schema",
+                f"{where}.content: a {m.role} message needs content",
+                field=f"{where}.content",
+            )
+        return
+    if isinstance(content, str):
+        b.text(msg, content, f"{where}.content")
+        return
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if part.type == "text":
+            b.text(msg, part.text, at)
+        elif part.type == "refusal":
+            b.text(msg, part.refusal, at)
+        elif part.type == "image_url":
+            b.item(msg, "image", part.image_url.url, f"{at}.image_url.url")
+        elif part.type == "video_url":
+            b.item(msg, "video", part.video_url.url, f"{at}.video_url.url")
+        else:
+            raise unsupported(at, f"a content part of type {part.type!r}")
+
+
+# ------------------------------------------------------------------------------- responses
+
+
+def parse_response(
+    body: bytes,
+    limits: RequestLimits,
+    settings: Settings,
+    fetcher: MediaFetcher,
+    video: bool,
+) -> Conversation:
+    """A ``/v1/responses`` body, checked (see :func:`parse_chat`)."""
+    obj = _object(body, limits)
+    _count(obj.get("input"), limits, "input")
+    req: ResponseRequest = _validate(ResponseRequest, obj)
+    check_neutral(obj, set(NEUTRAL))
+    check_model(req.model, settings.model_name())
+    b = Builder(limits, settings, fetcher, video)
+    if req.instructions is not None:
+        b.text(b.message("system", "instructions"), req.instructions, "instructions")
+    if isinstance(req.input, str):
+        b.text(b.message("user", "input"), req.input, "input")
+    else:
+        for i, m in enumerate(req.input):
+            _input_message(b, m, f"input[{i}]")
+    if not b.messages:
+        raise ValidationError("request.schema", "input holds no message", field="input")
+    sampling = sampling_of(
+        limits,
+        max_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        stop=req.stop,
+        ignore_eos=req.ignore_eos,
+        max_tokens_field="max_output_tokens",
+    )
+    return Conversation(
+        b.messages,
+        b.media,
+        sampling,
+        max_tokens_given=req.max_output_tokens is not None,
+        cache_salt=req.cache_salt,
+        metadata=req.metadata,
+        fingerprint=fingerprint(obj),
+        background=bool(req.background),
+        model=settings.model_name(),
+    )
+
+
+def _input_message(b: Builder, m: InputMessage, where: str) -> None:
+    msg = b.message(m.role, where)
+    if isinstance(m.content, str):
+        b.text(msg, m.content, f"{where}.content")
+        return
+    for j, part in enumerate(m.content):
+        at = f"{where}.content[{j}]"
+        if part.type in ("input_text", "output_text"):
+            b.text(msg, part.text, at)  # type: ignore[union-attr]
+        elif part.type == "input_image":
+            if part.file_id is not None or part.image_url is None:  # type: ignore[union-attr]
+                raise unsupported(at, "an input_image without an image_url (file ids)")
+            b.item(msg, "image", part.image_url, f"{at}.image_url")  # type: ignore[union-attr]
+        else:
+            raise unsupported(at, f"a content part of type {part.type!r}")

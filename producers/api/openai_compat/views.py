@@ -1,0 +1,156 @@
+"""OpenAI's objects from a request's status record: ``chat.completion``, ``response``, and the
+error a request that did not complete is answered with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from producers.api.errors import ApiError
+from schemas.status_record import StatusRecord
+
+CHAT_PREFIX = "chatcmpl-"
+RESPONSE_PREFIX = "resp_"
+MESSAGE_PREFIX = "msg_"
+
+RESPONSE_STATUS = {
+    "queued": "queued",
+    "encoding": "in_progress",
+    "prefilling": "in_progress",
+    "decoding": "in_progress",
+    "completed": "completed",
+    "cancelled": "cancelled",
+    "failed": "failed",
+    "rejected": "failed",
+    "expired": "failed",
+}
+"""A record's status as a response's."""
+
+
+def finish_reason(rec: StatusRecord) -> str:
+    """``stop`` (end of sequence, a stop token or string) or ``length``."""
+    found = rec.info.get("finish_reason")
+    if found in ("stop", "length"):
+        return str(found)
+    max_tokens = rec.front.get("max_tokens")
+    made = len(rec.token_ids or [])
+    return "length" if max_tokens is not None and made >= max_tokens else "stop"
+
+
+def usage(rec: StatusRecord) -> dict[str, int]:
+    prompt = rec.prompt_tokens
+    completion = len(rec.token_ids or [])
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def not_completed(rec: StatusRecord) -> ApiError:
+    """The error a non-streamed answer gives for a request that ended other than completed,
+    in the native API's terms: a worker's refusal is 422 naming its rule, a cancel 409, a
+    failure or an expiry 503 (a retry may succeed)."""
+    status = rec.status
+    err = rec.error or {}
+    message = str(err.get("message") or f"the request ended {status}")
+    if status == "rejected":
+        return ApiError(
+            422,
+            "validation_failed",
+            message,
+            rule=err.get("rule") or err.get("code"),
+            field=err.get("field"),
+            item=err.get("item"),
+        )
+    if status == "cancelled":
+        return ApiError(409, "cancelled", message, rule="request.cancelled")
+    return ApiError(
+        503, "unavailable", message, rule=err.get("code") or status, headers={"Retry-After": "1"}
+    )
+
+
+def chat_completion(rec: StatusRecord) -> dict[str, Any]:
+    """The ``chat.completion`` of a completed request."""
+    front = rec.front
+    return {
+        "id": CHAT_PREFIX + rec.request_id,
+        "object": "chat.completion",
+        "created": int(front.get("created_s") or rec.created_ms // 1000),
+        "model": front.get("model", ""),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": rec.text or "", "refusal": None},
+                "finish_reason": finish_reason(rec),
+                "logprobs": None,
+            }
+        ],
+        "usage": usage(rec),
+        "system_fingerprint": None,
+    }
+
+
+def response_object(rec: StatusRecord) -> dict[str, Any]:
+    """The ``response`` of a record the Responses API made, as it stands."""
+    front = rec.front
+    rid = rec.request_id
+    status = RESPONSE_STATUS.get(rec.status, "in_progress")
+    output: list[dict[str, Any]] = []
+    text = None
+    incomplete = None
+    use = None
+    if rec.status == "completed":
+        text = rec.text or ""
+        output.append(
+            {
+                "type": "message",
+                "id": MESSAGE_PREFIX + rid,
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }
+        )
+        if finish_reason(rec) == "length":
+            incomplete = {"reason": "max_output_tokens"}
+        u = usage(rec)
+        use = {
+            "input_tokens": u["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": u["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u["total_tokens"],
+        }
+    error = None
+    if status == "failed":
+        err = rec.error or {}
+        error = {
+            "code": str(err.get("rule") or err.get("code") or rec.status),
+            "message": str(err.get("message") or f"the request ended {rec.status}"),
+        }
+    return {
+        "id": RESPONSE_PREFIX + rid,
+        "object": "response",
+        "created_at": int(front.get("created_s") or rec.created_ms // 1000),
+        "status": status,
+        "background": bool(front.get("background")),
+        "model": front.get("model", ""),
+        "output": output,
+        "output_text": text,
+        "error": error,
+        "incomplete_details": incomplete,
+        "instructions": None,
+        "max_output_tokens": front.get("max_tokens"),
+        "temperature": front.get("temperature"),
+        "top_p": front.get("top_p"),
+        "parallel_tool_calls": False,
+        "tool_choice": "none",
+        "tools": [],
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "reasoning": None,
+        "previous_response_id": None,
+        "store": True,
+        "usage": use,
+        "user": None,
+        "metadata": rec.metadata or {},
+    }

@@ -1,0 +1,58 @@
+"""``/v1/chat/completions``: OpenAI's chat completions, plain or streamed, on the intake."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from producers.api.bodies import read_body
+from producers.api.checks import JSON, content_type
+from producers.api.deps import State, Tenant
+from producers.api.errors import answered
+from producers.api.openai_compat.inputs import parse_chat
+from producers.api.openai_compat.openapi import CHAT_BODY, CHAT_RESPONSES
+from producers.api.openai_compat.stream import chat_chunks
+from producers.api.openai_compat.submit import front_of, outcome, submit, takes_video
+from producers.api.openai_compat.views import chat_completion, not_completed
+from producers.api.submissions import off_the_loop
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@router.post(
+    "/chat/completions",
+    responses=CHAT_RESPONSES,
+    openapi_extra={"requestBody": CHAT_BODY},
+    summary="OpenAI chat completions: text, image_url and video_url parts; stream as SSE",
+)
+async def chat_completions(request: Request, st: State, tenant: Tenant) -> Response:
+    content_type(request, JSON)
+    body = await read_body(request, st.settings.api_max_body_bytes)
+    with answered():
+        conv = await off_the_loop(
+            len(body), parse_chat, body, st.limits, st.settings, st.media, takes_video(st)
+        )
+    front = front_of(conv, "chat.completions", max_tokens=conv.sampling.max_tokens)
+    accepted = await submit(st, request, conv, tenant, front)
+    keyed = request.headers.get("idempotency-key") is not None
+    if conv.stream:
+        return StreamingResponse(
+            chat_chunks(
+                st,
+                accepted.request_id,
+                model=conv.model,
+                created_s=front["created_s"],
+                include_usage=conv.include_usage,
+                keyed=keyed,
+            ),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    rec = await outcome(st, request, accepted.request_id, keyed)
+    if rec is None:
+        return Response(status_code=499)  # the client closed the connection; nobody reads this
+    if rec.status != "completed":
+        raise not_completed(rec)
+    return JSONResponse(chat_completion(rec))

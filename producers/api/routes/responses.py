@@ -1,0 +1,111 @@
+"""``/v1/responses``: OpenAI's Responses API, its own submit-and-poll (``background``), on the
+intake: create, retrieve, cancel."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from producers.api.bodies import read_body
+from producers.api.checks import JSON, content_type, refuse_finished
+from producers.api.deps import State, Tenant
+from producers.api.errors import answered, not_found
+from producers.api.openai_compat.inputs import parse_response
+from producers.api.openai_compat.openapi import (
+    RESPONSE_BODY,
+    RESPONSE_RESPONSES,
+    with_openai_errors,
+)
+from producers.api.openai_compat.submit import front_of, outcome, submit, takes_video
+from producers.api.openai_compat.views import RESPONSE_PREFIX, response_object
+from producers.api.submissions import off_the_loop
+from schemas.status_record import StatusRecord
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+RESPONSES_API = "responses"
+
+
+@router.post(
+    "/responses",
+    responses=RESPONSE_RESPONSES,
+    openapi_extra={"requestBody": RESPONSE_BODY},
+    summary="OpenAI responses: background answers queued at once (poll by id), else when done",
+)
+async def create_response(request: Request, st: State, tenant: Tenant) -> Response:
+    content_type(request, JSON)
+    body = await read_body(request, st.settings.api_max_body_bytes)
+    with answered():
+        conv = await off_the_loop(
+            len(body),
+            parse_response,
+            body,
+            st.limits,
+            st.settings,
+            st.media,
+            takes_video(st),
+        )
+    s = conv.sampling
+    front = front_of(
+        conv,
+        RESPONSES_API,
+        background=conv.background,
+        max_tokens=s.max_tokens if conv.max_tokens_given else None,
+        temperature=s.temperature,
+        top_p=s.top_p,
+    )
+    accepted = await submit(st, request, conv, tenant, front)
+    rid = accepted.request_id
+    if conv.background:
+        rec = await st.status.get(rid)
+        if rec is None:
+            raise not_found(RESPONSE_PREFIX + rid)
+        view = response_object(rec)
+        if not accepted.duplicate and view["status"] == "in_progress":
+            view["status"] = "queued"  # as created: the workers may have begun already
+        return JSONResponse(view)
+    keyed = request.headers.get("idempotency-key") is not None
+    rec = await outcome(st, request, rid, keyed)
+    if rec is None:
+        return Response(status_code=499)  # the client closed the connection
+    return JSONResponse(response_object(rec))
+
+
+async def owned_response(response_id: str, st: State, tenant: Tenant) -> StatusRecord:
+    """The caller's response record. Another tenant's response, a request of another API, or
+    an unknown id are all "not found": ids reveal nothing."""
+    rid = response_id.removeprefix(RESPONSE_PREFIX)
+    rec = None
+    if response_id.startswith(RESPONSE_PREFIX) and rid:
+        rec = await st.status.get(rid)
+    if rec is None or rec.tenant != tenant or rec.front.get("api") != RESPONSES_API:
+        raise not_found(response_id)
+    return rec
+
+
+OwnedResponse = Annotated[StatusRecord, Depends(owned_response)]
+
+
+@router.get(
+    "/responses/{response_id}",
+    responses=with_openai_errors({200: {"model": RESPONSE_RESPONSES[200]["model"]}}),
+    summary="A response: queued, in_progress, completed (with its output), failed, cancelled",
+)
+async def get_response(response_id: str, rec: OwnedResponse) -> JSONResponse:
+    return JSONResponse(response_object(rec))
+
+
+@router.post(
+    "/responses/{response_id}/cancel",
+    responses=with_openai_errors({200: {"model": RESPONSE_RESPONSES[200]["model"]}}),
+    summary="Cancel a response: cancelled at once; the workers skip its remaining work",
+)
+async def cancel_response(response_id: str, st: State, rec: OwnedResponse) -> JSONResponse:
+    refuse_finished(rec)
+    rid = rec.request_id
+    await st.status.cancel(rid)
+    rec = await st.status.get(rid) or rec
+    refuse_finished(rec)  # it finished between the read and the cancel
+    return JSONResponse(response_object(rec))

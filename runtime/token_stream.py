@@ -1,0 +1,438 @@
+"""Per-request token streams in Redis: the decode loop writes tokens as it makes them, readers
+(the API's SSE and OpenAI streams, the CLI) follow them.
+
+Layout. One Redis stream per request, ``RedisKeys.tokens`` (``{prefix}:tokens:{request_id}``;
+its entry ids are the resume points: an SSE ``Last-Event-ID``), with a TTL (``EPD_STREAM_TTL_S``,
+renewed by every write) and a bounded length (``EPD_STREAM_MAX_ENTRIES``, trimmed approximately,
+oldest first). Every write is announced on pub/sub (message: the request id), so a waiting reader
+wakes on a notification instead of polling: on one Redis on one channel,
+``RedisKeys.tokens_notify``, that each reading process subscribes to once; on a Redis Cluster on
+the request's own sharded channel (``RedisKeys.token_changes``: the stream, its channel and the
+request's other keys share its ``{request_id}`` hash tag, so a write is one script on one shard),
+subscribed while someone waits on that request and for ``LINGER_S`` after (a reader that waits
+again at once, chunk after chunk, does not subscribe again each time). Entry fields:
+
+- ``t``: the chunk's token ids, comma separated; ``x``: the chunk's text, UTF-8, never half a
+  character and never part of a stop string (the decode loop holds such text back);
+- ``n`` / ``c``: tokens / characters in the stream up to and including this chunk (a reader
+  that sees ``n`` jump by more than the chunk's length lost a write: the status record's final
+  result is complete regardless);
+- on the last entry only: ``end`` (the terminal status: ``completed``, ``cancelled``,
+  ``expired``, ``failed``) and ``finish`` (``stop`` or ``length`` for a completed request).
+
+Writing (:class:`TokenStreamWriter`, one per request, in the worker's event loop). ``push``
+never waits: it buffers, and one background task writes what is buffered at most once per
+``EPD_STREAM_INTERVAL_MS`` (the first tokens at once), so Redis sees a bounded rate per request
+whatever the decode speed, and the decode loop is never slowed by Redis. A failed write is
+logged and dropped. :meth:`TokenStreamWriter.close` writes the rest and the end entry; the
+worker calls it *before* it writes the request's terminal status, so a reader that sees a
+terminal record finds every token already in the stream (a client's cancel is the exception:
+the record turns ``cancelled`` at once and the worker's end entry follows when it stops).
+:meth:`TokenStreamWriter.resume` makes a retried request (a redelivery, a decode worker taking
+over) continue the stream instead of repeating it: the tokens a request makes are
+deterministic (greedy, or sampled with a seed that is fixed per request), so the writer skips
+the ``n`` tokens and ``c`` characters already there.
+
+A request that ends before it decodes (refused, expired, cancelled or failed while waiting for
+its embeddings) has no stream at all: a reader watches the status record beside the stream
+(``StatusNotifier``) and stops at a terminal status once the stream has nothing more.
+
+Reading (:class:`TokenStreams`; one per process, ``await start()`` subscribes once):
+
+- ``await streams.read(request_id, after="0")`` -> the chunks after entry id ``after``
+  (``"0"``: from the start), oldest first, at most ``count``; ``[]`` when there are none (or
+  the stream does not exist, e.g. it expired);
+- ``await streams.wait(request_id, after, timeout_s)`` -> the same, waiting up to ``timeout_s``
+  for a chunk to arrive (``[]`` when none did);
+- ``async for chunk in streams.follow(request_id, after, idle_timeout_s)``: every chunk until
+  the end entry (or until nothing arrives for ``idle_timeout_s``).
+
+Each :class:`TokenChunk` has ``id`` (resume from it), ``token_ids``, ``text``, ``tokens_total``,
+``chars_total``, and ``end`` / ``finish_reason`` (None but on the last).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from runtime.redis_cluster import RedisClient, is_cluster_client
+from runtime.sharded_pubsub import ShardedChannels
+from runtime.status.listener import ChannelListener, forget
+from schemas.keys import RedisKeys
+
+if TYPE_CHECKING:
+    from runtime.settings import Settings
+
+log = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 2.0
+"""Longest :meth:`TokenStreamWriter.close` waits for Redis: a frozen Redis must not hold up
+the request's outcome (the status record carries the whole result anyway)."""
+
+LINGER_S = 1.0
+"""Redis Cluster: how long a request's channel stays subscribed after its last waiter left."""
+RESUBSCRIBE_S = 0.5
+"""Redis Cluster: how long a reader whose channel could not be subscribed (its master is
+failing over) sleeps before it reads again and retries the subscription."""
+
+# KEYS: the stream. ARGV: its cap, TTL (s), the channel, the request id, then the entry's
+# field/value pairs. A cluster's write: the stream and the channel share the request's slot.
+_APPEND_SCRIPT = """
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 5))
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('SPUBLISH', ARGV[3], ARGV[4])
+return 1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """One entry of a request's token stream."""
+
+    id: str
+    """The entry id (resume after it: ``read(request_id, after=chunk.id)``)."""
+    token_ids: list[int]
+    text: str
+    tokens_total: int
+    chars_total: int
+    end: str | None = None
+    """The request's terminal status, on the stream's last entry only."""
+    finish_reason: str | None = None
+    """``stop`` or ``length``, on the last entry of a completed request."""
+
+    @classmethod
+    def from_entry(cls, entry_id: Any, fields: Any) -> TokenChunk:
+        """A chunk from one stream entry as redis-py returns it (bytes keys and values)."""
+        f = {_s(k): _s(v) for k, v in (fields or {}).items()}
+        tokens = f.get("t", "")
+        return cls(
+            id=_s(entry_id),
+            token_ids=[int(t) for t in tokens.split(",")] if tokens else [],
+            text=f.get("x", ""),
+            tokens_total=int(f.get("n", "0")),
+            chars_total=int(f.get("c", "0")),
+            end=f.get("end") or None,
+            finish_reason=f.get("finish") or None,
+        )
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class TokenStreams:
+    """Token streams under one prefix: writers for workers, reads and waits for readers."""
+
+    def __init__(
+        self,
+        client: RedisClient,
+        prefix: str,
+        *,
+        interval_s: float = 0.02,
+        ttl_s: int = 3600,
+        max_entries: int = 4096,
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.interval_s = interval_s
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self.cluster = is_cluster_client(client)
+        self.keys = RedisKeys(prefix, cluster=self.cluster)
+        self.channel = self.keys.tokens_notify
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._listener: ChannelListener | None = None
+        self._sharded: ShardedChannels | None = None
+        self._lingering: dict[str, asyncio.TimerHandle] = {}
+        self._leaving: set[asyncio.Task[None]] = set()
+        self._append = client.register_script(_APPEND_SCRIPT) if self.cluster else None
+
+    @classmethod
+    def from_settings(cls, client: RedisClient, settings: Settings) -> TokenStreams:
+        """Streams with the deployment's ``EPD_STREAM_*`` settings."""
+        return cls(
+            client,
+            settings.topic_prefix,
+            interval_s=settings.stream_interval_ms / 1000,
+            ttl_s=settings.stream_ttl_s,
+            max_entries=settings.stream_max_entries,
+        )
+
+    def key(self, request_id: str) -> str:
+        return self.keys.tokens(request_id)
+
+    def writer(self, request_id: str) -> TokenStreamWriter:
+        """A writer for one request's stream (the worker's side)."""
+        return TokenStreamWriter(self, request_id)
+
+    # --------------------------------------------------------------------------- reading
+
+    async def start(self) -> None:
+        """Subscribe to the notify channel (once per process; ``wait`` starts it itself). On a
+        cluster: ready the sharded subscriptions (each request's channel is subscribed when a
+        reader waits on it)."""
+        if self.cluster:
+            if self._sharded is None:
+                assert isinstance(self.client, RedisCluster)
+                self._sharded = ShardedChannels(self.client, self._heard, self._lost)
+            return
+        if self._listener is None:
+            self._listener = ChannelListener(
+                self.client, self.channel, self._wake, on_gap=self._wake_all
+            )
+            await self._listener.start()
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            await self._listener.close()
+            self._listener = None
+        for timer in self._lingering.values():
+            timer.cancel()
+        self._lingering.clear()
+        for task in list(self._leaving):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        if self._sharded is not None:
+            await self._sharded.close()
+            self._sharded = None
+
+    # ------------------------------------------- cluster: one channel per waited-on request
+
+    def _channel(self, request_id: str) -> bytes:
+        return self.keys.token_changes(request_id).encode()
+
+    def _heard(self, channel: bytes, data: bytes) -> None:
+        self._wake(data.decode())
+
+    def _lost(self, channels: frozenset[bytes]) -> None:
+        """Channels went deaf (their master died or their slot moved): their readers read
+        again, and subscribe again where the slot lives now."""
+        for rid in list(self._waiters):
+            if self._channel(rid) in channels:
+                self._wake(rid)
+
+    async def _follow(self, request_id: str) -> bool:
+        """Cluster: make sure the request's channel is subscribed (confirmed) before a read;
+        False when it cannot be now (the reader then polls, briefly, until it can)."""
+        timer = self._lingering.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
+        sharded = self._sharded
+        if sharded is None:
+            return True
+        try:
+            await sharded.subscribe([self._channel(request_id)])
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.debug("token channel of %s not subscribed yet (%r)", request_id, exc)
+            return False
+        return True
+
+    def following(self, request_id: str) -> bool:
+        """Cluster: whether the request's channel is subscribed now (False on one Redis,
+        whose one channel is subscribed by :meth:`start`)."""
+        return self._sharded is not None and self._sharded.subscribed(self._channel(request_id))
+
+    def _linger(self, request_id: str) -> None:
+        """Cluster: the last reader of ``request_id`` left; unsubscribe after ``LINGER_S``
+        unless another comes."""
+        if self._sharded is None or request_id in self._lingering:
+            return
+
+        def leave() -> None:
+            self._lingering.pop(request_id, None)
+            if request_id in self._waiters or self._sharded is None:
+                return
+            task = asyncio.get_running_loop().create_task(
+                self._sharded.unsubscribe([self._channel(request_id)])
+            )
+            self._leaving.add(task)
+            task.add_done_callback(self._leaving.discard)
+
+        self._lingering[request_id] = asyncio.get_running_loop().call_later(LINGER_S, leave)
+
+    def _wake(self, request_id: str) -> None:
+        for ev in self._waiters.get(request_id, ()):
+            ev.set()
+
+    def _wake_all(self) -> None:
+        for evs in self._waiters.values():
+            for ev in evs:
+                ev.set()
+
+    async def append(self, request_id: str, fields: dict[str, str]) -> None:
+        """Append one entry to the request's stream, renew its TTL and announce it, in one
+        atomic step (a ``MULTI`` on one Redis; a script on the request's shard of a cluster)."""
+        key = self.key(request_id)
+        if self._append is not None:
+            flat = [part for pair in fields.items() for part in pair]
+            channel = self.keys.token_changes(request_id)
+            args: list[str | int] = [self.max_entries, self.ttl_s, channel, request_id, *flat]
+            await self._append(keys=[key], args=args)
+            return
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(key, fields, maxlen=self.max_entries, approximate=True)  # type: ignore[arg-type]
+        pipe.expire(key, self.ttl_s)
+        pipe.publish(self.channel, request_id)
+        await pipe.execute()
+
+    async def read(self, request_id: str, after: str = "0", count: int = 1000) -> list[TokenChunk]:
+        """The chunks after entry id ``after`` (``"0"``: all), oldest first, at most ``count``."""
+        low = "-" if after in ("", "0", "0-0") else f"({after}"
+        entries = await self.client.xrange(self.key(request_id), min=low, max="+", count=count)
+        return [TokenChunk.from_entry(i, f) for i, f in entries or []]
+
+    async def wait(
+        self, request_id: str, after: str = "0", timeout_s: float = 15.0, count: int = 1000
+    ) -> list[TokenChunk]:
+        """The chunks after ``after``, waiting up to ``timeout_s`` for one to be written."""
+        await self.start()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        woke = asyncio.Event()
+        # Registered (and on a cluster subscribed) before the read, so a write between the
+        # read and the wait is not missed.
+        self._waiters.setdefault(request_id, set()).add(woke)
+        try:
+            while True:
+                woke.clear()
+                heard = await self._follow(request_id)
+                chunks = await self.read(request_id, after, count)
+                left = deadline - loop.time()
+                if chunks or left <= 0:
+                    return chunks
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(woke.wait(), left if heard else min(left, RESUBSCRIBE_S))
+        finally:
+            forget(self._waiters, request_id, woke)
+            if request_id not in self._waiters:
+                self._linger(request_id)
+
+    async def follow(
+        self, request_id: str, after: str = "0", idle_timeout_s: float = 60.0
+    ) -> AsyncIterator[TokenChunk]:
+        """Every chunk after ``after`` as it arrives, through the end entry; stops early when
+        nothing arrives for ``idle_timeout_s``."""
+        while True:
+            chunks = await self.wait(request_id, after, idle_timeout_s)
+            if not chunks:
+                return
+            for chunk in chunks:
+                yield chunk
+                if chunk.end is not None:
+                    return
+            after = chunks[-1].id
+
+
+class TokenStreamWriter:
+    """Writes one request's tokens to its stream in bounded-rate batches (see the module)."""
+
+    def __init__(self, streams: TokenStreams, request_id: str) -> None:
+        self.streams = streams
+        self.request_id = request_id
+        self.key = streams.key(request_id)
+        self._tokens: list[int] = []
+        self._text: list[str] = []
+        self._total_tokens = 0
+        self._total_chars = 0
+        self._skip_tokens = 0
+        self._skip_chars = 0
+        self._last_write = float("-inf")
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.writes = 0
+        """Entries written so far (the end entry included)."""
+
+    async def resume(self) -> int:
+        """Continue a stream an earlier attempt of this request began: the tokens and text
+        pushed next are dropped until they pass what is there already. Returns the number of
+        tokens there (0 for a new stream, and when Redis cannot tell)."""
+        try:
+            last = await self.streams.client.xrevrange(self.key, max="+", min="-", count=1)
+        except RedisError as exc:
+            log.warning("token stream %s: cannot read its end (%r)", self.key, exc)
+            return 0
+        if not last:
+            return 0
+        entry_id, fields = last[0]
+        chunk = TokenChunk.from_entry(entry_id, fields)
+        self._skip_tokens = chunk.tokens_total - self._total_tokens
+        self._skip_chars = chunk.chars_total - self._total_chars
+        self._total_tokens, self._total_chars = chunk.tokens_total, chunk.chars_total
+        return chunk.tokens_total
+
+    def push(self, token_ids: Sequence[int], text: str) -> None:
+        """Buffer tokens and their text; written soon, in the background. Never waits."""
+        if self._closed:
+            return
+        tokens = list(token_ids)
+        if self._skip_tokens:
+            dropped = min(self._skip_tokens, len(tokens))
+            tokens, self._skip_tokens = tokens[dropped:], self._skip_tokens - dropped
+        if self._skip_chars:
+            dropped = min(self._skip_chars, len(text))
+            text, self._skip_chars = text[dropped:], self._skip_chars - dropped
+        if not tokens and not text:
+            return
+        self._tokens.extend(tokens)
+        self._text.append(text)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._drain(), name=f"tokens:{self.request_id}")
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._tokens or self._text:
+            due = self._last_write + self.streams.interval_s - loop.time()
+            if due > 0:
+                await asyncio.sleep(due)
+            await self._write()
+
+    async def _write(self, end: str | None = None, finish_reason: str | None = None) -> None:
+        tokens, text = self._tokens, "".join(self._text)
+        self._tokens, self._text = [], []
+        self._total_tokens += len(tokens)
+        self._total_chars += len(text)
+        fields: dict[str, str] = {
+            "t": ",".join(map(str, tokens)),
+            "x": text,
+            "n": str(self._total_tokens),
+            "c": str(self._total_chars),
+        }
+        if end is not None:
+            fields["end"] = end
+            fields["finish"] = finish_reason or ""
+        self._last_write = asyncio.get_running_loop().time()
+        try:
+            await self.streams.append(self.request_id, fields)
+            self.writes += 1
+        except (RedisError, OSError) as exc:
+            log.warning("token stream %s: a write failed (%r); it is dropped", self.key, exc)
+
+    async def close(self, status: str, finish_reason: str | None = None) -> None:
+        """Write what is buffered and the end entry (``status``: the terminal status), bounded
+        by ``CLOSE_TIMEOUT_S``; nothing pushed after this is written."""
+        self._closed = True
+        try:
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                if self._task is not None:
+                    await self._task
+                await self._write(end=status, finish_reason=finish_reason)
+        except TimeoutError:
+            log.warning("token stream %s: the end entry timed out", self.key)
+
+    async def abandon(self) -> None:
+        """Stop writing without an end entry (the request will be retried: its next attempt
+        resumes the stream)."""
+        self._closed = True
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task

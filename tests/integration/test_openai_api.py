@@ -1,0 +1,858 @@
+"""The OpenAI-compatible routes against real services: the broker, Redis, worker processes and
+``epd api`` replicas (uvicorn in subprocesses), driven by the official ``openai`` package. One
+stack serves the module; each test uses requests of its own.
+
+Beside the stack the module runs two loopback listeners: an image server the API may fetch
+from (``EPD_API_IMAGE_URL_HOSTS`` names it) and a trap that counts every connection made to it
+(no setting names it, and the allowed server redirects to it)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from producers.sample_images import png_bytes, synthetic_image
+from runtime.settings import Settings
+from schemas.types import SamplingParams
+from tests.integration.api_stack import TOKENS, ApiStack, api_stack, auth, isolated
+
+pytestmark = pytest.mark.integration
+
+MODEL = "tiny"
+IMG = png_bytes(synthetic_image(84, 56, seed=601))
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+# ------------------------------------------------------------------------ loopback listeners
+
+
+@dataclass
+class Trap:
+    """A TCP listener that counts the connections made to it (and answers none)."""
+
+    sock: socket.socket
+    port: int
+    connections: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            conn.close()
+
+
+@dataclass
+class ImageServer:
+    server: ThreadingHTTPServer
+    port: int
+    hits: list[str] = field(default_factory=list)
+
+
+def image_server(trap_port: int) -> ImageServer:
+    """``/cat.png`` (an image), ``/away`` (a redirect to the trap), ``/big`` (too large),
+    ``/text`` (not an image), ``/missing`` (404)."""
+    hits: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            hits.append(self.path)
+            if self.path == "/cat.png":
+                self._send(200, IMG, "image/png")
+            elif self.path == "/away":
+                self.send_response(302)
+                self.send_header("Location", f"http://127.0.0.1:{trap_port}/cat.png")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            elif self.path == "/here":
+                self.send_response(302)
+                self.send_header("Location", "/cat.png")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            elif self.path == "/big":
+                self._send(200, b"\x89PNG" + b"\0" * (3 * 1024 * 1024), "image/png")
+            elif self.path == "/text":
+                self._send(200, b"hello, not an image", "text/plain")
+            else:
+                self._send(404, b"no", "text/plain")
+
+        def _send(self, code: int, body: bytes, ctype: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                self.wfile.write(body)  # the API stops reading at its size limit
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return ImageServer(srv, int(srv.server_address[1]), hits)
+
+
+@pytest.fixture(scope="module")
+def trap() -> Iterator[Trap]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    t = Trap(sock, int(sock.getsockname()[1]))
+    thread = threading.Thread(target=t.run, daemon=True)
+    thread.start()
+    yield t
+    t.stop.set()
+    thread.join(5)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def images(trap: Trap) -> Iterator[ImageServer]:
+    srv = image_server(trap.port)
+    yield srv
+    srv.server.shutdown()
+
+
+# ------------------------------------------------------------------------------- the stack
+
+
+@pytest.fixture(scope="module")
+def stack(
+    settings: Settings, tmp_path_factory: pytest.TempPathFactory, images: ImageServer
+) -> Iterator[ApiStack]:
+    s = isolated(settings).model_copy(
+        update={"api_image_url_hosts": f"127.0.0.1:{images.port}", "api_image_url_timeout_s": 5}
+    )
+    with api_stack(s, tmp_path_factory.mktemp("openai-stack")) as st:
+        yield st
+
+
+@pytest.fixture
+def client(stack: ApiStack) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=f"{stack.api.url}/v1", api_key=TOKENS["alice"], max_retries=0, timeout=120
+    ) as c:
+        yield c
+
+
+@pytest.fixture
+async def aclient(stack: ApiStack) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(
+        base_url=f"{stack.api.url}/v1", api_key=TOKENS["alice"], max_retries=0, timeout=120
+    ) as c:
+        yield c
+
+
+@pytest.fixture
+async def http(stack: ApiStack) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=stack.api.url, headers=auth(), timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def bundle() -> Any:
+    from runtime.model import load_model
+
+    return load_model(MODEL, device="cpu")
+
+
+def record_id(completion_id: str) -> str:
+    return completion_id.removeprefix("chatcmpl-").removeprefix("resp_")
+
+
+def oracle(
+    bundle: Any, messages: list[dict[str, Any]], images: list[bytes], sampling: SamplingParams
+) -> list[int]:
+    """``model.generate`` in this process on the prompt transformers' ``apply_chat_template``
+    writes for the same conversation, tokenized whole (the parity oracle)."""
+    from gpu_workers.compute import generate_monolithic
+    from producers.render import Renderer, monolithic_inputs
+
+    prompt = bundle.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    ids = bundle.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ev = Renderer(bundle, max_image_pixels=4096 * 4096).render(
+        "oracle", token_ids=ids, images=images
+    )
+    ids, pv, grid = monolithic_inputs(ev)
+    return generate_monolithic(bundle, ids, pv, grid, 0, sampling=sampling)
+
+
+def user_turn(text: str, image_url: str | None = None) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
+    if image_url is not None:
+        parts.append({"type": "image_url", "image_url": {"url": image_url}})
+    return {"role": "user", "content": parts}
+
+
+def template_turn(text: str, with_image: bool) -> dict[str, Any]:
+    """The same turn as the chat template is given it."""
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
+    if with_image:
+        parts.append({"type": "image"})
+    return {"role": "user", "content": parts}
+
+
+async def native(http: httpx.AsyncClient, rid: str) -> dict[str, Any]:
+    r = await http.get(f"/v1/requests/{rid}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# --------------------------------------------------------------------------- chat completions
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI, stack: ApiStack) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    # the same tenants as every route: no token, no models
+    anon = openai.OpenAI(base_url=f"{stack.api.url}/v1", api_key="nobody", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        anon.models.list()
+    assert e.value.body["code"] == "auth.token"  # type: ignore[index]
+
+
+async def test_chat_completion_plain_equals_generate_on_the_chat_template(
+    client: openai.OpenAI, http: httpx.AsyncClient, bundle: Any
+) -> None:
+    messages = [
+        {"role": "system", "content": "You describe pictures."},
+        user_turn("What is in <image> this picture?", data_url(IMG)),
+    ]
+    out = await asyncio.to_thread(
+        client.chat.completions.create,
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=12,
+        temperature=0,
+    )
+    assert out.object == "chat.completion" and out.model == MODEL
+    assert out.choices[0].message.role == "assistant"
+    rec = await native(http, record_id(out.id))
+    want = await asyncio.to_thread(
+        oracle,
+        bundle,
+        [messages[0], template_turn("What is in <image> this picture?", True)],
+        [IMG],
+        SamplingParams(max_tokens=12),
+    )
+    print(f"\nCHAT (plain): {len(want)} tokens, usage {out.usage}")
+    assert rec["result"]["token_ids"] == want  # "<image>" in the text stayed text
+    assert out.choices[0].message.content == rec["result"]["text"]
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage is not None and out.usage.completion_tokens == len(want)
+    assert out.usage.prompt_tokens > 40  # the template's tokens and the image's pads
+
+
+async def test_chat_completion_streams_chunks_before_the_last_token_is_made(
+    aclient: openai.AsyncOpenAI, http: httpx.AsyncClient
+) -> None:
+    messages = [user_turn("Tell a long story about", data_url(IMG))]
+    stamps: list[tuple[float, str]] = []
+    finish, usage, roles = None, None, []
+    stream = await aclient.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunk_id = None
+    async for chunk in stream:
+        chunk_id = chunk.id
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage is not None:
+            usage = chunk.usage
+            assert chunk.choices == []
+            continue
+        delta = chunk.choices[0].delta
+        if delta.role:
+            roles.append(delta.role)
+        if delta.content:
+            stamps.append((time.time() * 1000, delta.content))
+        finish = chunk.choices[0].finish_reason or finish
+    assert chunk_id is not None
+    rec = await native(http, record_id(chunk_id))
+    done_ms = _stage_ms(rec, "decode", "finished")
+    text = "".join(t for _, t in stamps)
+    print(
+        f"\nCHAT (stream): {len(stamps)} content chunks for {len(rec['result']['token_ids'])} "
+        f"tokens; first chunk {done_ms - stamps[0][0]:.0f} ms before the last token was made"
+    )
+    assert roles == ["assistant"] and finish == "length"
+    assert text == rec["result"]["text"] and len(rec["result"]["token_ids"]) == 200
+    assert len(stamps) >= 3
+    assert stamps[0][0] < done_ms  # the first text arrived while decoding went on
+    assert usage is not None and usage.completion_tokens == 200
+    # streamed and plain: the same tokens (greedy)
+    plain = await aclient.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=200,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert plain.choices[0].message.content == text
+
+
+def _stage_ms(rec: dict[str, Any], stage: str, edge: str) -> float:
+    from datetime import datetime
+
+    at = rec["stages"][stage][edge]
+    return datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp() * 1000
+
+
+async def test_seeded_sampling_is_reproducible_and_equals_seeded_generate(
+    aclient: openai.AsyncOpenAI, http: httpx.AsyncClient, bundle: Any
+) -> None:
+    messages = [user_turn("Once upon a time", data_url(IMG))]
+    params = {"temperature": 0.9, "top_p": 0.95, "max_tokens": 24}
+
+    async def ask(seed: int) -> Any:
+        return await aclient.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            seed=seed,
+            extra_body={"top_k": 40, "ignore_eos": True},
+            **params,  # type: ignore[arg-type]
+        )
+
+    a, b, c = await asyncio.gather(ask(1234), ask(1234), ask(77))
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.choices[0].message.content != c.choices[0].message.content
+    rec = await native(http, record_id(a.id))
+    want = await asyncio.to_thread(
+        oracle,
+        bundle,
+        [template_turn("Once upon a time", True)],
+        [IMG],
+        SamplingParams(
+            max_tokens=24, temperature=0.9, top_p=0.95, top_k=40, seed=1234, ignore_eos=True
+        ),
+    )
+    print(f"\nSEEDED: seed 1234 twice -> {a.choices[0].message.content!r}; generate agrees")
+    assert rec["result"]["token_ids"] == want
+
+
+async def test_stop_strings_end_generation_and_are_not_returned(
+    aclient: openai.AsyncOpenAI,
+) -> None:
+    messages = [user_turn("Say something")]
+    full = await aclient.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=40,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    text = full.choices[0].message.content or ""
+    window = next((ch for ch in text[3:] if 33 <= ord(ch) < 127), None)
+    if window is None:
+        pytest.skip(f"no plain window to stop at in {text!r}")
+    cut = await aclient.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=40,
+        temperature=0,
+        stop=[window],
+    )
+    assert cut.choices[0].message.content == text[: text.index(window)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+async def test_a_video_part_is_laid_out_by_the_template_and_equals_generate(
+    aclient: openai.AsyncOpenAI, http: httpx.AsyncClient, bundle: Any
+) -> None:
+    from gpu_workers.compute import generate_monolithic
+    from producers.render import Renderer, monolithic_inputs, monolithic_video_inputs
+    from producers.sample_videos import synthetic_mp4
+
+    mp4 = synthetic_mp4(n=8, seed=61)
+    part = {"type": "video_url", "video_url": {"url": data_url(mp4, "video/mp4")}}
+    out = await aclient.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What moves?"}, part]}],  # type: ignore[list-item]
+        max_tokens=6,
+        temperature=0,
+    )
+    rec = await native(http, record_id(out.id))
+    prompt = bundle.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": "What moves?"}, {"type": "video"}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    ids = bundle.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ev = Renderer.for_settings(bundle, Settings()).render("oracle", token_ids=ids, videos=[mp4])
+    ids, pv, grid = monolithic_inputs(ev)
+
+    def run() -> list[int]:
+        return generate_monolithic(
+            bundle,
+            ids,
+            pv,
+            grid,
+            0,
+            sampling=SamplingParams(max_tokens=6),
+            **monolithic_video_inputs(ev),
+        )
+
+    assert [it["modality"] for it in rec["items"]] == ["video"]
+    assert rec["result"]["token_ids"] == await asyncio.to_thread(run)
+
+
+# ------------------------------------------------------------------------------- media URLs
+
+
+async def test_an_image_url_outside_the_allow_list_is_refused_and_nothing_connects(
+    client: openai.OpenAI, aclient: openai.AsyncOpenAI, trap: Trap, images: ImageServer
+) -> None:
+    before = trap.connections
+    for url in (
+        f"http://127.0.0.1:{trap.port}/cat.png",  # not in the list
+        f"http://localhost:{images.port}/cat.png",  # the allowed port, another host name
+        f"http://user@127.0.0.1:{images.port}/cat.png",  # user info
+        "file:///etc/passwd",
+        f"ftp://127.0.0.1:{trap.port}/x.png",
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            await aclient.chat.completions.create(
+                model=MODEL,
+                messages=[user_turn("look", url)],  # type: ignore[list-item]
+                max_tokens=2,
+            )
+        assert e.value.status_code == 400, url
+        assert e.value.body["code"] in ("image_url.host", "image_url.scheme")  # type: ignore[index]
+        assert e.value.body["param"] == "messages[0].content[1].image_url.url"  # type: ignore[index]
+    # an allowed host that redirects to the trap: refused, the redirect never followed
+    hits = len(images.hits)
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        await aclient.chat.completions.create(
+            model=MODEL,
+            messages=[user_turn("look", f"http://127.0.0.1:{images.port}/away")],  # type: ignore[list-item]
+            max_tokens=2,
+        )
+    assert e.value.body["code"] == "image_url.host"  # type: ignore[index]
+    assert images.hits[hits:] == ["/away"]
+    await asyncio.sleep(0.5)  # anything late would have landed by now
+    print(f"\nURL ALLOW-LIST: connections to the trap: {trap.connections - before}")
+    assert trap.connections == before == 0
+
+
+async def test_an_allowed_image_url_is_fetched_with_its_bounds(
+    aclient: openai.AsyncOpenAI, http: httpx.AsyncClient, images: ImageServer, bundle: Any
+) -> None:
+    base = f"http://127.0.0.1:{images.port}"
+    out = await aclient.chat.completions.create(
+        model=MODEL,
+        messages=[user_turn("look", f"{base}/here")],  # type: ignore[list-item]
+        max_tokens=6,
+        temperature=0,
+    )
+    rec = await native(http, record_id(out.id))
+    want = await asyncio.to_thread(
+        oracle, bundle, [template_turn("look", True)], [IMG], SamplingParams(max_tokens=6)
+    )
+    assert rec["result"]["token_ids"] == want  # fetched, through a same-host redirect
+    for path, error, code in (
+        ("/big", openai.APIStatusError, "image_url.size"),
+        ("/text", openai.APIStatusError, "image_url.type"),
+        ("/missing", openai.UnprocessableEntityError, "image_url.fetch"),
+    ):
+        with pytest.raises(error) as e:
+            await aclient.chat.completions.create(
+                model=MODEL,
+                messages=[user_turn("look", f"{base}{path}")],  # type: ignore[list-item]
+                max_tokens=2,
+            )
+        assert e.value.body["code"] == code, (path, e.value.body)  # type: ignore[index]
+        assert e.value.status_code == {"/big": 413, "/text": 415}.get(path, 422)
+
+
+# ------------------------------------------------------------------------- errors and tenants
+
+
+async def test_errors_have_openai_shape_and_the_native_status_codes(
+    http: httpx.AsyncClient, stack: ApiStack
+) -> None:
+    url = "/v1/chat/completions"
+    ok = [user_turn("hi")]
+    cases: list[tuple[Any, int, str, str | None]] = [
+        ({"messages": ok, "n": 2}, 422, "request.unsupported", "n"),
+        ({"messages": ok, "max_tokens": 10**6}, 422, "max-tokens", "max_tokens"),
+        ({"messages": ok, "temperature": 7}, 422, "sampling.temperature", "temperature"),
+        ({"messages": ok, "top_p": 0}, 422, "sampling.top_p", "top_p"),
+        ({"messages": ok, "stop": ["x"] * 40}, 422, "sampling.stop", "stop"),
+        ({"messages": ok, "tools": [{"type": "function"}]}, 422, "request.unsupported", "tools"),
+        ({"messages": ok, "surprise": 1}, 422, "request.schema", "surprise"),
+        ({"messages": ok, "model": "gpt-4o"}, 404, "model_not_found", "model"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, 422, "request.unsupported", None),
+        (
+            {"messages": [user_turn("x", "data:image/png;base64,!!")]},
+            400,
+            "image.encoding",
+            "messages[0].content[1].image_url.url",
+        ),
+        (
+            {"messages": [user_turn("<|image_pad|>")]},
+            422,
+            "render.reserved_token",
+            "messages[0].content[0]",
+        ),
+        ({"messages": [user_turn("x")] * 300}, 413, "request.messages", "messages"),
+    ]
+    for body, status, code, param in cases:
+        r = await http.post(url, json=body)
+        assert r.status_code == status, (body.keys(), r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}, err
+        assert err["code"] == code and err["message"], (code, err)
+        if param is not None:
+            assert err["param"] == param, err
+    ctype = {"content-type": "application/json"}
+    deep = '{"messages": ' + "[" * 5000 + "]" * 5000 + "}"
+    for raw in (b"{not json", b'{"messages": NaN}', deep.encode()):
+        for route in (url, "/v1/responses"):
+            r = await http.post(route, content=raw, headers=ctype)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "body.json", r.text
+    r = await http.post(url, content=b"messages", headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "body.content_type"
+    r = await http.post(url, json={"messages": ok}, headers={"authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    # nothing above left a request behind in flight
+    metrics = (await http.get("/metrics")).text
+    assert "epd_api_in_flight 0.0" in metrics, metrics
+
+
+async def test_idempotency_and_admission_hold_on_the_chat_route(
+    http: httpx.AsyncClient, stack: ApiStack
+) -> None:
+    key = {"Idempotency-Key": f"chat-{uuid.uuid4().hex}"}
+    body = {"messages": [user_turn("again")], "max_tokens": 3, "temperature": 0}
+    first = await http.post("/v1/chat/completions", json=body, headers=key)
+    again = await http.post("/v1/chat/completions", json=body, headers=key)
+    assert first.status_code == again.status_code == 200, (first.text, again.text)
+    assert first.json()["id"] == again.json()["id"]
+    other = await http.post("/v1/chat/completions", json={**body, "max_tokens": 4}, headers=key)
+    assert other.status_code == 409
+    assert other.json()["error"]["code"] == "idempotency.body_mismatch"
+    # the replica bounded to 2 unfinished requests answers 429 in OpenAI's shape
+    async with httpx.AsyncClient(base_url=stack.replica.url, headers=auth(), timeout=120) as b:
+        long = {"input": "long", "max_output_tokens": 1500, "background": True, "ignore_eos": True}
+        tasks = [asyncio.create_task(b.post("/v1/responses", json=long)) for _ in range(4)]
+        answers = await asyncio.gather(*tasks)
+        codes = sorted(a.status_code for a in answers)
+        print(f"\nADMISSION (EPD_API_MAX_IN_FLIGHT=2): {codes}")
+        throttled = [a for a in answers if a.status_code == 429]
+        assert throttled and throttled[0].json()["error"]["type"] == "rate_limit_error"
+        assert throttled[0].headers.get("retry-after")
+        for a in answers:
+            if a.status_code == 200:
+                await b.post(f"/v1/responses/{a.json()['id']}/cancel")
+
+
+# ---------------------------------------------------------------------- background responses
+
+
+async def test_background_responses_are_created_polled_to_completed_and_cancelled(
+    aclient: openai.AsyncOpenAI, stack: ApiStack, http: httpx.AsyncClient
+) -> None:
+    created = await aclient.responses.create(
+        model=MODEL,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "What is this?"},
+                    {"type": "input_image", "image_url": data_url(IMG), "detail": "auto"},
+                ],
+            }
+        ],
+        max_output_tokens=8,
+        temperature=0,
+        background=True,
+    )
+    assert created.status == "queued" and created.id.startswith("resp_") and created.background
+    seen = [created.status]
+    resp = created
+    while resp.status in ("queued", "in_progress"):
+        resp = await aclient.responses.retrieve(created.id)
+        seen.append(resp.status)
+        await asyncio.sleep(0.05)
+    print(f"\nBACKGROUND: statuses polled {sorted(set(seen), key=seen.index)}")
+    assert resp.status == "completed", resp
+    assert resp.output_text and resp.usage is not None and resp.usage.output_tokens == 8
+    rec = await native(http, record_id(resp.id))
+    assert resp.output_text == rec["result"]["text"]
+
+    # cancelled while it runs
+    long = await aclient.responses.create(
+        model=MODEL,
+        input="Write forever",
+        max_output_tokens=2000,
+        background=True,
+        extra_body={"ignore_eos": True},
+    )
+    cancelled = await aclient.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    assert (await aclient.responses.retrieve(long.id)).status == "cancelled"
+    # a finished one cannot be cancelled; another tenant's is not found
+    with pytest.raises(openai.ConflictError):
+        await aclient.responses.cancel(resp.id)
+    async with openai.AsyncOpenAI(
+        base_url=f"{stack.api.url}/v1", api_key=TOKENS["bob"], max_retries=0
+    ) as bob:
+        with pytest.raises(openai.NotFoundError):
+            await bob.responses.retrieve(resp.id)
+        with pytest.raises(openai.NotFoundError):
+            await bob.responses.cancel(long.id)
+    # a chat completion's id is no response id
+    chat = await aclient.chat.completions.create(
+        model=MODEL,
+        messages=[user_turn("hi")],
+        max_tokens=2,  # type: ignore[list-item]
+    )
+    with pytest.raises(openai.NotFoundError):
+        await aclient.responses.retrieve("resp_" + record_id(chat.id))
+
+
+async def test_a_response_without_background_answers_when_done(
+    aclient: openai.AsyncOpenAI,
+) -> None:
+    resp = await aclient.responses.create(
+        model=MODEL, input="Hello", instructions="Be brief.", max_output_tokens=5, temperature=0
+    )
+    assert resp.status == "completed" and not resp.background
+    assert resp.usage is not None and resp.usage.output_tokens == 5 and resp.output_text
+
+
+# ------------------------------------------------------------------------- native token events
+
+
+async def test_native_events_carry_tokens_and_resume_across_both_kinds(
+    http: httpx.AsyncClient,
+) -> None:
+    r = await http.post(
+        "/v1/requests",
+        json={"prompt": "Stream me", "max_tokens": 120, "ignore_eos": True},
+    )
+    assert r.status_code == 202, r.text
+    rid = r.json()["request_id"]
+    events = await _sse(http, f"/v1/requests/{rid}/events")
+    kinds = [k for k, _, _ in events]
+    tokens = [t for k, _, d in events if k == "token" for t in d["token_ids"]]
+    status = await native(http, rid)
+    print(f"\nNATIVE SSE: {kinds.count('status')} status and {kinds.count('token')} token events")
+    assert kinds[-1] == "status" and events[-1][2]["status"] == "completed"
+    assert kinds.count("token") >= 3 and tokens == status["result"]["token_ids"]
+    assert "".join(d["text"] for k, _, d in events if k == "token") == status["result"]["text"]
+    # resume from the middle: what follows, of both kinds, once
+    middle = next(i for i, (k, _, _) in enumerate(events) if k == "token") + 1
+    rest = await _sse(
+        http, f"/v1/requests/{rid}/events", headers={"Last-Event-ID": events[middle][1]}
+    )
+    assert [(k, i) for k, i, _ in rest] == [(k, i) for k, i, _ in events[middle + 1 :]]
+    bad = await http.get(f"/v1/requests/{rid}/events", headers={"Last-Event-ID": "x_y"})
+    assert bad.status_code == 400
+
+
+async def _sse(
+    http: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None
+) -> list[tuple[str, str, dict[str, Any]]]:
+    out: list[tuple[str, str, dict[str, Any]]] = []
+    async with http.stream("GET", url, headers=headers or {}) as resp:
+        assert resp.status_code == 200
+        kind, ev_id, data = "", "", ""
+        async for line in resp.aiter_lines():
+            if line.startswith("event:"):
+                kind = line[6:].strip()
+            elif line.startswith("id:"):
+                ev_id = line[3:].strip()
+            elif line.startswith("data:"):
+                data = line[5:].strip()
+            elif not line and data:
+                out.append((kind, ev_id, json.loads(data)))
+                kind, ev_id, data = "", "", ""
+    return out
+
+
+async def test_a_client_that_leaves_a_stream_cancels_its_request(
+    stack: ApiStack, http: httpx.AsyncClient
+) -> None:
+    body = {
+        "messages": [user_turn("Go on")],
+        "max_tokens": 2000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        first = None
+        async for line in resp.aiter_lines():
+            if line.startswith("data:") and '"content":"' in line and '"content":""' not in line:
+                first = json.loads(line[5:])
+                break
+    assert first is not None
+    rid = record_id(first["id"])
+    for _ in range(100):
+        rec = await native(http, rid)
+        if rec["status"] == "cancelled":
+            break
+        await asyncio.sleep(0.1)
+    assert rec["status"] == "cancelled", rec["status"]
+    assert len(rec["result"]["token_ids"] if rec["result"] else []) < 2000
+    # a plain request whose client gives up waiting: cancelled too
+    plain = {**body, "stream": False, "metadata": {"case": uuid.uuid4().hex}}
+    with pytest.raises(httpx.ReadTimeout):
+        await http.post("/v1/chat/completions", json=plain, timeout=httpx.Timeout(30, read=1.5))
+    ids = []
+    for _ in range(100):
+        ids = await _cancelled_with(stack, plain["metadata"]["case"])
+        if ids:
+            break
+        await asyncio.sleep(0.1)
+    assert ids, "the abandoned plain request was not cancelled"
+
+
+async def _cancelled_with(stack: ApiStack, case: str) -> list[str]:
+    """Ids of the cancelled records labelled ``case`` (read from Redis: the client never got
+    the request's id)."""
+    import redis.asyncio as aioredis
+
+    from runtime.status import StatusStore
+
+    client = aioredis.Redis.from_url(stack.settings.redis_url)
+    try:
+        store = StatusStore(client, prefix=stack.settings.topic_prefix)
+        found = []
+        async for key in client.scan_iter(match=f"{stack.settings.topic_prefix}:status:*"):
+            rec = await store.get(key.decode().rsplit(":", 1)[1])
+            labels = (rec.metadata if rec else None) or {}
+            if rec and labels.get("case") == case and rec.status == "cancelled":
+                found.append(rec.request_id)
+        return found
+    finally:
+        await client.aclose()
+
+
+# ---------------------------------------------------------------------------------- the CLI
+
+
+async def test_cli_submit_stream_prints_text_as_it_arrives(
+    stack: ApiStack, http: httpx.AsyncClient
+) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "epd.cli",
+        "submit",
+        "--prompt",
+        "A long tale",
+        "--max-tokens",
+        "300",
+        "--stream",
+        "--url",
+        stack.api.url,
+        "--token",
+        TOKENS["alice"],
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    pieces: list[tuple[float, bytes]] = []
+    while chunk := await proc.stdout.read(64):
+        pieces.append((time.time() * 1000, chunk))
+    err = (await proc.stderr.read()).decode() if proc.stderr else ""
+    assert await proc.wait() == 0, err
+    rid = next(line.split()[1] for line in err.splitlines() if line.startswith("submitted"))
+    rec = await native(http, rid)
+    text = b"".join(c for _, c in pieces).decode()
+    done_ms = _stage_ms(rec, "decode", "finished")
+    print(
+        f"\nCLI --stream: {len(pieces)} reads; first text {done_ms - pieces[0][0]:.0f} ms "
+        "before the last token was made"
+    )
+    assert text == rec["result"]["text"] + "\n"
+    assert len(pieces) >= 2 and pieces[0][0] < done_ms
+    assert "completed" in err
+
+
+# ------------------------------------------------------------------------------ schemathesis
+
+
+async def test_schemathesis_over_the_openai_routes_finds_no_server_error(
+    stack: ApiStack, tmp_path: Path
+) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "run",
+        f"{stack.api.url}/openapi.json",
+        "--checks",
+        "not_a_server_error,status_code_conformance,content_type_conformance,"
+        "response_schema_conformance",
+        "--include-path-regex",
+        "^/v1/(chat|responses|models)",
+        "--max-examples",
+        "25",
+        "--max-time",
+        "70",
+        "--workers",
+        "1",
+        "--seed",
+        "3",
+        "--no-shrink",
+        "--phases",
+        "examples,coverage,fuzzing",
+        "--request-timeout",
+        "60",
+        "--header",
+        f"Authorization: Bearer {TOKENS['alice']}",
+        "--generation-database",
+        "none",
+        "--no-color",
+        cwd=tmp_path,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 500)
+    text = out.decode(errors="replace")
+    print(f"\nSCHEMATHESIS (OpenAI routes):\n{text[-1800:]}")
+    assert proc.returncode == 0, text[-6000:]
+    assert "Tested: 6" in text or "6 operations" in text, text[-3000:]
+    assert "Traceback" not in stack.api.tail()
+    with contextlib.suppress(Exception):
+        async with httpx.AsyncClient(base_url=stack.api.url) as c:
+            assert (await c.get("/healthz")).status_code == 200
