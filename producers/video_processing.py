@@ -160,14 +160,6 @@ def frame_size(width: int, height: int, cfg: VideoProcessorConfig) -> tuple[int,
     )
 
 
-def video_grid(frames: int, width: int, height: int, cfg: VideoProcessorConfig) -> list[int]:
-    """``[t, h, w]`` a video of ``frames`` frames of ``width x height`` becomes; cheap (no pixels),
-    so the renderer can refuse an oversize video before resizing any frame."""
-    rh, rw = frame_size(width, height, cfg)
-    t = -(-frames // cfg.temporal_patch_size)
-    return [t, rh // cfg.patch_size, rw // cfg.patch_size]
-
-
 def _normalised(frame: Image.Image, rh: int, rw: int, cfg: VideoProcessorConfig) -> np.ndarray:
     img = frame.convert("RGB") if frame.mode != "RGB" else frame
     if img.size != (rw, rh):
