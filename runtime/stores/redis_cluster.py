@@ -55,6 +55,7 @@ from runtime.stores.base import (
     tensor_from_blob,
     tensor_view,
 )
+from runtime.waiters import KeyedWaiters, wait_present
 from schemas.keys import store_ready_slot_channel
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,8 @@ class RedisClusterStore(EmbeddingStore):
             self._deaf,
             connect_timeout_s=socket_connect_timeout_s,
         )
-        self._waiters: dict[bytes, set[asyncio.Future[None]]] = {}
+        self._waiters: KeyedWaiters[bytes] = KeyedWaiters()
+        """Futures of ``wait``, by the Redis key a put announces."""
         # Computed (once per process) when the store is opened, not on a request's path.
         self._tags = slot_tags()
         self._closed = False
@@ -318,18 +320,14 @@ class RedisClusterStore(EmbeddingStore):
     # --- readiness ----------------------------------------------------------------------------
 
     def _woken(self, channel: bytes, data: bytes) -> None:
-        for fut in self._waiters.get(data, ()):
-            if not fut.done():
-                fut.set_result(None)
+        self._waiters.wake(data)
 
     def _deaf(self, channels: frozenset[bytes]) -> None:
         """Fail every wait on a key whose slot channel went deaf (one synchronous step)."""
         err = StoreUnavailable(f"redis cluster store {self._url}: readiness channel lost")
-        for rkey, futs in self._waiters.items():
+        for rkey in self._waiters.keys():
             if self._ready_channel(rkey) in channels:
-                for fut in futs:
-                    if not fut.done():
-                        fut.set_exception(err)
+                self._waiters.wake(rkey, err)
 
     async def wait(self, keys: Sequence[str], timeout_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -351,49 +349,38 @@ class RedisClusterStore(EmbeddingStore):
                 there = await self._exists_each([rkeys[k] for k in pending])
             except UNAVAILABLE as exc:
                 raise self._unavailable("wait", exc) from exc
-            missing = [k for k, ok in zip(pending, there, strict=True) if not ok]
-            if missing:
-                raise StoreTimeout(missing, timeout_s) from None
+            missing_now = [k for k, ok in zip(pending, there, strict=True) if not ok]
+            if missing_now:
+                raise StoreTimeout(missing_now, timeout_s) from None
             return
         except UNAVAILABLE as exc:
             raise self._unavailable("wait (subscribe)", exc) from exc
-        futs = {k: loop.create_future() for k in pending}
-        for k, fut in futs.items():
-            self._waiters.setdefault(rkeys[k], set()).add(fut)
-        try:
+        names = {rkeys[k]: k for k in pending}
+
+        def channels_live() -> None:
             # Registered after the subscriptions were confirmed, checked with no await between:
             # a channel that went deaf since then failed only the futures it knew of.
             if not all(self._subs.subscribed(c) for c in channels):
                 raise StoreUnavailable(f"redis cluster store {self._url}: readiness channel lost")
+
+        async def missing(names_left: list[bytes]) -> list[bytes]:
             self.wake_checks += 1
             try:
-                present = await self._exists_each([rkeys[k] for k in pending])
+                present = await self._exists_each(names_left)
             except UNAVAILABLE as exc:
                 raise self._unavailable("wait", exc) from exc
-            waiting = [futs[k] for k, ok in zip(pending, present, strict=True) if not ok]
-            while waiting:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise StoreTimeout([k for k, f in futs.items() if f in waiting], timeout_s)
-                done, _ = await asyncio.wait(
-                    waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-                )
-                for fut in done:
-                    failure = fut.exception()
-                    if failure is not None:
-                        raise failure
-                waiting = [f for f in waiting if not f.done()]
-        finally:
-            for k, fut in futs.items():
-                if not fut.done():
-                    fut.cancel()
-                elif not fut.cancelled():
-                    fut.exception()  # mark a listener failure as retrieved
-                registered = self._waiters.get(rkeys[k])
-                if registered is not None:
-                    registered.discard(fut)
-                    if not registered:
-                        del self._waiters[rkeys[k]]
+            return [k for k, ok in zip(names_left, present, strict=True) if not ok]
+
+        # A wake is the write itself (SET and SPUBLISH in one MULTI): no second look.
+        await wait_present(
+            self._waiters,
+            list(names),
+            max(0.0, deadline - loop.time()),
+            missing=missing,
+            timed_out=lambda left: StoreTimeout([names[k] for k in left], timeout_s),
+            recheck=False,
+            registered=channels_live,
+        )
 
     async def close(self) -> None:
         if self._closed:
