@@ -94,10 +94,25 @@ def test_demo_on_a_three_master_cluster(
     assert summary["completed"] == summary["requests"] > 0, summary["not_completed"]
     embeddings = redis_cluster.keys_per_master("ec-*")  # the demo's own namespace, ec-<run>
     records = redis_cluster.keys_per_master("epd-*:status:{*}")  # hash-tagged, epd-<run>:...
+    tokens = redis_cluster.keys_per_master("epd-*:tokens:{*}")
     print(
         f"\ndemo on a 3-master cluster: embeddings per master {embeddings}, "
-        f"status records per master {records}, {summary['requests']} requests"
+        f"status records per master {records}, token streams per master {tokens}, "
+        f"{summary['requests']} requests"
     )
     assert sum(1 for n in embeddings.values() if n) > 1, embeddings
     assert sum(1 for n in records.values() if n) > 1, records
     assert sum(records.values()) >= summary["requests"]
+    assert sum(tokens.values()) >= summary["requests"], tokens  # every request decoded
+    # Every key of one request sits beside its record: one hash tag, one slot, one master.
+    for addr in redis_cluster.masters():
+        here = {
+            kind: {_tag(k) for k in redis_cluster.keys_on(addr, f"epd-*:{kind}:{{*}}")}
+            for kind in ("status", "status-events", "tokens")
+        }
+        assert here["tokens"] <= here["status"] and here["status-events"] <= here["status"], addr
+
+
+def _tag(key: bytes) -> bytes:
+    """The ``{hash tag}`` of a key."""
+    return key[key.index(b"{") : key.index(b"}") + 1]
