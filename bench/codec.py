@@ -32,7 +32,8 @@ MAX_DECODE_VS_MEMCPY = 2.0
 
 
 def _encode_event(item: ItemData, event: Any) -> Any:
-    from schemas.signing import embedding_key, make_ec_transfer
+    from schemas.keys import embedding_key
+    from schemas.signing import make_ec_transfer
     from schemas.types import EncodeEvent, now_ms
 
     mm_hash = event.features.mm_hashes["image"][0]

@@ -40,6 +40,7 @@ from pydantic import SecretStr
 from bench.api_process import ApiProcess, image_b64
 from bench.common import budget, headroom, quantile, sig
 from bench.pipeline import _cleanup_redis, _delete_topics, pipeline_settings
+from schemas.status_record import StatusRecord
 
 CONCURRENCY = (1, 4, 16, 32)
 MAX_TOKENS = 64
@@ -176,7 +177,7 @@ async def _api_cell(base: Any, log_dir: Path, tag: str, n: int, max_tokens: int,
     from epd.local_pipeline import WorkerProcesses, worker_env, worker_kinds
     from runtime.kafka import ensure_topics
     from runtime.redis_client import redis_client
-    from runtime.status_store import StatusStore
+    from runtime.status import StatusStore
     from runtime.token_stream import TokenStreams
     from schemas.topics import Topics
 
@@ -219,11 +220,11 @@ async def _api_cell(base: Any, log_dir: Path, tag: str, n: int, max_tokens: int,
     return figures, [r for r in records if r is not None]
 
 
-def _handoff(records: list[dict[str, Any]]) -> dict[str, Any]:
+def _handoff(records: list[StatusRecord]) -> dict[str, Any]:
     def of(name: str) -> list[float]:
-        return [float(r["timings"][name]) for r in records if name in r.get("timings", {})]
+        return [float(r.timings[name]) for r in records if name in r.timings]
 
-    kv_bytes = [int(r["info"]["kv_bytes"]) for r in records if "kv_bytes" in r.get("info", {})]
+    kv_bytes = [int(r.info["kv_bytes"]) for r in records if "kv_bytes" in r.info]
     return {
         "kv_bytes_per_request": {
             "mean": sig(sum(kv_bytes) / len(kv_bytes)),
@@ -233,7 +234,7 @@ def _handoff(records: list[dict[str, Any]]) -> dict[str, Any]:
         "kv_park": _stats(of("kv_park")),
         "handoff": _stats(of("handoff")),
         "kv_fetch": _stats(of("kv_fetch")),
-        "decoded_from_kv": sum(r["info"].get("decode.from") == "kv" for r in records),
+        "decoded_from_kv": sum(r.info.get("decode.from") == "kv" for r in records),
     }
 
 

@@ -55,6 +55,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from bench.common import Stats, budget, headroom, ratio, sig
+from schemas.status_record import StatusRecord
 
 MAX_OVERHEAD_P50_MS = 5.0
 MIN_THROUGHPUT_RATIO = 1.0
@@ -147,10 +148,9 @@ def _ms_stats(samples: list[float]) -> dict[str, float | int]:
 
 async def _await_terminal(
     run: Any, request_id: str, changed: asyncio.Event
-) -> tuple[dict[str, Any], float]:
+) -> tuple[StatusRecord, float]:
     """Read the record at each change notification; (record, wall-clock ms when first seen
     terminal). ``changed`` is the request's StatusNotifier event, armed before the submit."""
-    from schemas.types import TERMINAL_STATUSES
 
     status = run.submitter.status
     deadline = time.monotonic() + REQUEST_TIMEOUT_S
@@ -158,7 +158,7 @@ async def _await_terminal(
         changed.clear()  # before the read: a change after it sets the event again
         rec = await status.get(request_id)
         seen_ms = time.time() * 1000
-        if rec is not None and rec["status"] in TERMINAL_STATUSES:
+        if rec is not None and rec.terminal:
             return rec, seen_ms
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(changed.wait(), WAKE_CHECK_S)
@@ -168,7 +168,7 @@ async def _await_terminal(
                 raise TimeoutError(f"request {request_id} not finished after {REQUEST_TIMEOUT_S}s")
 
 
-async def _settled(run: Any, request_id: str, rec: dict[str, Any]) -> dict[str, Any]:
+async def _settled(run: Any, request_id: str, rec: StatusRecord) -> StatusRecord:
     """The record once the fan-out's and encoder's updates are folded in too.
 
     The results worker applies updates concurrently, so these can land just after the
@@ -176,15 +176,14 @@ async def _settled(run: Any, request_id: str, rec: dict[str, Any]) -> dict[str, 
     """
     deadline = time.monotonic() + 10.0
 
-    def complete(r: dict[str, Any]) -> bool:
-        t = r["timings"]
-        if "fanout" not in t:
+    def complete(r: StatusRecord) -> bool:
+        if "fanout" not in r.timings:
             return False
-        return r["info"].get("encode_events") == "0" or any(k.startswith("encode.") for k in t)
+        return r.encode_events == 0 or r.encode_total_ms() is not None
 
     while not complete(rec):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"request {request_id}: stage updates missing: {rec['stages']}")
+            raise TimeoutError(f"request {request_id}: stage updates missing: {rec.stages}")
         await asyncio.sleep(0.01)
         rec = await run.submitter.status.get(request_id) or rec
     return rec
@@ -217,14 +216,15 @@ async def _one_request(
         await run.submitter.submit_rendered(ev)
         rec, seen_ms = await _await_terminal(run, ev.request_id, changed)
         client_cpu_ms = (time.process_time() - cpu0) * 1000
-    if rec["status"] != "completed":
-        raise RuntimeError(f"request {ev.request_id} ended {rec['status']}: {rec.get('error')}")
+    if rec.status != "completed":
+        raise RuntimeError(f"request {ev.request_id} ended {rec.status}: {rec.error}")
     rec = await _settled(run, ev.request_id, rec)
-    t = rec["timings"]
-    encoded = rec["info"]["encode_events"] != "0"
+    t = rec.timings
+    encoded = rec.encode_events != 0
     vision = await asyncio.to_thread(_vision_ms, bundle, ev) if encoded else 0.0
     e2e = seen_ms - start_ms
     compute = vision + t["prefill_decode"]
+    finished = rec.finished_ms or rec.created_ms
     out = {
         "render_ms": render_ms,
         "end_to_end_ms": e2e,
@@ -234,9 +234,9 @@ async def _one_request(
         "fanout_ms": t["fanout"],
         "prefill_queue_ms": t["queue"],
         "embedding_wait_ms": t["embedding_wait"],
-        "created_to_finished_ms": float(rec["finished_ms"] - rec["created_ms"]),
-        "finished_to_seen_ms": seen_ms - rec["finished_ms"],
-        "overhead_to_finished_ms": rec["finished_ms"] - rec["created_ms"] - compute,
+        "created_to_finished_ms": float(finished - rec.created_ms),
+        "finished_to_seen_ms": seen_ms - finished,
+        "overhead_to_finished_ms": finished - rec.created_ms - compute,
         "client_cpu_ms": client_cpu_ms,
     }
     if "admission" in t:  # the prefill worker's reads and checks before the embedding wait
@@ -630,7 +630,7 @@ async def _run_all(targets: list[Target], sizes: Sizes) -> dict[str, Any]:
     from bench.worker_profile import CpuMeter, WorkerProfiler, idle_cpu
     from epd.local_pipeline import local_pipeline
     from runtime.model import load_model
-    from runtime.status_store import StatusNotifier
+    from runtime.status import StatusNotifier
 
     blocks: dict[str, Any] = {}
     async with contextlib.AsyncExitStack() as stack:

@@ -45,6 +45,7 @@ from typing import Any
 from bench.common import machine_facts, quantile, sig
 from bench.pipeline import REDIS_DB, _cleanup_redis, _delete_topics, _redis_db_url, render_request
 from bench.worker_profile import rss_mb
+from schemas.status_record import StatusRecord
 
 KINDS = ("results", "encode", "prefill", "router")
 SMALL_SIDE = 56
@@ -189,14 +190,12 @@ class ImageMix:
         return self._make(side, side, self.next_seed), False, large
 
 
-async def _await_terminal(run: Any, request_id: str) -> dict[str, Any]:
-    from schemas.types import TERMINAL_STATUSES
-
+async def _await_terminal(run: Any, request_id: str) -> StatusRecord:
     deadline = time.monotonic() + REQUEST_TIMEOUT_S
     while time.monotonic() < deadline:
         rec = await run.submitter.status.get(request_id)
-        if rec is not None and rec["status"] in TERMINAL_STATUSES:
-            return dict(rec)
+        if rec is not None and rec.terminal:
+            return rec
         await asyncio.sleep(POLL_S)
     raise TimeoutError(f"not finished after {REQUEST_TIMEOUT_S:g}s")
 
@@ -208,8 +207,8 @@ async def _one_request(run: Any, image: Any, salt: str, c: Counters) -> None:
         ev = await render_request(run, image, salt)
         await run.submitter.submit_rendered(ev)
         rec = await _await_terminal(run, ev.request_id)
-        if rec["status"] != "completed":
-            raise RuntimeError(f"{rec['status']}: {rec.get('error')}")
+        if rec.status != "completed":
+            raise RuntimeError(f"{rec.status}: {rec.error}")
     except Exception as exc:  # counted and reported: one bad request must not end the soak
         c.failed += 1
         c.window_failed += 1

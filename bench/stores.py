@@ -19,6 +19,16 @@ tensor already in memory (the ceiling). The view-only get latency is reported to
 
 local: the in-process store hands tensors over by reference; put/get latency for reference.
 
+Scale-out (``scale_out``): several clients at once, each its own process
+(``bench/store_clients.py``), doing N sequential puts, then N sequential gets, of its own keys,
+all from one common start; aggregate MB/s = all their bytes / (start to the last one's end).
+Side by side on: ``redis://`` (the server above, our wire client), and ``redis+cluster://``
+clusters this benchmark starts itself (no replicas, no persistence, 127.0.0.1) with 1 and with
+3 masters (the cluster store: redis-py's ``RedisCluster`` for the slot map, the wire client to
+each master for the data), and the 3 masters once more with redis-py alone for the data
+(``cluster_3_masters_redis_py``). On a machine with few cores, the servers and the clients
+share them: a second and third master can only add what idle cores allow.
+
 Keys live under a unique prefix (Redis DB 11) or directory and are deleted afterwards, including
 the one key ``redis-benchmark`` writes (``key:__rand_int__`` in DB 11).
 """
@@ -41,6 +51,7 @@ import torch
 from redis.utils import HIREDIS_AVAILABLE
 
 from bench.common import Stats, budget, headroom, measure, measure_async, ratio, sig
+from bench.store_clients import leg
 
 REDIS_DB = 11
 MIB = 1 << 20
@@ -243,6 +254,52 @@ async def _local(n: int) -> dict[str, Any]:
     return {"put_4MiB": puts.to_json("us"), "get_4MiB": gets.to_json("us")}
 
 
+def _scale_out(
+    redis_url: str, prefix: str, sizes: list[int], n: int, client_counts: list[int]
+) -> dict[str, Any]:
+    """The scale-out legs (see the module docstring), targets interleaved within each cell."""
+    import tempfile
+
+    from epd.services import start_redis_cluster
+    from epd.services.redis_cluster import stop_redis_cluster
+
+    root = Path(tempfile.mkdtemp(prefix="bench-clusters-"))
+    clusters = {m: start_redis_cluster(root / f"m{m}", m) for m in (1, 3)}
+    targets = {
+        "redis": (store_url(redis_url, prefix), "default"),
+        "cluster_1_master": (f"{clusters[1].url}?key_prefix={prefix}", "default"),
+        "cluster_3_masters": (f"{clusters[3].url}?key_prefix={prefix}", "default"),
+        "cluster_3_masters_redis_py": (f"{clusters[3].url}?key_prefix={prefix}", "redis-py"),
+    }
+    out: dict[str, Any] = {"servers": {k: v[0].split("?")[0] for k, v in targets.items()}}
+    try:
+        for size in sizes:
+            for clients in client_counts:
+                cell: dict[str, Any] = {}
+                for name, (url, io) in targets.items():
+                    phases = leg(url, size, n, clients, f"s{size}-c{clients}-{name}", io)
+                    put, get = phases["put"], phases["get"]
+                    cell[name] = {
+                        "put_mb_s": sig(put["mb_s"]),
+                        "get_mb_s": sig(get["mb_s"]),
+                        "per_client_put_mb_s": [sig(x) for x in put["per_client_mb_s"]],
+                        "per_client_get_mb_s": [sig(x) for x in get["per_client_mb_s"]],
+                    }
+                for op in ("put", "get"):
+                    three = cell["cluster_3_masters"][f"{op}_mb_s"]
+                    cell[f"{op}_3_vs_1_masters"] = ratio(
+                        three, cell["cluster_1_master"][f"{op}_mb_s"]
+                    )
+                    cell[f"{op}_cluster_3_vs_redis"] = ratio(three, cell["redis"][f"{op}_mb_s"])
+                out.setdefault(f"{size // MIB}MiB", {})[f"{clients}_clients"] = cell
+    finally:
+        for c in clusters.values():
+            stop_redis_cluster(c)
+        shutil.rmtree(root, ignore_errors=True)
+    out["ops_per_client"] = n
+    return out
+
+
 def run(
     *, quick: bool = False, out: Path | None = None, redis_url: str | None = None
 ) -> dict[str, Any]:
@@ -260,6 +317,13 @@ def run(
     redis_res = asyncio.run(_redis_sizes(redis_url, prefix, redis_sizes, redis_n, rounds))
     shm_res = asyncio.run(_shm_sizes(shm_sizes, shm_n))
     local_res = asyncio.run(_local(20 if quick else 200))
+    scale = _scale_out(
+        redis_url,
+        prefix,
+        [1 * MIB] if quick else [1 * MIB, 4 * MIB],
+        4 if quick else 30,
+        [2] if quick else [1, 4],
+    )
 
     has_rb = all("redis_benchmark" in r for r in redis_res.values())
     worst_redis = (
@@ -283,6 +347,7 @@ def run(
         "redis": redis_res,
         "shm": shm_res,
         "local": local_res,
+        "scale_out": scale,
         "redis_worst_ratio": worst_redis,
         "shm_min_gb_s": worst_shm,
         "elapsed_s": sig(time.perf_counter() - t0),

@@ -27,6 +27,10 @@ by polling. Reported per cell:
   ``worker_cpu`` gives each worker process's CPU seconds / wall over the cell (``/proc``): the
   worker that really was busiest, and how much CPU the pipeline spent beyond model compute.
 
+The cells with one encode worker run again with ``EPD_REDIS_URL`` and ``EPD_STORE_URL`` on a
+3-master Redis Cluster the benchmark starts (``on_redis_cluster``, and ``redis_cluster_vs_redis``:
+requests/s and p50 latency on the cluster / on one Redis, per size).
+
 The tiny model's processor caps images at 224² (``max_pixels``), so 448² and 1024² inputs are
 resized while rendering: their encoder and prefill work equals 224²'s, and what grows with the
 size is rendering (decode, resize, patching). On the shared 2-core development machine a second
@@ -56,6 +60,7 @@ from bench.pipeline import (
     render_request,
 )
 from bench.worker_profile import cpu_seconds
+from schemas.status_record import StatusRecord
 
 SIDES = (224, 448, 1024)
 REQUEST_TIMEOUT_S = 180.0
@@ -87,17 +92,15 @@ def _workers(*groups: Any) -> list[tuple[str, int]]:
     return out
 
 
-async def _wait_terminal(notifier: Any, request_id: str) -> tuple[dict[str, Any], float]:
+async def _wait_terminal(notifier: Any, request_id: str) -> tuple[StatusRecord, float]:
     """The terminal record and ``time.perf_counter()`` when it was seen (woken on change)."""
-    from schemas.types import TERMINAL_STATUSES
-
     loop = asyncio.get_running_loop()
     deadline = loop.time() + REQUEST_TIMEOUT_S
     async with notifier.watch(request_id) as changed:
         while True:
             changed.clear()  # re-armed before the read: a change after it still wakes us
             rec = await notifier.store.get(request_id)
-            if rec is not None and rec["status"] in TERMINAL_STATUSES:
+            if rec is not None and rec.terminal:
                 return rec, time.perf_counter()
             left = deadline - loop.time()
             if left <= 0:
@@ -109,14 +112,14 @@ async def _wait_terminal(notifier: Any, request_id: str) -> tuple[dict[str, Any]
                 pass
 
 
-async def _request(run: Any, notifier: Any, image: Any, salt: str) -> tuple[float, dict[str, Any]]:
+async def _request(run: Any, notifier: Any, image: Any, salt: str) -> tuple[float, StatusRecord]:
     """Render, submit and wait for one request; (latency s, terminal record)."""
     t0 = time.perf_counter()
     ev = await render_request(run, image, salt)
     await run.submitter.submit_rendered(ev)
     rec, seen = await _wait_terminal(notifier, ev.request_id)
-    if rec["status"] != "completed":
-        raise RuntimeError(f"request {ev.request_id} ended {rec['status']}: {rec.get('error')}")
+    if rec.status != "completed":
+        raise RuntimeError(f"request {ev.request_id} ended {rec.status}: {rec.error}")
     return seen - t0, rec
 
 
@@ -169,7 +172,7 @@ async def _cell(
     isolated = []
     for _ in range(sizes.isolated):  # one at a time: prefill_decode is compute alone
         _, rec = await _request(run, notifier, seeds.image(side), salt)
-        isolated.append(rec["timings"]["prefill_decode"])
+        isolated.append(rec.timings["prefill_decode"])
     prefill_ms = Stats(isolated).min  # compute alone, as for the vision tower
     images = [seeds.image(side) for _ in range(sizes.requests)]  # made before the clock starts
     pids = _workers(*groups)
@@ -216,10 +219,12 @@ async def _cell(
     }
 
 
-async def _run(settings: Any, sizes: Sizes, log_dir: Path) -> dict[str, Any]:
+async def _run(
+    settings: Any, sizes: Sizes, log_dir: Path, encode_workers: tuple[int, ...] = (1, 2)
+) -> dict[str, Any]:
     from epd.local_pipeline import WorkerProcesses, local_pipeline, worker_env
     from runtime.model import load_model
-    from runtime.status_store import StatusNotifier
+    from runtime.status import StatusNotifier
     from schemas.topics import Topics
 
     t0 = time.perf_counter()
@@ -236,7 +241,7 @@ async def _run(settings: Any, sizes: Sizes, log_dir: Path) -> dict[str, Any]:
             seeds, salt = _Seeds(), uuid.uuid4().hex
             await _request(run, notifier, seeds.image(224), salt)  # warm every stage
             groups = [run.workers]
-            for workers in (1, 2):
+            for workers in encode_workers:
                 if workers == 2:
                     extra = WorkerProcesses(worker_env(run.settings), log_dir / "extra", ["encode"])
                     extra.start()
@@ -265,6 +270,37 @@ async def _run(settings: Any, sizes: Sizes, log_dir: Path) -> dict[str, Any]:
     }
 
 
+async def _on_cluster(settings: Any, sizes: Sizes, log_dir: Path) -> dict[str, Any]:
+    """The 1-encode-worker cells again, with the embeddings and the status records on a
+    3-master Redis Cluster this benchmark starts (processes on 127.0.0.1, no replicas)."""
+    from epd.services import start_redis_cluster
+    from epd.services.redis_cluster import stop_redis_cluster
+
+    cluster = await asyncio.to_thread(
+        start_redis_cluster, Path(tempfile.mkdtemp(prefix="bench-cluster-")), 3
+    )
+    try:
+        on = settings.model_copy(update={"redis_url": cluster.url, "store_url": cluster.url})
+        res = await _run(on, sizes, log_dir / "cluster", encode_workers=(1,))
+    finally:
+        await asyncio.to_thread(stop_redis_cluster, cluster)
+    return {"redis_cluster": cluster.url, **res}
+
+
+def _cluster_vs_redis(cells: list[dict[str, Any]], cluster: list[dict[str, Any]]) -> dict:
+    """Per image size, 1 encode worker: requests/s and p50 latency on the cluster / on one
+    Redis."""
+    one = {c["side"]: c for c in cells if c["encode_workers"] == 1}
+    return {
+        f"{c['side']}": {
+            "requests_per_s": sig(c["requests_per_s"] / one[c["side"]]["requests_per_s"]),
+            "latency_p50": sig(c["latency_ms"]["p50"] / one[c["side"]]["latency_ms"]["p50"]),
+        }
+        for c in cluster
+        if c["side"] in one
+    }
+
+
 def _scale_out(cells: list[dict[str, Any]]) -> dict[str, float]:
     """requests/s with 2 encode workers / with 1, per image size."""
     rate = {(c["encode_workers"], c["side"]): c["requests_per_s"] for c in cells}
@@ -278,7 +314,8 @@ def _scale_out(cells: list[dict[str, Any]]) -> dict[str, float]:
 def run(
     *, quick: bool = False, out: Path | None = None, redis_url: str | None = None
 ) -> dict[str, Any]:
-    """Run the throughput cells and return the report block (needs Kafka and Redis)."""
+    """Run the throughput cells and return the report block (needs Kafka and Redis; starts a
+    3-master Redis Cluster of its own for the cluster cells)."""
     settings, prefix = pipeline_settings(redis_url)
     sizes = QUICK if quick else FULL
     log_dir = (
@@ -288,6 +325,7 @@ def run(
         res = asyncio.run(_run(settings, sizes, log_dir))
     finally:
         asyncio.run(_cleanup_redis(settings.redis_url, prefix))
+    cluster = asyncio.run(_on_cluster(settings, sizes, log_dir))
     cells = res["cells"]
     worst_eff = min(c["efficiency"] for c in cells)
     return {
@@ -298,6 +336,8 @@ def run(
         "worker_logs": str(log_dir),
         **res,
         "scale_out_2_vs_1": _scale_out(cells),
+        "on_redis_cluster": cluster,
+        "redis_cluster_vs_redis": _cluster_vs_redis(cells, cluster["cells"]),
         "efficiency_min": worst_eff,
         "headroom": {
             "efficiency_min": headroom(worst_eff, MIN_EFFICIENCY, higher_is_better=True),

@@ -32,10 +32,12 @@ from typing import TYPE_CHECKING, Any
 from aiokafka import TopicPartition
 
 from runtime.kafka import make_consumer, read_topic, topic_partitions
+from runtime.redis_cluster import read_many
 from runtime.settings import Settings
 from schemas import codec
 from schemas import dead_letters as envelope
 from schemas.errors import CodecError, ValidationError
+from schemas.keys import RedisKeys
 from schemas.topics import Topics
 from schemas.types import (
     DeadLetter,
@@ -56,9 +58,9 @@ from schemas.validator import (
 )
 
 if TYPE_CHECKING:
-    import redis.asyncio as aioredis
     from aiokafka import AIOKafkaProducer
 
+    from runtime.redis_cluster import RedisClient
     from runtime.stores.base import EmbeddingStore
 
 
@@ -445,19 +447,20 @@ class ReplayLedger:
     broker) starts its offsets again, and its new dead letters must not look replayed.
     """
 
-    def __init__(self, client: aioredis.Redis, *, prefix: str, ttl_s: int) -> None:
+    def __init__(self, client: RedisClient, *, prefix: str, ttl_s: int) -> None:
         self.client = client
         self.prefix = prefix
+        self.keys = RedisKeys(prefix)
         self.ttl_s = ttl_s
 
     def key(self, r: DeadLetterRecord) -> str:
-        return f"{self.prefix}:dlq-replayed:{r.topic}:{r.partition}:{r.offset}:{r.failed_ms}"
+        return self.keys.dlq_replayed(r.topic, r.partition, r.offset, r.failed_ms)
 
     async def annotate(self, records: Sequence[DeadLetterRecord]) -> None:
         """Fill in ``replayed_ms`` of each record from the ledger."""
         if not records:
             return
-        values = await self.client.mget([self.key(r) for r in records])
+        values = await read_many(self.client, [self.key(r) for r in records])
         for r, v in zip(records, values, strict=True):
             r.replayed_ms = int(v) if v is not None else None
 

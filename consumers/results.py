@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from runtime.status_store import StatusStore, encoded_update
+from runtime.status import StatusStore
+from schemas.status_record import encoded_update
 from schemas.types import EncodedEvent, ResultEvent
 
 log = logging.getLogger(__name__)

@@ -72,6 +72,10 @@ _INFRASTRUCTURE: tuple[type[BaseException], ...] = (
     StoreUnavailable,
     redis_errors.ConnectionError,  # BusyLoadingError (a Redis loading after a restart) is one
     redis_errors.TimeoutError,
+    # A Redis Cluster while a master is down, a failover runs or a slot moves:
+    redis_errors.ClusterError,  # ClusterDownError, MasterDownError, "TTL exhausted"
+    redis_errors.TryAgainError,
+    redis_errors.SlotNotCoveredError,
     KafkaTimeoutError,  # a send the broker did not acknowledge in time (not flagged retriable)
     ConnectionError,
 )
@@ -80,7 +84,8 @@ _INFRASTRUCTURE: tuple[type[BaseException], ...] = (
 def default_is_infrastructure(exc: BaseException) -> bool:
     """Whether ``exc`` says a store or the broker is unreachable (not that the event is bad).
 
-    StoreUnavailable, redis-py connection and timeout errors, aiokafka errors flagged
+    StoreUnavailable, redis-py connection and timeout errors (and a Redis Cluster's while it
+    fails over or moves a slot), aiokafka errors flagged
     ``retriable`` (no leader, node not ready, request timed out, ...) and send timeouts, and
     the builtin ConnectionError and TimeoutError. Not :class:`StoreTimeout`: an embedding that
     never arrived is an outcome the prefill worker reports, not an outage.

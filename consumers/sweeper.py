@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -37,9 +36,10 @@ from aiokafka import TopicPartition
 from aiokafka.partitioner import DefaultPartitioner
 
 from runtime.settings import Settings
-from runtime.status_store import StatusStore
+from runtime.status import StatusStore
+from schemas.status_record import StatusRecord
 from schemas.topics import Topics
-from schemas.types import TERMINAL_STATUSES, ErrorInfo, ResultEvent, now_ms
+from schemas.types import ErrorInfo, ResultEvent, now_ms
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class Progress:
 
 
 def judge(
-    rec: dict[str, Any],
+    rec: StatusRecord,
     *,
     now: int,
     stale_ms: int,
@@ -105,10 +105,10 @@ def judge(
     topics: Topics,
 ) -> Verdict | None:
     """The sweep's verdict on one record, or None when it is not the sweep's to end (pure)."""
-    if rec.get("status") in TERMINAL_STATUSES:
+    if rec.terminal:
         return None
-    rid = str(rec["request_id"])
-    deadline = _deadline_ms(rec)
+    rid = rec.request_id
+    deadline = rec.deadline_ms
     if deadline is not None and now > deadline + GRACE_MS:
         return Verdict(
             rid,
@@ -117,15 +117,11 @@ def judge(
             f"no stage finished the request within its deadline ({now - deadline} ms ago); "
             "its events were still queued, or lost by the broker",
         )
-    if now - int(rec.get("updated_ms") or rec.get("created_ms") or now) < stale_ms:
+    if now - int(rec.updated_ms or rec.created_ms or now) < stale_ms:
         return None
-    stages = rec.get("stages") or {}
-    fanned_out = any(k.startswith("fanout:") for k in stages)
-    if not fanned_out:
+    if not rec.reached("fanout"):
         return None  # not on the encode/prefill topics yet: only its deadline can end it
-    if not any(k.startswith("prefill:") for k in stages) and progress.idle_for_key(
-        topics.prefill, rid
-    ):
+    if not rec.reached("prefill") and progress.idle_for_key(topics.prefill, rid):
         return Verdict(
             rid,
             "failed",
@@ -133,7 +129,7 @@ def judge(
             "its prefill event is no longer on the broker: the prefill workers consumed their "
             "partition to its end without seeing it (a broker restart lost it?); resubmit",
         )
-    if _items_pending(rec) and progress.idle_topic(topics.encode):
+    if rec.items_pending() and progress.idle_topic(topics.encode):
         return Verdict(
             rid,
             "failed",
@@ -143,25 +139,6 @@ def judge(
             "resubmit",
         )
     return None
-
-
-def _deadline_ms(rec: dict[str, Any]) -> int | None:
-    raw = (rec.get("info") or {}).get("deadline_ms")
-    try:
-        return int(raw) if raw not in (None, "") else None
-    except (TypeError, ValueError):
-        return None
-
-
-def _items_pending(rec: dict[str, Any]) -> bool:
-    """Whether fewer items are marked encoded than the fan-out sent encode events for."""
-    info = rec.get("info") or {}
-    try:
-        sent = int(info.get("encode_events") or 0)
-    except (TypeError, ValueError):
-        return False
-    marked = sum(1 for k in info if k.startswith(("encoded.", "encode_failed.")))
-    return marked < sent
 
 
 ProgressReader = Callable[[], Awaitable[Progress]]
@@ -214,15 +191,8 @@ class Sweeper:
                 await self.send(ev)
         return verdicts
 
-    async def _unfinished(self) -> list[dict[str, Any]]:
-        ids: list[Any] = await self.status.client.zrange(
-            self.status.inflight_key, 0, SCAN_LIMIT - 1
-        )
-        names = [i.decode() if isinstance(i, bytes) else str(i) for i in ids]
-        if not names:
-            return []
-        raws = await self.status.client.mget([self.status.key(n) for n in names])
-        return [json.loads(raw) for raw in raws if raw]
+    async def _unfinished(self) -> list[StatusRecord]:
+        return await self.status.inflight.unfinished(SCAN_LIMIT)
 
     async def run(self) -> None:
         """Sweep every ``EPD_SWEEP_INTERVAL_S`` until cancelled; a failed pass is logged."""

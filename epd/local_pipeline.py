@@ -219,7 +219,7 @@ async def local_pipeline(
     from runtime.kafka import KafkaPublisher, ensure_topics
     from runtime.model import load_render_info
     from runtime.redis_client import redis_client
-    from runtime.status_store import StatusStore
+    from runtime.status import StatusStore
     from runtime.stores import open_store
     from schemas.topics import Topics
 

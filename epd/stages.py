@@ -54,7 +54,7 @@ class StageContext:
     async def cancel_watch(self) -> Any:
         """Cancels (``DELETE /v1/requests/{id}``), checked before compute and between steps."""
         from runtime.redis_client import redis_client
-        from runtime.status_store import CancelWatch
+        from runtime.status import CancelWatch
 
         client = redis_client(self.settings)
         watch = CancelWatch(client, self.settings.topic_prefix)
@@ -71,7 +71,7 @@ class StageContext:
         """The requests' status records: one per worker (its Redis client is closed when the
         worker stops), so what one part of the worker wrote is what the next one starts from."""
         from runtime.redis_client import redis_client
-        from runtime.status_store import StatusStore
+        from runtime.status import StatusStore
 
         if self._status is None:
             client = redis_client(self.settings)
@@ -133,7 +133,7 @@ async def _build_encode(ctx: StageContext) -> Handler:
 
 
 async def _build_prefill(ctx: StageContext, kind: str = "prefill") -> Handler:
-    from runtime.status_store import RequestReader
+    from runtime.status import RequestReader
     from runtime.token_stream import TokenStreams
 
     # Prefill reads the request's status record: replays of a finished request are skipped,

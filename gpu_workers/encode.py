@@ -29,13 +29,13 @@ from runtime.model import vision_config
 from runtime.publisher import publish
 from runtime.reporting import ResultReporter, StatusWriter
 from runtime.settings import Settings
-from runtime.status_store import encoded_update
 from runtime.stores.base import StoreError, StoreKeyMissing
 from runtime.tracing import broker_hop_ms
 from schemas.errors import ValidationError
 from schemas.families import EMBEDS
+from schemas.keys import claim_key
 from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT
-from schemas.signing import claim_key
+from schemas.status_record import encoded_update
 from schemas.tensors import dtype_name, tensor_from_bytes
 from schemas.topics import Topics
 from schemas.types import EncodedEvent, EncodeEvent, ErrorInfo, TensorRef, now_ms
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
     from runtime.model import ModelBundle
     from runtime.publisher import Publisher
-    from runtime.status_store import CancelWatch
+    from runtime.status import CancelWatch
     from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from schemas.validator import ValidationConfig
 if TYPE_CHECKING:
     from runtime.model import ModelBundle
     from runtime.settings import Settings
-    from runtime.status_store import CancelWatch
+    from runtime.status import CancelWatch
     from runtime.stores.base import EmbeddingStore
 
 

@@ -21,8 +21,9 @@ from transformers import DynamicCache
 from gpu_workers.compute import Prefilled, kv_bytes_per_token
 from runtime.model import text_config
 from runtime.stores.base import StoreCorrupt, StoreKeyMissing
+from schemas.keys import kv_key
 from schemas.kv_entries import KVShape
-from schemas.signing import kv_key, sign_kv
+from schemas.signing import sign_kv
 from schemas.tensors import dtype_name
 from schemas.types import KVTransfer, now_ms
 

@@ -50,6 +50,7 @@ from runtime.settings import Settings
 from runtime.stores.base import StoreError, StoreTimeout, StoreUnavailable
 from runtime.tracing import broker_hop_ms
 from schemas.errors import ValidationError
+from schemas.status_record import short_hash
 from schemas.topics import Topics
 from schemas.types import DecodeEvent, ErrorInfo, PrefillEvent, SamplingParams, now_ms
 from schemas.validator import validate_prefill_event, validate_prefill_expiry
@@ -57,7 +58,7 @@ from schemas.validator import validate_prefill_event, validate_prefill_expiry
 if TYPE_CHECKING:
     from runtime.model import ModelBundle
     from runtime.publisher import Publisher
-    from runtime.status_store import CancelWatch, RequestState, RequestStateReader
+    from runtime.status import CancelWatch, RequestState, RequestStateReader
     from runtime.stores.base import EmbeddingStore
     from runtime.token_stream import TokenStreams, TokenStreamWriter
 
@@ -174,7 +175,7 @@ def embeddings_lost(missing: list[str], state: RequestState | None, created_ms: 
     since = state.records_since_ms
     if state.wiped and since is not None and created_ms < since:
         return list(missing)
-    return [h for h in missing if h[:12] in state.encoded]
+    return [h for h in missing if short_hash(h) in state.encoded]
 
 
 class Readiness(enum.Enum):

@@ -36,8 +36,10 @@ from runtime.reporting import ResultReporter, StatusWriter
 from runtime.settings import Settings
 from schemas.codec import get_codec
 from schemas.errors import CodecError, ValidationError
+from schemas.keys import claim_key, embedding_key
 from schemas.modalities import ENCODER_INPUT_FIELDS, METADATA_FIELDS
-from schemas.signing import ItemHasher, claim_key, embedding_key, make_ec_transfer, tensor_digest
+from schemas.signing import ItemHasher, make_ec_transfer, tensor_digest
+from schemas.status_record import fanout_info
 from schemas.tensors import dtype_name
 from schemas.topics import Topics
 from schemas.types import (
@@ -400,9 +402,8 @@ class FanOut:
             "encoding" if plan.encode else "prefilling",
             timings={"fanout": (time.perf_counter() - t0) * 1000},
             info={
-                "encode_events": str(len(plan.encode)),
+                **fanout_info(encode_events=len(plan.encode), deadline_ms=plan.prefill.deadline_ms),
                 "cache_hits": str(len(plan.cached)),
-                "deadline_ms": str(plan.prefill.deadline_ms),
             },
         )
         # The encode events go at once: the encoder's marks carry "encoding" too, so one that

@@ -7,26 +7,27 @@ from __future__ import annotations
 import hashlib
 import json
 
-import redis.asyncio as aioredis
-
 from producers.refusal import Refused
+from runtime.redis_cluster import RedisClient
+from schemas.keys import RedisKeys
 
 
 class IdempotencyStore:
     """Claims of ``(tenant, key)`` -> ``{fingerprint, request_id}`` with a TTL."""
 
     def __init__(
-        self, client: aioredis.Redis, prefix: str, ttl_s: int, *, max_key_chars: int = 255
+        self, client: RedisClient, prefix: str, ttl_s: int, *, max_key_chars: int = 255
     ) -> None:
         self.client = client
         self.prefix = prefix
+        self.keys = RedisKeys(prefix)
         self.ttl_s = ttl_s
         self.max_key_chars = max_key_chars
 
     def _key(self, tenant: str | None, key: str) -> str:
         # Hashed: client keys may hold any characters; the tenant keeps tenants apart.
         digest = hashlib.sha256(key.encode()).hexdigest()
-        return f"{self.prefix}:idem:{tenant or '-'}:{digest}"
+        return self.keys.idempotency(tenant, digest)
 
     def check_key(self, key: str) -> None:
         """Refuse (``malformed``) an empty or oversized key."""

@@ -32,7 +32,7 @@ from producers.fanout import FanOut, FanoutStats
 from producers.idempotency import IdempotencyStore
 from producers.refusal import Refused
 from runtime.request_limits import RequestLimits
-from runtime.status_store import StatusStore
+from runtime.status import StatusStore
 from runtime.tracing import TRACEPARENT, current_carrier, new_traceparent, stage_span, trace_id_of
 from schemas.errors import ValidationError
 from schemas.types import ErrorInfo, RenderEvent, ResultEvent, SamplingParams, now_ms
@@ -231,7 +231,7 @@ class Intake:
         if owned:
             return None
         rec = await self.status.get(found)
-        return Accepted(found, rec["status"] if rec else "queued", duplicate=True)
+        return Accepted(found, rec.status if rec else "queued", duplicate=True)
 
     async def _release_claim(self, sub: Submission, rid: str) -> None:
         if sub.idempotency_key is not None and self.idempotency is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
@@ -20,8 +20,9 @@ from producers.render import ImageInput, Renderer
 from producers.video import VideoInput
 from runtime.publisher import Publisher
 from runtime.settings import Settings
-from runtime.status_store import StatusStore
-from schemas.types import TERMINAL_STATUSES, RenderEvent, SamplingParams
+from runtime.status import StatusStore
+from schemas.status_record import StatusRecord
+from schemas.types import RenderEvent, SamplingParams
 
 if TYPE_CHECKING:
     from runtime.model import RenderInfo
@@ -104,7 +105,7 @@ class Submitter:
 
     async def wait(
         self, request_id: str, timeout_s: float = 120.0, poll_s: float = 0.02
-    ) -> dict[str, Any]:
+    ) -> StatusRecord:
         """Poll the status record until it is terminal; TimeoutError after ``timeout_s``.
 
         A Redis that cannot be read for a while (restarting, frozen) does not end the wait: the
@@ -112,7 +113,7 @@ class Submitter:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         delay = poll_s
-        rec: dict[str, Any] | None = None
+        rec: StatusRecord | None = None
         unreadable: RedisError | None = None
         while True:
             try:
@@ -120,10 +121,10 @@ class Submitter:
                 unreadable = None
             except RedisError as exc:
                 unreadable = exc
-            if rec is not None and rec["status"] in TERMINAL_STATUSES:
+            if rec is not None and rec.terminal:
                 return rec
             if loop.time() >= deadline:
-                state = rec["status"] if rec else "unknown"
+                state = rec.status if rec else "unknown"
                 why = f" (Redis unreadable: {unreadable!r})" if unreadable else ""
                 raise TimeoutError(f"request {request_id} still {state} after {timeout_s}s{why}")
             await asyncio.sleep(delay)

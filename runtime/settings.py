@@ -22,7 +22,7 @@ from schemas.families import MODEL_HELP
 SIGNING_WORKERS = frozenset({"encode", "prefill", "decode", "router", "api"})
 """Processes that sign or verify ``ec_transfer_params`` and parked-KV entries (the API's fan-out
 signs them)."""
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _TOPIC_PREFIX = re.compile(r"[A-Za-z0-9._-]{1,200}")
 SECRET_FIELDS = frozenset({"ec_secret", "api_tokens"})
@@ -35,6 +35,15 @@ class InsecureSettings(SystemExit):
 
     A ``SystemExit``: the worker process ends with the message on stderr and status 1, not a
     traceback."""
+
+
+def _cluster_url_checked(url: str) -> str:
+    """``url`` unchanged; a ``redis+cluster://`` one must name its seeds as HOST:PORT."""
+    from runtime.redis_cluster import ClusterURL, is_cluster_url
+
+    if url and is_cluster_url(url):
+        ClusterURL.parse(url)  # ValueError says which seed or part is wrong
+    return url
 
 
 class Settings(BaseSettings):
@@ -411,14 +420,14 @@ class Settings(BaseSettings):
         if url and scheme not in defaults.STORE_SCHEMES:
             known = ", ".join(f"{s}://" for s in defaults.STORE_SCHEMES)
             raise ValueError(f"unknown embedding store scheme {scheme!r} (known: {known})")
-        return url
+        return _cluster_url_checked(url)
 
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, url: str) -> str:
         if urlsplit(url).scheme not in REDIS_SCHEMES:
             raise ValueError(f"a Redis URL must start with {', '.join(REDIS_SCHEMES)}://")
-        return url
+        return _cluster_url_checked(url)
 
     @field_validator("kafka_bootstrap")
     @classmethod

@@ -1,11 +1,16 @@
 """Per-request token streams in Redis: the decode loop writes tokens as it makes them, readers
 (the API's SSE and OpenAI streams, the CLI) follow them.
 
-Layout. One Redis stream per request, ``{prefix}:tokens:{request_id}`` (its entry ids are the
-resume points: an SSE ``Last-Event-ID``), with a TTL (``EPD_STREAM_TTL_S``, renewed by every
-write) and a bounded length (``EPD_STREAM_MAX_ENTRIES``, trimmed approximately, oldest first).
-Every write is announced on one pub/sub channel, ``{prefix}:tokens-notify`` (message: the request
-id), so a waiting reader wakes on a notification instead of polling. Entry fields:
+Layout. One Redis stream per request, ``RedisKeys.tokens`` (``{prefix}:tokens:{request_id}``;
+its entry ids are the resume points: an SSE ``Last-Event-ID``), with a TTL (``EPD_STREAM_TTL_S``,
+renewed by every write) and a bounded length (``EPD_STREAM_MAX_ENTRIES``, trimmed approximately,
+oldest first). Every write is announced on pub/sub (message: the request id), so a waiting reader
+wakes on a notification instead of polling: on one Redis on one channel,
+``RedisKeys.tokens_notify``, that each reading process subscribes to once; on a Redis Cluster on
+the request's own sharded channel (``RedisKeys.token_changes``: the stream, its channel and the
+request's other keys share its ``{request_id}`` hash tag, so a write is one script on one shard),
+subscribed while someone waits on that request and for ``LINGER_S`` after (a reader that waits
+again at once, chunk after chunk, does not subscribe again each time). Entry fields:
 
 - ``t``: the chunk's token ids, comma separated; ``x``: the chunk's text, UTF-8, never half a
   character and never part of a stop string (the decode loop holds such text back);
@@ -55,10 +60,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from runtime.status_store import ChannelListener
+from runtime.redis_cluster import RedisClient, is_cluster_client
+from runtime.sharded_pubsub import ShardedChannels
+from runtime.status.listener import ChannelListener, forget
+from schemas.keys import RedisKeys
 
 if TYPE_CHECKING:
     from runtime.settings import Settings
@@ -69,15 +77,20 @@ CLOSE_TIMEOUT_S = 2.0
 """Longest :meth:`TokenStreamWriter.close` waits for Redis: a frozen Redis must not hold up
 the request's outcome (the status record carries the whole result anyway)."""
 
+LINGER_S = 1.0
+"""Redis Cluster: how long a request's channel stays subscribed after its last waiter left."""
+RESUBSCRIBE_S = 0.5
+"""Redis Cluster: how long a reader whose channel could not be subscribed (its master is
+failing over) sleeps before it reads again and retries the subscription."""
 
-def token_stream_key(prefix: str, request_id: str) -> str:
-    """The Redis stream of ``request_id``'s tokens."""
-    return f"{prefix}:tokens:{request_id}"
-
-
-def token_notify_channel(prefix: str) -> str:
-    """The pub/sub channel announcing every token-stream write (message: the request id)."""
-    return f"{prefix}:tokens-notify"
+# KEYS: the stream. ARGV: its cap, TTL (s), the channel, the request id, then the entry's
+# field/value pairs. A cluster's write: the stream and the channel share the request's slot.
+_APPEND_SCRIPT = """
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 5))
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('SPUBLISH', ARGV[3], ARGV[4])
+return 1
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +133,7 @@ class TokenStreams:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         prefix: str,
         *,
         interval_s: float = 0.02,
@@ -132,12 +145,18 @@ class TokenStreams:
         self.interval_s = interval_s
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self.channel = token_notify_channel(prefix)
+        self.cluster = is_cluster_client(client)
+        self.keys = RedisKeys(prefix, cluster=self.cluster)
+        self.channel = self.keys.tokens_notify
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._listener: ChannelListener | None = None
+        self._sharded: ShardedChannels | None = None
+        self._lingering: dict[str, asyncio.TimerHandle] = {}
+        self._leaving: set[asyncio.Task[None]] = set()
+        self._append = client.register_script(_APPEND_SCRIPT) if self.cluster else None
 
     @classmethod
-    def from_settings(cls, client: aioredis.Redis, settings: Settings) -> TokenStreams:
+    def from_settings(cls, client: RedisClient, settings: Settings) -> TokenStreams:
         """Streams with the deployment's ``EPD_STREAM_*`` settings."""
         return cls(
             client,
@@ -148,7 +167,7 @@ class TokenStreams:
         )
 
     def key(self, request_id: str) -> str:
-        return token_stream_key(self.prefix, request_id)
+        return self.keys.tokens(request_id)
 
     def writer(self, request_id: str) -> TokenStreamWriter:
         """A writer for one request's stream (the worker's side)."""
@@ -157,7 +176,14 @@ class TokenStreams:
     # --------------------------------------------------------------------------- reading
 
     async def start(self) -> None:
-        """Subscribe to the notify channel (once per process; ``wait`` starts it itself)."""
+        """Subscribe to the notify channel (once per process; ``wait`` starts it itself). On a
+        cluster: ready the sharded subscriptions (each request's channel is subscribed when a
+        reader waits on it)."""
+        if self.cluster:
+            if self._sharded is None:
+                assert isinstance(self.client, RedisCluster)
+                self._sharded = ShardedChannels(self.client, self._heard, self._lost)
+            return
         if self._listener is None:
             self._listener = ChannelListener(
                 self.client, self.channel, self._wake, on_gap=self._wake_all
@@ -168,6 +194,70 @@ class TokenStreams:
         if self._listener is not None:
             await self._listener.close()
             self._listener = None
+        for timer in self._lingering.values():
+            timer.cancel()
+        self._lingering.clear()
+        for task in list(self._leaving):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        if self._sharded is not None:
+            await self._sharded.close()
+            self._sharded = None
+
+    # ------------------------------------------- cluster: one channel per waited-on request
+
+    def _channel(self, request_id: str) -> bytes:
+        return self.keys.token_changes(request_id).encode()
+
+    def _heard(self, channel: bytes, data: bytes) -> None:
+        self._wake(data.decode())
+
+    def _lost(self, channels: frozenset[bytes]) -> None:
+        """Channels went deaf (their master died or their slot moved): their readers read
+        again, and subscribe again where the slot lives now."""
+        for rid in list(self._waiters):
+            if self._channel(rid) in channels:
+                self._wake(rid)
+
+    async def _follow(self, request_id: str) -> bool:
+        """Cluster: make sure the request's channel is subscribed (confirmed) before a read;
+        False when it cannot be now (the reader then polls, briefly, until it can)."""
+        timer = self._lingering.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
+        sharded = self._sharded
+        if sharded is None:
+            return True
+        try:
+            await sharded.subscribe([self._channel(request_id)])
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.debug("token channel of %s not subscribed yet (%r)", request_id, exc)
+            return False
+        return True
+
+    def following(self, request_id: str) -> bool:
+        """Cluster: whether the request's channel is subscribed now (False on one Redis,
+        whose one channel is subscribed by :meth:`start`)."""
+        return self._sharded is not None and self._sharded.subscribed(self._channel(request_id))
+
+    def _linger(self, request_id: str) -> None:
+        """Cluster: the last reader of ``request_id`` left; unsubscribe after ``LINGER_S``
+        unless another comes."""
+        if self._sharded is None or request_id in self._lingering:
+            return
+
+        def leave() -> None:
+            self._lingering.pop(request_id, None)
+            if request_id in self._waiters or self._sharded is None:
+                return
+            task = asyncio.get_running_loop().create_task(
+                self._sharded.unsubscribe([self._channel(request_id)])
+            )
+            self._leaving.add(task)
+            task.add_done_callback(self._leaving.discard)
+
+        self._lingering[request_id] = asyncio.get_running_loop().call_later(LINGER_S, leave)
 
     def _wake(self, request_id: str) -> None:
         for ev in self._waiters.get(request_id, ()):
@@ -177,6 +267,22 @@ class TokenStreams:
         for evs in self._waiters.values():
             for ev in evs:
                 ev.set()
+
+    async def append(self, request_id: str, fields: dict[str, str]) -> None:
+        """Append one entry to the request's stream, renew its TTL and announce it, in one
+        atomic step (a ``MULTI`` on one Redis; a script on the request's shard of a cluster)."""
+        key = self.key(request_id)
+        if self._append is not None:
+            flat = [part for pair in fields.items() for part in pair]
+            channel = self.keys.token_changes(request_id)
+            args: list[str | int] = [self.max_entries, self.ttl_s, channel, request_id, *flat]
+            await self._append(keys=[key], args=args)
+            return
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(key, fields, maxlen=self.max_entries, approximate=True)  # type: ignore[arg-type]
+        pipe.expire(key, self.ttl_s)
+        pipe.publish(self.channel, request_id)
+        await pipe.execute()
 
     async def read(self, request_id: str, after: str = "0", count: int = 1000) -> list[TokenChunk]:
         """The chunks after entry id ``after`` (``"0"``: all), oldest first, at most ``count``."""
@@ -192,23 +298,23 @@ class TokenStreams:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         woke = asyncio.Event()
-        # Registered before the read, so a write between the read and the wait is not missed.
+        # Registered (and on a cluster subscribed) before the read, so a write between the
+        # read and the wait is not missed.
         self._waiters.setdefault(request_id, set()).add(woke)
         try:
             while True:
                 woke.clear()
+                heard = await self._follow(request_id)
                 chunks = await self.read(request_id, after, count)
                 left = deadline - loop.time()
                 if chunks or left <= 0:
                     return chunks
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(woke.wait(), left)
+                    await asyncio.wait_for(woke.wait(), left if heard else min(left, RESUBSCRIBE_S))
         finally:
-            left_waiters = self._waiters.get(request_id)
-            if left_waiters is not None:
-                left_waiters.discard(woke)
-                if not left_waiters:
-                    del self._waiters[request_id]
+            forget(self._waiters, request_id, woke)
+            if request_id not in self._waiters:
+                self._linger(request_id)
 
     async def follow(
         self, request_id: str, after: str = "0", idle_timeout_s: float = 60.0
@@ -303,14 +409,9 @@ class TokenStreamWriter:
         if end is not None:
             fields["end"] = end
             fields["finish"] = finish_reason or ""
-        streams = self.streams
-        pipe = streams.client.pipeline(transaction=True)
-        pipe.xadd(self.key, fields, maxlen=streams.max_entries, approximate=True)  # type: ignore[arg-type]
-        pipe.expire(self.key, streams.ttl_s)
-        pipe.publish(streams.channel, self.request_id)
         self._last_write = asyncio.get_running_loop().time()
         try:
-            await pipe.execute()
+            await self.streams.append(self.request_id, fields)
             self.writes += 1
         except (RedisError, OSError) as exc:
             log.warning("token stream %s: a write failed (%r); it is dropped", self.key, exc)

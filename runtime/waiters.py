@@ -38,12 +38,18 @@ class KeyedWaiters(Generic[K]):
                 self._by_key.setdefault(k, set()).add(fut)
         return futs
 
-    def wake(self, key: K) -> None:
-        """Resolve the futures waiting on ``key`` (each on its own loop)."""
+    def wake(self, key: K, error: BaseException | None = None) -> None:
+        """Resolve the futures waiting on ``key`` (each on its own loop), or fail them with
+        ``error``."""
         with self._lock:
             futs = list(self._by_key.get(key, ()))
         for fut in futs:
-            _resolve(fut, None)
+            _resolve(fut, error)
+
+    def keys(self) -> list[K]:
+        """The keys something waits on now."""
+        with self._lock:
+            return list(self._by_key)
 
     def wake_all(self, error: BaseException | None = None) -> None:
         """Resolve every future, or fail every one with ``error``."""

@@ -11,7 +11,7 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 EC_NAMESPACE = "ec"
 EMBEDDING_TTL_S = 600
 TINY_MODEL = "tiny"
-STORE_SCHEMES = ("redis", "rediss", "shm", "local", "cuda")
+STORE_SCHEMES = ("redis", "rediss", "redis+cluster", "shm", "local", "cuda")
 """Embedding store URI schemes (``runtime.stores.open_store``; checked when settings load)."""
 MAX_KV_TRANSFER_PARAMS_BYTES = 64 * 1024
 """Largest vLLM ``kv_transfer_params`` (JSON text) an event may carry through to decode."""

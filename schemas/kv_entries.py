@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 from schemas.defaults import MAX_KV_TRANSFER_PARAMS_BYTES
 from schemas.ec_entries import without_credentials
 from schemas.errors import ValidationError
-from schemas.signing import kv_key, verify_kv
+from schemas.keys import kv_key
+from schemas.signing import verify_kv
 from schemas.types import DTYPES, KVTransfer
 
 if TYPE_CHECKING:

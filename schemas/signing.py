@@ -31,21 +31,6 @@ _HASH_TAG = b"epd-mm-v2"
 _PARALLEL_HASH_BYTES = 1 << 20
 
 
-def embedding_key(namespace: str, model_fingerprint: str, mm_hash: str) -> str:
-    """Store key of one item's embeddings: ``{namespace}:{model_fingerprint}:{mm_hash}``."""
-    return f"{namespace}:{model_fingerprint}:{mm_hash}"
-
-
-def claim_key(namespace: str, mm_hash: str, field_name: str) -> str:
-    """Store key of a claim-checked encoder input: ``{namespace}:claim:{mm_hash}:{field}``
-    (``mm_hash``: the fan-out's own hash of the item).
-
-    The fan-out writes it; the encode worker reads it and deletes it once the item's embedding is
-    stored (and deletes nothing that is not exactly this key for the event's item).
-    """
-    return f"{namespace}:claim:{mm_hash}:{field_name}"
-
-
 def _framed(*fields: bytes) -> bytes:
     # Each field carries its 8-byte length, so no choice of field contents can make two
     # different field lists serialise alike (a separator can appear inside a field; a length
@@ -137,11 +122,6 @@ def verify_ec(secret: bytes, ec: ECTransfer, *, request_id: str | None = None) -
 # Parked KV caches (the decode stage)
 
 _KV_TAG = b"epd-kv-v1"
-
-
-def kv_key(namespace: str, model_fingerprint: str, request_id: str) -> str:
-    """Store key of a request's parked KV cache: ``{namespace}:kv:{model_fingerprint}:{id}``."""
-    return f"{namespace}:kv:{model_fingerprint}:{request_id}"
 
 
 def kv_message(kv: KVTransfer, request_id: str) -> bytes:

@@ -16,7 +16,8 @@ from typing import Any
 from schemas import defaults
 from schemas.ec_entries import entry_locates_embedding, find_ec_entry
 from schemas.errors import ValidationError
-from schemas.signing import embedding_key, make_ec_transfer
+from schemas.keys import embedding_key
+from schemas.signing import make_ec_transfer
 from schemas.types import now_ms
 from schemas.validator import DEFAULT_METADATA_FIELDS, carries_encoder_inputs, check_item_source
 from schemas.vllm_rules import check_vllm_request

@@ -7,7 +7,8 @@ for ``settings`` (directly or through another fixture), so pure unit tests run w
 
 Redis: tests use DB ``$EPD_TEST_REDIS_DB`` (default 15), never DB 0, and each test's keys live
 under its own prefix (``redis_prefix``) and are deleted afterwards. The DB is not flushed as a
-whole because several test runs may share one Redis at the same time (env mode).
+whole because several test runs may share one Redis at the same time (env mode). Tests on a
+Redis Cluster ask for ``redis_cluster``: three masters of this session's own.
 """
 
 from __future__ import annotations
@@ -77,6 +78,22 @@ def settings(test_services: test_services_mod.TestServices) -> Iterator[Settings
         get_settings.cache_clear()
         yield Settings()
         get_settings.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[test_services_mod.RedisClusterHandle]:
+    """A 3-master Redis Cluster (``redis-server --cluster-enabled yes`` processes formed by
+    ``redis-cli --cluster create``) for this session; started the first time a test asks."""
+    try:
+        cluster = test_services_mod.redis_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    except test_services_mod.ServicesUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
 
 
 @pytest.fixture

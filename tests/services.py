@@ -565,3 +565,120 @@ def transactional_kafka(session: TestServices, log_dir: Path) -> TransactionalKa
         f"Apache Kafka from jars, ready in {time.monotonic() - t0:.1f}s",
         [lambda: services.stop_records([rec])],
     )
+
+
+# ----------------------------------------------------------------------------- Redis Cluster
+
+
+@dataclass
+class RedisClusterHandle:
+    """A Redis Cluster of ``redis-server --cluster-enabled yes`` processes, whatever the mode
+    (a cluster is never a container here: the fault test kills one master with SIGKILL)."""
+
+    nodes: services.RedisClusterNodes
+    log_dir: Path
+
+    @property
+    def url(self) -> str:
+        return self.nodes.url
+
+    def masters(self) -> list[str]:
+        """Addresses of the nodes that are masters now (after a failover too)."""
+        return [a for a in self.nodes.addresses if _role(a) == "master"]
+
+    def replica_of(self, master: str) -> str | None:
+        """The address of a replica that follows ``master`` now, if any."""
+        host, port = master.rsplit(":", 1)
+        for addr in self.nodes.addresses:
+            info = _info(addr, "replication")
+            if info.get("role") == "slave" and (
+                info.get("master_host"),
+                info.get("master_port"),
+            ) == (host, port):
+                return addr
+        return None
+
+    def keys_per_master(self, pattern: str) -> dict[str, int]:
+        """How many keys matching ``pattern`` each master holds (SCAN on every master)."""
+        return {addr: len(self.keys_on(addr, pattern)) for addr in self.masters()}
+
+    def keys_on(self, address: str, pattern: str) -> set[bytes]:
+        """The keys matching ``pattern`` the node at ``address`` holds."""
+        import redis
+
+        host, port = address.rsplit(":", 1)
+        client = redis.Redis(host=host, port=int(port), socket_timeout=5)
+        try:
+            return set(client.scan_iter(match=pattern, count=1000))
+        finally:
+            client.close()
+
+    def cut_replication(self, master: str) -> int:
+        """Close ``master``'s connections to its replicas (they reconnect within a second or
+        so, unless frozen first): what it writes meanwhile reaches no replica."""
+        import redis
+
+        host, port = master.rsplit(":", 1)
+        client = redis.Redis(host=host, port=int(port), socket_timeout=5)
+        try:
+            return int(client.execute_command("CLIENT", "KILL", "TYPE", "replica"))
+        finally:
+            client.close()
+
+    def delete(self, pattern: str) -> None:
+        """Delete the keys matching ``pattern`` on every master."""
+        import redis
+
+        for addr in self.masters():
+            host, port = addr.rsplit(":", 1)
+            client = redis.Redis(host=host, port=int(port), socket_timeout=5)
+            try:
+                for key in list(client.scan_iter(match=pattern, count=1000)):
+                    client.delete(key)
+            finally:
+                client.close()
+
+    def kill(self, address: str) -> None:
+        """SIGKILL the node at ``address`` (it stays down)."""
+        self.signal(address, signal.SIGKILL)
+        for rec in self.nodes.nodes:
+            if rec.address == address and rec.pid is not None:
+                with contextlib.suppress(ChildProcessError, OSError):
+                    os.waitpid(rec.pid, 0)
+
+    def signal(self, address: str, sig: int) -> None:
+        """Send ``sig`` to the node at ``address`` (SIGSTOP freezes it, SIGCONT resumes)."""
+        for rec in self.nodes.nodes:
+            if rec.address == address and rec.pid is not None:
+                os.kill(rec.pid, sig)
+
+    def close(self) -> None:
+        services.stop_records([r for r in self.nodes.nodes])
+
+
+def _info(address: str, section: str) -> dict[str, str]:
+    import redis
+
+    host, port = address.rsplit(":", 1)
+    client = redis.Redis(host=host, port=int(port), socket_timeout=2, socket_connect_timeout=2)
+    try:
+        return {k: str(v) for k, v in client.info(section).items()}
+    except Exception:
+        return {}
+    finally:
+        client.close()
+
+
+def _role(address: str) -> str | None:
+    return _info(address, "replication").get("role")
+
+
+def redis_cluster(log_dir: Path, masters: int = 3, replicas: int = 0) -> RedisClusterHandle:
+    """Start a local Redis Cluster for tests (processes tied to the pytest process)."""
+    try:
+        nodes = services.start_redis_cluster(
+            log_dir, masters, replicas, log_dir=log_dir, tie_to_parent=True
+        )
+    except services.ServiceError as exc:
+        raise ServicesUnavailable(f"no Redis Cluster: {exc}") from exc
+    return RedisClusterHandle(nodes, log_dir)

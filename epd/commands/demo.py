@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.families import MODEL_HELP
+from schemas.status_record import StatusRecord
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -43,7 +44,7 @@ class DemoRequest:
     prompt: str
     images: list[Any]
     videos: list[Any] = field(default_factory=list)
-    result: dict[str, Any] | None = None
+    result: StatusRecord | None = None
     stats: Any = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -206,7 +207,7 @@ async def _wait_all(run: Any, reqs: list[DemoRequest], timeout_s: float, *, tty:
 
 def _summary(reqs: list[DemoRequest], encoded: list[Any], elapsed: float) -> dict[str, Any]:
     """The demo's figures: outcomes, encoder runs and hits, the bytes on each topic."""
-    completed = [r for r in reqs if r.result and r.result["status"] == "completed"]
+    completed = [r for r in reqs if r.result and r.result.status == "completed"]
     summary: dict[str, Any] = {
         "requests": len(reqs),
         "completed": len(completed),
@@ -231,8 +232,8 @@ def _summary(reqs: list[DemoRequest], encoded: list[Any], elapsed: float) -> dic
         {
             "name": r.name,
             "request_id": r.extra.get("request_id"),
-            "status": (r.result or {}).get("status", "timeout"),
-            "error": (r.result or {}).get("error") or r.error,
+            "status": r.result.status if r.result else "timeout",
+            "error": (r.result.error if r.result else None) or r.error,
         }
         for r in reqs
         if r not in completed
@@ -243,16 +244,16 @@ def _summary(reqs: list[DemoRequest], encoded: list[Any], elapsed: float) -> dic
 def _print_outcomes(reqs: list[DemoRequest], summary: dict[str, Any]) -> None:
     print()
     for r in reqs:
-        rec = r.result or {}
-        status = rec.get("status", "timeout")
+        rec = r.result
+        status = rec.status if rec else "timeout"
         line = f"  {r.name:<24} {status:<10}"
-        if status == "completed":
-            line += f" tokens={rec['token_ids']}"
-            total = rec.get("timings", {}).get("total")
+        if rec is not None and status == "completed":
+            line += f" tokens={rec.token_ids}"
+            total = rec.timings.get("total")
             if total is not None:
                 line += f"  ({total:.0f} ms)"
         else:
-            line += f" {rec.get('error') or r.error}"
+            line += f" {(rec.error if rec else None) or r.error}"
         print(line)
     print()
     print("Summary")

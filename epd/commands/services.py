@@ -28,14 +28,23 @@ def _describe(rec: services.ServiceRecord) -> str:
 def _report(state: services.ServicesState) -> None:
     for note in state.notes:
         _info(note)
-    for rec in (state.kafka, state.redis):
-        _info(_describe(rec))
+    _info(_describe(state.kafka))
+    if state.redis_nodes:
+        pids = ", ".join(f"{n.address} (pid {n.pid})" for n in state.redis_nodes)
+        _info(f"redis cluster at {state.redis.address}: nodes {pids}")
+    else:
+        _info(_describe(state.redis))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Start (or reuse) Kafka and Redis, record them, print the env lines."""
     try:
-        state, _ = services.up(args.state_dir, kafka_port=args.kafka_port)
+        state, _ = services.up(
+            args.state_dir,
+            kafka_port=args.kafka_port,
+            redis_cluster=args.redis_cluster,
+            redis_replicas=args.redis_replicas,
+        )
     except services.ServiceError as exc:
         _info(f"error: {exc}")
         return 2 if isinstance(exc, services.KafkaJarsUnavailable) else 1
@@ -84,6 +93,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         up = probe(rec.address)
         ok &= up
         owner = f"pid {rec.pid}" if rec.started else "external"
+        if rec is state.redis and state.redis_nodes:
+            owner = f"{len(state.redis_nodes)} nodes"
         print(f"{rec.name:6} {rec.address:32} {owner:12} {'up' if up else 'DOWN'}")
     return 0 if ok else 1
 
@@ -109,6 +120,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             record=False,
             log_dir=log_dir,
             tie_to_parent=True,  # if this runner is killed, what it started dies too
+            redis_cluster=args.redis_cluster,
+            redis_replicas=args.redis_replicas,
         )
     except services.ServiceError as exc:
         _info(f"error: {exc}")
@@ -146,6 +159,32 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _masters(text: str) -> int:
+    n = int(text)
+    if n < 3:
+        raise argparse.ArgumentTypeError("a Redis Cluster needs at least 3 masters")
+    return n
+
+
+def _redis_cluster_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--redis-cluster",
+        type=_masters,
+        default=0,
+        metavar="N",
+        help="start a local Redis Cluster of N masters (N >= 3) instead of one redis-server; "
+        "EPD_REDIS_URL and EPD_STORE_URL then name it (redis+cluster://)",
+    )
+    p.add_argument(
+        "--redis-replicas",
+        type=int,
+        choices=range(0, 4),
+        default=0,
+        metavar="R",
+        help="replicas per master of --redis-cluster (0-3, default 0)",
+    )
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``up``, ``down``, ``env`` and ``services`` to the CLI."""
 
@@ -157,6 +196,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
             default=None,
             help="the embedded broker's port (default: $EPD_KAFKA_PORT, else free)",
         )
+        _redis_cluster_flags(p)
         p.add_argument("--plain", action="store_true", help="print K=V lines without 'export'")
         p.set_defaults(func=cmd_up)
 
@@ -192,5 +232,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     _common(run)
     run.add_argument("--kafka-port", type=int, default=None)
+    _redis_cluster_flags(run)
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]")
     run.set_defaults(func=cmd_run)

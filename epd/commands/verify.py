@@ -178,15 +178,15 @@ async def verify_cases(
         except TimeoutError as exc:
             results.append(CaseResult(case.name, "timeout", None, mono, str(exc)))
             continue
-        got = rec.get("token_ids")
+        got = rec.token_ids
         results.append(
             CaseResult(
                 case.name,
-                rec["status"],
+                rec.status,
                 got,
                 mono,
-                error=json.dumps(rec["error"]) if rec.get("error") else None,
-                match=rec["status"] == "completed" and got == mono,
+                error=json.dumps(rec.error) if rec.error else None,
+                match=rec.status == "completed" and got == mono,
             )
         )
     return results

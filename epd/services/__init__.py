@@ -37,6 +37,7 @@ from epd.services.processes import (
     wait_until,
 )
 from epd.services.redis import DEFAULT_REDIS_URL, REDIS_INSTALL_HINT, start_redis
+from epd.services.redis_cluster import RedisClusterNodes, start_redis_cluster
 from epd.services.state import (
     ServiceError,
     ServiceRecord,
@@ -47,6 +48,7 @@ from epd.services.state import (
     state_dir,
 )
 from epd.services.tansu import TANSU_IDEMPOTENCE, start_tansu, tansu_binary
+from runtime.redis_cluster import is_cluster_url
 from runtime.settings import Settings
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "REDIS_INSTALL_HINT",
     "TANSU_IDEMPOTENCE",
     "KafkaJarsUnavailable",
+    "RedisClusterNodes",
     "ServiceError",
     "ServiceRecord",
     "ServicesState",
@@ -76,6 +79,7 @@ __all__ = [
     "start_apache_kafka",
     "start_broker",
     "start_redis",
+    "start_redis_cluster",
     "start_tansu",
     "state_dir",
     "stop_process",
@@ -90,8 +94,11 @@ log = logging.getLogger("epd.services")
 
 def services_env(kafka: ServiceRecord, redis_url: str, kind: str | None) -> dict[str, str]:
     """EPD_* lines pointing at ``kafka`` and ``redis_url``; Tansu's own timings for Tansu only
-    (``kind`` None: a broker this tool did not start, taken for a real Kafka)."""
+    (``kind`` None: a broker this tool did not start, taken for a real Kafka). A Redis Cluster
+    holds the embeddings too (``EPD_STORE_URL``)."""
     env = {"EPD_KAFKA_BOOTSTRAP": kafka.address, "EPD_REDIS_URL": redis_url}
+    if is_cluster_url(redis_url):
+        env["EPD_STORE_URL"] = redis_url
     if kind == "tansu":
         env["EPD_KAFKA_IDEMPOTENCE"] = TANSU_IDEMPOTENCE
         # Tansu holds a group join for about half the session timeout: keep it short locally
@@ -141,8 +148,14 @@ def up(
     record: bool = True,
     log_dir: Path | None = None,
     tie_to_parent: bool = False,
+    redis_cluster: int = 0,
+    redis_replicas: int = 0,
 ) -> tuple[ServicesState, list[ServiceRecord]]:
     """Make sure a broker and a Redis answer; start what is missing.
+
+    ``redis_cluster`` N (3 or more): a local Redis Cluster of N masters (``redis_replicas``
+    replicas each) instead of one ``redis-server``, unless the recorded one still answers;
+    ``EPD_REDIS_URL`` and ``EPD_STORE_URL`` then name it.
 
     Kafka: a live recorded broker, then ``kafka_bootstrap`` (``$EPD_KAFKA_BOOTSTRAP``) when it
     answers, then a new embedded broker of ``$EPD_BROKER`` on ``kafka_port``
@@ -165,6 +178,7 @@ def up(
     if redis_url is None and "redis_url" in settings.model_fields_set:
         redis_url = settings.redis_url
     new: list[ServiceRecord] = []
+    nodes: list[ServiceRecord] = []
     notes: list[str] = []
     try:
         kafka = _kafka_for(
@@ -179,20 +193,77 @@ def up(
         )
         if kafka.kind == "tansu" and settings.kafka_transactions:
             raise ServiceError(TANSU_TRANSACTIONS)
-        redis_rec = _redis_for(
-            previous, redis_url, directory, log_dir=log_dir, tie_to_parent=tie_to_parent, new=new
-        )
+        if previous and _other_redis_kind(previous, bool(redis_cluster)):
+            raise ServiceError(
+                "the Redis recorded here is "
+                + ("a cluster" if previous.redis_nodes else "a single redis-server")
+                + " and still runs; `epd down` first to switch"
+            )
+        if redis_cluster:
+            redis_rec, nodes = _cluster(
+                previous, directory, redis_cluster, redis_replicas, log_dir, tie_to_parent
+            )
+            new.extend(n for n in nodes if previous is None or n not in previous.redis_nodes)
+        else:
+            redis_rec = _redis_for(
+                previous,
+                redis_url,
+                directory,
+                log_dir=log_dir,
+                tie_to_parent=tie_to_parent,
+                new=new,
+            )
     except BaseException:
         for rec in new:  # leave nothing half-started behind
             stop_process(rec.pid, rec.command)
         raise
 
     state = ServicesState(
-        kafka, redis_rec, services_env(kafka, redis_rec.address, kafka.kind), notes=notes
+        kafka,
+        redis_rec,
+        services_env(kafka, redis_rec.address, kafka.kind),
+        notes=notes,
+        redis_nodes=nodes,
     )
     if record:
         save_state(directory, state)
     return state, new
+
+
+def _other_redis_kind(previous: ServicesState, cluster: bool) -> bool:
+    """Whether the recorded Redis that this tool started, still running, is of the other kind
+    (a switch would leave it running and unrecorded)."""
+    if previous.redis_nodes:
+        return not cluster and any(pid_alive(n.pid, n.command) for n in previous.redis_nodes)
+    rec = previous.redis
+    return cluster and rec.started and pid_alive(rec.pid, rec.command)
+
+
+def _cluster(
+    previous: ServicesState | None,
+    directory: Path,
+    masters: int,
+    replicas: int,
+    log_dir: Path | None,
+    tie_to_parent: bool,
+) -> tuple[ServiceRecord, list[ServiceRecord]]:
+    """The recorded local cluster when it is the one asked for and answers, else a new one."""
+    if (
+        previous is not None
+        and len(previous.redis_nodes) == masters * (1 + replicas)
+        and all(pid_alive(n.pid, n.command) for n in previous.redis_nodes)
+        and redis_answers(previous.redis.address)
+    ):
+        return previous.redis, previous.redis_nodes
+    cluster = start_redis_cluster(
+        directory / "redis-cluster",
+        masters,
+        replicas,
+        log_dir=log_dir,
+        tie_to_parent=tie_to_parent,
+    )
+    # The cluster's record owns no process of its own: its nodes' records do.
+    return ServiceRecord("redis", cluster.url, False), cluster.nodes
 
 
 def _kafka_for(
@@ -231,7 +302,7 @@ def _redis_for(
 ) -> ServiceRecord:
     """A live recorded Redis, else ``url`` when given and answering, else a new redis-server (on
     that URL's port, or a free one), appended to ``new``."""
-    if previous and _reusable(previous.redis, redis_answers):
+    if previous and not previous.redis_nodes and _reusable(previous.redis, redis_answers):
         return previous.redis
     if url and redis_answers(url):
         return ServiceRecord("redis", url, False)

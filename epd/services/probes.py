@@ -71,12 +71,33 @@ def kafka_answers(bootstrap: str, timeout_s: float = 5.0) -> bool:
 
 
 def redis_answers(url: str, timeout_s: float = 1.0) -> bool:
-    """True when a Redis server at ``url`` answers PING."""
+    """True when a Redis server at ``url`` answers PING (a ``redis+cluster://`` URL: a seed
+    answers and says the cluster is ``ok``)."""
     import redis
 
+    from runtime.redis_cluster import ClusterURL, is_cluster_url
+
+    if is_cluster_url(url):
+        return any(_cluster_ok(host, port, timeout_s) for host, port in ClusterURL.parse(url).seeds)
     client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
     try:
         return bool(client.ping())
+    except Exception:
+        return False
+    finally:
+        client.close()
+
+
+def _cluster_ok(host: str, port: int, timeout_s: float) -> bool:
+    import redis
+
+    client = redis.Redis(
+        host=host, port=port, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+    )
+    try:
+        info = client.cluster("info")
+        state = info.get("cluster_state") if isinstance(info, dict) else None
+        return state == "ok"
     except Exception:
         return False
     finally:

@@ -40,10 +40,12 @@ class ServicesState:
     env: dict[str, str]
     notes: list[str] = field(default_factory=list)
     """What the start wants the user told (a broker fallback); not recorded."""
+    redis_nodes: list[ServiceRecord] = field(default_factory=list)
+    """The node processes of a local Redis Cluster (``redis`` then holds its URL)."""
 
     def started(self) -> list[ServiceRecord]:
         """The records of processes that were started here (the ones a stop may end)."""
-        return [r for r in (self.kafka, self.redis) if r.started]
+        return [r for r in (self.kafka, self.redis, *self.redis_nodes) if r.started]
 
 
 def state_dir(path: str | os.PathLike[str] | None = None) -> Path:
@@ -62,6 +64,7 @@ def load_state(directory: Path) -> ServicesState | None:
             kafka=ServiceRecord(**raw["kafka"]),
             redis=ServiceRecord(**raw["redis"]),
             env=dict(raw["env"]),
+            redis_nodes=[ServiceRecord(**r) for r in raw.get("redis_nodes", [])],
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -71,7 +74,12 @@ def save_state(directory: Path, state: ServicesState) -> None:
     """Write the state file atomically (a reader never sees half a file)."""
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{STATE_FILE}.{os.getpid()}.tmp"
-    payload = {"kafka": asdict(state.kafka), "redis": asdict(state.redis), "env": state.env}
+    payload = {
+        "kafka": asdict(state.kafka),
+        "redis": asdict(state.redis),
+        "env": state.env,
+        "redis_nodes": [asdict(r) for r in state.redis_nodes],
+    }
     tmp.write_text(json.dumps(payload, indent=2) + "\n")
     os.replace(tmp, directory / STATE_FILE)
 

@@ -19,7 +19,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from producers.refusal import Refused
 from runtime.kafka import make_consumer
 from runtime.settings import Settings
-from runtime.status_store import StatusStore
+from runtime.status import StatusStore
 from schemas.topics import Topics
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from pydantic import ValidationError as PydanticValidationError
 from starlette.requests import Request
 
 from producers.api.errors import ApiError
-from schemas.types import TERMINAL_STATUSES
+from schemas.status_record import StatusRecord
 
 JSON = "application/json"
 MULTIPART = "multipart/form-data"
@@ -29,14 +29,14 @@ def content_type(request: Request, *accepted: str) -> str:
     return ctype
 
 
-def refuse_finished(rec: dict[str, Any]) -> None:
+def refuse_finished(rec: StatusRecord) -> None:
     """409 ``cancel.terminal`` for a request that already has an outcome other than
     ``cancelled`` (cancelling a cancelled request answers its status again)."""
-    if rec["status"] in TERMINAL_STATUSES and rec["status"] != "cancelled":
+    if rec.terminal and rec.status != "cancelled":
         raise ApiError(
             409,
             "already_finished",
-            f"request is already {rec['status']}",
+            f"request is already {rec.status}",
             rule="cancel.terminal",
         )
 

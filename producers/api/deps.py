@@ -3,13 +3,14 @@ the bearer token, also declared as the OpenAPI security scheme) and the records 
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from producers.api.errors import ApiError, not_found
 from producers.api.state import ApiState
+from schemas.status_record import StatusRecord
 
 bearer = HTTPBearer(
     auto_error=False,
@@ -37,16 +38,16 @@ def caller_tenant(
 Tenant = Annotated[str | None, Depends(caller_tenant)]
 
 
-async def owned_record(request_id: str, st: State, tenant: Tenant) -> dict[str, Any]:
+async def owned_record(request_id: str, st: State, tenant: Tenant) -> StatusRecord:
     """The caller's record of ``request_id``. Another tenant's request is "not found", not
     "forbidden": ids reveal nothing."""
     rec = await st.status.get(request_id)
-    if rec is None or rec.get("tenant") != tenant:
+    if rec is None or rec.tenant != tenant:
         raise not_found(request_id)
     return rec
 
 
-OwnedRecord = Annotated[dict[str, Any], Depends(owned_record)]
+OwnedRecord = Annotated[StatusRecord, Depends(owned_record)]
 
 
 def long_poll_wait(

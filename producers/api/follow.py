@@ -137,7 +137,7 @@ async def _ended(st: ApiState, request_id: str, at: Position) -> bool:
     rec = await st.status.get(request_id)
     if rec is None:
         return True
-    if rec["status"] not in TERMINAL_STATUSES:
+    if not rec.terminal:
         return False
     return not await st.status.events(request_id, at.status)
 

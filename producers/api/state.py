@@ -10,7 +10,6 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import redis.asyncio as aioredis
 from aiokafka.admin import AIOKafkaAdminClient
 
 from producers.api.admission import ApiAdmission, LagMonitor
@@ -24,9 +23,10 @@ from producers.intake import Intake
 from producers.render import Renderer
 from runtime.kafka import KafkaPublisher
 from runtime.redis_client import redis_client
+from runtime.redis_cluster import RedisClient
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
-from runtime.status_store import StatusNotifier, StatusStore
+from runtime.status import StatusNotifier, StatusStore
 from runtime.token_stream import TokenStreams
 from schemas.topics import Topics
 
@@ -43,7 +43,7 @@ class ApiState:
 
     settings: Settings
     topics: Topics
-    redis: aioredis.Redis
+    redis: RedisClient
     status: StatusStore
     notifier: StatusNotifier
     lag: LagMonitor

@@ -1,14 +1,11 @@
-"""A status record (runtime.status_store) as the API's ``RequestStatus`` JSON."""
+"""A status record (:class:`schemas.status_record.StatusRecord`) as the API's ``RequestStatus``."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Any
 
-from runtime.status_store import encoded_items
-
-ENCODE_MARK = "encode."
-"""Stage names of the per-item encode marks (``encode.<hash12>``, from ``encoded_update``)."""
+from schemas.status_record import StatusRecord
 
 
 def iso(ms: float | int | None) -> str | None:
@@ -25,66 +22,52 @@ def _stage(started: float | None, finished: float | None, ms: float | None = Non
     return {"started": iso(started), "finished": iso(finished), "ms": ms}
 
 
-def _encode_finished(stages: dict[str, float], last: dict[str, float]) -> float | None:
-    """When the last item's encode mark landed: each item's stage writes its own mark
-    (``encode.<hash12>:encoding``); a stage that reported as a whole wrote ``encode:encoding``."""
-    marks = [
-        t
-        for seen in (stages, last)
-        for key, t in seen.items()
-        if key.endswith(":encoding") and (key.startswith(ENCODE_MARK) or key == "encode:encoding")
-    ]
-    return max(marks) if marks else None
-
-
-def status_view(rec: dict[str, Any]) -> dict[str, Any]:
-    """``RequestStatus`` from a record: stage timings from the stage updates' times."""
-    stages: dict[str, float] = rec.get("stages", {})
-    last: dict[str, float] = rec.get("stages_last", {})
-    timings: dict[str, float] = rec.get("timings", {})
-    info: dict[str, str] = rec.get("info", {})
-    status = rec["status"]
-    render = rec.get("render") or {}
-    encode_ms = [v for k, v in timings.items() if k.startswith(ENCODE_MARK)]
-    enc_done = _encode_finished(stages, last)
-    prefill_start = stages.get("prefill:prefilling")
-    decode_start = stages.get("prefill:decoding")
-    done = stages.get("prefill:completed")
-    cached = set(rec.get("cached") or [])
-    encoded = encoded_items(info)
-    items = []
-    for it in rec.get("items") or []:
+def _items(rec: StatusRecord) -> list[dict[str, Any]]:
+    cached = rec.cached
+    out = []
+    for it in rec.items:
         h = it["mm_hash"]
-        hit = h in cached if rec.get("cached") is not None else None
-        items.append(
+        hit = h in cached if cached is not None else None
+        out.append(
             {
                 "modality": it["modality"],
                 "mm_hash": h,
                 "cache_hit": hit,
-                "encoded": bool(hit) or h[:12] in encoded or status == "completed",
+                "encoded": bool(hit) or rec.item_encoded(h) or rec.status == "completed",
             }
         )
+    return out
+
+
+def status_view(rec: StatusRecord) -> dict[str, Any]:
+    """``RequestStatus`` from a record: stage timings from the stage updates' times."""
+    render = rec.render
+    prefill_start = rec.stage_time("prefill", "prefilling")
+    decode_start = rec.stage_time("prefill", "decoding")
+    done = rec.stage_time("prefill", "completed")
     result = None
-    if rec.get("token_ids") is not None:
-        result = {"token_ids": rec["token_ids"], "text": rec.get("text")}
-    error = rec.get("error")
+    if rec.token_ids is not None:
+        result = {"token_ids": rec.token_ids, "text": rec.text}
+    error = rec.error
     if error is not None:
         error = {k: error.get(k) for k in ("code", "message", "rule", "modality", "item", "field")}
     return {
-        "request_id": rec["request_id"],
-        "status": status,
-        "created_at": iso(rec["created_ms"]),
-        "updated_at": iso(rec.get("updated_ms")),
+        "request_id": rec.request_id,
+        "status": rec.status,
+        "created_at": iso(rec.created_ms),
+        "updated_at": iso(rec.updated_ms),
         "stages": {
             "render": _stage(render.get("started_ms"), render.get("finished_ms"), render.get("ms")),
             "encode": _stage(
-                stages.get("fanout:encoding"), enc_done, sum(encode_ms) if encode_ms else None
+                rec.stage_time("fanout", "encoding"),
+                rec.encode_finished_ms(),
+                rec.encode_total_ms(),
             ),
             "prefill": _stage(prefill_start, decode_start or done),
             "decode": _stage(decode_start, done if decode_start is not None else None),
         },
-        "items": items,
+        "items": _items(rec),
         "result": result,
         "error": error,
-        "metadata": rec.get("metadata"),
+        "metadata": rec.metadata,
     }

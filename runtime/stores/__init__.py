@@ -1,4 +1,5 @@
-"""Embedding stores chosen by URI: ``redis://``, ``shm://``, ``local://``, ``cuda://``.
+"""Embedding stores chosen by URI: ``redis://``, ``redis+cluster://``, ``shm://``, ``local://``,
+``cuda://``.
 
 ``open_store(url)`` returns a fresh handle the caller owns (``await store.close()`` when done, or
 ``async with open_store(url) as store``).
@@ -31,6 +32,10 @@ def open_store(url: str) -> EmbeddingStore:
         from runtime.stores.redis import RedisStore
 
         return RedisStore(url)
+    if scheme == "redis+cluster":
+        from runtime.stores.redis_cluster import RedisClusterStore
+
+        return RedisClusterStore(url)
     if scheme == "shm":
         from runtime.stores.shm import ShmStore
 

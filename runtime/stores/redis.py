@@ -63,6 +63,7 @@ from runtime.stores.base import (
     tensor_view,
 )
 from runtime.waiters import KeyedWaiters, wait_present
+from schemas.keys import store_ready_channel
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +249,7 @@ class RedisStore(EmbeddingStore):
         self._key_prefix = own.get("key_prefix", "")
         conn_url = urlunsplit(parts._replace(query=urlencode(query)))
         db = (parts.path or "/0").strip("/") or "0"
-        self._channel = own.get("channel", f"epd:store:ready:{db}").encode()
+        self._channel = own.get("channel", store_ready_channel(db)).encode()
         pool = _wire_pool(conn_url, socket_connect_timeout_s) if wire_io else None
         self._io: _DataIO = (
             _WireIO(pool) if pool is not None else _RedisPyIO(conn_url, socket_connect_timeout_s)

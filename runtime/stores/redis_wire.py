@@ -349,9 +349,11 @@ async def set_and_publish(
     pieces: Sequence[Buffer],
     px: int | None,
     channel: bytes,
+    publish: bytes = b"PUBLISH",
 ) -> None:
     """``MULTI; SET key <value> [PX px]; PUBLISH channel key; EXEC`` in one write, where the
     value is ``pieces`` back to back, sent from their own buffers (never concatenated).
+    ``publish``: ``SPUBLISH`` on a cluster (the channel in the key's slot).
 
     MULTI/EXEC keeps put-and-notify all or nothing: a connection lost part-way through the write
     leaves neither the value nor the notification (a plain pipeline could leave the value
@@ -370,7 +372,7 @@ async def set_and_publish(
         tail.append(b"$2\r\nPX\r\n")
         pxs = str(px).encode()
         tail.append(b"$%d\r\n%s\r\n" % (len(pxs), pxs))
-    tail.append(_pack(b"PUBLISH", channel, key))
+    tail.append(_pack(publish, channel, key))
     tail.append(_pack(b"EXEC"))
     msgs: list[Buffer] = [head, *pieces, b"".join(tail)]  # gathered by one sendmsg
 

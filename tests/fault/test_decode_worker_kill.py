@@ -30,7 +30,7 @@ from runtime.model import ModelBundle, load_model
 from runtime.settings import Settings
 from runtime.token_stream import TokenStreams
 from schemas.codec import decode
-from schemas.signing import kv_key
+from schemas.keys import kv_key
 from schemas.types import TERMINAL_STATUSES, ResultEvent, SamplingParams
 from tests.fault.test_scaleout import last_assignment
 
@@ -121,22 +121,22 @@ async def test_a_decode_worker_killed_mid_generation_is_taken_over_to_the_token(
     want, rec = await asyncio.gather(oracle, run.submitter.wait(rid, timeout_s=WAIT_S))
     took = time.monotonic() - t_kill
     try:
-        assert rec["status"] == "completed", rec.get("error")
-        assert rec["token_ids"] == want and len(want) == MAX_TOKENS
-        assert rec["info"]["decode.from"] == ("kv" if cache == "parked" else "prefill")
+        assert rec.status == "completed", rec.error
+        assert rec.token_ids == want and len(want) == MAX_TOKENS
+        assert rec.info["decode.from"] == ("kv" if cache == "parked" else "prefill")
         # Exactly one terminal status: on the results topic and in the record.
         results = await _results(run, rid)
         terminal = [(e.stage, e.status, e.worker) for e in results if e.status in TERMINAL_STATUSES]
         assert [t[:2] for t in terminal] == [("decode", "completed")], terminal
         victim_pid = run.workers.procs[victim][1].pid
         assert not terminal[0][2].endswith(f":{victim_pid}")  # the survivor finished it
-        stages = [k for k in rec["stages"] if k.split(":", 1)[1] in TERMINAL_STATUSES]
+        stages = [k for k in rec.stages if k.split(":", 1)[1] in TERMINAL_STATUSES]
         assert stages == ["decode:completed"]
         # The stream holds each token once, in order, and one end.
         chunks = await streams.read(rid, count=100_000)
         assert [t for c in chunks for t in c.token_ids] == want
         assert [c.end for c in chunks if c.end] == ["completed"]
-        assert "".join(c.text for c in chunks) == rec["text"]
+        assert "".join(c.text for c in chunks) == rec.text
         print(
             f"\n[decode kill, {cache} cache] killed decode worker {victim} after {cut} "
             f"streamed tokens (>= {before} seen); the survivor finished {MAX_TOKENS} tokens "

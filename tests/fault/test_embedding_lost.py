@@ -67,9 +67,9 @@ async def _all_encoded(run: LocalRun, evs: list[RenderEvent], timeout_s: float) 
     while True:
         pending = 0
         for ev in evs:
-            rec = await run.submitter.status.get(ev.request_id) or {"info": {}}
+            rec = await run.submitter.status.get(ev.request_id)
             for _, _, h in ev.features.items():
-                pending += rec["info"].get(f"encoded.{h[:12]}") not in ("encoded", "cache_hit")
+                pending += rec is None or not rec.item_encoded(h)
         if not pending:
             return
         assert time.monotonic() < deadline, f"{pending} item(s) not encoded in {timeout_s}s"
@@ -118,7 +118,7 @@ async def test_requests_whose_embeddings_vanished_fail_promptly_as_embedding_los
     salt = uuid.uuid4().hex
 
     warm = await _submit(run, 700, salt)  # every worker is up and consuming
-    assert (await run.submitter.wait(warm.request_id, timeout_s=120))["status"] == "completed"
+    assert (await run.submitter.wait(warm.request_id, timeout_s=120)).status == "completed"
 
     (index,) = run.workers.indices("prefill")
     pid = run.workers.procs[index][1].pid
@@ -153,10 +153,11 @@ async def test_requests_whose_embeddings_vanished_fail_promptly_as_embedding_los
         assert (err.modality, err.item) == ("image", 0)
         # The record went with Redis; the one rebuilt from the updates after it says the same.
         rec = await run.submitter.wait(rid, timeout_s=30)
-        assert (rec["status"], rec["error"]["code"]) == ("failed", "embedding-lost"), rec
+        assert rec.status == "failed" and rec.error is not None, rec
+        assert rec.error["code"] == "embedding-lost", rec
 
     # New requests after the restart go through.
     fresh = [await _submit(run, 720 + i, salt) for i in range(2)]
     done = [await run.submitter.wait(ev.request_id, timeout_s=120) for ev in fresh]
-    assert [rec["status"] for rec in done] == ["completed", "completed"], done
+    assert [rec.status for rec in done] == ["completed", "completed"], done
     run.workers.check_alive()

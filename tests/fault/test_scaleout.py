@@ -32,6 +32,7 @@ from producers.sample_images import synthetic_image
 from runtime.kafka import read_topic
 from runtime.settings import Settings
 from schemas.codec import get_codec
+from schemas.status_record import StatusRecord
 from schemas.types import TERMINAL_STATUSES, ResultEvent, SamplingParams
 from tests.fault.test_faults import dead_letters_of, figures, stream, worker_rss
 
@@ -106,7 +107,10 @@ async def outcomes(run: LocalRun, ids: list[str]) -> dict[str, dict]:
         *(run.submitter.wait(r, timeout_s=WAIT_S) for r in ids), return_exceptions=True
     )
     pairs = zip(ids, recs, strict=True)
-    return {r: (rec if isinstance(rec, dict) else {"status": "lost"}) for r, rec in pairs}
+    return {
+        r: (rec.to_dict() if isinstance(rec, StatusRecord) else {"status": "lost"})
+        for r, rec in pairs
+    }
 
 
 async def duplicates(run: LocalRun, ids: list[str], got: dict[str, dict]) -> dict[str, object]:
@@ -133,7 +137,7 @@ async def duplicates(run: LocalRun, ids: list[str], got: dict[str, dict]) -> dic
         pairs = [k for k in got[r].get("stages", {}) if k.split(":", 1)[1] in TERMINAL_STATUSES]
         if len(pairs) != 1 and got[r]["status"] != "lost":  # exactly one outcome folded in
             in_record.append(r)
-        entries: list[Any] = await status.client.xrange(status.events_key(r)) or []
+        entries: list[Any] = await status.client.xrange(status.keys.status_events(r)) or []
         data = [fields.get(b"data") or fields.get("data") for _, fields in entries]
         ends = [d for d in data if json.loads(d)["status"] in TERMINAL_STATUSES]
         if len(ends) != 1 and got[r]["status"] != "lost":

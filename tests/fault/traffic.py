@@ -17,6 +17,7 @@ from epd.local_pipeline import LocalRun
 from producers.sample_images import synthetic_image
 from runtime.kafka import KafkaPublisher, read_topic
 from schemas.codec import decode
+from schemas.status_record import StatusRecord
 from schemas.types import TERMINAL_STATUSES, DeadLetter, RenderEvent, ResultEvent, SamplingParams
 
 WAIT_S = 180.0
@@ -79,7 +80,11 @@ async def outcomes(run: LocalRun, ids: list[str]) -> dict[str, dict]:
     )
     pairs = zip(ids, recs, strict=True)
     return {
-        r: (rec if isinstance(rec, dict) else {"status": "lost", "error": repr(rec)[:200]})
+        r: (
+            rec.to_dict()
+            if isinstance(rec, StatusRecord)
+            else {"status": "lost", "error": repr(rec)[:200]}
+        )
         for r, rec in pairs
     }
 

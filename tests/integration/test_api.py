@@ -296,13 +296,13 @@ async def test_events_stream_every_status_in_order_and_resume(
 async def _record(stack: ApiStack, rid: str) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
-    from runtime.status_store import StatusStore
+    from runtime.status import StatusStore
 
     client = aioredis.Redis.from_url(stack.settings.redis_url)
     try:
         rec = await StatusStore(client, prefix=stack.settings.topic_prefix).get(rid)
         assert rec is not None
-        return rec
+        return rec.to_dict()
     finally:
         await client.aclose()
 

@@ -18,7 +18,7 @@ from runtime.model import RenderInfo, load_render_info
 from runtime.publisher import InMemoryPublisher
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
-from runtime.status_store import StatusStore
+from runtime.status import StatusStore
 from runtime.stores.local import LocalStore
 from schemas.errors import ValidationError
 from schemas.topics import Topics
@@ -122,8 +122,8 @@ async def test_a_failure_once_events_may_be_out_records_failed(
         await intake(parts, info, pub).submit(submission(info, 1, request_id="half"))
     assert "broker went away" in str(exc.value) or exc.value.__class__.__name__ == "Refused"
     rec = await parts["status"].get("half")
-    assert rec is not None and rec["status"] == "failed", rec  # terminal: not live
-    assert rec["error"]["code"] == "enqueue_failed"
+    assert rec is not None and rec.status == "failed", rec  # terminal: not live
+    assert rec.error is not None and rec.error["code"] == "enqueue_failed"
 
 
 async def test_a_refusal_before_the_fan_out_leaves_no_record_and_sends_nothing(
@@ -180,6 +180,6 @@ async def test_the_in_process_submitter_uses_the_same_intake(
     )
     ev, stats = await sub.submit(prompt="<image>", images=[synthetic_image(56, 56, seed=5)])
     rec = await parts["status"].get(ev.request_id)
-    assert rec is not None and rec["status"] == "encoding"
-    assert [it["mm_hash"] for it in rec["items"]] == ev.features.mm_hashes["image"]
-    assert rec["render"]["ms"] > 0 and stats.encode_events == 1
+    assert rec is not None and rec.status == "encoding"
+    assert [it["mm_hash"] for it in rec.items] == ev.features.mm_hashes["image"]
+    assert rec.render["ms"] > 0 and stats.encode_events == 1

@@ -752,7 +752,7 @@ async def _cancelled_with(stack: ApiStack, case: str) -> list[str]:
     the request's id)."""
     import redis.asyncio as aioredis
 
-    from runtime.status_store import StatusStore
+    from runtime.status import StatusStore
 
     client = aioredis.Redis.from_url(stack.settings.redis_url)
     try:
@@ -760,9 +760,9 @@ async def _cancelled_with(stack: ApiStack, case: str) -> list[str]:
         found = []
         async for key in client.scan_iter(match=f"{stack.settings.topic_prefix}:status:*"):
             rec = await store.get(key.decode().rsplit(":", 1)[1])
-            labels = (rec or {}).get("metadata") or {}
-            if rec and labels.get("case") == case and rec["status"] == "cancelled":
-                found.append(rec["request_id"])
+            labels = (rec.metadata if rec else None) or {}
+            if rec and labels.get("case") == case and rec.status == "cancelled":
+                found.append(rec.request_id)
         return found
     finally:
         await client.aclose()

@@ -22,6 +22,7 @@ from runtime.kafka import KafkaPublisher, read_topic
 from runtime.settings import Settings
 from schemas.codec import get_codec
 from schemas.modalities import GRID_FIELDS, metadata_of
+from schemas.status_record import StatusRecord
 from schemas.types import DeadLetter, EncodedEvent, PrefillEvent, SamplingParams, TensorRef
 
 pytestmark = [pytest.mark.integration, pytest.mark.tansu]
@@ -41,8 +42,8 @@ async def pipeline(
         yield run
 
 
-async def _wait_all(run: LocalRun, request_ids: list[str]) -> dict[str, dict]:
-    async def one(rid: str) -> tuple[str, dict]:
+async def _wait_all(run: LocalRun, request_ids: list[str]) -> dict[str, StatusRecord]:
+    async def one(rid: str) -> tuple[str, StatusRecord]:
         wait = asyncio.create_task(run.submitter.wait(rid, timeout_s=240))
         while not wait.done():
             assert run.workers is not None
@@ -90,8 +91,8 @@ async def test_twenty_requests_complete_and_repeats_encode_once(pipeline: LocalR
     second = await asyncio.gather(*(submit(p, im) for p, im in plans[10:]))
     submitted = first + second
     outcomes = await _wait_all(pipeline, [rid for rid, _ in submitted])
-    assert [o["status"] for o in outcomes.values()] == ["completed"] * 20, outcomes
-    assert all(o["token_ids"] for o in outcomes.values())
+    assert [o.status for o in outcomes.values()] == ["completed"] * 20, outcomes
+    assert all(o.token_ids for o in outcomes.values())
 
     used = {h for _, hashes in submitted for h in hashes}
     assert len(used) == 6
@@ -109,7 +110,7 @@ async def test_twenty_requests_complete_and_repeats_encode_once(pipeline: LocalR
     deadline = asyncio.get_running_loop().time() + 15
     while True:
         records = {rid: await pipeline.submitter.status.get(rid) for rid in set(runner.values())}
-        marked = {h: records[rid]["info"].get(f"encoded.{h[:12]}") for h, rid in runner.items()}
+        marked = {h: records[rid].info.get(f"encoded.{h[:12]}") for h, rid in runner.items()}
         if all(v == "encoded" for v in marked.values()):
             break
         assert asyncio.get_running_loop().time() < deadline, marked
@@ -117,9 +118,9 @@ async def test_twenty_requests_complete_and_repeats_encode_once(pipeline: LocalR
     # Each worker times the broker hop its event came through, from the record's timestamp
     # (the running encoder's is in the mark it writes through).
     for h, rid in runner.items():
-        hop = records[rid]["timings"].get(f"encode_hop.{h[:12]}")
-        assert hop is not None and 0 <= hop < 60_000, records[rid]["timings"]
-    assert all(0 <= o["timings"]["broker_hop"] < 60_000 for o in outcomes.values())
+        hop = records[rid].encode_hop_ms(h)
+        assert hop is not None and 0 <= hop < 60_000, records[rid].timings
+    assert all(0 <= o.timings["broker_hop"] < 60_000 for o in outcomes.values())
 
 
 async def test_prefill_topic_never_carries_pixel_values(pipeline: LocalRun) -> None:
@@ -169,11 +170,11 @@ async def test_unsafe_metadata_only_event_is_rejected_and_others_finish(
     )
 
     outcomes = await _wait_all(run, [*good, unsafe.request_id])
-    assert [outcomes[r]["status"] for r in good] == ["completed"] * 3
+    assert [outcomes[r].status for r in good] == ["completed"] * 3
     rejected = outcomes[unsafe.request_id]
-    assert rejected["status"] == "rejected"
-    assert rejected["error"]["rule"] == "ec-transfer-required"
-    assert rejected["error"]["modality"] == "image" and rejected["error"]["item"] == 0
+    assert rejected.status == "rejected"
+    assert rejected.error["rule"] == "ec-transfer-required"
+    assert rejected.error["modality"] == "image" and rejected.error["item"] == 0
 
     letters = [
         get_codec().decode(r.value, DeadLetter)
@@ -200,9 +201,9 @@ async def test_render_topic_through_the_router_worker(pipeline: LocalRun) -> Non
         f"{run.settings.topic_prefix}.render", ev.request_id, ev
     )
     outcome = (await _wait_all(run, [ev.request_id]))[ev.request_id]
-    assert outcome["status"] == "completed", outcome
-    assert len(outcome["token_ids"]) == 3
-    assert "fanout:encoding" in outcome["stages"]  # the router's stage update reached the status
+    assert outcome.status == "completed", outcome
+    assert len(outcome.token_ids) == 3
+    assert "fanout:encoding" in outcome.stages  # the router's stage update reached the status
 
 
 async def test_trace_id_flows_from_submit_to_result_and_every_stage_log(
@@ -227,8 +228,8 @@ async def test_trace_id_flows_from_submit_to_result_and_every_stage_log(
         f"{run.settings.topic_prefix}.render", ev.request_id, ev
     )
     outcome = (await _wait_all(run, [ev.request_id]))[ev.request_id]
-    assert outcome["status"] == "completed", outcome
-    assert outcome["info"]["trace_id"] == trace_id
+    assert outcome.status == "completed", outcome
+    assert outcome.info["trace_id"] == trace_id
 
     seen: dict[str, int] = {}
     deadline = asyncio.get_running_loop().time() + 15

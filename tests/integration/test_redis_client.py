@@ -11,7 +11,7 @@ from redis.exceptions import MaxConnectionsError
 
 from runtime.redis_client import redis_client as make_redis_client
 from runtime.settings import Settings
-from runtime.status_store import StatusStore
+from runtime.status import StatusStore
 from runtime.stores.redis import RedisStore
 from schemas.types import ResultEvent
 
@@ -43,7 +43,7 @@ async def test_burst_of_status_applies_waits_for_a_connection(
         opened = len(pool._available_connections) + len(pool._in_use_connections)
         assert 0 < opened <= POOL  # bounded: the burst waited instead of opening more
         recs = await asyncio.gather(*(status.get(f"r{i}") for i in range(100)))
-        assert all(r is not None and r["status"] == "prefilling" for r in recs)
+        assert all(r is not None and r.status == "prefilling" for r in recs)
     finally:
         await client.aclose()
 
@@ -96,6 +96,6 @@ async def test_status_updates_survive_connections_redis_dropped(
             *(status.apply(ResultEvent(r, "fanout", "encoding")) for r in ids)
         )
         assert all(done)
-        assert [(await status.get(r) or {}).get("status") for r in ids] == ["encoding"] * 4
+        assert [getattr(await status.get(r), "status", None) for r in ids] == ["encoding"] * 4
     finally:
         await client.aclose()

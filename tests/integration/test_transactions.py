@@ -183,7 +183,7 @@ async def test_a_zombie_with_the_same_transactional_id_is_fenced(
 async def test_results_stage_runs_transactionally_end_to_end(
     txn_settings: Settings, topics: object, redis_client: object, redis_prefix: str
 ) -> None:
-    from runtime.status_store import StatusStore
+    from runtime.status import StatusStore
     from schemas.topics import Topics
     from schemas.types import ResultEvent
 
@@ -206,11 +206,11 @@ async def test_results_stage_runs_transactionally_end_to_end(
         rec = None
         while time.monotonic() < deadline:
             rec = await store.get(rid)
-            if rec is not None and rec.get("status") == "completed":
+            if rec is not None and rec.status == "completed":
                 break
             assert proc.poll() is None, "the results worker exited"
             await asyncio.sleep(0.2)
-        assert rec is not None and rec.get("status") == "completed", rec
+        assert rec is not None and rec.status == "completed", rec
         dlq: list = []
         while time.monotonic() < deadline and not dlq:
             dlq = await read_topic(settings, t.dlq)  # committed with its batch's transaction

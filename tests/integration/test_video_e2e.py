@@ -54,7 +54,7 @@ async def test_video_and_image_split_across_topics_with_parity(pipeline: LocalRu
         run.workers.check_alive()
         await asyncio.wait([wait], timeout=1.0)
     rec = await wait
-    assert rec["status"] == "completed", rec
+    assert rec.status == "completed", rec
 
     bundle = await asyncio.to_thread(load_model, "tiny", device="cpu")
     ids, pv, grid = monolithic_inputs(ev)
@@ -63,7 +63,7 @@ async def test_video_and_image_split_across_topics_with_parity(pipeline: LocalRu
             bundle, ids, pv, grid, 6, ignore_eos=True, **monolithic_video_inputs(ev)
         )
     )
-    assert rec["token_ids"] == want
+    assert rec.token_ids == want
 
     codec, prefix = get_codec(), run.settings.topic_prefix
     encodes = [

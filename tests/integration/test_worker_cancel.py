@@ -24,7 +24,7 @@ from producers.sample_images import synthetic_image
 from runtime.kafka import KafkaPublisher, make_producer, read_topic
 from runtime.model import ModelBundle, load_model
 from runtime.settings import Settings
-from runtime.status_store import CancelWatch, StatusStore
+from runtime.status import CancelWatch, StatusStore
 from runtime.stores.redis import RedisStore
 from schemas.codec import decode
 from schemas.errors import ValidationError
@@ -208,7 +208,7 @@ async def test_a_request_cancelled_mid_decode_keeps_the_tokens_it_made(
         running = asyncio.create_task(pre.handle(plan.prefill))
         for _ in range(200):
             rec = await status.get(ev.request_id)
-            if rec is not None and rec["status"] == "decoding":
+            if rec is not None and rec.status == "decoding":
                 break
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.2)  # a few hundred steps in
@@ -219,12 +219,12 @@ async def test_a_request_cancelled_mid_decode_keeps_the_tokens_it_made(
         await enc.close()
         await pre.close()
     rec = await status.get(ev.request_id)
-    assert rec is not None and rec["status"] == "cancelled"
-    made = rec["token_ids"]
+    assert rec is not None and rec.status == "cancelled"
+    made = rec.token_ids
     assert made and 0 < len(made) < 2000, rec
     ids, pv, grid = monolithic_inputs(ev)
     assert made == generate_monolithic(bundle, ids, pv, grid, len(made), ignore_eos=True)
-    assert rec["text"] == bundle.tokenizer.decode(made, skip_special_tokens=True)
+    assert rec.text == bundle.tokenizer.decode(made, skip_special_tokens=True)
 
 
 def test_decode_loop_stops_between_steps(bundle: ModelBundle) -> None:

@@ -794,7 +794,7 @@ async def status(cfg: Settings, namespace: str) -> AsyncIterator[Any]:
     """A status store on the test DB under this test's namespace (its keys deleted after)."""
     import redis.asyncio as aioredis
 
-    from runtime.status_store import StatusStore
+    from runtime.status import StatusStore
 
     client = aioredis.Redis.from_url(cfg.redis_url)
     try:
@@ -828,7 +828,7 @@ async def test_a_replayed_prefill_event_is_skipped_once_the_request_is_terminal(
     producer: KafkaPublisher,
     status: Any,
 ) -> None:
-    from runtime.status_store import RequestReader
+    from runtime.status import RequestReader
 
     ev = render(renderer, (61,))
     p = await plan(cfg, store, bundle, ev)
@@ -844,7 +844,7 @@ async def test_a_replayed_prefill_event_is_skipped_once_the_request_is_terminal(
     try:
         await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
         await fold_into(status, cfg, ev.request_id)
-        assert (await status.get(ev.request_id))["status"] == "completed"
+        assert (await status.get(ev.request_id)).status == "completed"  # type: ignore[union-attr]
         # The same event again, as a redelivery after a crash before the commit would bring it.
         await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
         # An unsafe event for the finished request is not skipped quietly: it is refused (DLQ).
@@ -877,7 +877,7 @@ async def test_a_finished_requests_redelivery_is_skipped_even_when_the_store_fai
 ) -> None:
     # The embeddings are read beside the record, ahead of the checks: a failure of that read
     # must not decide before them (a redelivery of a finished request reads nothing it needs).
-    from runtime.status_store import RequestReader
+    from runtime.status import RequestReader
 
     ev = render(renderer, (63,))
     p = await plan(cfg, store, bundle, ev)
@@ -889,7 +889,7 @@ async def test_a_finished_requests_redelivery_is_skipped_even_when_the_store_fai
     try:
         await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
         await fold_into(status, cfg, ev.request_id)
-        assert (await status.get(ev.request_id))["status"] == "completed"
+        assert (await status.get(ev.request_id)).status == "completed"  # type: ignore[union-attr]
         await asyncio.wait_for(replayer.handle(wire(p.prefill)), HANG_GUARD_S)
     finally:
         await prefill.close()
@@ -943,7 +943,7 @@ async def test_an_evicted_embedding_fails_the_request_at_once_as_embedding_lost(
     producer: KafkaPublisher,
     status: Any,
 ) -> None:
-    from runtime.status_store import RequestReader
+    from runtime.status import RequestReader
 
     ev = render(renderer, (71, 72))
     p = await plan(cfg, store, bundle, ev)
@@ -1025,8 +1025,8 @@ async def test_the_encoder_writes_each_items_mark_through_to_the_record(
     rec = await status.get(ev.request_id)
     assert rec is not None
     shorts = [h[:12] for h in ev.features.mm_hashes["image"]]
-    assert {rec["info"].get(f"encoded.{s}") for s in shorts} == {"encoded"}
-    assert all(rec["timings"][f"encode.{s}"] > 0 for s in shorts)
+    assert {rec.info.get(f"encoded.{s}") for s in shorts} == {"encoded"}
+    assert all(rec.timings[f"encode.{s}"] > 0 for s in shorts)
     # the encoded topic carries the same marks, for the collector (and any other reader)
     encoded = [e for e in await produced(cfg, Topics(cfg.topic_prefix).encoded)]
     assert sorted(e.mm_hash[:12] for e in encoded if e.request_id == ev.request_id) == sorted(

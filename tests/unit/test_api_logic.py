@@ -164,13 +164,12 @@ def test_no_client_salt_on_an_open_api_equals_a_tenant_salt(tenant: str) -> None
 def test_status_view_stages_and_items() -> None:
     """The record is folded from the updates the stages really send (the encoder's per-item
     marks included), not built by hand: a view reading a key nothing writes shows up here."""
-    from runtime.status_store import encoded_update, fold, new_record
+    from schemas.status_record import created, encoded_update, fold
     from schemas.types import ResultEvent
 
     a, b = "a" * 64, "b" * 64
-    rec: Any = new_record("r", created_ms=1_000)
-    rec["stages"]["api:queued"] = 1_000
-    rec.update(
+    rec = created(
+        "r",
         {
             "render": {"started_ms": 1_000, "finished_ms": 1_050, "ms": 48.0},
             "items": [
@@ -178,7 +177,8 @@ def test_status_view_stages_and_items() -> None:
                 {"modality": "image", "index": 1, "mm_hash": b},
             ],
             "cached": [],
-        }
+        },
+        at_ms=1_000,
     )
     updates = [
         ResultEvent("r", "fanout", "encoding", created_ms=1_100),
@@ -218,15 +218,17 @@ def _encoded(mm_hash: str, ms: float, at: int) -> Any:
 def test_a_cancelled_record_shows_the_tokens_it_has() -> None:
     """A request cancelled mid-decode: when its record holds the tokens generated before the
     cancel took effect, the view returns them with the ``cancelled`` status."""
-    rec = {
-        "request_id": "r",
-        "status": "cancelled",
-        "created_ms": 1_000,
-        "stages": {"api:cancelled": 1_400},
-        "token_ids": [5, 6, 7],
-        "text": "abc",
-        "error": {"code": "cancelled", "message": "cancelled by the client"},
-    }
+    from schemas.status_record import StatusRecord
+
+    rec = StatusRecord(
+        "r",
+        status="cancelled",
+        created_ms=1_000,
+        stages={"api:cancelled": 1_400},
+        token_ids=[5, 6, 7],
+        text="abc",
+        error={"code": "cancelled", "message": "cancelled by the client"},
+    )
     v = status_view(rec)
     assert v["status"] == "cancelled" and v["result"] == {"token_ids": [5, 6, 7], "text": "abc"}
     assert v["error"]["code"] == "cancelled"

@@ -138,7 +138,9 @@ def test_a_missing_ec_secret_stops_the_api_at_start_up(monkeypatch: pytest.Monke
 @pytest.mark.parametrize(
     ("variable", "value", "command", "words"),
     [
-        ("EPD_STORE_URL", "redis+cluster://h:1", ["demo"], "unknown embedding store scheme"),
+        ("EPD_STORE_URL", "rediscluster://h:1", ["demo"], "unknown embedding store scheme"),
+        ("EPD_STORE_URL", "redis+cluster://h:1,h:x", ["demo"], "'h:x' in"),
+        ("EPD_REDIS_URL", "redis+cluster:///", ["worker", "results"], "names no seed node"),
         ("EPD_STORE_URL", "s3://bucket", ["worker", "encode"], "unknown embedding store scheme"),
         ("EPD_REDIS_URL", "localhost:6379", ["topics", "create"], "a Redis URL must start"),
         ("EPD_KAFKA_BOOTSTRAP", "localhost", ["demo"], "is not HOST:PORT"),

@@ -21,7 +21,7 @@ from consumers.dlq import (
 from runtime.stores.local import LocalStore
 from schemas import codec
 from schemas.dead_letters import REPLAY_COUNT_HEADER, REPLAYED_FROM_HEADER, VALUE_DROPPED_HEADER
-from schemas.signing import claim_key
+from schemas.keys import claim_key
 from schemas.topics import Topics
 from schemas.types import (
     DeadLetter,

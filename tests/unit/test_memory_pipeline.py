@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 from pydantic import SecretStr
@@ -75,11 +74,11 @@ async def test_one_request_runs_fan_out_encode_and_prefill_in_memory(
     await broker.send(topics.render, ev.request_id, ev)  # as an external renderer would
     await broker.drain()
 
-    record: Any = await ctx.status_store().get(ev.request_id)
-    assert record is not None and record["status"] == "completed", record
+    record = await ctx.status_store().get(ev.request_id)
+    assert record is not None and record.status == "completed", record
     ids, pixels, grid = monolithic_inputs(ev)
     want = generate_monolithic(bundle, ids, pixels, grid, MAX_TOKENS)
-    assert record["token_ids"] == want  # the disaggregated path, to the token
+    assert record.token_ids == want  # the disaggregated path, to the token
     # Each stage's records went out framed as for Kafka, on the topic the channel table says.
     (encode,) = broker.events(topics.encode)
     (prefill,) = broker.events(topics.prefill)

@@ -32,6 +32,7 @@ from runtime.settings import Settings
 from runtime.token_stream import TokenChunk
 from runtime.url_hosts import parse_url_hosts
 from schemas.errors import ValidationError
+from schemas.status_record import StatusRecord
 from schemas.types import SamplingParams
 
 PNG = png_bytes(synthetic_image(28, 28, seed=5))
@@ -394,18 +395,20 @@ def test_errors_take_openai_shape_with_the_rule_as_code() -> None:
     assert e.field == "messages[0].content[0].image_url.url", e.field
 
 
-def record(status: str, **kw: Any) -> dict[str, Any]:
-    return {
-        "request_id": "abc",
-        "status": status,
-        "created_ms": 1_700_000_000_000,
-        "token_ids": [1, 2, 3],
-        "text": "hey",
-        "prompt_tokens": 10,
-        "info": {"finish_reason": "length"},
-        "front": {"api": "responses", "model": "tiny", "created_s": 1_700_000_000},
-        **kw,
-    }
+def record(status: str, **kw: Any) -> StatusRecord:
+    return StatusRecord.from_dict(
+        {
+            "request_id": "abc",
+            "status": status,
+            "created_ms": 1_700_000_000_000,
+            "token_ids": [1, 2, 3],
+            "text": "hey",
+            "prompt_tokens": 10,
+            "info": {"finish_reason": "length"},
+            "front": {"api": "responses", "model": "tiny", "created_s": 1_700_000_000},
+            **kw,
+        }
+    )
 
 
 def test_views_of_a_record() -> None:

@@ -4,7 +4,8 @@ missing embedding lost (pure logic; the workers themselves are in tests/integrat
 from __future__ import annotations
 
 from gpu_workers.prefill import embeddings_lost
-from runtime.status_store import RequestState, encoded_items
+from runtime.status import RequestState
+from schemas.status_record import StatusRecord
 
 A = "a" * 64
 B = "b" * 64
@@ -18,7 +19,9 @@ def test_encoded_items_reads_encoded_and_cache_hits_only() -> None:
         f"encode_failed.{'d' * 12}": "error",
         "prefill.cancelled": "x",
     }
-    assert encoded_items(info) == {A[:12], B[:12]}
+    rec = StatusRecord("r", info=info)
+    assert rec.encoded_items() == {A[:12], B[:12]}
+    assert rec.item_encoded(A) and rec.item_encoded(B) and not rec.item_encoded("c" * 64)
 
 
 def test_terminal_states_are_the_ones_a_replay_skips() -> None:

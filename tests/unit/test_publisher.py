@@ -99,9 +99,9 @@ async def test_result_records_carry_a_stable_id_for_dedupe() -> None:
 async def test_result_reporter_writes_through_to_the_record_and_survives_its_failure(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from runtime.status_store import fold
+    from schemas.status_record import StatusRecord, fold
 
-    records: dict[str, dict] = {}
+    records: dict[str, StatusRecord] = {}
     written: list[ResultEvent] = []
 
     async def apply(ev: ResultEvent) -> bool:
@@ -117,7 +117,7 @@ async def test_result_reporter_writes_through_to_the_record_and_survives_its_fai
     await report("req-7", "completed", token_ids=[5], text="x")
     # the record holds the outcome at once, and it is the very update the topic carries, so the
     # results collector folding it later changes nothing (a duplicate)
-    assert records["req-7"]["status"] == "completed" and records["req-7"]["token_ids"] == [5]
+    assert records["req-7"].status == "completed" and records["req-7"].token_ids == [5]
     assert [r.event() for r in pub.records] == written
     assert all(fold(records["req-7"], ev) is None for ev in written)
 

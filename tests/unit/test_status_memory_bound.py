@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from unittest.mock import MagicMock
 
-from runtime.status_store import StatusStore
+from runtime.status import StatusStore
 
 
 def test_remembered_records_are_bounded_in_characters_too() -> None:

@@ -1,4 +1,6 @@
-"""Status folding (pure) and the Redis-backed status store (real Redis)."""
+"""Status folding (pure) and the Redis-backed status store: every store test runs on one real
+Redis and on a real 3-master Redis Cluster (``redis_cluster``), where a request's keys share
+its hash tag and the in-flight set is another slot's."""
 
 from __future__ import annotations
 
@@ -8,40 +10,50 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from runtime.status_store import StatusStore, fold
+from runtime.status import StatusStore
+from schemas.status_record import fold
 from schemas.types import ErrorInfo, ResultEvent
 
 
 def test_status_moves_forward_only() -> None:
     rec = fold(None, ResultEvent("r", "fanout", "encoding"))
-    assert rec is not None and rec["status"] == "encoding"
+    assert rec is not None and rec.status == "encoding"
     rec = fold(rec, ResultEvent("r", "api", "queued"))  # late, lower rank
-    assert rec is not None and rec["status"] == "encoding"
+    assert rec is not None and rec.status == "encoding"
     rec = fold(rec, ResultEvent("r", "prefill", "prefilling", timings={"wait": 3.0}))
-    assert rec is not None and rec["status"] == "prefilling" and rec["timings"]["wait"] == 3.0
+    assert rec is not None and rec.status == "prefilling" and rec.timings["wait"] == 3.0
 
 
 def test_first_terminal_wins_and_duplicates_are_dropped() -> None:
     done = ResultEvent("r", "prefill", "completed", token_ids=[1, 2], text="ab")
     rec = fold(None, done)
-    assert rec is not None and rec["status"] == "completed" and rec["token_ids"] == [1, 2]
+    assert rec is not None and rec.status == "completed" and rec.token_ids == [1, 2]
     assert fold(rec, done) is None  # redelivery
     err = ErrorInfo("failed", "late failure")
     rec2 = fold(rec, ResultEvent("r", "encode", "failed", error=err))
-    assert rec2 is not None and rec2["status"] == "completed" and rec2["error"] is None
+    assert rec2 is not None and rec2.status == "completed" and rec2.error is None
 
 
 def test_rejection_keeps_rule_and_item() -> None:
     err = ErrorInfo("rejected", "no ec entry", "ec-transfer-required", "image", 1, None)
     rec = fold(None, ResultEvent("r", "prefill", "rejected", error=err))
     assert rec is not None
-    assert rec["error"]["rule"] == "ec-transfer-required" and rec["error"]["item"] == 1
+    assert rec.error["rule"] == "ec-transfer-required" and rec.error["item"] == 1
 
 
-@pytest.fixture
-async def store():
-    client = aioredis.Redis.from_url("redis://127.0.0.1:6379/13")
+@pytest.fixture(params=["redis", "cluster"])
+async def store(request: pytest.FixtureRequest):
     prefix = f"t-{uuid.uuid4().hex[:8]}"
+    if request.param == "cluster":
+        from runtime.redis_cluster import cluster_client
+
+        cluster = request.getfixturevalue("redis_cluster")
+        client = cluster_client(cluster.url, max_connections=16)
+        yield StatusStore(client, prefix=prefix, ttl_s=60)
+        await client.aclose()
+        cluster.delete(f"{prefix}:*")
+        return
+    client = aioredis.Redis.from_url("redis://127.0.0.1:6379/13")
     yield StatusStore(client, prefix=prefix, ttl_s=60)
     keys = [k async for k in client.scan_iter(f"{prefix}:*")]
     if keys:
@@ -55,8 +67,8 @@ async def test_store_applies_and_dedupes(store: StatusStore) -> None:
     assert await store.apply(ResultEvent("r1", "prefill", "completed", token_ids=[7]))
     assert not await store.apply(ResultEvent("r1", "prefill", "completed", token_ids=[7]))
     rec = await store.get("r1")
-    assert rec is not None and rec["status"] == "completed" and rec["token_ids"] == [7]
-    assert 0 < await store.client.ttl(store.key("r1")) <= 60
+    assert rec is not None and rec.status == "completed" and rec.token_ids == [7]
+    assert 0 < await store.client.ttl(store.keys.status("r1")) <= 60
 
 
 async def test_concurrent_writers_lose_nothing(store: StatusStore) -> None:
@@ -65,7 +77,7 @@ async def test_concurrent_writers_lose_nothing(store: StatusStore) -> None:
     ]
     await asyncio.gather(*(store.apply(e) for e in events))
     rec = await store.get("r2")
-    assert rec is not None and len(rec["timings"]) == 20 and len(rec["stages"]) == 20
+    assert rec is not None and len(rec.timings) == 20 and len(rec.stages) == 20
 
 
 def test_encoded_events_mark_each_item_of_a_request() -> None:
@@ -78,8 +90,8 @@ def test_encoded_events_mark_each_item_of_a_request() -> None:
     rec = fold(fold(None, ResultEvent("r", "fanout", "encoding")), encoded_update(a))
     rec = fold(rec, encoded_update(b))
     assert rec is not None
-    assert rec["info"] == {"encoded." + "a" * 12: "encoded", "encoded." + "b" * 12: "cache_hit"}
-    assert rec["timings"] == {"encode." + "a" * 12: 7.0}
+    assert rec.info == {"encoded." + "a" * 12: "encoded", "encoded." + "b" * 12: "cache_hit"}
+    assert rec.timings == {"encode." + "a" * 12: 7.0}
     assert fold(rec, encoded_update(a)) is None  # a redelivered EncodedEvent changes nothing
 
 
@@ -88,21 +100,21 @@ def test_second_item_of_a_stage_is_kept_redelivery_is_not() -> None:
     second = ResultEvent("r", "encode", "encoding", timings={"encode.image1": 7.0})
     rec = fold(None, first)
     rec = fold(rec, second)
-    assert rec is not None and rec["timings"] == {"encode.image0": 5.0, "encode.image1": 7.0}
-    assert "encode:encoding" in rec["stages_last"]
+    assert rec is not None and rec.timings == {"encode.image0": 5.0, "encode.image1": 7.0}
+    assert "encode:encoding" in rec.stages_last
     assert fold(rec, second) is None
 
 
 def test_decoding_sits_between_prefilling_and_terminal() -> None:
     rec = fold(None, ResultEvent("r", "prefill", "decoding"))
-    assert rec is not None and rec["status"] == "decoding"
-    assert fold(rec, ResultEvent("r", "prefill", "prefilling"))["status"] == "decoding"
+    assert rec is not None and rec.status == "decoding"
+    assert fold(rec, ResultEvent("r", "prefill", "prefilling")).status == "decoding"
     rec = fold(rec, ResultEvent("r", "prefill", "completed", token_ids=[1]))
-    assert rec is not None and rec["status"] == "completed"
+    assert rec is not None and rec.status == "completed"
 
 
 async def test_status_changes_are_streamed_and_announced(store: StatusStore) -> None:
-    from runtime.status_store import StatusNotifier
+    from runtime.status import StatusNotifier
 
     notifier = StatusNotifier(store)
     await notifier.start()
@@ -114,7 +126,7 @@ async def test_status_changes_are_streamed_and_announced(store: StatusStore) -> 
         assert not waiter.done()
         await store.apply(ResultEvent("r2", "fanout", "encoding"))
         rec = await asyncio.wait_for(waiter, 5)  # woken by the notification, not the timeout
-        assert rec is not None and rec["status"] == "encoding" and rec["tenant"] == "t"
+        assert rec is not None and rec.status == "encoding" and rec.tenant == "t"
         # info without a status change: no new event
         await store.apply(ResultEvent("r2", "encode", "encoding", info={"x": "1"}))
         await store.apply(ResultEvent("r2", "prefill", "completed", token_ids=[3]))
@@ -146,7 +158,7 @@ async def test_in_flight_bound_is_shared_and_released_on_outcome(store: StatusSt
 
 
 async def test_cancel_is_terminal_and_seen_by_workers(store: StatusStore) -> None:
-    from runtime.status_store import CancelWatch
+    from runtime.status import CancelWatch
 
     watch = CancelWatch(store.client, store.prefix)
     await watch.start()
@@ -166,7 +178,7 @@ async def test_cancel_is_terminal_and_seen_by_workers(store: StatusStore) -> Non
         await asyncio.wait_for(watch.wait("c1"), 1)  # seen already: returns at once
         await store.apply(ResultEvent("c1", "prefill", "completed", token_ids=[1]))
         rec = await store.get("c1")
-        assert rec is not None and rec["status"] == "cancelled" and rec["token_ids"] is None
+        assert rec is not None and rec.status == "cancelled" and rec.token_ids is None
     finally:
         await watch.close()
     # a worker started after the cancel still sees it (the flag in Redis)
@@ -200,9 +212,9 @@ async def test_a_stale_memory_of_the_record_loses_no_update(store: StatusStore) 
     # ``store`` still remembers the queued record
     assert await store.apply(ResultEvent("s1", "prefill", "prefilling", timings={"q": 2.0}))
     rec = await store.get("s1")
-    assert rec is not None and rec["status"] == "prefilling"
-    assert set(rec["stages"]) == {"api:queued", "fanout:encoding", "prefill:prefilling"}
-    assert rec["timings"] == {"fanout": 1.0, "q": 2.0}
+    assert rec is not None and rec.status == "prefilling"
+    assert set(rec.stages) == {"api:queued", "fanout:encoding", "prefill:prefilling"}
+    assert rec.timings == {"fanout": 1.0, "q": 2.0}
     events = await store.events("s1")
     assert [e["status"] for _, e in events] == ["queued", "encoding", "prefilling"]
     # the duplicate ``other`` now sends is seen as one against Redis, not its memory
@@ -212,11 +224,11 @@ async def test_a_stale_memory_of_the_record_loses_no_update(store: StatusStore) 
 async def test_a_remembered_record_that_redis_lost_is_written_again(store: StatusStore) -> None:
     done = ResultEvent("s2", "prefill", "completed", token_ids=[5])
     assert await store.apply(done)
-    await store.client.delete(store.key("s2"))  # evicted, or Redis restarted empty
+    await store.client.delete(store.keys.status("s2"))  # evicted, or Redis restarted empty
     # The memory says "already folded"; Redis says otherwise, and Redis wins.
     assert await store.apply(done)
     rec = await store.get("s2")
-    assert rec is not None and rec["status"] == "completed" and rec["token_ids"] == [5]
+    assert rec is not None and rec.status == "completed" and rec.token_ids == [5]
 
 
 async def test_an_update_of_a_known_record_is_one_round_trip(store: StatusStore) -> None:
@@ -235,7 +247,9 @@ async def test_an_update_of_a_known_record_is_one_round_trip(store: StatusStore)
         assert await store.apply(ResultEvent("s3", "prefill", "completed", token_ids=[1]))
     finally:
         del store.client.execute_command
-    assert calls == ["EVALSHA", "EVALSHA"]  # no WATCH, GET, MULTI, EXEC
+    # No WATCH, GET, MULTI, EXEC; on a cluster the outcome also leaves the in-flight set,
+    # which lives in another slot than the record.
+    assert calls == (["EVALSHA", "EVALSHA", "ZREM"] if store.cluster else ["EVALSHA", "EVALSHA"])
     events = await store.events("s3")
     assert [e["status"] for _, e in events] == ["queued", "encoding", "completed"]
     assert await store.in_flight() == 0  # the outcome released the request's slot
@@ -246,9 +260,9 @@ async def test_every_unfinished_request_is_in_flight_whoever_wrote_it(store: Sta
     its outcome: the sweep must see every request that could still hang."""
     rid = f"r-{uuid.uuid4().hex[:8]}"
     assert await store.apply(ResultEvent(rid, "fanout", "encoding"))
-    assert rid in {m.decode() for m in await store.client.zrange(store.inflight_key, 0, -1)}
+    assert rid in {m.decode() for m in await store.client.zrange(store.keys.inflight, 0, -1)}
     assert await store.apply(ResultEvent(rid, "prefill", "completed", token_ids=[1]))
-    assert rid not in {m.decode() for m in await store.client.zrange(store.inflight_key, 0, -1)}
+    assert rid not in {m.decode() for m in await store.client.zrange(store.keys.inflight, 0, -1)}
 
 
 async def test_a_judged_outcome_lands_only_on_the_record_as_judged(store: StatusStore) -> None:
@@ -257,18 +271,19 @@ async def test_a_judged_outcome_lands_only_on_the_record_as_judged(store: Status
     rid = f"r-{uuid.uuid4().hex[:8]}"
     lost = ResultEvent(rid, "sweep", "failed", error=ErrorInfo("broker-lost", "gone"))
     await store.apply(ResultEvent(rid, "fanout", "prefilling"))
-    seen = (await store.get(rid))["updated_ms"]  # type: ignore[index]
+    first = await store.get(rid)
+    assert first is not None and first.updated_ms is not None
+    seen = first.updated_ms
     await asyncio.sleep(0.002)
     await store.apply(ResultEvent(rid, "prefill", "decoding"))  # moved on after the read
     assert not await store.end_if_unchanged(lost, seen)
     now = await store.get(rid)
-    assert now is not None and now["status"] == "decoding"
-    assert await store.end_if_unchanged(lost, now["updated_ms"])
+    assert now is not None and now.status == "decoding" and now.updated_ms is not None
+    assert await store.end_if_unchanged(lost, now.updated_ms)
     done = await store.get(rid)
-    assert (
-        done is not None and done["status"] == "failed" and done["error"]["code"] == "broker-lost"
-    )
-    assert not await store.end_if_unchanged(lost, done["updated_ms"])  # finished: never again
+    assert done is not None and done.status == "failed" and done.updated_ms is not None
+    assert done.error is not None and done.error["code"] == "broker-lost"
+    assert not await store.end_if_unchanged(lost, done.updated_ms)  # finished: never again
 
 
 def test_a_workers_cancel_fills_in_the_tokens_the_apis_cancel_lacked() -> None:
@@ -277,15 +292,16 @@ def test_a_workers_cancel_fills_in_the_tokens_the_apis_cancel_lacked() -> None:
     changes the outcome: a late ``completed`` still changes nothing."""
     rec = fold(None, ResultEvent("r", "prefill", "decoding"))
     rec = fold(rec, ResultEvent("r", "api", "cancelled", error=ErrorInfo("cancelled", "client")))
-    assert rec is not None and rec["status"] == "cancelled" and rec["token_ids"] is None
+    assert rec is not None and rec.status == "cancelled" and rec.token_ids is None
     worker = ResultEvent(
         "r", "prefill", "cancelled", token_ids=[4, 5], text="ab", info={"prefill.cancelled": "x"}
     )
     rec = fold(rec, worker)
-    assert rec is not None and rec["token_ids"] == [4, 5] and rec["text"] == "ab"
-    assert rec["error"]["message"] == "client"  # the first outcome's error stays
+    assert rec is not None and rec.token_ids == [4, 5] and rec.text == "ab"
+    assert rec.error is not None
+    assert rec.error["message"] == "client"  # the first outcome's error stays
     late = fold(rec, ResultEvent("r", "prefill", "completed", token_ids=[9], text="z"))
-    assert late is not None and late["status"] == "cancelled" and late["token_ids"] == [4, 5]
+    assert late is not None and late.status == "cancelled" and late.token_ids == [4, 5]
     other = fold(None, ResultEvent("q", "api", "cancelled"))
     other = fold(other, ResultEvent("q", "prefill", "expired", token_ids=[1]))
-    assert other is not None and other["token_ids"] is None  # another outcome fills nothing
+    assert other is not None and other.token_ids is None  # another outcome fills nothing

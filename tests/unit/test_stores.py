@@ -1,6 +1,7 @@
 """Embedding stores: one behavioural suite run against redis:// (over both of its I/O paths:
-the wire client and redis-py), shm://, local:// and cuda:// (on CPU memory everywhere, through its
-test-only ``device`` keyword; on the GPU too where CUDA is present).
+the wire client and redis-py), redis+cluster:// (a real 3-master Redis Cluster of this session),
+shm://, local:// and cuda:// (on CPU memory everywhere, through its test-only ``device``
+keyword; on the GPU too where CUDA is present).
 
 Redis tests use the real server on 127.0.0.1:6379, DB 14, under a unique key prefix per test.
 """
@@ -43,7 +44,7 @@ from runtime.stores.shm import ShmStore, key_filename
 
 REDIS_BASE = "redis://127.0.0.1:6379/14"
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
-KINDS = ["redis", "redis-py", "shm", "local", "cuda-cpu"] + (
+KINDS = ["redis", "redis-py", "cluster", "shm", "local", "cuda-cpu"] + (
     ["cuda"] if torch.cuda.is_available() else []
 )
 
@@ -63,7 +64,9 @@ async def _redis_up() -> bool:
         await client.aclose()
 
 
-def _url(kind: str, tag: str) -> str:
+def _url(kind: str, tag: str, cluster: Any = None) -> str:
+    if kind == "cluster":
+        return f"{cluster.url}?key_prefix=test-{tag}:"
     if kind in ("redis", "redis-py"):
         return f"{REDIS_BASE}?key_prefix=test-{tag}:"
     if kind == "shm":
@@ -79,7 +82,8 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[EmbeddingStore]
     if kind.startswith("redis") and not await _redis_up():
         pytest.fail("Redis is not reachable on 127.0.0.1:6379 (start redis-server)")
     tag = uuid.uuid4().hex[:12]
-    url = _url(kind, tag)
+    cluster = request.getfixturevalue("redis_cluster") if kind == "cluster" else None
+    url = _url(kind, tag, cluster)
     if kind == "redis-py":
         s: EmbeddingStore = RedisStore(url, wire_io=False)
     elif kind == "cuda-cpu":
@@ -97,6 +101,8 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[EmbeddingStore]
             shutil.rmtree(f"/dev/shm/epd-test-{tag}", ignore_errors=True)
         if kind.startswith("cuda"):
             shutil.rmtree(f"/dev/shm/epd-test-{tag}.cuda-index", ignore_errors=True)
+        if cluster is not None:
+            cluster.delete(f"test-{tag}:*")
         if kind.startswith("redis"):
             client = aioredis.Redis.from_url(REDIS_BASE)
             keys = [k async for k in client.scan_iter(match=f"test-{tag}:*")]
@@ -238,7 +244,12 @@ async def test_ttl_expiry(store: EmbeddingStore) -> None:
 
 async def test_wait_wakes_without_spinning(store: EmbeddingStore) -> None:
     waiter = asyncio.create_task(store.wait(["ready-1", "ready-2"], timeout_s=60))
-    await asyncio.sleep(0.05)
+    # Until its first look (a cluster store subscribes on two masters first: on a loaded
+    # machine that can take a while); what is measured is what happens after it.
+    for _ in range(200):
+        if store.wake_checks:  # type: ignore[attr-defined]
+            break
+        await asyncio.sleep(0.05)
     assert not waiter.done()
     # Unrelated writes and idle time must not make the waiter re-check its keys.
     for i in range(20):
@@ -949,3 +960,103 @@ async def test_redis_wire_get_around_the_direct_threshold(
         assert await wire.get(pool, f"{prefix}raw-{n}".encode()) == payload
     assert await wire.get(pool, f"{prefix}absent".encode()) is None
     assert pool.opened == 1
+
+
+# --- redis+cluster: keys spread by slot, the cluster's name, a deaf channel ---------------
+
+
+@pytest.fixture
+async def cluster_store(redis_cluster: Any) -> AsyncIterator[Any]:
+    from runtime.stores.redis_cluster import RedisClusterStore
+
+    tag = uuid.uuid4().hex[:12]
+    store = RedisClusterStore(f"{redis_cluster.url}?key_prefix=test-{tag}:")
+    try:
+        yield store, tag
+    finally:
+        await store.close()
+        redis_cluster.delete(f"test-{tag}:*")
+
+
+async def test_cluster_store_spreads_keys_over_every_master(
+    redis_cluster: Any, cluster_store: Any
+) -> None:
+    store, tag = cluster_store
+    keys = [f"ec:fp:{uuid.uuid4().hex}" for _ in range(60)]
+    await asyncio.gather(*(store.put(k, torch.full((4,), float(i))) for i, k in enumerate(keys)))
+    per_master = redis_cluster.keys_per_master(f"test-{tag}:*")
+    print(f"\ncluster store keys per master: {per_master}")
+    assert len(per_master) == 3 and all(n > 0 for n in per_master.values()), per_master
+    assert sum(per_master.values()) == 60
+    got = await store.get_many(keys)  # one MGET per slot, in the order asked
+    assert [int(t[0]) for t in got] == list(range(60))
+    await store.wait(keys, timeout_s=5)
+
+
+def test_cluster_store_url_names_the_cluster_not_one_node(redis_cluster: Any) -> None:
+    from runtime.stores.redis_cluster import RedisClusterStore
+
+    seeds = [a.replace("127.0.0.1", "LOCALHOST-X") for a in redis_cluster.nodes.addresses]
+    a = RedisClusterStore(
+        "redis+cluster://user:secret@"
+        + ",".join(reversed(redis_cluster.nodes.addresses))
+        + "?key_prefix=p:&socket_timeout=3"
+    )
+    b = RedisClusterStore(
+        "redis+cluster://" + ",".join(redis_cluster.nodes.addresses) + "?key_prefix=p:"
+    )
+    assert a.url == b.url  # any seed order, credentials and timeouts left out
+    assert "secret" not in a.url and "socket_timeout" not in a.url
+    assert all(addr in a.url for addr in redis_cluster.nodes.addresses)
+    assert a.url.startswith("redis+cluster://") and a.url.endswith("?key_prefix=p:")
+    assert "localhost-x" in RedisClusterStore("redis+cluster://" + ",".join(seeds)).url
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        RedisClusterStore("redis+cluster://127.0.0.1:notaport")
+    with pytest.raises(ValueError, match="database 0"):
+        RedisClusterStore("redis+cluster://127.0.0.1:7000/3")
+
+
+async def test_cluster_store_unreachable_is_unavailable() -> None:
+    from runtime.stores.redis_cluster import RedisClusterStore
+
+    store = RedisClusterStore(
+        f"redis+cluster://127.0.0.1:{_closed_port()}", socket_connect_timeout_s=0.5
+    )
+    try:
+        with pytest.raises(StoreUnavailable):
+            await store.put("k", torch.ones(1))
+        with pytest.raises(StoreUnavailable):
+            await store.get("k")
+        with pytest.raises(StoreUnavailable):
+            await store.wait(["k"], timeout_s=5)
+    finally:
+        await store.close()
+
+
+async def test_cluster_store_wait_fails_promptly_when_its_master_drops_the_subscription(
+    redis_cluster: Any, cluster_store: Any
+) -> None:
+    """The sharded subscription's connection is killed while a wait depends on it: the wait
+    fails with StoreUnavailable at once (the consume loop retries), not after its timeout; the
+    next wait subscribes afresh and is woken by a put."""
+    import redis.asyncio as aioredis_
+
+    store, _ = cluster_store
+    waiter = asyncio.create_task(store.wait(["never"], timeout_s=30))
+    await asyncio.sleep(0.3)
+    assert not waiter.done()
+    killed = 0
+    for addr in redis_cluster.masters():
+        host, port = addr.rsplit(":", 1)
+        node = aioredis_.Redis(host=host, port=int(port))
+        try:
+            killed += int(await node.execute_command("CLIENT", "KILL", "TYPE", "pubsub"))
+        finally:
+            await node.aclose()
+    assert killed >= 1
+    with pytest.raises(StoreUnavailable, match="readiness"):
+        await asyncio.wait_for(waiter, 10)
+    again = asyncio.create_task(store.wait(["later"], timeout_s=30))
+    await asyncio.sleep(0.3)
+    await store.put("later", torch.ones(1))
+    await asyncio.wait_for(again, 10)

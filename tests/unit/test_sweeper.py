@@ -1,4 +1,5 @@
-"""The sweep's verdicts (consumers.sweeper.judge): pure, on status records as Redis holds them."""
+"""The sweep's verdicts (consumers.sweeper.judge): pure, on status records as Redis holds them
+(their JSON objects, read as the typed record)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 from aiokafka.partitioner import DefaultPartitioner
 
 from consumers.sweeper import GRACE_MS, Progress, judge
+from schemas.status_record import StatusRecord
 from schemas.topics import Topics
 
 T = Topics("p")
@@ -40,7 +42,7 @@ def partition_of(key: str) -> int:
 
 
 def verdict(rec: dict[str, Any], prog: Progress) -> tuple[str, str] | None:
-    v = judge(rec, now=NOW, stale_ms=STALE, progress=prog, topics=T)
+    v = judge(StatusRecord.from_dict(rec), now=NOW, stale_ms=STALE, progress=prog, topics=T)
     return None if v is None else (v.status, v.code)
 
 

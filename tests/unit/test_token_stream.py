@@ -28,9 +28,24 @@ async def client() -> AsyncIterator[aioredis.Redis]:
     await c.aclose()
 
 
-@pytest.fixture
-async def streams(client: aioredis.Redis) -> AsyncIterator[TokenStreams]:
+@pytest.fixture(params=["redis", "cluster"])
+async def streams(
+    request: pytest.FixtureRequest, client: aioredis.Redis
+) -> AsyncIterator[TokenStreams]:
+    """Streams on one Redis, and on a 3-master Redis Cluster (hash-tagged keys, a script per
+    write, sharded notifications)."""
     prefix = f"ts-{uuid.uuid4().hex[:8]}"
+    if request.param == "cluster":
+        from runtime.redis_cluster import cluster_client
+
+        cluster = request.getfixturevalue("redis_cluster")
+        on_cluster = cluster_client(cluster.url, max_connections=16)
+        s = TokenStreams(on_cluster, prefix, interval_s=0.05, ttl_s=30, max_entries=64)
+        yield s
+        await s.close()
+        await on_cluster.aclose()
+        cluster.delete(f"{prefix}:*")
+        return
     s = TokenStreams(client, prefix, interval_s=0.05, ttl_s=30, max_entries=64)
     yield s
     await s.close()
@@ -122,6 +137,29 @@ async def test_the_stream_is_bounded_in_length(streams: TokenStreams) -> None:
     await w.close("completed", LENGTH)
     assert await streams.client.xlen(streams.key("r4")) <= 2 * 64  # approximate trimming
     assert (await streams.read("r4"))[-1].tokens_total == 400  # the counts tell what was cut
+    await unthrottled.close()
+
+
+async def test_on_a_cluster_a_stream_sits_in_its_requests_slot(
+    streams: TokenStreams,
+) -> None:
+    """The token stream and its channel share the request's hash tag with its status record,
+    so a write is one script on one shard; a reader's channel is let go after it leaves."""
+    if not streams.cluster:
+        pytest.skip("one Redis: no slots")
+    from runtime.redis_cluster import slot_of
+    from runtime.token_stream import LINGER_S
+    from schemas.keys import RedisKeys
+
+    keys = RedisKeys(streams.prefix, cluster=True)
+    for rid in ("r6", "a{b}c", ""):
+        slot = slot_of(keys.status(rid))
+        assert slot_of(streams.key(rid)) == slot == slot_of(keys.token_changes(rid))
+        assert slot_of(keys.status_events(rid)) == slot
+    assert await streams.wait("r6", "0", timeout_s=0.05) == []
+    assert streams.following("r6")  # lingers a while after the reader left
+    await asyncio.sleep(LINGER_S + 0.3)
+    assert not streams.following("r6")
 
 
 async def test_a_failed_write_never_reaches_the_decode_loop() -> None:

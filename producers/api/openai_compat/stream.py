@@ -22,6 +22,7 @@ from producers.api.openai_compat.submit import cancel_if_abandoned
 from producers.api.openai_compat.views import CHAT_PREFIX, finish_reason, not_completed, usage
 from producers.api.state import ApiState
 from runtime.token_stream import TokenChunk
+from schemas.status_record import StatusRecord
 
 DONE = b"data: [DONE]\n\n"
 
@@ -74,14 +75,15 @@ async def chat_chunks(
             elif isinstance(item, StatusChange) and item.terminal:
                 ended = True
                 rec = await st.status.get(request_id)
-                if rec is None or rec["status"] != "completed":
-                    rec = rec or {
-                        "status": item.data.get("status"),
-                        "error": item.data.get("error"),
-                    }
+                if rec is None or rec.status != "completed":
+                    rec = rec or StatusRecord(
+                        request_id,
+                        status=str(item.data.get("status") or "failed"),
+                        error=item.data.get("error"),
+                    )
                     yield _event(openai_body(not_completed(rec)))
                     break
-                text, streamed = rec.get("text") or "", "".join(sent)
+                text, streamed = rec.text or "", "".join(sent)
                 if text.startswith(streamed) and len(text) > len(streamed):
                     yield w.chunk({"content": text[len(streamed) :]})
                 yield w.chunk({}, finish_reason(rec))

@@ -24,7 +24,8 @@ from producers.api.videos import sniff_video_type
 from producers.intake import Accepted, RenderContext, Submission
 from runtime.model import placeholder_ids
 from schemas.errors import ValidationError
-from schemas.types import TERMINAL_STATUSES, RenderEvent, now_ms
+from schemas.status_record import StatusRecord
+from schemas.types import RenderEvent, now_ms
 
 
 def takes_video(st: ApiState) -> bool:
@@ -128,7 +129,7 @@ def cancel_if_abandoned(st: ApiState, request_id: str, keyed: bool) -> None:
 
 async def outcome(
     st: ApiState, request: Request, request_id: str, keyed: bool
-) -> dict[str, Any] | None:
+) -> StatusRecord | None:
     """The request's terminal record, waiting on status notifications (no polling); None when
     the client disconnected first (which cancels the request: :func:`cancel_if_abandoned`)."""
     gone = asyncio.create_task(_disconnected(request))
@@ -146,9 +147,9 @@ async def outcome(
             rec = wait.result()
             if rec is None:
                 raise not_found(request_id)  # its record expired while it ran
-            if rec["status"] in TERMINAL_STATUSES:
+            if rec.terminal:
                 return rec
-            seen = rec["status"]
+            seen = rec.status
     finally:
         gone.cancel()
         with contextlib.suppress(BaseException):

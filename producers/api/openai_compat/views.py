@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from producers.api.errors import ApiError
+from schemas.status_record import StatusRecord
 
 CHAT_PREFIX = "chatcmpl-"
 RESPONSE_PREFIX = "resp_"
@@ -25,19 +26,19 @@ RESPONSE_STATUS = {
 """A record's status as a response's."""
 
 
-def finish_reason(rec: dict[str, Any]) -> str:
+def finish_reason(rec: StatusRecord) -> str:
     """``stop`` (end of sequence, a stop token or string) or ``length``."""
-    found = (rec.get("info") or {}).get("finish_reason")
+    found = rec.info.get("finish_reason")
     if found in ("stop", "length"):
         return str(found)
-    max_tokens = (rec.get("front") or {}).get("max_tokens")
-    made = len(rec.get("token_ids") or [])
+    max_tokens = rec.front.get("max_tokens")
+    made = len(rec.token_ids or [])
     return "length" if max_tokens is not None and made >= max_tokens else "stop"
 
 
-def usage(rec: dict[str, Any]) -> dict[str, int]:
-    prompt = int(rec.get("prompt_tokens") or 0)
-    completion = len(rec.get("token_ids") or [])
+def usage(rec: StatusRecord) -> dict[str, int]:
+    prompt = rec.prompt_tokens
+    completion = len(rec.token_ids or [])
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -45,12 +46,12 @@ def usage(rec: dict[str, Any]) -> dict[str, int]:
     }
 
 
-def not_completed(rec: dict[str, Any]) -> ApiError:
+def not_completed(rec: StatusRecord) -> ApiError:
     """The error a non-streamed answer gives for a request that ended other than completed,
     in the native API's terms: a worker's refusal is 422 naming its rule, a cancel 409, a
     failure or an expiry 503 (a retry may succeed)."""
-    status = rec["status"]
-    err = rec.get("error") or {}
+    status = rec.status
+    err = rec.error or {}
     message = str(err.get("message") or f"the request ended {status}")
     if status == "rejected":
         return ApiError(
@@ -68,18 +69,18 @@ def not_completed(rec: dict[str, Any]) -> ApiError:
     )
 
 
-def chat_completion(rec: dict[str, Any]) -> dict[str, Any]:
+def chat_completion(rec: StatusRecord) -> dict[str, Any]:
     """The ``chat.completion`` of a completed request."""
-    front = rec.get("front") or {}
+    front = rec.front
     return {
-        "id": CHAT_PREFIX + rec["request_id"],
+        "id": CHAT_PREFIX + rec.request_id,
         "object": "chat.completion",
-        "created": int(front.get("created_s") or rec["created_ms"] // 1000),
+        "created": int(front.get("created_s") or rec.created_ms // 1000),
         "model": front.get("model", ""),
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": rec.get("text") or "", "refusal": None},
+                "message": {"role": "assistant", "content": rec.text or "", "refusal": None},
                 "finish_reason": finish_reason(rec),
                 "logprobs": None,
             }
@@ -89,17 +90,17 @@ def chat_completion(rec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def response_object(rec: dict[str, Any]) -> dict[str, Any]:
+def response_object(rec: StatusRecord) -> dict[str, Any]:
     """The ``response`` of a record the Responses API made, as it stands."""
-    front = rec.get("front") or {}
-    rid = rec["request_id"]
-    status = RESPONSE_STATUS.get(rec["status"], "in_progress")
+    front = rec.front
+    rid = rec.request_id
+    status = RESPONSE_STATUS.get(rec.status, "in_progress")
     output: list[dict[str, Any]] = []
     text = None
     incomplete = None
     use = None
-    if rec["status"] == "completed":
-        text = rec.get("text") or ""
+    if rec.status == "completed":
+        text = rec.text or ""
         output.append(
             {
                 "type": "message",
@@ -121,15 +122,15 @@ def response_object(rec: dict[str, Any]) -> dict[str, Any]:
         }
     error = None
     if status == "failed":
-        err = rec.get("error") or {}
+        err = rec.error or {}
         error = {
-            "code": str(err.get("rule") or err.get("code") or rec["status"]),
-            "message": str(err.get("message") or f"the request ended {rec['status']}"),
+            "code": str(err.get("rule") or err.get("code") or rec.status),
+            "message": str(err.get("message") or f"the request ended {rec.status}"),
         }
     return {
         "id": RESPONSE_PREFIX + rid,
         "object": "response",
-        "created_at": int(front.get("created_s") or rec["created_ms"] // 1000),
+        "created_at": int(front.get("created_s") or rec.created_ms // 1000),
         "status": status,
         "background": bool(front.get("background")),
         "model": front.get("model", ""),
@@ -151,5 +152,5 @@ def response_object(rec: dict[str, Any]) -> dict[str, Any]:
         "store": True,
         "usage": use,
         "user": None,
-        "metadata": rec.get("metadata") or {},
+        "metadata": rec.metadata or {},
     }

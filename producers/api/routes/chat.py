@@ -53,6 +53,6 @@ async def chat_completions(request: Request, st: State, tenant: Tenant) -> Respo
     rec = await outcome(st, request, accepted.request_id, keyed)
     if rec is None:
         return Response(status_code=499)  # the client closed the connection; nobody reads this
-    if rec["status"] != "completed":
+    if rec.status != "completed":
         raise not_completed(rec)
     return JSONResponse(chat_completion(rec))

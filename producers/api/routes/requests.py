@@ -18,7 +18,7 @@ from producers.api.state import ApiState
 from producers.api.submissions import SubmitHeaders, accepted_response, off_the_loop
 from producers.api.views import status_view
 from producers.intake import RenderContext, Submission
-from schemas.types import TERMINAL_STATUSES, RenderEvent, now_ms
+from schemas.types import RenderEvent, now_ms
 
 router = APIRouter(prefix="/v1", tags=["requests"])
 
@@ -94,8 +94,8 @@ async def get_status(
         ),
     ] = None,
 ) -> JSONResponse:
-    if wait > 0 and rec["status"] not in TERMINAL_STATUSES:
-        since = changed_from or rec["status"]
+    if wait > 0 and not rec.terminal:
+        since = changed_from or rec.status
         rec = await st.notifier.wait_change(request_id, since, wait) or rec
     return JSONResponse(status_view(rec))
 

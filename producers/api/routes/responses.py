@@ -3,7 +3,7 @@ intake: create, retrieve, cancel."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -21,6 +21,7 @@ from producers.api.openai_compat.openapi import (
 from producers.api.openai_compat.submit import front_of, outcome, submit, takes_video
 from producers.api.openai_compat.views import RESPONSE_PREFIX, response_object
 from producers.api.submissions import off_the_loop
+from schemas.status_record import StatusRecord
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -72,23 +73,19 @@ async def create_response(request: Request, st: State, tenant: Tenant) -> Respon
     return JSONResponse(response_object(rec))
 
 
-async def owned_response(response_id: str, st: State, tenant: Tenant) -> dict[str, Any]:
+async def owned_response(response_id: str, st: State, tenant: Tenant) -> StatusRecord:
     """The caller's response record. Another tenant's response, a request of another API, or
     an unknown id are all "not found": ids reveal nothing."""
     rid = response_id.removeprefix(RESPONSE_PREFIX)
     rec = None
     if response_id.startswith(RESPONSE_PREFIX) and rid:
         rec = await st.status.get(rid)
-    if (
-        rec is None
-        or rec.get("tenant") != tenant
-        or (rec.get("front") or {}).get("api") != RESPONSES_API
-    ):
+    if rec is None or rec.tenant != tenant or rec.front.get("api") != RESPONSES_API:
         raise not_found(response_id, what="response", field="response_id")
     return rec
 
 
-OwnedResponse = Annotated[dict[str, Any], Depends(owned_response)]
+OwnedResponse = Annotated[StatusRecord, Depends(owned_response)]
 
 
 @router.get(
@@ -107,7 +104,7 @@ async def get_response(response_id: str, rec: OwnedResponse) -> JSONResponse:
 )
 async def cancel_response(response_id: str, st: State, rec: OwnedResponse) -> JSONResponse:
     refuse_finished(rec)
-    rid = rec["request_id"]
+    rid = rec.request_id
     await st.status.cancel(rid)
     rec = await st.status.get(rid) or rec
     refuse_finished(rec)  # it finished between the read and the cancel

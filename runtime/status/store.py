@@ -1,0 +1,310 @@
+"""Request status records in Redis: folded from ResultEvents, deduplicated, never regressing.
+
+Besides the record itself (``RedisKeys.status``, JSON, with a TTL), every status *change* is
+appended to a per-request Redis stream (``RedisKeys.status_events``: the history that
+Server-Sent Events replay and resume from) and announced on pub/sub (``RedisKeys.status_notify``,
+message = request id), so long-polls and event streams wake on a notification instead of
+polling. An update is one server-side compare-and-set script that writes all three with the
+record, atomically, in one round trip. The fold itself is :mod:`schemas.status_record`; the
+in-flight set is :mod:`runtime.status.inflight`, cancels :mod:`runtime.status.cancel`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from runtime.redis_cluster import RedisClient, is_cluster_client
+from runtime.status.cancel import announce_cancel
+from runtime.status.inflight import InFlight
+from schemas.keys import RedisKeys
+from schemas.status_record import StatusRecord, created, fold
+from schemas.types import ErrorInfo, ResultEvent, now_ms
+
+RecordChange = Callable[[StatusRecord | None], StatusRecord | None]
+"""The record before -> the record after, or None when nothing is to be written."""
+
+STREAM_MAXLEN = 256
+"""A request changes status a handful of times; the cap only bounds a misbehaving producer."""
+
+
+# KEYS: record, its event stream, and on one Redis the in-flight set. ARGV: the record text
+# the fold started from ("" = no record), the new text, TTL s, the stream entry ("" = the status
+# did not change), the change channel, the stream's cap, "1" when terminal, the request id, now
+# (ms), the publish command (PUBLISH; SPUBLISH on a cluster, where the channel is in the
+# request's slot). Returns {1} once written, or {0, text Redis holds} when the start was stale.
+# A request that is not finished is in the in-flight set whoever wrote its record (the API's
+# admission adds it first; a router's or a submitter's record joins here), so the sweep sees
+# every one of them; on a cluster the set is another slot's, updated beside the script.
+_CAS_SCRIPT = """
+local current = redis.call('GET', KEYS[1])
+if (current or '') ~= ARGV[1] then return {0, current} end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+if KEYS[3] then
+    if ARGV[7] == '1' then
+        redis.call('ZREM', KEYS[3], ARGV[8])
+    else
+        redis.call('ZADD', KEYS[3], 'NX', ARGV[9], ARGV[8])
+        redis.call('EXPIRE', KEYS[3], ARGV[3])
+    end
+end
+if ARGV[4] ~= '' then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'data', ARGV[4])
+    redis.call('EXPIRE', KEYS[2], ARGV[3])
+    redis.call(ARGV[10], ARGV[5], ARGV[8])
+end
+return {1}
+"""
+
+
+def _text(raw: Any) -> str | None:
+    """A record's text as the client returned it (bytes or str), or None."""
+    if raw is None:
+        return None
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+class StatusStore:
+    """Status records under ``RedisKeys.status`` with a TTL."""
+
+    CONNECTION_RETRIES = 3
+    """Tries of one update over connections Redis dropped (stale after a Redis restart)."""
+
+    REMEMBER = 1024
+    """Records this process last saw, kept as the starting guess of its next update (a worker
+    writes again within milliseconds of its last read or write; an API replica reads many)."""
+    REMEMBER_CHARS = 16 * 1024 * 1024
+    """...and at most this many characters of them: a count alone let a few huge records (a
+    30 MB metadata value, before the API bounded it) hold hundreds of MB in every process."""
+
+    def __init__(self, client: RedisClient, *, prefix: str = "epd", ttl_s: int = 3600) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.cluster = is_cluster_client(client)
+        self.keys = RedisKeys(prefix, cluster=self.cluster)
+        self.ttl_s = ttl_s
+        self.inflight = InFlight(client, self.keys, ttl_s=ttl_s)
+        self._cas = client.register_script(_CAS_SCRIPT)
+        self._known: OrderedDict[str, str] = OrderedDict()
+        self._known_chars = 0
+
+    async def get(self, request_id: str) -> StatusRecord | None:
+        """The status record of a request, or None when unknown or expired."""
+        text = await self._read(request_id)
+        return StatusRecord.from_json(text) if text else None
+
+    async def create(self, request_id: str, fields: dict[str, Any]) -> bool:
+        """Create a ``queued`` record carrying ``fields`` (owner, items...); False if it exists.
+
+        The first entry of the event stream is this ``queued`` status. One script run, like
+        any update: it writes only where no record is (its expected text is "none"). It rides
+        out a connection Redis dropped, as updates do.
+        """
+        record = created(request_id, fields)
+        text = record.to_json()
+
+        def make(rec: StatusRecord | None) -> StatusRecord | None:
+            return record if rec is None else None
+
+        if await self._modify(request_id, make, stage="api", absent=True):
+            return True
+        # A connection dropped after the script ran, and the retry found the record: one that
+        # holds this very text is ours.
+        return self._known.get(request_id) == text
+
+    async def update_fields(self, request_id: str, fields: dict[str, Any]) -> None:
+        """Merge top-level ``fields`` into an existing record (no status change)."""
+        await self._modify(request_id, lambda rec: rec.with_fields(fields) if rec else None)
+
+    async def delete(self, request_id: str) -> None:
+        """Forget a request entirely (a request that was never enqueued)."""
+        await self.client.delete(self.keys.status(request_id), self.keys.status_events(request_id))
+        await self.client.zrem(self.keys.inflight, request_id)
+
+    async def apply(self, ev: ResultEvent) -> bool:
+        """Fold one ResultEvent into its record atomically; False when it was a duplicate."""
+        return await self._modify(ev.request_id, lambda rec: fold(rec, ev), stage=ev.stage)
+
+    async def end_if_unchanged(self, ev: ResultEvent, seen_updated_ms: int) -> bool:
+        """Fold the outcome ``ev`` only into a record that is unfinished and unchanged since it
+        was judged (its ``updated_ms`` still ``seen_updated_ms``); True when it was written.
+        For a judge that read the record earlier (the sweep): a stage that moved the request on
+        in between wins, and the judge sends no second outcome."""
+
+        def change(rec: StatusRecord | None) -> StatusRecord | None:
+            if rec is None or rec.terminal or rec.updated_ms != seen_updated_ms:
+                return None
+            return fold(rec, ev)
+
+        return await self._modify(ev.request_id, change, stage=ev.stage)
+
+    async def _modify(
+        self, request_id: str, change: RecordChange, stage: str = "api", *, absent: bool = False
+    ) -> bool:
+        """Fold ``change`` into the record with one compare-and-set script per try.
+
+        The script writes only if the record still holds the text the fold started from, and
+        otherwise answers with the text it holds, so the common case is one round trip (a
+        WATCH transaction took three). The starting text is this process's last sight of the
+        record (:attr:`_known`), else what a read finds; a stale one costs one more try, never
+        a lost update. A remembered text that says "nothing to change" is checked against
+        Redis first. ``absent``: start from "no record" (a create), not from a read.
+        """
+        dropped = 0
+        while True:
+            try:
+                return await self._fold_in(request_id, change, stage, absent)
+            except RedisConnectionError:
+                # A pooled connection Redis dropped (a restart, a freeze): fold again on a
+                # fresh one. Safe even if the script ran: the same update folds as a duplicate.
+                dropped += 1
+                if dropped >= self.CONNECTION_RETRIES:
+                    raise
+                self._remember(request_id, None)
+                await asyncio.sleep(0.05 * dropped)
+
+    async def _fold_in(
+        self, request_id: str, change: RecordChange, stage: str, absent: bool
+    ) -> bool:
+        expected, verified = ("" if absent else self._known.get(request_id)), False
+        counted = False  # cluster: this call added the request to the in-flight set
+        if expected is None:
+            # Nothing remembered: read first. Most such updates (the results collector's
+            # copies of what the stages wrote through) then fold to nothing, and a write
+            # would only have sent a whole record to be refused.
+            expected, verified = await self._read(request_id), True
+        while True:
+            old = StatusRecord.from_json(expected) if expected else None
+            rec = change(old)
+            if rec is None:
+                if verified:
+                    if counted and old is not None and old.terminal:
+                        await self.inflight.release(request_id)  # its outcome was out already
+                    return False
+                # A remembered record may be older than Redis's (or gone): look before
+                # concluding there is nothing to do.
+                expected, verified = await self._read(request_id), True
+                continue
+            if self.cluster and old is None and not rec.terminal and not counted:
+                await self.inflight.add(request_id)  # before the record exists: see inflight
+                counted = True
+            text = rec.to_json()
+            written, held = await self._write(request_id, expected, rec, text, stage, old)
+            if written:
+                self._remember(request_id, text)
+                if self.cluster and rec.terminal and (counted or old is None or not old.terminal):
+                    await self.inflight.release(request_id)
+                return True
+            # Another writer got there first: fold again on what Redis holds.
+            expected = held
+            verified = True
+            self._remember(request_id, expected)
+
+    async def _write(
+        self,
+        request_id: str,
+        expected: str | None,
+        rec: StatusRecord,
+        text: str,
+        stage: str,
+        old: StatusRecord | None,
+    ) -> tuple[bool, str | None]:
+        """One compare-and-set run: ``(True, None)`` once written, else ``(False, the text
+        Redis holds)`` for the next fold."""
+        keys = [self.keys.status(request_id), self.keys.status_events(request_id)]
+        if not self.cluster:
+            keys.append(self.keys.inflight)
+        channel = self.keys.status_changes(request_id) if self.cluster else self.keys.status_notify
+        entry = rec.change_entry(stage) if old is None or rec.status != old.status else ""
+        reply = await self._cas(
+            keys=keys,
+            args=[
+                expected or "",
+                text,
+                self.ttl_s,
+                entry,
+                channel,
+                STREAM_MAXLEN,
+                "1" if rec.terminal else "",
+                request_id,
+                now_ms(),
+                "SPUBLISH" if self.cluster else "PUBLISH",
+            ],
+        )
+        if int(reply[0]) == 1:
+            return True, None
+        return False, _text(reply[1] if len(reply) > 1 else None)
+
+    async def warm(self) -> None:
+        """Load the update script and open a connection now, so a worker's first update is as
+        quick as the next ones (redis-py would load the script on its first NOSCRIPT answer:
+        three round trips and a connection set-up, enough for a request's outcome, written by
+        another worker, to overtake an encoder's first mark)."""
+        await self.client.script_load(_CAS_SCRIPT)
+
+    async def _read(self, request_id: str) -> str | None:
+        """The record's text as Redis holds it now (remembered for the next update)."""
+        text = _text(await self.client.get(self.keys.status(request_id)))
+        self._remember(request_id, text)
+        return text
+
+    def _remember(self, request_id: str, text: str | None) -> None:
+        known = self._known
+        dropped = known.pop(request_id, None)
+        if dropped is not None:
+            self._known_chars -= len(dropped)
+        if text is None:
+            return
+        known[request_id] = text
+        self._known_chars += len(text)
+        while known and (len(known) > self.REMEMBER or self._known_chars > self.REMEMBER_CHARS):
+            _, old = known.popitem(last=False)
+            self._known_chars -= len(old)
+
+    async def events(self, request_id: str, after: str = "0") -> list[tuple[str, dict[str, Any]]]:
+        """Status changes after stream id ``after`` (exclusive), oldest first."""
+        start = "-" if after in ("", "0") else f"({after}"
+        rows: Any = await self.client.xrange(
+            self.keys.status_events(request_id), min=start, max="+"
+        )
+        out: list[tuple[str, dict[str, Any]]] = []
+        for sid, fields in rows or []:
+            data = fields.get(b"data") or fields.get("data")
+            out.append((sid.decode() if isinstance(sid, bytes) else str(sid), json.loads(data)))
+        return out
+
+    # ------------------------------------------- the in-flight set and cancels, by their owners
+
+    async def admit(self, request_id: str, limit: int) -> bool:
+        """:meth:`InFlight.admit` (the API's bound on unfinished requests)."""
+        return await self.inflight.admit(request_id, limit)
+
+    async def release(self, request_id: str) -> None:
+        """:meth:`InFlight.release` (a request that was not enqueued after all)."""
+        await self.inflight.release(request_id)
+
+    async def in_flight(self) -> int:
+        """:meth:`InFlight.count`: admitted requests without an outcome yet."""
+        return await self.inflight.count()
+
+    async def in_flight_by_status(self, limit: int = 10000) -> dict[str, int]:
+        """:meth:`InFlight.by_status`: unfinished requests counted by status."""
+        return await self.inflight.by_status(limit)
+
+    async def cancel(self, request_id: str, reason: str = "cancelled by the client") -> bool:
+        """Mark a request cancelled: the flag workers check, a message to running workers, and
+        the terminal ``cancelled`` status (False when the record was already terminal)."""
+        await announce_cancel(self.client, self.keys, request_id, ttl_s=self.ttl_s)
+        return await self.apply(
+            ResultEvent(
+                request_id=request_id,
+                stage="api",
+                status="cancelled",
+                error=ErrorInfo("cancelled", reason),
+            )
+        )
