@@ -201,7 +201,7 @@ async def _api_cell(base: Any, log_dir: Path, tag: str, n: int, max_tokens: int,
                 *(_api_request(http, api, streams, i, max_tokens) for i in range(n))
             )
             wall = time.perf_counter() - t0
-        status = StatusStore(client, prefix=settings.topic_prefix)
+        status = StatusStore.for_settings(client, settings)
         records = [await status.get(r["request_id"]) for r in rows]
     finally:
         await streams.close()

@@ -244,7 +244,7 @@ async def local_pipeline(
     try:
         await publisher.start()
         info = await asyncio.to_thread(load_render_info, settings.model)
-        status = StatusStore(client, prefix=settings.topic_prefix, ttl_s=settings.status_ttl_s)
+        status = StatusStore.for_settings(client, settings)
         submitter = Submitter.for_pipeline(
             settings, info, store=store, publisher=publisher, status=status
         )

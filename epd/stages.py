@@ -76,9 +76,7 @@ class StageContext:
         if self._status is None:
             client = redis_client(self.settings)
             self.closers.append(client.aclose)
-            self._status = StatusStore(
-                client, prefix=self.settings.topic_prefix, ttl_s=self.settings.status_ttl_s
-            )
+            self._status = StatusStore.for_settings(client, self.settings)
         return self._status
 
     async def load_model(self) -> Any:

@@ -92,7 +92,7 @@ class ApiState:
         topics = Topics(settings.topic_prefix)
         # A bounded pool that waits: a burst of submits queues for connections, never fails.
         client = redis_client(settings, socket_connect_timeout=2.0, socket_timeout=10.0)
-        status = StatusStore(client, prefix=settings.topic_prefix, ttl_s=settings.status_ttl_s)
+        status = StatusStore.for_settings(client, settings)
         info = await asyncio.to_thread(load_render_info, settings.model)
         store = open_store(settings.embedding_store_url)
         publisher = KafkaPublisher.for_pipeline(settings, topics)

@@ -20,6 +20,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from runtime.redis_cluster import RedisClient, is_cluster_client
+from runtime.settings import Settings
 from runtime.status.cancel import announce_cancel
 from runtime.status.inflight import InFlight
 from schemas.keys import RedisKeys
@@ -92,6 +93,12 @@ class StatusStore:
         self._cas = client.register_script(_CAS_SCRIPT)
         self._known: OrderedDict[str, str] = OrderedDict()
         self._known_chars = 0
+
+    @classmethod
+    def for_settings(cls, client: RedisClient, settings: Settings) -> StatusStore:
+        """The store every stage, the API and the benches use: the pipeline's key prefix
+        (``EPD_TOPIC_PREFIX``) and record lifetime (``EPD_STATUS_TTL_S``)."""
+        return cls(client, prefix=settings.topic_prefix, ttl_s=settings.status_ttl_s)
 
     async def get(self, request_id: str) -> StatusRecord | None:
         """The status record of a request, or None when unknown or expired."""
