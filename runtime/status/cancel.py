@@ -9,13 +9,13 @@ requests are coming to it, cancels are rare, and the flag, not the message, is a
 
 from __future__ import annotations
 
-import asyncio
 from collections import OrderedDict
 
 from redis.exceptions import RedisError
 
 from runtime.redis_cluster import RedisClient, is_cluster_client
-from runtime.status.listener import ChannelListener, forget
+from runtime.status.listener import ChannelListener
+from runtime.waiters import KeyedWaiters
 from schemas.keys import RedisKeys
 
 
@@ -40,7 +40,7 @@ class CancelWatch:
         self.keys = RedisKeys(prefix, cluster=is_cluster_client(client))
         self.remember = remember
         self._ids: OrderedDict[str, None] = OrderedDict()
-        self._waiters: dict[str, set[asyncio.Future[None]]] = {}
+        self._waiters: KeyedWaiters[str] = KeyedWaiters()
         self.listener = ChannelListener(client, self.keys.cancel_channel, self._add)
 
     async def start(self) -> None:
@@ -53,9 +53,7 @@ class CancelWatch:
         self._ids[request_id] = None
         while len(self._ids) > self.remember:
             self._ids.popitem(last=False)
-        for fut in self._waiters.pop(request_id, ()):
-            if not fut.done():
-                fut.set_result(None)
+        self._waiters.wake(request_id)
 
     async def wait(self, request_id: str) -> None:
         """Return once a cancel of ``request_id`` is announced (at once if one was seen): what
@@ -63,12 +61,11 @@ class CancelWatch:
         timeout for work the cancel stopped (an embedding the encoder skipped)."""
         if request_id in self._ids:
             return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(request_id, set()).add(fut)
+        futs = self._waiters.register([request_id])
         try:
-            await fut
+            await futs[request_id]
         finally:
-            forget(self._waiters, request_id, fut)
+            self._waiters.forget(futs)
 
     def cancelled_now(self, request_id: str) -> bool:
         """True when a cancel of ``request_id`` has been seen (any thread may call this)."""
