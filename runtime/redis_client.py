@@ -31,6 +31,9 @@ def redis_client(settings: Settings, url: str | None = None, **options: object) 
     # A connection idle this long is PINGed (and remade) before use: after a Redis restart the
     # pool's old connections are dead, and a WATCH on one is not retried by redis-py.
     options.setdefault("health_check_interval", HEALTH_CHECK_S)
+    # Set here, not left to redis-py's default (5 s since redis-py 8): a freeze or failover
+    # of a few seconds is waited out, as the pool waits for a connection.
+    options.setdefault("socket_timeout", settings.redis_socket_timeout_s)
     target = url or settings.redis_url
     if is_cluster_url(target):
         return cluster_client(target, max_connections=settings.redis_max_connections, **options)

@@ -152,7 +152,7 @@ def cluster_client(
     for name in ("socket_timeout", "socket_connect_timeout"):
         raw = parsed.option(name)
         if raw not in (None, ""):
-            options.setdefault(name, float(str(raw)))
+            options[name] = float(str(raw))  # the URL's own, as redis-py's from_url does
     return BoundedRedisCluster(
         startup_nodes=[ClusterNode(h, p) for h, p in parsed.seeds],
         username=parsed.username,

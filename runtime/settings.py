@@ -121,6 +121,12 @@ class Settings(BaseSettings):
     redis_pool_timeout_s: float = Field(
         10.0, gt=0, description="longest a command waits for a free Redis connection"
     )
+    redis_socket_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="longest one Redis command waits for its answer before it fails (redis-py 8 "
+        "defaults to 5 s, so a Redis frozen for 5 s failed requests that only had to wait)",
+    )
     status_ttl_s: int = 3600
     request_timeout_s: float = Field(
         600.0,

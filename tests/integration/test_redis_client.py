@@ -14,6 +14,7 @@ from runtime.settings import Settings
 from runtime.status import StatusStore
 from runtime.stores.redis import RedisStore
 from schemas.types import ResultEvent
+from tests import services as layer
 
 pytestmark = pytest.mark.integration
 
@@ -97,5 +98,30 @@ async def test_status_updates_survive_connections_redis_dropped(
         )
         assert all(done)
         assert [getattr(await status.get(r), "status", None) for r in ids] == ["encoding"] * 4
+    finally:
+        await client.aclose()
+
+
+async def test_a_command_waits_out_a_freeze_longer_than_redis_pys_default(
+    settings: Settings, test_services: layer.TestServices, redis_prefix: str
+) -> None:
+    """redis-py 8 gives up on an answer after 5 s by default: a Redis frozen that long failed
+    requests that only had to wait (the frozen-Redis fault test, now and then). The shared
+    client waits ``EPD_REDIS_SOCKET_TIMEOUT_S`` (30 s)."""
+    handle = test_services.redis
+    if not handle.controllable or handle.pause is None or handle.unpause is None:
+        pytest.skip(f"Redis is not ours to freeze in mode {test_services.mode}")
+    pause, unpause = handle.pause, handle.unpause
+    client = make_redis_client(settings)
+    try:
+        await client.ping()
+        await asyncio.to_thread(pause)
+        try:
+            sent = asyncio.create_task(client.set(f"{redis_prefix}frozen", "1", ex=60))
+            await asyncio.sleep(6.0)  # past redis-py's own 5 s
+            assert not sent.done(), sent
+        finally:
+            await asyncio.to_thread(unpause)
+        assert await asyncio.wait_for(sent, 20) is True
     finally:
         await client.aclose()
