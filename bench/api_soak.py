@@ -86,10 +86,12 @@ class Traffic:
 async def _follow(http: Any, rid: str, stream: bool) -> str:
     """Wait for the outcome by the event stream or by long-polls; returns the status."""
     if stream:
-        status = ""
+        status, kind = "", ""
         async with http.stream("GET", f"/v1/requests/{rid}/events", timeout=120) as resp:
             async for line in resp.aiter_lines():
-                if line.startswith("data:"):
+                if line.startswith("event:"):
+                    kind = line[6:].strip()
+                elif line.startswith("data:") and kind != "token":  # tokens carry no status
                     status = json.loads(line[5:])["status"]
         return status
     for _ in range(20):
