@@ -417,25 +417,8 @@ class PrefillWorker:
         timeout = self.embedding_wait_s
         if ev.deadline_ms is not None:
             timeout = max(0.0, min(timeout, (ev.deadline_ms - now_ms()) / 1000))
-        keys = admitted.keys
-        readiness = await self._readiness(ev, keys, updates)
-        if readiness is Readiness.LOST:
+        if not await self._wait_until_present(ev, admitted, timeout, updates):
             return None
-        if readiness is Readiness.COMING:
-            try:
-                if not await self._wait_unless_cancelled(admitted.key_list, timeout, ev.request_id):
-                    # The encoder skips a cancelled request's items: nothing will come.
-                    await self._report_cancelled(updates, "skipped before compute")
-                    return None
-            except StoreUnavailable:
-                # Redis went away under the wait. If it came back without the embeddings,
-                # say so now rather than after a retry's full wait; else the loop retries.
-                if await self._readiness(ev, keys, updates) is Readiness.LOST:
-                    return None
-                raise
-            except StoreTimeout as exc:
-                await self._report_missing(ev, keys, set(exc.missing), timeout, updates)
-                return None
         outputs, cancelled = await asyncio.gather(
             fetch_outputs(self.store, admitted.key_list, self.bundle.family),
             request_cancelled(self.cancel, ev.request_id),
@@ -444,6 +427,46 @@ class PrefillWorker:
             await self._report_cancelled(updates, "skipped before compute")
             return None
         return outputs
+
+    async def _wait_until_present(
+        self, ev: PrefillEvent, admitted: Admission, timeout_s: float, updates: RequestUpdates
+    ) -> bool:
+        """Wait up to ``timeout_s`` for the entries the first read missed: True once all are
+        there; False when the request ended here (lost, missing past the wait, cancelled: each
+        reported). A store outage that leaves them still coming raises (the loop retries).
+
+        Where they stand is judged again every ``embedding_recheck_s`` of the wait, not only
+        before it: a first judgement of "still coming" may have been "cannot tell" (a Redis
+        just restarted answering a stale connection, a record unreadable for a moment), and an
+        entry evicted or lost while the request waits sends no notification. Either way the
+        request ends as ``embedding-lost`` within a recheck, not after the whole wait."""
+        keys = admitted.keys
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            readiness = await self._readiness(ev, keys, updates)
+            if readiness is Readiness.LOST:
+                return False
+            if readiness is Readiness.PRESENT:
+                return True
+            left = max(0.0, deadline - loop.time())
+            slice_s = min(left, self.settings.embedding_recheck_s)
+            try:
+                if not await self._wait_unless_cancelled(admitted.key_list, slice_s, ev.request_id):
+                    # The encoder skips a cancelled request's items: nothing will come.
+                    await self._report_cancelled(updates, "skipped before compute")
+                    return False
+                return True
+            except StoreUnavailable:
+                # Redis went away under the wait. If it came back without the embeddings,
+                # say so now rather than after a retry's full wait; else the loop retries.
+                if await self._readiness(ev, keys, updates) is Readiness.LOST:
+                    return False
+                raise
+            except StoreTimeout as exc:
+                if slice_s >= left:
+                    await self._report_missing(ev, keys, set(exc.missing), timeout_s, updates)
+                    return False
 
     async def _wait_unless_cancelled(
         self, keys: list[str], timeout_s: float, request_id: str

@@ -156,6 +156,12 @@ class Settings(BaseSettings):
         description="longest a prefill worker waits for a request's embeddings (the request's "
         "deadline caps it)",
     )
+    embedding_recheck_s: float = Field(
+        2.0,
+        gt=0,
+        description="how often a prefill worker waiting for embeddings judges again whether "
+        "they can still come (one that was lost ends the request as embedding-lost then)",
+    )
     claim_ttl_s: int = Field(
         120,
         ge=1,

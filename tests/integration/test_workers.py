@@ -975,6 +975,57 @@ async def test_an_evicted_embedding_fails_the_request_at_once_as_embedding_lost(
     assert lost[:16] in err.message
 
 
+async def test_an_embedding_evicted_during_the_wait_fails_the_request_within_a_recheck(
+    cfg: Settings,
+    bundle: ModelBundle,
+    renderer: Renderer,
+    store: RedisStore,
+    encoder: EncodeWorker,
+    producer: KafkaPublisher,
+    status: Any,
+) -> None:
+    """The first judgement says "still coming" (item 1 is not encoded yet); item 0, stored and
+    marked, is evicted while the request waits. No notification tells of a deletion: only
+    judging again during the wait ends the request before the wait does."""
+    from runtime.status import RequestReader
+
+    recheck_s = 0.3
+    cfg = cfg.model_copy(update={"embedding_recheck_s": recheck_s})
+    ev = render(renderer, (73, 74))
+    p = await plan(cfg, store, bundle, ev)
+    await encoder.handle(wire(p.encode[0]))  # item 1 is never encoded
+    await fold_into(status, cfg, ev.request_id)  # the record says item 0 is encoded
+    evicted = ev.features.mm_hashes["image"][0]
+    prefill = PrefillWorker(
+        cfg,
+        bundle,
+        store,
+        producer,
+        embedding_wait_s=HANG_GUARD_S * 2,
+        request_state=RequestReader(status),
+    )
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    handled = asyncio.ensure_future(prefill.handle(wire(p.prefill)))
+    try:
+        await asyncio.sleep(recheck_s * 2)  # the worker is waiting for item 1
+        assert not handled.done()
+        await store.delete(p.prefill.ec_transfer_params[evicted].key)  # as an eviction would
+        evicted_at = loop.time()
+        await asyncio.wait_for(handled, HANG_GUARD_S)
+    finally:
+        handled.cancel()
+        await prefill.close()
+    assert loop.time() - evicted_at < recheck_s + 5, loop.time() - t0
+    assert (prefill.completed, prefill.lost) == (0, 1)
+    results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
+    assert [r.status for r in results] == ["prefilling", "failed"]
+    err = results[-1].error
+    assert err is not None and err.code == "embedding-lost"
+    assert (err.modality, err.item) == ("image", 0)
+    assert evicted[:16] in err.message
+
+
 async def test_encode_metrics_count_hits_misses_and_bytes(
     cfg: Settings,
     bundle: ModelBundle,
