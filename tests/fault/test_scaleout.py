@@ -82,6 +82,30 @@ def handled(run: LocalRun, index: int, topic: str) -> set[tuple[int, int]]:
     return found
 
 
+async def handled_counts(
+    run: LocalRun, kinds: tuple[str, ...], at_least: int, timeout_s: float = 15.0
+) -> dict[str, int]:
+    """``{"<kind>-<index>": records handled}`` per worker of ``kinds``, once each kind's workers
+    logged ``at_least`` records between them (or ``timeout_s`` passed). A worker logs a record
+    as handled after its handler returned, which is after the result it published, so a
+    request can be seen completed a moment before its last line is written."""
+    assert run.workers is not None
+    prefix = run.settings.topic_prefix
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = {
+            f"{kind}-{i}": len(handled(run, i, f"{prefix}.{kind}"))
+            for kind in kinds
+            for i in run.workers.indices(kind)
+        }
+        totals = [
+            sum(counts[f"{kind}-{i}"] for i in run.workers.indices(kind)) for kind in kinds
+        ]
+        if min(totals) >= at_least or time.monotonic() >= deadline:
+            return counts
+        await asyncio.sleep(0.1)
+
+
 def last_assignment(run: LocalRun, index: int, topic: str) -> set[int]:
     """The partitions of ``topic`` in worker ``index``'s latest ``assigned`` log line."""
     assert run.workers is not None
@@ -153,7 +177,6 @@ async def duplicates(run: LocalRun, ids: list[str], got: dict[str, dict]) -> dic
 async def test_two_encode_and_two_prefill_workers_share_the_work(pipeline: LocalRun) -> None:
     run = pipeline
     assert run.workers is not None
-    prefix = run.settings.topic_prefix
     before = worker_rss(run)
 
     async def no_fault() -> None:
@@ -162,11 +185,7 @@ async def test_two_encode_and_two_prefill_workers_share_the_work(pipeline: Local
     t0 = time.monotonic()
     ids = await stream(run, 16, every_s=0.05, fault_after=-1, fault=no_fault)
     got = await asyncio.wait_for(outcomes(run, ids), WAIT_S + 30)
-    per_worker = {
-        f"{kind}-{i}": len(handled(run, i, f"{prefix}.{kind}"))
-        for kind in ("encode", "prefill")
-        for i in run.workers.indices(kind)
-    }
+    per_worker = await handled_counts(run, ("encode", "prefill"), at_least=len(ids))
     dup = await duplicates(run, ids, got)
     fig = figures(
         "two encode + two prefill workers",
