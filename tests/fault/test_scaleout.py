@@ -98,9 +98,7 @@ async def handled_counts(
             for kind in kinds
             for i in run.workers.indices(kind)
         }
-        totals = [
-            sum(counts[f"{kind}-{i}"] for i in run.workers.indices(kind)) for kind in kinds
-        ]
+        totals = [sum(counts[f"{kind}-{i}"] for i in run.workers.indices(kind)) for kind in kinds]
         if min(totals) >= at_least or time.monotonic() >= deadline:
             return counts
         await asyncio.sleep(0.1)
