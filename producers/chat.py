@@ -10,10 +10,12 @@ vision block (``<|vision_start|><|image_pad|><|vision_end|>``), which the render
 for the item's grid.
 
 User text is data, not layout: text holding a vision token is refused (it would add an item
-the request does not have), and the prompt is split at the template's own vision blocks and
-tokenized piece by piece, so a literal ``<image>`` in a message stays text. The template must
-place exactly the request's items, in order; one that drops or adds any is refused
-(``chat.template``).
+the request does not have), and so is text holding any other of the tokenizer's special tokens
+(``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``...): tokenized as written, it would close
+the user's turn and open one in another role (a forged system prompt). The prompt is split at
+the template's own vision blocks and tokenized piece by piece, so a literal ``<image>`` in a
+message stays text. The template must place exactly the request's items, in order; one that
+drops or adds any is refused (``chat.template``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class ChatPart:
 
     kind: PartKind
     text: str = ""
+    where: str = ""
+    """The request field it came from (``messages[1].content[0].text``), for errors."""
 
 
 @dataclass(slots=True)
@@ -80,8 +84,9 @@ def template_of(info: RenderInfo, model: str, override: Path | None = None) -> s
     return None
 
 
-def check_text(text: str, field_name: str) -> None:
-    """Rule ``render.reserved_token``: message text holds no vision token."""
+def check_text(text: str, field_name: str | None, control: Sequence[str] = ()) -> None:
+    """Rule ``render.reserved_token``: message text holds no vision token, nor any of
+    ``control`` (the tokenizer's other special tokens: :func:`control_tokens`)."""
     for token in VISION_TOKENS:
         if token in text:
             raise ValidationError(
@@ -90,6 +95,14 @@ def check_text(text: str, field_name: str) -> None:
                 "as image_url / video_url parts",
                 field=field_name,
             )
+    found = next((t for t in control if t in text), None)
+    if found is not None:
+        raise ValidationError(
+            "render.reserved_token",
+            f"message text contains the special token {found!r}: only the chat template may "
+            "write it (it opens or ends a turn, or ends the text)",
+            field=field_name,
+        )
 
 
 class ChatTemplate:
@@ -98,11 +111,20 @@ class ChatTemplate:
     def __init__(self, info: RenderInfo, template: str | None) -> None:
         self.info = info
         self.template = template
+        self.control_tokens = control_tokens(info.tokenizer)
 
     @classmethod
     def for_model(cls, info: RenderInfo, model: str, override: Path | None = None) -> ChatTemplate:
         """The template of ``model`` (a tiny spec or a checkpoint folder), or ``override``."""
         return cls(info, template_of(info, model, override))
+
+    def check_control_tokens(self, messages: list[ChatMessage]) -> None:
+        """:func:`check_text` on every text part (the routes check each as they read it; this
+        holds for every other caller)."""
+        for m in messages:
+            for part in m.parts:
+                if part.kind == "text":
+                    check_text(part.text, part.where or None, self.control_tokens)
 
     def prompt_text(self, messages: list[ChatMessage]) -> str:
         """The conversation as the template writes it, ending with the assistant's turn."""
@@ -131,6 +153,7 @@ class ChatTemplate:
     def token_ids(self, messages: list[ChatMessage]) -> list[int]:
         """Prompt token ids: one vision block (start, pad, end) per image and video, in the
         order the messages give them, the text between tokenized as it stands."""
+        self.check_control_tokens(messages)
         text = self.prompt_text(messages)
         pieces = _BLOCKS.split(text)
         placed = ["image" if b == QWEN_IMAGE_BLOCK else "video" for b in pieces[1::2]]
@@ -150,6 +173,16 @@ class ChatTemplate:
             elif piece:
                 ids += info.tokenizer.encode(piece, add_special_tokens=False)
         return ids
+
+
+def control_tokens(tokenizer: Any) -> tuple[str, ...]:
+    """The tokenizer's special tokens as text (its named ones and every added token marked
+    special), longest first; the vision tokens are left to :func:`check_text`."""
+    found = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found.update(t.content for t in decoder.values() if getattr(t, "special", False))
+    found.difference_update(VISION_TOKENS)
+    return tuple(sorted((t for t in found if t), key=lambda t: (-len(t), t)))
 
 
 def _count(kinds: Sequence[str]) -> str:

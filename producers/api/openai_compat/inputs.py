@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -88,6 +89,8 @@ class Builder:
     fetcher: MediaFetcher
     video: bool
     """The family takes video."""
+    control: Sequence[str] = ()
+    """The tokenizer's special tokens no message text may hold (:func:`control_tokens`)."""
     messages: list[ChatMessage] = field(default_factory=list)
     media: list[Media] = field(default_factory=list)
     chars: int = 0
@@ -100,7 +103,7 @@ class Builder:
         return msg
 
     def text(self, msg: ChatMessage, text: str, where: str) -> None:
-        check_text(text, where)
+        check_text(text, where, self.control)
         self.chars += len(text)
         if self.chars > self.limits.max_prompt_chars:
             raise ValidationError(
@@ -109,7 +112,7 @@ class Builder:
                 "(EPD_API_MAX_PROMPT_CHARS)",
                 field=where,
             )
-        msg.parts.append(ChatPart("text", text))
+        msg.parts.append(ChatPart("text", text, where))
 
     def item(self, msg: ChatMessage, kind: Literal["image", "video"], url: str, where: str) -> None:
         index = sum(m.kind == kind for m in self.media)
@@ -122,7 +125,7 @@ class Builder:
         else:
             self.fetcher.check(url, ref)  # refused here, before anything connects
             self.media.append(Media(kind, ref, url=url))
-        msg.parts.append(ChatPart(kind))
+        msg.parts.append(ChatPart(kind, where=where))
 
 
 def _decode(url: str, ref: MediaRef, settings: Settings) -> bytes:
@@ -256,6 +259,7 @@ def parse_chat(
     settings: Settings,
     fetcher: MediaFetcher,
     video: bool,
+    control: Sequence[str] = (),
 ) -> Conversation:
     """A ``/v1/chat/completions`` body, checked (CPU-bound for a large body: run it in a
     worker thread)."""
@@ -264,7 +268,7 @@ def parse_chat(
     req: ChatCompletionRequest = _validate(ChatCompletionRequest, obj)
     check_neutral(obj, set(NEUTRAL) - {"stream"})
     check_model(req.model, settings.model_name())
-    b = Builder(limits, settings, fetcher, video)
+    b = Builder(limits, settings, fetcher, video, control)
     for i, m in enumerate(req.messages):
         _chat_message(b, m, f"messages[{i}]")
     if req.max_tokens is not None and req.max_completion_tokens not in (None, req.max_tokens):
@@ -346,6 +350,7 @@ def parse_response(
     settings: Settings,
     fetcher: MediaFetcher,
     video: bool,
+    control: Sequence[str] = (),
 ) -> Conversation:
     """A ``/v1/responses`` body, checked (see :func:`parse_chat`)."""
     obj = _object(body, limits)
@@ -353,7 +358,7 @@ def parse_response(
     req: ResponseRequest = _validate(ResponseRequest, obj)
     check_neutral(obj, set(NEUTRAL))
     check_model(req.model, settings.model_name())
-    b = Builder(limits, settings, fetcher, video)
+    b = Builder(limits, settings, fetcher, video, control)
     if req.instructions is not None:
         b.text(b.message("system", "instructions"), req.instructions, "instructions")
     if isinstance(req.input, str):

@@ -32,7 +32,14 @@ async def chat_completions(request: Request, st: State, tenant: Tenant) -> Respo
     body = await read_body(request, st.settings.api_max_body_bytes)
     with answered():
         conv = await off_the_loop(
-            len(body), parse_chat, body, st.limits, st.settings, st.media, takes_video(st)
+            len(body),
+            parse_chat,
+            body,
+            st.limits,
+            st.settings,
+            st.media,
+            takes_video(st),
+            st.chat.control_tokens,
         )
     front = front_of(conv, "chat.completions", max_tokens=conv.sampling.max_tokens)
     accepted = await submit(st, request, conv, tenant, front)

@@ -46,6 +46,7 @@ async def create_response(request: Request, st: State, tenant: Tenant) -> Respon
             st.settings,
             st.media,
             takes_video(st),
+            st.chat.control_tokens,
         )
     s = conv.sampling
     front = front_of(
