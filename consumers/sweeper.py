@@ -15,7 +15,9 @@ stage that held it died past retrying. The results collector runs this sweep eve
   loop commits only after a handler is done) without leaving a mark in the record: ``failed``, code
   ``broker-lost``. The prefill event is keyed by the request id, so its partition is known; the
   encode events are keyed by the items' hashes, which the record does not keep, so for them the
-  whole encode topic must be consumed.
+  whole encode topic must be consumed. With the decode stage (``EPD_DECODE_STAGE``), a request
+  the prefill worker handed off (its record says so) and no decode worker reported on is judged
+  the same way by the decode topic's partition (that event is keyed by the request id too).
 
 Every request has a deadline (``EPD_REQUEST_TIMEOUT_S`` when the client gave none), so none can
 hang. The outcome is written through to the record (the first terminal status wins, so a stage
@@ -37,7 +39,7 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from runtime.settings import Settings
 from runtime.status import StatusStore
-from schemas.status_record import StatusRecord
+from schemas.status_record import HANDOFF_INFO, StatusRecord
 from schemas.topics import Topics
 from schemas.types import ErrorInfo, ResultEvent, now_ms
 
@@ -129,6 +131,18 @@ def judge(
             "its prefill event is no longer on the broker: the prefill workers consumed their "
             "partition to its end without seeing it (a broker restart lost it?); resubmit",
         )
+    if (
+        rec.info.get(HANDOFF_INFO) == "decode"
+        and not rec.reached("decode")
+        and progress.idle_for_key(topics.decode, rid)
+    ):
+        return Verdict(
+            rid,
+            "failed",
+            "broker-lost",
+            "its decode event is no longer on the broker: the decode workers consumed their "
+            "partition to its end without seeing it (a broker restart lost it?); resubmit",
+        )
     if rec.items_pending() and progress.idle_topic(topics.encode):
         return Verdict(
             rid,
@@ -215,7 +229,8 @@ def _consumed(committed: Any, end: int) -> bool:
 
 
 class BrokerProgress:
-    """Reads :class:`Progress` of the encode and prefill groups from the broker (admin API)."""
+    """Reads :class:`Progress` of the encode and prefill groups (and the decode group, with the
+    decode stage) from the broker (admin API)."""
 
     def __init__(self, settings: Settings) -> None:
         from aiokafka.admin import AIOKafkaAdminClient
@@ -223,6 +238,7 @@ class BrokerProgress:
         from runtime.kafka import make_consumer
 
         self.topics = Topics(settings.topic_prefix)
+        self.decode_stage = settings.decode_stage
         self._admin = AIOKafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
         self._offsets = make_consumer(settings, group_id=None)
         self._started = False
@@ -238,7 +254,10 @@ class BrokerProgress:
         idle: dict[str, frozenset[int]] = {}
         counts: dict[str, int] = {}
         missing: set[str] = set()
-        for stage, topic in (("encode", self.topics.encode), ("prefill", self.topics.prefill)):
+        stages = [("encode", self.topics.encode), ("prefill", self.topics.prefill)]
+        if self.decode_stage:
+            stages.append(("decode", self.topics.decode))
+        for stage, topic in stages:
             described = await self._admin.describe_topics([topic])
             parts = [
                 p["partition"]

@@ -50,7 +50,7 @@ from runtime.settings import Settings
 from runtime.stores.base import StoreError, StoreTimeout, StoreUnavailable
 from runtime.tracing import broker_hop_ms
 from schemas.errors import ValidationError
-from schemas.status_record import short_hash
+from schemas.status_record import HANDOFF_INFO, short_hash
 from schemas.topics import Topics
 from schemas.types import DecodeEvent, ErrorInfo, PrefillEvent, SamplingParams, now_ms
 from schemas.validator import validate_prefill_event, validate_prefill_expiry
@@ -626,7 +626,7 @@ class PrefillWorker:
         await updates.now(
             "prefilling",
             timings={**timings, "prefill": prefill_ms, "kv_park": park_ms},
-            info={"prefill.handoff": "decode", "kv_bytes": str(kv.nbytes)},
+            info={HANDOFF_INFO: "decode", "kv_bytes": str(kv.nbytes)},
         )
 
     # ---------------------------------------------------------------------------- report

@@ -30,6 +30,8 @@ _TERMINAL_RANK = 4
 SHORT_HASH_CHARS = 12
 ENCODE_MARK = "encode."
 """Prefix of the per-item encode stages and of their timings (``encode.<hash12>``)."""
+HANDOFF_INFO = "prefill.handoff"
+"""Info key a prefill worker sets (to ``decode``) when it hands the request to the decode stage."""
 _ENCODED = "encoded."
 _ENCODE_FAILED = "encode_failed."
 _ENCODE_HOP = "encode_hop."
@@ -367,6 +369,7 @@ def encoded_update(ev: EncodedEvent, *, hop_ms: float | None = None) -> ResultEv
 
 __all__ = [
     "ENCODE_MARK",
+    "HANDOFF_INFO",
     "StatusRecord",
     "created",
     "encode_stage",

@@ -107,3 +107,53 @@ def test_an_unreadable_deadline_is_no_deadline() -> None:
 def test_a_topic_the_broker_no_longer_has_held_nothing_that_can_still_come() -> None:
     gone = Progress(idle={}, partitions={}, missing=frozenset({T.prefill, T.encode}))
     assert verdict(record(), gone) == ("failed", "broker-lost")
+
+
+def handed_off(**over: Any) -> dict[str, Any]:
+    """A record the prefill worker handed to the decode stage (and nobody decoded since)."""
+    base = record()
+    fields: dict[str, Any] = {
+        "stages": {**base["stages"], "prefill:prefilling": NOW - 80_000},
+        "info": {**base["info"], "prefill.handoff": "decode"},
+        "updated_ms": NOW - 80_000,
+    }
+    return record(**{**fields, **over})
+
+
+def decode_progress(idle: set[int]) -> Progress:
+    return Progress(
+        idle={T.prefill: frozenset({0, 1, 2, 3}), T.decode: frozenset(idle)},
+        partitions={T.prefill: 4, T.decode: 4},
+    )
+
+
+def test_a_decode_event_its_partition_no_longer_holds_is_broker_lost() -> None:
+    p = partition_of("r1")
+    assert verdict(handed_off(), decode_progress({p})) == ("failed", "broker-lost")
+    v = judge(
+        StatusRecord.from_dict(handed_off()),
+        now=NOW,
+        stale_ms=STALE,
+        progress=decode_progress({p}),
+        topics=T,
+    )
+    assert v is not None and "decode event" in v.message
+
+
+def test_a_handed_off_request_waits_while_its_decode_partition_has_a_backlog() -> None:
+    others = {0, 1, 2, 3} - {partition_of("r1")}
+    assert verdict(handed_off(), decode_progress(others)) is None
+    # No decode group has committed anything (no decode worker yet): not idle, left alone.
+    assert verdict(handed_off(), Progress(idle={}, partitions={T.decode: 4})) is None
+
+
+def test_a_request_a_decode_worker_took_is_not_judged_by_the_decode_topic() -> None:
+    base = handed_off()
+    rec = handed_off(stages={**base["stages"], "decode:decoding": NOW - 70_000})
+    assert verdict(rec, decode_progress({0, 1, 2, 3})) is None
+
+
+def test_without_a_handoff_the_decode_topic_decides_nothing() -> None:
+    base = record()
+    took = record(stages={**base["stages"], "prefill:prefilling": NOW - 80_000})
+    assert verdict(took, decode_progress({0, 1, 2, 3})) is None
