@@ -198,14 +198,15 @@ async def _drive(
 
     async def sample() -> None:
         info = await client.info("memory")
+        rss_now = {name: rss_mb(pid) for name, pid in pids.items()}
         s = {
             "requests": tally.sent,
             "t_s": sig(time.perf_counter() - t0),
-            "rss_mb": {name: rss_mb(pid) for name, pid in pids.items()},
+            "rss_mb": rss_now,
             "redis_used_memory_mb": sig(int(info["used_memory"]) / MB),
         }
         samples.append(s)
-        rss = " ".join(f"{k}={v:.0f}" for k, v in s["rss_mb"].items() if v is not None)
+        rss = " ".join(f"{k}={v:.0f}" for k, v in rss_now.items() if v is not None)
         redis_mb = s["redis_used_memory_mb"]
         print(
             f"api-soak n={tally.sent} t={s['t_s']}s rss_mb[{rss}] redis_mb={redis_mb}",
