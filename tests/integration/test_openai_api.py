@@ -753,6 +753,44 @@ async def test_a_client_that_leaves_a_stream_cancels_its_request(
     assert ids, "the abandoned plain request was not cancelled"
 
 
+async def test_a_stream_whose_record_goes_before_the_end_ends_with_an_error(
+    stack: ApiStack, aclient: openai.AsyncOpenAI
+) -> None:
+    """The record gone mid-stream (its TTL, a Redis restart): no outcome can come this way, so
+    the stream says so in OpenAI's error shape, which the client raises, rather than stop as if
+    the answer were whole."""
+    import redis.asyncio as aioredis
+
+    from schemas.keys import RedisKeys
+
+    stream = await aclient.chat.completions.create(
+        model=MODEL,
+        messages=[user_turn("Go on")],  # type: ignore[list-item]
+        max_tokens=400,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    keys = RedisKeys(stack.settings.topic_prefix)
+    client = aioredis.Redis.from_url(stack.settings.redis_url)
+    contents: list[str] = []
+    try:
+        with pytest.raises(openai.APIError) as e:
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    contents.append(chunk.choices[0].delta.content)
+                    if len(contents) == 1:
+                        rid = record_id(chunk.id)
+                        # As the TTL would; the notification wakes the stream to look.
+                        await client.delete(keys.status(rid), keys.status_events(rid))
+                        await client.publish(keys.status_notify, rid)
+                assert chunk.choices == [] or chunk.choices[0].finish_reason is None, chunk
+    finally:
+        await client.aclose()
+    assert contents, "no content came before the record went"
+    assert "status record is gone" in e.value.message
+    assert getattr(e.value, "code", None) == "status-gone", e.value
+
+
 async def _cancelled_with(stack: ApiStack, case: str) -> list[str]:
     """Ids of the cancelled records labelled ``case`` (read from Redis: the client never got
     the request's id)."""

@@ -6,7 +6,8 @@ The first chunk carries the assistant role; each token chunk of the request's st
 reason, then (``stream_options.include_usage``) a chunk with the usage and no choices. The
 status record's final text is the reference: should a token-stream write have been lost, what
 the chunks missed is sent before the finish. A request that ends other than completed ends the
-stream with an error event in OpenAI's shape. A client that goes away cancels the request
+stream with an error event in OpenAI's shape, and so does one whose status record went before
+it ended (``status-gone``). A client that goes away cancels the request
 (unless it came with an ``Idempotency-Key``).
 """
 
@@ -16,6 +17,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from producers.api.errors import ApiError
 from producers.api.follow import StatusChange, follow
 from producers.api.openai_compat.errors import openai_body
 from producers.api.openai_compat.submit import cancel_if_abandoned
@@ -25,6 +27,14 @@ from runtime.token_stream import TokenChunk
 from schemas.status_record import StatusRecord
 
 DONE = b"data: [DONE]\n\n"
+RECORD_GONE = ApiError(
+    503,
+    "unavailable",
+    "the request's status record is gone (expired, or lost with a Redis restart) before the "
+    "request ended; its outcome, if any, is on the results topic",
+    rule="status-gone",
+    headers={"Retry-After": "1"},
+)
 
 
 def _event(obj: dict[str, Any]) -> bytes:
@@ -89,7 +99,12 @@ async def chat_chunks(
                 yield w.chunk({}, finish_reason(rec))
                 if include_usage:
                     yield w.usage(usage(rec))
-        ended = True
+        if not ended:
+            # The record went (its TTL, or a Redis restart) before the request ended: no
+            # outcome will come this way, and a stream that just stopped would read as a
+            # whole answer.
+            ended = True
+            yield _event(openai_body(RECORD_GONE))
         yield DONE
     finally:
         if not ended:  # the client went away mid-stream (the body's task was cancelled)
