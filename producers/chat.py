@@ -43,7 +43,7 @@ class ChatPart:
     kind: PartKind
     text: str = ""
     where: str = ""
-    """The request field it came from (``messages[1].content[0].text``), for errors."""
+    """The request field it came from (``messages[1].content[0]``), for errors."""
 
 
 @dataclass(slots=True)
