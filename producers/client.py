@@ -324,6 +324,8 @@ def _headers(token: str | None) -> dict[str, str]:
 
 
 def _parse_sse(lines: list[str]) -> StatusEvent | TokenEvent | None:
+    """One event of ``/events``; an ``error`` event raises its :class:`EPDError` (404, rule
+    ``status-gone``: the request's record went before the request ended)."""
     ev_id, kind, data = "", "status", []
     for line in lines:
         if line.startswith("id:"):
@@ -335,6 +337,9 @@ def _parse_sse(lines: list[str]) -> StatusEvent | TokenEvent | None:
     if not data:
         return None
     obj = json.loads("\n".join(data))
+    if kind == "error":
+        status = int(obj.get("status") or 500)
+        raise _ERRORS.get(status, EPDError)(status, obj)
     if kind == "token":
         return TokenEvent(
             id=ev_id,
@@ -479,7 +484,8 @@ class EPDClient:
         self, request_id: str, *, last_event_id: str | None = None, tokens: bool = False
     ) -> AsyncIterator[Any]:
         """Every status change as it happens (SSE: :class:`StatusEvent`); ends after the
-        terminal one. ``tokens``: the :class:`TokenEvent` s too, as the request decodes.
+        terminal one (raises :class:`NotFound`, rule ``status-gone``, if the request's record
+        went first). ``tokens``: the :class:`TokenEvent` s too, as the request decodes.
         Resume with ``last_event_id`` (the ``id`` of the last event seen, of either kind)."""
         headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
         async with self._http.stream(

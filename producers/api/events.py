@@ -1,6 +1,8 @@
 """Server-Sent Events of a request: its status changes and, while it decodes, its tokens
 (``token`` events), from :func:`producers.api.follow.follow`; ``Last-Event-ID`` resumes across
-both kinds."""
+both kinds. A stream whose request's record went before the request ended (its TTL, a Redis
+restart) ends with an ``error`` event (the API's error body: 404, rule ``status-gone``), so that
+it is never read as one that ended normally."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from producers.api.errors import ApiError
 from producers.api.follow import Position, StatusChange, follow
 from producers.api.state import ApiState
 from runtime.token_stream import TokenChunk
@@ -19,7 +22,7 @@ SSE_EVENT_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["event", "data"],
     "properties": {
-        "event": {"type": "string", "enum": ["status", "token"]},
+        "event": {"type": "string", "enum": ["status", "token", "error"]},
         "id": {
             "type": "string",
             "description": "resume with Last-Event-ID (it covers both status and token events)",
@@ -61,6 +64,15 @@ SSE_EVENT_SCHEMA: dict[str, Any] = {
                             "finish_reason": {"type": ["string", "null"]},
                         },
                     },
+                    {
+                        "title": "error event (the record went before the request ended)",
+                        "type": "object",
+                        "required": ["status", "error"],
+                        "properties": {
+                            "status": {"type": "integer"},
+                            "error": {"type": "object"},
+                        },
+                    },
                 ]
             },
         },
@@ -77,9 +89,21 @@ def _frame(kind: str, at: Position, data: dict[str, Any]) -> bytes:
     return f"id: {at.event_id()}\nevent: {kind}\ndata: {json.dumps(data)}\n\n".encode()
 
 
+def record_gone(request_id: str) -> ApiError:
+    """What an event stream ends with when the request's record went before it ended."""
+    return ApiError(
+        404,
+        "not_found",
+        f"the status record of {request_id} is gone (expired, or lost with a Redis restart) "
+        "before the request ended; its outcome, if any, is on the results topic",
+        rule="status-gone",
+    )
+
+
 async def event_stream(st: ApiState, request_id: str, last: str) -> AsyncIterator[bytes]:
     """SSE frames: what happened after ``last`` (an event id), then each status change and
-    token chunk as it comes; ends after the terminal status (or when the record is gone)."""
+    token chunk as it comes; ends after the terminal status, or with an ``error`` event when
+    the record is gone."""
     async for item, at in follow(st, request_id, Position.parse(last) or Position()):
         if item is None:
             yield b": keep-alive\n\n"
@@ -95,3 +119,8 @@ async def event_stream(st: ApiState, request_id: str, last: str) -> AsyncIterato
             if item.finish_reason:
                 data["finish_reason"] = item.finish_reason
             yield _frame("token", at, data)
+    # follow() also ends for a reader resumed past the terminal status: only a missing record
+    # is an error.
+    if await st.status.get(request_id) is None:
+        body = {"status": 404, **record_gone(request_id).body()}
+        yield f"event: error\ndata: {json.dumps(body)}\n\n".encode()

@@ -695,6 +695,52 @@ async def test_native_events_carry_tokens_and_resume_across_both_kinds(
     assert bad.status_code == 400
 
 
+async def test_a_native_event_stream_whose_record_goes_ends_with_an_error_event(
+    stack: ApiStack, http: httpx.AsyncClient
+) -> None:
+    """The native /events stream says so when the record went before the request ended (the
+    client raises NotFound, rule status-gone); a reader resumed past the terminal status of a
+    record that is still there gets a stream that just ends."""
+    import redis.asyncio as aioredis
+
+    from producers.client import EPDClient, NotFound, TokenEvent
+    from schemas.keys import RedisKeys
+
+    keys = RedisKeys(stack.settings.topic_prefix)
+    redis = aioredis.Redis.from_url(stack.settings.redis_url)
+    got: list[Any] = []
+    try:
+        async with EPDClient(stack.api.url, token=TOKENS["alice"]) as client:
+            r = await http.post(
+                "/v1/requests", json={"prompt": "Go on", "max_tokens": 400, "ignore_eos": True}
+            )
+            assert r.status_code == 202, r.text
+            rid = r.json()["request_id"]
+            with pytest.raises(NotFound) as e:
+                async for ev in client.events(rid, tokens=True):
+                    got.append(ev)
+                    if (
+                        isinstance(ev, TokenEvent)
+                        and sum(isinstance(g, TokenEvent) for g in got) == 1
+                    ):
+                        await redis.delete(keys.status(rid), keys.status_events(rid))
+                        await redis.publish(keys.status_notify, rid)
+            assert (e.value.code, e.value.rule) == ("not_found", "status-gone"), e.value
+            assert rid in e.value.message
+    finally:
+        await redis.aclose()
+    assert any(isinstance(g, TokenEvent) for g in got)
+
+    done = await http.post("/v1/requests", json={"prompt": "Short", "max_tokens": 2})
+    rid = done.json()["request_id"]
+    events = await _sse(http, f"/v1/requests/{rid}/events")
+    assert events[-1][0] == "status" and events[-1][2]["status"] in ("completed", "failed")
+    resumed = await _sse(
+        http, f"/v1/requests/{rid}/events", headers={"Last-Event-ID": events[-1][1]}
+    )
+    assert resumed == []
+
+
 async def _sse(
     http: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None
 ) -> list[tuple[str, str, dict[str, Any]]]:
