@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from producers.api.errors import ApiError
-from producers.api.follow import Position, StatusChange, follow
+from producers.api.follow import Position, RecordGone, StatusChange, follow
 from producers.api.state import ApiState
 from runtime.token_stream import TokenChunk
 from schemas.types import STATUSES
@@ -119,8 +119,6 @@ async def event_stream(st: ApiState, request_id: str, last: str) -> AsyncIterato
             if item.finish_reason:
                 data["finish_reason"] = item.finish_reason
             yield _frame("token", at, data)
-    # follow() also ends for a reader resumed past the terminal status: only a missing record
-    # is an error.
-    if await st.status.get(request_id) is None:
-        body = {"status": 404, **record_gone(request_id).body()}
-        yield f"event: error\ndata: {json.dumps(body)}\n\n".encode()
+        elif isinstance(item, RecordGone):
+            body = {"status": 404, **record_gone(request_id).body()}
+            yield f"event: error\ndata: {json.dumps(body)}\n\n".encode()

@@ -8,7 +8,9 @@ has no token stream at all). :func:`follow` reads both, waits for whichever is w
 terminal status, after the tokens that came before it: a worker ends its token stream before
 it writes the terminal status, so every token is out by then (a client's cancel is the
 exception: the record turns ``cancelled`` at once, and the tokens made before the workers
-stopped are those already in the stream).
+stopped are those already in the stream). Should the request's record go before that (its
+TTL, a Redis restart), the feed ends with :class:`RecordGone` instead, so that no reader takes
+the silence for an ending.
 
 The feed resumes from a :class:`Position` (the last status and token entry seen), so the
 native SSE ``Last-Event-ID`` covers both kinds of event.
@@ -79,7 +81,12 @@ class StatusChange:
         return self.data.get("status") in TERMINAL_STATUSES
 
 
-Item = StatusChange | TokenChunk | None
+@dataclass(frozen=True, slots=True)
+class RecordGone:
+    """The last item of a feed whose request's record went before the request ended."""
+
+
+Item = StatusChange | TokenChunk | RecordGone | None
 """What :func:`follow` yields (None: nothing happened for ``IDLE_S``)."""
 
 
@@ -128,15 +135,15 @@ def _in_order(
     return [item for _, _, item in sorted(tagged, key=lambda t: t[:2])]
 
 
-async def _ended(st: ApiState, request_id: str, at: Position) -> bool:
-    """Whether a read that found no new status change has nothing more to wait for: the
-    record is gone, or terminal with no status change after ``at`` (a reader resumed past
-    the terminal status, whatever token position it gave: the worker wrote every token
-    before the terminal status, so none can follow). A terminal change written since the
-    read is read next, not skipped."""
+async def _ended(st: ApiState, request_id: str, at: Position) -> RecordGone | bool:
+    """Whether a read that found no new status change has nothing more to wait for:
+    :class:`RecordGone` when the record is gone; True when it is terminal with no status
+    change after ``at`` (a reader resumed past the terminal status, whatever token position
+    it gave: the worker wrote every token before the terminal status, so none can follow).
+    A terminal change written since the read is read next, not skipped."""
     rec = await st.status.get(request_id)
     if rec is None:
-        return True
+        return RecordGone()
     if not rec.terminal:
         return False
     return not await st.status.events(request_id, at.status)
@@ -146,7 +153,7 @@ async def follow(
     st: ApiState, request_id: str, at: Position | None = None, idle_s: float = IDLE_S
 ) -> AsyncIterator[tuple[Item, Position]]:
     """Each status change and token chunk after ``at``, with the position after it, until the
-    terminal status (yielded last) or until the record is gone (expired)."""
+    terminal status (yielded last) or until the record is gone (:class:`RecordGone`, last)."""
     f = Follower(st, request_id, at or Position())
     async with st.notifier.watch(request_id) as changed:
         chunks: list[TokenChunk] = []
@@ -172,18 +179,21 @@ async def follow(
                 else:
                     f.at = replace(f.at, tokens=item.id)
                 yield item, f.at
-            if terminal is not None or (
-                read_status and not rows and await _ended(st, request_id, f.at)
-            ):
+            last: StatusChange | RecordGone | bool | None = terminal
+            if last is None and read_status and not rows:
+                last = await _ended(st, request_id, f.at)
+            if last:
                 # The tokens still unread (a worker writes them all before the terminal
-                # status), then the terminal status, unless the reader resumed past it.
+                # status), then the terminal status (or the word that the record went),
+                # unless the reader resumed past the terminal status.
                 while rest := await st.tokens.read(request_id, f.at.tokens):
                     for chunk in rest:
                         f.at = replace(f.at, tokens=chunk.id)
                         yield chunk, f.at
-                if terminal is not None:
-                    f.at = replace(f.at, status=terminal.id)
-                    yield terminal, f.at
+                if isinstance(last, StatusChange):
+                    f.at = replace(f.at, status=last.id)
+                if last is not True:  # True: resumed past the terminal status
+                    yield last, f.at
                 return
             chunks, read_status = await f.wait(changed, idle_s)
             read_tokens = read_status  # a status change: its tokens so far are read beside it

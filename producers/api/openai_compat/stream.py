@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from producers.api.errors import ApiError
-from producers.api.follow import StatusChange, follow
+from producers.api.follow import RecordGone, StatusChange, follow
 from producers.api.openai_compat.errors import openai_body
 from producers.api.openai_compat.submit import cancel_if_abandoned
 from producers.api.openai_compat.views import CHAT_PREFIX, finish_reason, not_completed, usage
@@ -99,12 +99,11 @@ async def chat_chunks(
                 yield w.chunk({}, finish_reason(rec))
                 if include_usage:
                     yield w.usage(usage(rec))
-        if not ended:
-            # The record went (its TTL, or a Redis restart) before the request ended: no
-            # outcome will come this way, and a stream that just stopped would read as a
-            # whole answer.
-            ended = True
-            yield _event(openai_body(RECORD_GONE))
+            elif isinstance(item, RecordGone):
+                # No outcome will come this way, and a stream that just stopped would read as
+                # a whole answer.
+                yield _event(openai_body(RECORD_GONE))
+        ended = True
         yield DONE
     finally:
         if not ended:  # the client went away mid-stream (the body's task was cancelled)
