@@ -11,15 +11,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
 
+from producers.api.bodies import read_body
+from producers.api.checks import JSON, content_type
 from producers.api.data_strings import sniff_image_type
-from producers.api.errors import not_found
+from producers.api.errors import answered, not_found
 from producers.api.openai_compat.inputs import Conversation, Media
 from producers.api.state import ApiState
-from producers.api.submissions import SubmitHeaders
+from producers.api.submissions import SubmitHeaders, off_the_loop
 from producers.api.videos import sniff_video_type
 from producers.intake import Accepted, RenderContext, Submission
 from runtime.model import placeholder_ids
@@ -31,6 +34,26 @@ from schemas.types import RenderEvent, now_ms
 def takes_video(st: ApiState) -> bool:
     """Whether the served family runs video items."""
     return "video" in placeholder_ids(st.info)
+
+
+async def read_conversation(
+    request: Request, st: ApiState, parse: Callable[..., Conversation]
+) -> Conversation:
+    """The request's JSON body, bounded, then checked by ``parse`` (``parse_chat`` or
+    ``parse_response``) in a worker thread for a large body, with the deployment's limits."""
+    content_type(request, JSON)
+    body = await read_body(request, st.settings.api_max_body_bytes)
+    with answered():
+        return await off_the_loop(
+            len(body),
+            parse,
+            body,
+            st.limits,
+            st.settings,
+            st.media,
+            takes_video(st),
+            st.chat.control_tokens,
+        )
 
 
 async def _fetched(st: ApiState, item: Media) -> bytes:

@@ -5,16 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from producers.api.bodies import read_body
-from producers.api.checks import JSON, content_type
 from producers.api.deps import State, Tenant
-from producers.api.errors import answered
 from producers.api.openai_compat.inputs import parse_chat
 from producers.api.openai_compat.openapi import CHAT_BODY, CHAT_RESPONSES
 from producers.api.openai_compat.stream import chat_chunks
-from producers.api.openai_compat.submit import front_of, outcome, submit, takes_video
+from producers.api.openai_compat.submit import front_of, outcome, read_conversation, submit
 from producers.api.openai_compat.views import chat_completion, not_completed
-from producers.api.submissions import off_the_loop
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -28,19 +24,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     summary="OpenAI chat completions: text, image_url and video_url parts; stream as SSE",
 )
 async def chat_completions(request: Request, st: State, tenant: Tenant) -> Response:
-    content_type(request, JSON)
-    body = await read_body(request, st.settings.api_max_body_bytes)
-    with answered():
-        conv = await off_the_loop(
-            len(body),
-            parse_chat,
-            body,
-            st.limits,
-            st.settings,
-            st.media,
-            takes_video(st),
-            st.chat.control_tokens,
-        )
+    conv = await read_conversation(request, st, parse_chat)
     front = front_of(conv, "chat.completions", max_tokens=conv.sampling.max_tokens)
     accepted = await submit(st, request, conv, tenant, front)
     keyed = request.headers.get("idempotency-key") is not None

@@ -8,19 +8,17 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from producers.api.bodies import read_body
-from producers.api.checks import JSON, content_type, refuse_finished
+from producers.api.checks import refuse_finished
 from producers.api.deps import State, Tenant
-from producers.api.errors import answered, not_found
+from producers.api.errors import not_found
 from producers.api.openai_compat.inputs import parse_response
 from producers.api.openai_compat.openapi import (
     RESPONSE_BODY,
     RESPONSE_RESPONSES,
     with_openai_errors,
 )
-from producers.api.openai_compat.submit import front_of, outcome, submit, takes_video
+from producers.api.openai_compat.submit import front_of, outcome, read_conversation, submit
 from producers.api.openai_compat.views import RESPONSE_PREFIX, response_object
-from producers.api.submissions import off_the_loop
 from schemas.status_record import StatusRecord
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -35,19 +33,7 @@ RESPONSES_API = "responses"
     summary="OpenAI responses: background answers queued at once (poll by id), else when done",
 )
 async def create_response(request: Request, st: State, tenant: Tenant) -> Response:
-    content_type(request, JSON)
-    body = await read_body(request, st.settings.api_max_body_bytes)
-    with answered():
-        conv = await off_the_loop(
-            len(body),
-            parse_response,
-            body,
-            st.limits,
-            st.settings,
-            st.media,
-            takes_video(st),
-            st.chat.control_tokens,
-        )
+    conv = await read_conversation(request, st, parse_response)
     s = conv.sampling
     front = front_of(
         conv,
