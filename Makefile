@@ -31,8 +31,8 @@ EPD := $(VENV)/bin/epd
 STAMP := $(VENV)/.epd-installed
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 
-.PHONY: help install test test-tansu test-unit demo bench soak up down services services-down dockerd dockerd-stop \
-	lint imports fmt clean
+.PHONY: help install host-deps test test-tansu test-unit demo bench soak up down services services-down \
+	dockerd dockerd-stop lint imports fmt clean
 
 help:
 	@sed -n 's/^#   make /  make /p' $(MAKEFILE_LIST)
@@ -50,6 +50,20 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -e '.[test]'
 	@touch $@
 
+# redis-server, which the embedded services run, where it is missing: installed from Debian's
+# package as root with apt-get; elsewhere a line says what to install (EPD_REDIS_URL may name a
+# Redis of your own, so this is not an error).
+host-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "make: installing redis-server (apt-get)" >&2; \
+			export DEBIAN_FRONTEND=noninteractive; \
+			apt-get install -y -qq redis-server >/dev/null 2>&1 || \
+				{ apt-get update -qq && apt-get install -y -qq redis-server; }; \
+		else \
+			echo "make: redis-server not found; install it (Debian/Ubuntu: apt-get install redis-server, macOS: brew install redis) unless EPD_REDIS_URL names a Redis" >&2; \
+		fi; }
+
 # Services come from tests/services.py: EPD_KAFKA_BOOTSTRAP/EPD_REDIS_URL if set, else
 # testcontainers when a Docker daemon answers (one is started when possible: root + dockerd, and
 # left running for the next run; `make dockerd-stop` ends it), else embedded Tansu + redis-server
@@ -57,14 +71,14 @@ $(STAMP): pyproject.toml
 # tests collected) is an error.
 # The broker: EPD_TEST_BROKER=apache|tansu|auto (auto, the default: Apache Kafka 4.4 where Java
 # 17+ and its jars, or mvn to fetch them once, are at hand; else Tansu). The header says which.
-test: install imports
+test: install imports host-deps
 	@docker/ensure-dockerd.sh --pidfile $(STATE_DIR)/dockerd.pid --log $(STATE_DIR)/dockerd.log || \
 		echo "make: no Docker daemon; tests run on embedded services (EPD_TEST_SERVICES=containers would fail)" >&2
 	@rc=0; $(VPY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests" >&2; fi; exit $$rc
 
 # The tests marked `tansu` on the Tansu broker, as processes (what `epd up` runs without Java).
-test-tansu: install
+test-tansu: install host-deps
 	@rc=0; EPD_TEST_BROKER=tansu EPD_TEST_SERVICES=$${EPD_TEST_TANSU_SERVICES:-embedded} \
 		$(VPY) -m pytest $(PYTEST_ARGS) -m tansu || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests" >&2; fi; exit $$rc
@@ -72,18 +86,18 @@ test-tansu: install
 test-unit: install
 	$(VPY) -m pytest $(PYTEST_ARGS) tests/unit
 
-demo: install
+demo: install host-deps
 	$(EPD) services run -- $(EPD) demo $(DEMO_ARGS)
 
-bench: install
+bench: install host-deps
 	$(EPD) services run -- $(VPY) -m bench $(BENCH_ARGS)
 
 # Summary JSON on stdout, one line per interval on stderr (see bench/soak.py).
-soak: install
+soak: install host-deps
 	$(EPD) services run -- $(VPY) -m bench.soak --minutes $(MINUTES) --rps $(RPS) $(SOAK_ARGS)
 
 # Local services only (Tansu + Redis), left running: eval "$$(.venv/bin/epd env)" to use them.
-services: install
+services: install host-deps
 	$(EPD) up
 
 services-down:
