@@ -88,6 +88,9 @@ class Submission:
     fingerprint: str = ""
     """The request's meaning, compared under ``idempotency_key``."""
     request_id: str | None = None
+    decodes_media: bool = True
+    """Whether ``render`` decodes images or videos. Only such renders take one of the
+    intake's render slots: a text-only request never waits behind a slow image."""
 
     @classmethod
     def rendered(cls, ev: RenderEvent) -> Submission:
@@ -308,7 +311,8 @@ class Intake:
             sampling=sub.sampling,
             deadline_ms=sub.deadline_ms,
         )
-        async with self.render_slots or contextlib.nullcontext():
+        slots = self.render_slots if sub.decodes_media else None
+        async with slots or contextlib.nullcontext():
             started, t0 = now_ms(), time.perf_counter()
             ev = await sub.render(ctx)
             seconds = time.perf_counter() - t0

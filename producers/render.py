@@ -17,19 +17,19 @@ Processing is CPU-bound; async callers use ``render_async``, which runs it in a 
 from __future__ import annotations
 
 import asyncio
-import io
 import re
 import time
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
 
-from producers.pictures import IMAGE_FORMATS, pil_errors, upright_rgb
+from producers.image_decoder import DecodeTimedOut, ImageDecoder
+from producers.image_loading import ImageInput, ImageLimits, load_image
+from producers.image_structure import StructureLimits
+from producers.pictures import ErrorFactory
 from producers.pictures import to_rgb as to_rgb  # re-exported: part of this module's API
 from producers.video import VideoInput, VideoLimits
 from producers.video_items import VideoItems
@@ -63,11 +63,18 @@ VISION_TOKENS = (
     "<|vision_pad|>",
 )
 
-ImageInput = Image.Image | bytes | bytearray | memoryview | str | Path
-
 
 class RenderError(ValidationError):
     """A request the renderer cannot turn into an event; names the rule and the item."""
+
+
+def _image_error(index: int) -> ErrorFactory:
+    """Refusals of image ``index`` as ``RenderError``s naming it."""
+
+    def make(rule: str, msg: str) -> RenderError:
+        return RenderError(rule, msg, modality="image", item=index)
+
+    return make
 
 
 @dataclass(slots=True)
@@ -79,20 +86,6 @@ class _Item:
     data: ItemData
     metadata: ItemData | None
     is_embed: list[bool] | None = None
-
-
-def _pil_errors(index: int) -> AbstractContextManager[None]:
-    """Pillow's decode failures as ``RenderError``s naming the image."""
-
-    def make(rule: str, msg: str) -> RenderError:
-        return RenderError(rule, msg, modality="image", item=index)
-
-    return pil_errors(
-        make,
-        too_large="render.image_too_large",
-        unreadable="render.image_unreadable",
-        unidentified="render.image_format",
-    )
 
 
 TIMEOUT_GRACE_S = 2.0
@@ -112,12 +105,6 @@ def _timeout(modality: str | None, item: int | None) -> RenderError:
 def _check_time(give_up_at: float | None, modality: str, item: int) -> None:
     if give_up_at is not None and time.monotonic() > give_up_at:
         raise _timeout(modality, item)
-
-
-def _bomb_pixels(exc: Exception) -> int | None:
-    """The pixel count in Pillow's decompression-bomb message ("Image size (N pixels) ...")."""
-    found = re.search(r"\((\d+) pixels\)", str(exc))
-    return int(found.group(1)) if found else None
 
 
 def _marker_count_message(
@@ -175,11 +162,13 @@ class Renderer:
         max_tensor_bytes: int = defaults.MAX_TENSOR_BYTES,
         max_video_bytes: int | None = None,
         video_pixels: dict[str, int | None] | None = None,
+        structure: StructureLimits | None = None,
     ) -> None:
         """``info``: a ``RenderInfo`` (no weights) or a loaded ``ModelBundle``.
 
         ``max_image_pixels``: width*height cap checked from the image header before decoding
-        (``settings.max_image_pixels``).
+        (``settings.max_image_pixels``). ``structure``: scans and chunks an encoded image may
+        have (``EPD_MAX_IMAGE_SCANS``, ``EPD_MAX_IMAGE_CHUNKS``), counted before decoding.
 
         ``allow_file_paths``: read a ``str`` image as a file path. Off by default, because
         strings often come from users (an HTTP body); a ``pathlib.Path`` is always read as a
@@ -192,6 +181,10 @@ class Renderer:
         """
         self.info = info.render_info() if isinstance(info, ModelBundle) else info
         self.max_image_pixels = int(max_image_pixels)
+        self.image_limits = ImageLimits(self.max_image_pixels, structure or StructureLimits())
+        self.decoder: ImageDecoder | None = None
+        """Where ``render_async`` decodes encoded images: child processes a timeout kills (the
+        API sets one); None: in the render's own thread, for trusted in-process callers."""
         self.max_images = max_images
         self.allow_file_paths = allow_file_paths
         self.videos = VideoItems(
@@ -233,72 +226,17 @@ class Renderer:
             max_tensor_bytes=limits.max_tensor_bytes,
             max_video_bytes=max_video_bytes,
             video_pixels=VideoItems.settings_kwargs(settings),
+            structure=StructureLimits.from_settings(settings),
             **kwargs,
         )
 
     # ------------------------------------------------------------------ images
 
     def load_image(self, src: ImageInput, index: int = 0) -> Image.Image:
-        """Decode one image to upright RGB, refusing oversize images before their pixels are
-        decoded (rule ``render.image_too_large``, from the header's size)."""
-        if not isinstance(src, Image.Image | bytes | bytearray | memoryview | str | Path):
-            raise RenderError(
-                "render.image_type",
-                f"unsupported image input type {type(src).__name__}",
-                modality="image",
-                item=index,
-            )
-        if isinstance(src, str) and not self.allow_file_paths:
-            raise RenderError(
-                "render.image_type",
-                "a str image is not read as a file path (pass bytes, a PIL image or a "
-                "pathlib.Path, or build the renderer with allow_file_paths=True)",
-                modality="image",
-                item=index,
-            )
-        if isinstance(src, Image.Image) and src.format not in (None, *IMAGE_FORMATS):
-            # A caller-opened image may still be lazy: load() below would run its decoder.
-            raise RenderError(
-                "render.image_format",
-                f"{src.format} images are not accepted ({', '.join(IMAGE_FORMATS)} are)",
-                modality="image",
-                item=index,
-            )
-        with _pil_errors(index):
-            try:
-                if isinstance(src, Image.Image):
-                    img = src
-                elif isinstance(src, str | Path):
-                    img = Image.open(Path(src), formats=IMAGE_FORMATS)
-                else:
-                    # Image.open reads only the header here; pixels are decoded by load()
-                    # below, after the size check.
-                    img = Image.open(io.BytesIO(bytes(src)), formats=IMAGE_FORMATS)
-            except Image.DecompressionBombError as e:
-                # Pillow's own guard answers first for a huge header; say ours.
-                raise self._too_large(_bomb_pixels(e), index) from None
-        w, h = img.size
-        if w <= 0 or h <= 0 or w * h > self.max_image_pixels:
-            raise self._too_large(w * h, index, f"{w}x{h} = ")
-        with _pil_errors(index):
-            img.load()
-            return upright_rgb(img)
-
-    def _too_large(self, pixels: int | None, index: int, size: str = "") -> RenderError:
-        """Rule ``render.image_too_large``, naming this renderer's limit."""
-        limit = self.max_image_pixels
-        guard = f"Pillow's decompression bomb guard ({2 * (Image.MAX_IMAGE_PIXELS or 0)} pixels)"
-        if pixels is None:
-            what = f"image is larger than {guard}"
-        elif pixels <= limit:  # above Pillow's guard though within ours
-            what = f"image is {size}{pixels} pixels, above {guard}"
-        else:
-            what = f"image is {size}{pixels} pixels"
-        return RenderError(
-            "render.image_too_large",
-            f"{what}; the limit is {limit} pixels (EPD_MAX_IMAGE_PIXELS)",
-            modality="image",
-            item=index,
+        """Decode one image to upright RGB, refusing one whose structure or header size is
+        over the limits before its pixels are decoded (``image_loading.load_image``)."""
+        return load_image(
+            src, self.image_limits, _image_error(index), allow_file_paths=self.allow_file_paths
         )
 
     def process_image(self, img: Image.Image, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -546,19 +484,41 @@ class Renderer:
     async def render_async(
         self, request_id: str, *, timeout_s: float | None = None, **kwargs: Any
     ) -> RenderEvent:
-        """``render`` in a worker thread, so image decoding never blocks the event loop.
+        """``render`` off the event loop: encoded images in :attr:`decoder`'s processes when
+        it has one, the rest in a worker thread.
 
-        ``timeout_s``: the render stops itself at the next item or video frame past it
-        (``render.timeout``); should one step overrun, the caller is answered
-        ``TIMEOUT_GRACE_S`` later all the same, so a render slot is never held for long."""
-        if timeout_s is None:
+        ``timeout_s``: a decode still running at the deadline is killed; the thread's render
+        stops itself at the next item or video frame past it (``render.timeout``); should one
+        step overrun, the caller is answered ``TIMEOUT_GRACE_S`` later all the same, so a
+        render slot is never held for long."""
+        give_up_at = None if timeout_s is None else time.monotonic() + timeout_s
+        if self.decoder is not None and kwargs.get("images"):
+            kwargs["images"] = await self._decoded(list(kwargs["images"]), give_up_at)
+        if give_up_at is None:
             return await asyncio.to_thread(self.render, request_id, **kwargs)
-        give_up_at = time.monotonic() + timeout_s
         work = asyncio.to_thread(self.render, request_id, give_up_at=give_up_at, **kwargs)
         try:
-            return await asyncio.wait_for(work, timeout_s + TIMEOUT_GRACE_S)
+            return await asyncio.wait_for(
+                work, max(0.0, give_up_at - time.monotonic()) + TIMEOUT_GRACE_S
+            )
         except TimeoutError:
             raise _timeout(None, None) from None
+
+    async def _decoded(self, images: list[ImageInput], give_up_at: float | None) -> list[Any]:
+        """The encoded images among ``images`` decoded by :attr:`decoder`, one after another
+        (the count is checked first: nothing is decoded for a request refused for it)."""
+        assert self.decoder is not None
+        self._check_counts({"image": images, "video": []})
+        out: list[Any] = []
+        for index, src in enumerate(images):
+            if not isinstance(src, bytes | bytearray | memoryview):
+                out.append(src)  # a PIL image or a path: the thread's render loads it
+                continue
+            try:
+                out.append(await self.decoder.decode(src, _image_error(index), give_up_at))
+            except DecodeTimedOut:
+                raise _timeout("image", index) from None
+        return out
 
 
 def monolithic_inputs(

@@ -24,3 +24,14 @@ def png_bytes(img: Image.Image) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def repeated_scan_jpeg(side: int, scans: int) -> bytes:
+    """A progressive JPEG of ``side x side`` whose last scan is repeated ``scans`` times: small
+    on the wire (a few bytes a scan) and slow to decode (each scan is a pass over every block).
+    The decode bomb that :mod:`producers.image_structure` refuses; for tests and benchmarks."""
+    out = io.BytesIO()
+    Image.new("RGB", (side, side), (120, 30, 200)).save(out, "JPEG", progressive=True, quality=50)
+    data = out.getvalue()
+    last_scan, end = data.rfind(b"\xff\xda"), data.rfind(b"\xff\xd9")
+    return data[:end] + data[last_scan:end] * scans + data[end:]

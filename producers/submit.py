@@ -98,6 +98,7 @@ class Submitter:
                 cache_salt=cache_salt,
                 deadline_ms=deadline_ms,
                 request_id=request_id,
+                decodes_media=bool(images or videos),
             )
         )
         assert accepted.event is not None and accepted.stats is not None

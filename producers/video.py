@@ -35,6 +35,7 @@ import numpy as np
 from PIL import Image
 
 from producers.animation_headers import HeaderError, gif_frame_delays, webp_durations
+from producers.image_structure import too_complex
 from producers.pictures import IMAGE_FORMATS, pil_errors, upright_rgb, upright_size
 from producers.video_file import plan_file
 from producers.video_plan import (
@@ -92,12 +93,15 @@ def _frame_errors(k: int, index: int) -> AbstractContextManager[None]:
     )
 
 
-def _open_frames(frames: list[Any], index: int) -> list[Any]:
-    """Frames given as encoded image bytes, opened lazily: header read, pixels not decoded, so
-    sizes are checked before any frame decodes."""
+def _open_frames(frames: list[Any], limits: VideoLimits, index: int) -> list[Any]:
+    """Frames given as encoded image bytes, opened lazily: structure counted and header read,
+    pixels not decoded, so what each frame costs is checked before any frame decodes."""
     out = []
     for k, f in enumerate(frames):
         if isinstance(f, bytes | bytearray | memoryview):
+            why = too_complex(f, limits.structure)
+            if why is not None:
+                raise video_error("render.video_too_complex", f"frame {k}: {why}", index)
             with _frame_errors(k, index):
                 f = Image.open(io.BytesIO(bytes(f)), formats=FRAME_FORMATS)
         out.append(f)
@@ -134,7 +138,7 @@ def _frame_size(f: Any) -> tuple[int, int]:
 
 def plan_frames(src: VideoFrames, limits: VideoLimits, index: int = 0) -> VideoPlan:
     """Sample a caller's frame list; every frame must have the first frame's (upright) size."""
-    frames = _open_frames(list(src.frames), index)
+    frames = _open_frames(list(src.frames), limits, index)
     if not frames:
         raise video_error("render.video_empty", "the frame list is empty", index)
     check_count(len(frames), limits, index)

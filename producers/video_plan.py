@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
+from producers.image_structure import StructureLimits
 from schemas.errors import ValidationError
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ class VideoLimits:
     """Sampled counts are rounded down to a multiple of this (the model's temporal patch)."""
     max_decode_pixels: int = DEFAULT_MAX_DECODE_PIXELS
     """Frames decoded x their pixels (GIF/WebP weighted by ``ANIMATION_DECODE_COST``)."""
+    structure: StructureLimits = field(default_factory=StructureLimits)
+    """Scans and chunks of each frame given as an encoded image (as for images)."""
 
     @classmethod
     def from_settings(cls, settings: Settings, temporal_patch_size: int = 2) -> VideoLimits:
@@ -67,6 +70,7 @@ class VideoLimits:
             max_frame_pixels=settings.video_max_frame_pixels,
             temporal_patch_size=temporal_patch_size,
             max_decode_pixels=settings.video_max_decode_pixels,
+            structure=StructureLimits.from_settings(settings),
         )
 
 

@@ -192,6 +192,19 @@ class Settings(BaseSettings):
         description="width x height refused from the image header before decoding; unset: "
         "the larger of 4096x4096 and 4 x the processor's max_pixels",
     )
+    max_image_scans: int = Field(
+        100,
+        ge=1,
+        description="scans of one JPEG (baseline: 1, progressive: about 10), counted before "
+        "decoding: each scan makes the decoder pass over the whole image, so a small file of "
+        "repeated scans decodes for seconds (413 render.image_too_complex)",
+    )
+    max_image_chunks: int = Field(
+        16384,
+        ge=1,
+        description="marker segments of one JPEG, chunks of a PNG or WebP, blocks of a GIF, "
+        "counted before decoding (413 render.image_too_complex)",
+    )
     pixel_dtype: Literal["auto", "bf16", "fp32"] = Field(
         "auto",
         description="dtype encoder inputs travel in (encode topic and claim checks); auto: "

@@ -14,9 +14,11 @@ from schemas.errors import ValidationError
 TOO_LARGE_RULES = frozenset(
     {
         "render.image_too_large",
+        "render.image_too_complex",
         "render.too_many_images",
         "render.too_many_videos",
         "render.video_too_large",
+        "render.video_too_complex",
         "render.video_too_long",
         "render.video_too_many_frames",
         "render.video_decode_budget",

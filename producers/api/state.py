@@ -19,6 +19,7 @@ from producers.api.tenants import Tenants
 from producers.chat import ChatTemplate
 from producers.fanout import build_fanout
 from producers.idempotency import IdempotencyStore
+from producers.image_decoder import ImageDecoder
 from producers.intake import Intake
 from producers.render import Renderer
 from runtime.kafka import KafkaPublisher
@@ -118,6 +119,11 @@ class ApiState:
             span="api",
             retry_after_s=settings.api_retry_after_s,
         )
+        renderer = Renderer.for_settings(
+            info, settings, max_video_bytes=settings.api_max_video_bytes
+        )
+        # Client images decode in processes a timeout kills, one per render slot.
+        renderer.decoder = ImageDecoder(renderer.image_limits, settings.api_render_concurrency)
         return cls(
             settings=settings,
             topics=topics,
@@ -129,9 +135,7 @@ class ApiState:
             store=store,
             info=info,
             limits=limits,
-            renderer=Renderer.for_settings(
-                info, settings, max_video_bytes=settings.api_max_video_bytes
-            ),
+            renderer=renderer,
             publisher=publisher,
             intake=intake,
             tokens=TokenStreams.from_settings(client, settings),
@@ -146,6 +150,8 @@ class ApiState:
         ``/readyz`` says why)."""
         await self.notifier.start()
         await self.lag.start()
+        if self.renderer.decoder is not None:
+            await self.renderer.decoder.start()
         self._tasks.append(asyncio.create_task(self._connect_kafka(), name="kafka-connect"))
 
     async def close(self) -> None:
@@ -167,6 +173,8 @@ class ApiState:
             with contextlib.suppress(Exception):
                 await self.admin.close()
         await self.store.close()
+        if self.renderer.decoder is not None:
+            await self.renderer.decoder.close()
         await self.redis.aclose()
 
     async def _connect_kafka(self) -> None:

@@ -13,8 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
+from producers.pictures import IMAGE_FORMATS
 from producers.render import (
-    IMAGE_FORMATS,
     QWEN_IMAGE_BLOCK,
     Renderer,
     RenderError,

@@ -118,6 +118,7 @@ def conversation_submission(
         traceparent=headers.traceparent,
         idempotency_key=headers.idempotency_key,
         fingerprint=conv.fingerprint,
+        decodes_media=bool(conv.media),
     )
 
 

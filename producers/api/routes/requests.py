@@ -71,6 +71,7 @@ def native_submission(
         traceparent=headers.traceparent,
         idempotency_key=headers.idempotency_key,
         fingerprint=inp.fingerprint(),
+        decodes_media=bool(inp.images or inp.videos),
     )
 
 

@@ -63,6 +63,7 @@ async def vllm_generate(request: Request, st: State, tenant: Tenant) -> JSONResp
         traceparent=headers.traceparent,
         idempotency_key=headers.idempotency_key,
         fingerprint=await off_the_loop(len(body), fingerprint, obj),
+        decodes_media=False,  # its tensors come decoded: nothing for a render slot to bound
     )
     return accepted_response(await st.intake.submit(sub))
 
