@@ -158,3 +158,87 @@ async def test_text_requests_do_not_wait_behind_image_decodes(
     assert all(a.status_code == 503 for a in answers), [a.text for a in answers]
     # The bombs hold the slots for RENDER_TIMEOUT_S each; the text request needs none.
     assert text_s < RENDER_TIMEOUT_S / 2, f"a text-only request took {text_s:.2f} s"
+
+
+def _encoded_variants() -> dict[str, bytes]:
+    """Images whose decode has rules of its own: EXIF orientation, transparency, a palette,
+    16-bit grayscale, progressive JPEG."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    rgb = Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8))
+    out: dict[str, bytes] = {}
+
+    def save(name: str, img: Image.Image, fmt: str, **kw: object) -> None:
+        buf = io.BytesIO()
+        img.save(buf, fmt, **kw)
+        out[name] = buf.getvalue()
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated 90 degrees: width and height swap once upright
+    save("jpeg-exif-rotated", rgb, "JPEG", exif=exif)
+    save("jpeg-progressive", rgb, "JPEG", progressive=True)
+    save("png-rgba", rgb.convert("RGBA"), "PNG")
+    save("gif-palette", rgb.convert("P"), "GIF")
+    save("webp", rgb, "WEBP")
+    save("bmp", rgb, "BMP")
+    wide = (rng.integers(0, 65535, (32, 32)).astype(np.uint16)).astype("<u2")
+    save("png-16bit-gray", Image.fromarray(wide), "PNG")
+    return out
+
+
+async def test_the_decode_processes_give_exactly_what_the_renderer_thread_gives() -> None:
+    from producers.image_decoder import ImageDecoder
+    from producers.image_loading import ImageLimits, load_image
+    from schemas.errors import ValidationError
+
+    limits = ImageLimits(64 * 64)
+    decoder = ImageDecoder(limits, 1)
+    try:
+        for name, data in _encoded_variants().items():
+            got = await decoder.decode(data, ValidationError)
+            want = load_image(data, limits, ValidationError)
+            assert (got.size, got.mode) == (want.size, want.mode), name
+            assert got.tobytes() == want.tobytes(), name
+        for data, rule in (
+            (b"not an image", "render.image_format"),
+            (_encoded_variants()["bmp"][:40], "render.image_unreadable"),
+        ):
+            with pytest.raises(ValidationError) as e:
+                await decoder.decode(data, ValidationError)
+            assert e.value.rule == rule
+        big = repeated_scan_jpeg(128, 1)  # 128x128 = 16,384 pixels > 4,096
+        with pytest.raises(ValidationError) as e:
+            await decoder.decode(big, ValidationError)
+        assert e.value.rule == "render.image_too_large"
+        assert "EPD_MAX_IMAGE_PIXELS" in str(e.value)
+        assert decoder.killed == 0  # refusals are answers, not crashes
+    finally:
+        await decoder.close()
+
+
+async def test_a_decode_out_of_time_kills_its_process_and_the_next_image_decodes() -> None:
+    from producers.image_decoder import DecodeTimedOut, ImageDecoder
+    from producers.image_loading import ImageLimits
+    from producers.image_structure import StructureLimits
+    from schemas.errors import ValidationError
+
+    decoder = ImageDecoder(
+        ImageLimits(4096 * 4096, StructureLimits(max_scans=10**7, max_chunks=10**7)), 1
+    )
+    try:
+        await decoder.start()
+        (child,) = decoder._idle
+        with pytest.raises(DecodeTimedOut):
+            await decoder.decode(
+                repeated_scan_jpeg(4096, 4000), ValidationError, time.monotonic() + 0.5
+            )
+        assert decoder.killed == 1
+        await asyncio.wait_for(child.proc.wait(), 5)  # the decode went with its process
+        ok = await decoder.decode(repeated_scan_jpeg(64, 1), ValidationError)
+        assert ok.size == (64, 64)
+    finally:
+        await decoder.close()
