@@ -11,7 +11,9 @@ output (``kwargs_data``) and the light metadata prefill needs (``mm_metadata``:
 Videos (:mod:`producers.video_items`) are laid out the same way with ``<|video_pad|>``; images
 and videos mix in one prompt in any order (``<image>`` / ``<video>`` markers).
 
-Processing is CPU-bound; async callers use ``render_async``, which runs it in a worker thread.
+Processing is CPU-bound; async callers use ``render_async``, which runs it in a worker thread
+and, where the renderer has a :attr:`Renderer.decoder` (the API), decodes encoded images first in
+child processes that its timeout kills (:mod:`producers.image_decoder`).
 """
 
 from __future__ import annotations
