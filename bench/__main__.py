@@ -7,7 +7,7 @@ benchmark, so it is never part of the default selection), ``python -m bench api-
 HTTP API's soak (``bench/api_soak.py``).
 
 stdout gets one JSON document: ``machine`` facts, the run ``options``, one key per benchmark
-(its numbers, its ``budget`` from DESIGN.md and ``meets_budget``) and a ``summary``. Progress
+(its numbers, its ``budget`` from docs/design.md and ``meets_budget``) and a ``summary``. Progress
 goes to stderr. The same document is written to ``DIR/results.json`` with a headroom chart
 ``DIR/headroom.svg`` and, where matplotlib is installed, the PNG charts of ``bench/plot.py``
 (default DIR: ``bench/out``, which git ignores); ``--json FILE`` writes it to FILE as well.
@@ -44,7 +44,7 @@ BENCHMARKS: dict[str, str] = {
 }
 """Benchmark name -> module exposing ``run(*, quick, out, ...) -> dict``, in run order."""
 FIGURES_ONLY = frozenset({"brokers", "openai"})
-"""Benchmarks that report figures without a DESIGN.md budget (no ``meets_budget``)."""
+"""Benchmarks that report figures without a docs/design.md budget (no ``meets_budget``)."""
 OPT_IN = frozenset({"gpu"})
 """Run only when named: ``gpu`` needs CUDA (without it, it reports ``skipped: no CUDA``)."""
 NEEDS_REDIS = frozenset({"stores", "encoder_cache", "pipeline", "throughput", "decode", "openai"})
@@ -85,7 +85,7 @@ def unknown_names(names: Sequence[str]) -> list[str]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench",
-        description="Side-by-side benchmarks of epd-pipeline against its DESIGN.md budgets.",
+        description="Side-by-side benchmarks of epd-pipeline against its docs/design.md budgets.",
     )
     add_arguments(p)
     args = p.parse_args(argv)

@@ -1,7 +1,7 @@
 """Shared benchmark helpers: timing statistics, machine facts, the 1024x1024 Qwen2-VL fixture.
 
 Every benchmark returns a JSON-able dict with its measured numbers, a ``budget`` block quoting
-DESIGN.md ("Performance budgets") and ``meets_budget``. Timings use ``time.perf_counter`` and
+docs/design.md ("Budgets") and ``meets_budget``. Timings use ``time.perf_counter`` and
 report the median (p50) and p90 of N repeats after a warm-up, so one slow outlier on a shared
 machine does not decide the result.
 """
@@ -120,7 +120,7 @@ def headroom(value: float, threshold: float, *, higher_is_better: bool) -> float
 
 
 def budget(text: str, **numbers: float) -> dict[str, Any]:
-    """A budget block: DESIGN.md's wording plus the numeric thresholds it implies."""
+    """A budget block: docs/design.md's wording plus the numeric thresholds it implies."""
     return {"design": text, **numbers}
 
 

@@ -11,7 +11,7 @@ decode stage's KV handoff.
    (with the results and encode workers beside it): 16 requests (text + one image,
    ``API_MAX_TOKENS`` new tokens) sent at once and each long-polled to its end, batched vs one
    at a time (the prefill worker restarted with the other ``EPD_DECODE_MAX_BATCH``). Per
-   request: wall / 16; the budget is the ratio (DESIGN.md: >= 4x). Beside it, from each
+   request: wall / 16; the budget is the ratio (docs/design.md: >= 4x). Beside it, from each
    request's token stream (read from Redis as the API's streams would): time to first token and
    time per output token, p50/p99.
 3. ``decode_stage``: the same 16 requests with ``EPD_DECODE_STAGE=true`` (prefill parks the KV

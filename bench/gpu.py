@@ -441,7 +441,7 @@ def section_overhead(prof: Profile, doc: dict[str, Any], overhead_ms: float) -> 
     out |= store_shares(doc.get("stores", {}), overhead_ms, compute)
     out["method"] = (
         "share = (pipeline_overhead_ms_assumed + embedding put + get) / (encode + prefill + "
-        "decode), each a p50 measured here; pipeline_overhead_ms_assumed is the DESIGN budget "
+        "decode), each a p50 measured here; pipeline_overhead_ms_assumed is the design's budget "
         "(5 ms) unless --pipeline-overhead-ms gives the measured one"
     )
     return out
@@ -543,7 +543,7 @@ def run(
             json_path.parent.mkdir(parents=True, exist_ok=True)
             json_path.write_text(json.dumps(doc, indent=2) + "\n")
     doc["wall_s"] = round(time.perf_counter() - t_start, 2)
-    doc["meets_budget"] = None  # DESIGN.md sets no GPU budgets: figures only
+    doc["meets_budget"] = None  # docs/design.md sets no GPU budgets: figures only
     if json_path is not None:
         json_path.write_text(json.dumps(doc, indent=2) + "\n")
     return doc

@@ -17,7 +17,7 @@ One pipeline (results, encode and prefill worker processes, ``epd api``), tiny m
 
 The streaming cost is (1)'s tokens/s over (3)'s; the yardstick is (3), in the same run. The
 decode benchmark's ``api`` block reads the same tokens straight from Redis (``ttft``/``tpot``
-there): the difference is the API's relay. No budget in DESIGN.md: figures only.
+there): the difference is the API's relay. No budget in docs/design.md: figures only.
 
 Needs Kafka (``EPD_KAFKA_BOOTSTRAP``) and Redis (DB 11, keys under one ``bench-...`` prefix,
 deleted afterwards, as are the run's topics).

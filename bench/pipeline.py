@@ -1,6 +1,6 @@
 """The real pipeline on loopback: per-request overhead on both brokers, and prefill-path throughput.
 
-Two DESIGN.md budgets, measured in one run against real brokers and Redis (DB 11, every key
+Two docs/design.md budgets, measured in one run against real brokers and Redis (DB 11, every key
 under one ``bench-...`` prefix, deleted afterwards):
 
 1. **Overhead** (end-to-end minus model compute, p50 <= 5 ms, judged **on Apache Kafka**, for a

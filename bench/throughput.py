@@ -65,7 +65,7 @@ from schemas.status_record import StatusRecord
 SIDES = (224, 448, 1024)
 REQUEST_TIMEOUT_S = 180.0
 MIN_EFFICIENCY = 0.5
-"""Reported against, not a DESIGN.md number: DESIGN asks for the figure, not a threshold."""
+"""Reported against, not a docs/design.md number: it asks for the figure, not a threshold."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -344,8 +344,8 @@ def run(
         },
         "budget": budget(
             "Throughput: sustained requests/s with 1 and 2 encode workers; pipeline efficiency "
-            "= model busy time / wall time of the busiest worker (DESIGN.md asks for the figures; "
-            "0.5 is this benchmark's own line: the pipeline costs no more than the model)",
+            "= model busy time / wall time of the busiest worker (docs/design.md asks for the "
+            "figures; 0.5 is this benchmark's own line: the pipeline costs no more than the model)",
             min_efficiency=MIN_EFFICIENCY,
         ),
         "meets_budget": worst_eff >= MIN_EFFICIENCY,

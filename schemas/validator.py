@@ -1,4 +1,4 @@
-"""The safety gate: DESIGN.md "Validation rules", in ``strict`` and ``vllm`` modes.
+"""The safety gate (docs/design.md, "Validation rules"), in ``strict`` and ``vllm`` modes.
 
 Every rejection is a :class:`schemas.errors.ValidationError` naming the rule (a stable slug
 below), the modality, the item index and, where one applies, the field.

@@ -104,7 +104,7 @@ def topic_prefix() -> str:
 
 @pytest.fixture
 async def topics(settings: Settings, topic_prefix: str) -> AsyncIterator[Topics]:
-    """The six pipeline topics under a fresh prefix, created on the test broker."""
+    """Every topic of the channel table under a fresh prefix, created on the test broker."""
     from runtime.kafka import ensure_topics
 
     t = Topics(topic_prefix)

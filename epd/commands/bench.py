@@ -15,9 +15,9 @@ import sys
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "bench",
-        help="run the benchmarks against DESIGN.md's budgets and print one JSON document",
+        help="run the benchmarks against docs/design.md's budgets and print one JSON document",
         description=(
-            "Side-by-side benchmarks against DESIGN.md's budgets: the same options and JSON "
+            "Side-by-side benchmarks against docs/design.md's budgets: the same options and JSON "
             "as `python -m bench` (`epd bench --help` shows them, and the benchmark names)."
         ),
         add_help=False,

@@ -1,4 +1,4 @@
-"""``epd topics create|list``: the six pipeline topics on the configured broker."""
+"""``epd topics create|list``: the seven pipeline topics on the configured broker."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     topics = sub.add_parser("topics", help="create or list the pipeline's Kafka topics")
     actions = topics.add_subparsers(dest="topics_command", metavar="ACTION", required=True)
     for name, func, text in (
-        ("create", cmd_create, "create the six topics (missing ones only)"),
+        ("create", cmd_create, "create the seven topics (missing ones only)"),
         ("list", cmd_list, "list the topics under the prefix"),
     ):
         p = actions.add_parser(name, help=text)

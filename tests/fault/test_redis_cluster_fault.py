@@ -70,7 +70,7 @@ async def pipeline(
 async def _stream(
     run: LocalRun, n: int, *, every_s: float, fault_after: int, fault: Any
 ) -> tuple[list[str], int]:
-    """Like tests/fault/traffic.stream, but a submit the intake refuses as ``unavailable``
+    """Like ``stream`` of tests/fault/traffic.py, but a submit the intake refuses as ``unavailable``
     while a master is down (503 with Retry-After at the API) is sent again after a pause, as a
     new request, as a client does. Returns the ids of the requests accepted and how many
     submits were refused."""

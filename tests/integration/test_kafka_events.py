@@ -53,7 +53,7 @@ def _pixels(n_patches: int, seed: int = 0) -> torch.Tensor:
 
 
 def _events(topics: Topics) -> list[tuple[str, str, Event]]:
-    """(topic, key, event) for every event type, keyed as DESIGN.md's topic table says."""
+    """(topic, key, event) for every event type, keyed as docs/design.md's topic table says."""
     grid = torch.tensor([[1, 4, 6]], dtype=torch.int64)
     err = ErrorInfo("rejected", "item 1 is metadata-only", "ec-transfer-required", "image", 1)
     ref = TensorRef(
