@@ -4,7 +4,8 @@ Checked here, before the intake sees anything (nothing is stored, nothing fetche
 size and JSON (by the route), message and part counts (``EPD_API_MAX_MESSAGES`` /
 ``EPD_API_MAX_MESSAGE_PARTS``) and image and video counts before pydantic copies the body,
 its schema, the parameters this pipeline cannot honour (:data:`models.NEUTRAL`), the model
-name, every text part (no vision tokens; all of it within ``EPD_API_MAX_PROMPT_CHARS``), every
+name, every text part (no vision tokens, no special tokens, alone or joined to the text parts
+before it; all of it within ``EPD_API_MAX_PROMPT_CHARS``), every
 ``data:`` URL (size before decoding, type from the bytes) and every ``http(s)`` URL against the
 allow-list (:class:`producers.api.media_urls.MediaFetcher`), and the sampling parameters
 against the request limits. Allowed URLs are fetched later, in the request's render.
@@ -39,7 +40,7 @@ from producers.api.openai_compat.models import (
     ResponseRequest,
 )
 from producers.api.videos import VIDEO_FIELD, VIDEO_TYPES, sniff_video_type
-from producers.chat import ChatMessage, ChatPart, check_text
+from producers.chat import ChatMessage, ChatPart, check_run
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
 from schemas.errors import ValidationError
@@ -94,16 +95,20 @@ class Builder:
     messages: list[ChatMessage] = field(default_factory=list)
     media: list[Media] = field(default_factory=list)
     chars: int = 0
+    run: str = ""
+    """The end of the message's text parts since its last item: the template joins the next
+    text part to it, so a special token split over parts is one (:func:`check_run`)."""
 
     def message(self, role: str, where: str) -> ChatMessage:
         if role not in ROLES:
             raise unsupported(where + ".role", f"role {role!r} (tools are not supported)")
         msg = ChatMessage(ROLES[role])
         self.messages.append(msg)
+        self.run = ""
         return msg
 
     def text(self, msg: ChatMessage, text: str, where: str) -> None:
-        check_text(text, where, self.control)
+        self.run = check_run(self.run, text, where, self.control)
         self.chars += len(text)
         if self.chars > self.limits.max_prompt_chars:
             raise ValidationError(
@@ -126,6 +131,7 @@ class Builder:
             self.fetcher.check(url, ref)  # refused here, before anything connects
             self.media.append(Media(kind, ref, url=url))
         msg.parts.append(ChatPart(kind, where=where))
+        self.run = ""  # the template writes the item's vision block after the text
 
 
 def _decode(url: str, ref: MediaRef, settings: Settings) -> bytes:
