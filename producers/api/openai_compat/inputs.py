@@ -79,6 +79,33 @@ class Conversation:
     include_usage: bool = False
     background: bool = False
     model: str = ""
+    root: str = "messages"
+    """The field that holds the conversation (``messages``, or ``input`` for a response)."""
+    continuous_usage: bool = False
+    """``stream_options.continuous_usage_stats``: every chunk carries the usage so far."""
+
+    def name_part(self, exc: ValidationError | ApiError) -> None:
+        """Point ``exc.field`` at what the client wrote (``param`` of OpenAI's errors): the part
+        of the item a renderer's, fetch's or worker's error names by modality and index, else
+        the conversation for an error of the prompt as a whole (a context overflow, a
+        template's refusal), never a field of the native event (``token_ids``)."""
+        ref = next(
+            (
+                m.ref
+                for m in self.media
+                if exc.item is not None and (m.ref.modality, m.ref.item) == (exc.modality, exc.item)
+            ),
+            None,
+        )
+        if ref is not None:
+            exc.field = ref.field
+        elif exc.field is None or exc.field.split("[")[0] in NATIVE_FIELDS:
+            exc.field, exc.item = self.root, None
+
+
+NATIVE_FIELDS = frozenset({"prompt", "token_ids", "images", "videos", "features.mm_hashes"})
+"""Fields of the native request and event that an error past the parse may name: a
+conversation has none of them."""
 
 
 @dataclass(slots=True)
@@ -314,6 +341,7 @@ def parse_chat(
         stream=bool(req.stream),
         include_usage=bool(options and options.include_usage),
         model=settings.model_name(),
+        continuous_usage=bool(options and options.continuous_usage_stats),
     )
 
 
@@ -395,6 +423,7 @@ def parse_response(
         fingerprint=fingerprint(obj),
         background=bool(req.background),
         model=settings.model_name(),
+        root="input",
     )
 
 

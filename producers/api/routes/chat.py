@@ -37,6 +37,9 @@ async def chat_completions(request: Request, st: State, tenant: Tenant) -> Respo
                 created_s=front["created_s"],
                 include_usage=conv.include_usage,
                 keyed=keyed,
+                continuous_usage=conv.continuous_usage,
+                prompt_tokens=None if accepted.event is None else len(accepted.event.token_ids),
+                name_part=conv.name_part,
             ),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
@@ -45,5 +48,8 @@ async def chat_completions(request: Request, st: State, tenant: Tenant) -> Respo
     if rec is None:
         return Response(status_code=499)  # the client closed the connection; nobody reads this
     if rec.status != "completed":
-        raise not_completed(rec)
+        err = not_completed(rec)
+        if rec.status == "rejected":  # a worker's refusal names its item, not the part
+            conv.name_part(err)
+        raise err
     return JSONResponse(chat_completion(rec))
