@@ -92,11 +92,13 @@ async def chat_chunks(
     continuous_usage: bool = False,
     prompt_tokens: int | None = None,
     name_part: Callable[[ApiError], None] | None = None,
+    gone: Callable[[], None] | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE body of a streamed chat completion (see the module docstring).
     ``continuous_usage``: every chunk carries the usage so far (``prompt_tokens``: the
     prompt's length, read from the record when not given). ``name_part`` points a worker's
-    refusal at the message part it is about."""
+    refusal at the message part it is about; ``gone`` is called when the client leaves
+    before the end."""
     w = ChunkWriter(request_id, model, created_s)
     sent: list[str] = []
     ended = False
@@ -141,3 +143,5 @@ async def chat_chunks(
     finally:
         if not ended:  # the client went away mid-stream (the body's task was cancelled)
             cancel_if_abandoned(st, request_id, keyed)
+            if gone is not None:
+                gone()
