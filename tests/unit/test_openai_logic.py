@@ -639,3 +639,44 @@ def test_event_positions_cover_both_streams_and_order_by_redis_time() -> None:
     order = [x.id for x in _in_order(changes, chunks)]  # type: ignore[union-attr]
     assert order == ["10-0", "11-0", "12-0", "12-0"]
     assert isinstance(_in_order(changes, chunks)[2], StatusChange)  # status first at a tie
+
+
+def test_an_error_past_the_parse_names_the_part_its_item_came_from() -> None:
+    """Issue 27 (7), the mapping: a renderer's error names an item by modality and index (and
+    the native event's fields); OpenAI's ``param`` names the part the client wrote."""
+    from producers.api.errors import from_validation
+
+    s = settings()
+    video = "data:video/mp4;base64," + _b64(b"\0\0\0\x18ftypmp42" + b"\0" * 32)
+    parts = [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(PNG)}},
+        {"type": "text", "text": "and"},
+        {"type": "video_url", "video_url": {"url": video}},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + _b64(PNG)}},
+    ]
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": parts}]}
+    conv = parse_chat(json.dumps(body).encode(), limits(), s, MediaFetcher.from_settings(s), True)
+
+    def param(exc: ValidationError) -> Any:
+        conv.name_part(exc)
+        return openai_body(from_validation(exc))["error"]["param"]
+
+    assert param(ValidationError("render.image_unreadable", "x", modality="image", item=1)) == (
+        "messages[1].content[3].image_url.url"
+    )
+    assert param(ValidationError("render.video_unreadable", "x", modality="video", item=0)) == (
+        "messages[1].content[2].video_url.url"
+    )
+    assert param(ValidationError("render.timeout", "x", modality="image", item=0)) == (
+        "messages[1].content[0].image_url.url"
+    )
+    assert param(ValidationError("context-length", "x", field="token_ids")) == "messages"
+    assert param(ValidationError("render.token_ids", "x", field="token_ids", item=7)) == "messages"
+    assert param(ValidationError("chat.template", "x")) == "messages"
+    assert param(ValidationError("max-tokens", "x", field="max_tokens")) == "max_tokens"
+    response = parse_response(
+        json.dumps({"input": "hi"}).encode(), limits(), s, MediaFetcher.from_settings(s), True
+    )
+    err = ValidationError("context-length", "x", field="token_ids")
+    response.name_part(err)
+    assert err.field == "input"
