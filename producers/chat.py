@@ -12,7 +12,12 @@ for the item's grid.
 User text is data, not layout: text holding a vision token is refused (it would add an item
 the request does not have), and so is text holding any other of the tokenizer's special tokens
 (``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``...): tokenized as written, it would close
-the user's turn and open one in another role (a forged system prompt). The prompt is split at
+the user's turn and open one in another role (a forged system prompt). Text is checked as the
+template joins it, not only part by part: adjacent text parts of a message run together
+(``"<|im_"`` + ``"start|>"`` is ``<|im_start|>``), and the prompt the template writes must hold
+no more special tokens than it writes for the same conversation with neutral text, wherever
+user text would have joined another part, the template's own text or another message. The
+prompt is split at
 the template's own vision blocks and tokenized piece by piece, so a literal ``<image>`` in a
 message stays text. The template must place exactly the request's items, in order; one that
 drops or adds any is refused (``chat.template``).
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +39,9 @@ from schemas.errors import ValidationError
 from schemas.families import TINY_SPECS
 
 PartKind = Literal["text", "image", "video"]
+NEUTRAL_TEXT = "x"
+"""What stands for every text part in the conversation a prompt is compared with: no special
+token, nor any part of one."""
 _BLOCKS = re.compile(f"({re.escape(QWEN_IMAGE_BLOCK)}|{re.escape(QWEN_VIDEO_BLOCK)})")
 
 
@@ -84,14 +93,18 @@ def template_of(info: RenderInfo, model: str, override: Path | None = None) -> s
     return None
 
 
-def check_text(text: str, field_name: str | None, control: Sequence[str] = ()) -> None:
+def check_text(
+    text: str, field_name: str | None, control: Sequence[str] = (), *, joined: bool = False
+) -> None:
     """Rule ``render.reserved_token``: message text holds no vision token, nor any of
-    ``control`` (the tokenizer's other special tokens: :func:`control_tokens`)."""
+    ``control`` (the tokenizer's other special tokens: :func:`control_tokens`). ``joined``:
+    ``text`` is a part with the end of the parts before it, as the template joins them."""
+    what = "message text, joined to the text parts before it," if joined else "message text"
     for token in VISION_TOKENS:
         if token in text:
             raise ValidationError(
                 "render.reserved_token",
-                f"message text contains the reserved token {token!r}; send images and videos "
+                f"{what} contains the reserved token {token!r}; send images and videos "
                 "as image_url / video_url parts",
                 field=field_name,
             )
@@ -99,10 +112,23 @@ def check_text(text: str, field_name: str | None, control: Sequence[str] = ()) -
     if found is not None:
         raise ValidationError(
             "render.reserved_token",
-            f"message text contains the special token {found!r}: only the chat template may "
+            f"{what} contains the special token {found!r}: only the chat template may "
             "write it (it opens or ends a turn, or ends the text)",
             field=field_name,
         )
+
+
+def check_run(before: str, text: str, field_name: str | None, control: Sequence[str] = ()) -> str:
+    """:func:`check_text` on one text part, and on it joined to ``before`` (the end of the text
+    parts before it in its message: the template writes adjacent parts as one text). Returns
+    the end of the joined text to give the next part: as long as a special token can reach
+    back (one character short of the longest), so a long run costs no more than its parts."""
+    check_text(text, field_name, control)
+    joined = before + text
+    if before:
+        check_text(joined, field_name, control, joined=True)
+    keep = max(map(len, (*VISION_TOKENS, *control))) - 1
+    return joined[-keep:]
 
 
 class ChatTemplate:
@@ -112,6 +138,8 @@ class ChatTemplate:
         self.info = info
         self.template = template
         self.control_tokens = control_tokens(info.tokenizer)
+        specials = sorted({*self.control_tokens, *VISION_TOKENS}, key=lambda t: (-len(t), t))
+        self._special_re = re.compile("|".join(map(re.escape, specials)))
 
     @classmethod
     def for_model(cls, info: RenderInfo, model: str, override: Path | None = None) -> ChatTemplate:
@@ -119,12 +147,42 @@ class ChatTemplate:
         return cls(info, template_of(info, model, override))
 
     def check_control_tokens(self, messages: list[ChatMessage]) -> None:
-        """:func:`check_text` on every text part (the routes check each as they read it; this
-        holds for every other caller)."""
+        """:func:`check_run` on every run of text parts (the routes check each as they read
+        it; this holds for every other caller)."""
         for m in messages:
+            before = ""
             for part in m.parts:
-                if part.kind == "text":
-                    check_text(part.text, part.where or None, self.control_tokens)
+                if part.kind != "text":
+                    before = ""  # the template writes the item's vision block between
+                    continue
+                before = check_run(before, part.text, part.where or None, self.control_tokens)
+
+    def check_prompt(self, messages: list[ChatMessage], text: str) -> None:
+        """Rule ``render.reserved_token`` for a prompt (``text``, the template's writing of
+        ``messages``) holding more of any special token than the template writes for the same
+        conversation with neutral text: user text that formed one with what the template put
+        beside it (another part, its own text, another message), however the template joins
+        them."""
+        neutral = [
+            ChatMessage(
+                m.role, [ChatPart("text", NEUTRAL_TEXT) if p.kind == "text" else p for p in m.parts]
+            )
+            for m in messages
+        ]
+        placed = self._specials(self.prompt_text(neutral))
+        for token, n in self._specials(text).items():
+            if n > placed[token]:
+                raise ValidationError(
+                    "render.reserved_token",
+                    f"the prompt the chat template writes holds the special token {token!r} "
+                    f"{n - placed[token]} more time(s) than the template itself places: message "
+                    "text joined with the text beside it forms it; only the chat template may "
+                    "write it",
+                )
+
+    def _specials(self, text: str) -> Counter[str]:
+        """How many times each special token (vision tokens included) stands in ``text``."""
+        return Counter(self._special_re.findall(text))
 
     def prompt_text(self, messages: list[ChatMessage]) -> str:
         """The conversation as the template writes it, ending with the assistant's turn."""
@@ -155,6 +213,7 @@ class ChatTemplate:
         order the messages give them, the text between tokenized as it stands."""
         self.check_control_tokens(messages)
         text = self.prompt_text(messages)
+        self.check_prompt(messages, text)
         pieces = _BLOCKS.split(text)
         placed = ["image" if b == QWEN_IMAGE_BLOCK else "video" for b in pieces[1::2]]
         given = [p.kind for m in messages for p in m.parts if p.kind != "text"]

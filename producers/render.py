@@ -267,7 +267,9 @@ class Renderer:
         self, prompt: str, n_images: int, n_videos: int = 0
     ) -> tuple[list[list[int]], list[str]]:
         """Token ids of the text between markers (one more than the markers) and the modality of
-        each marker, in prompt order."""
+        each marker, in prompt order. Only the vision tokens are reserved: a native prompt is
+        the whole prompt, its turn markers written by its client (``token_ids`` may hold any
+        token too), unlike a chat message, whose text the chat template frames."""
         text = prompt.replace(QWEN_IMAGE_BLOCK, IMAGE_MARKER).replace(
             QWEN_VIDEO_BLOCK, VIDEO_MARKER
         )

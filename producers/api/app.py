@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from producers.api.checks import pydantic_error
 from producers.api.docs import mount_docs
@@ -35,6 +36,10 @@ from runtime.settings import Settings
 from schemas.errors import ValidationError
 
 log = logging.getLogger("epd.api")
+
+CLIENT_CLOSED = 499
+"""The status a request whose client went away is counted under (nginx's "client closed
+request"): nobody receives it."""
 
 DESCRIPTION = (
     "Submit-and-poll front door of the encode/prefill/decode pipeline. `POST /v1/requests` "
@@ -114,8 +119,11 @@ def _answer(request: Request, exc: ApiError) -> JSONResponse:
 
 
 def add_error_handlers(app: FastAPI, settings: Settings) -> None:
-    """Every error, raised anywhere in a route, as one JSON shape with a code (and a rule)."""
+    """Every error, raised anywhere in a route, as one JSON shape with a code (and a rule);
+    a client gone before its body was read as what it is (499, logged at INFO, counted by
+    ``epd_api_client_disconnects``), never a server error."""
     retry_after = settings.api_retry_after_s
+    metrics: Metrics = app.state.metrics
 
     async def api_error(r: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ApiError)
@@ -146,6 +154,13 @@ def add_error_handlers(app: FastAPI, settings: Settings) -> None:
         log.warning("Kafka error: %s", exc)
         return _answer(r, unavailable(f"Kafka unavailable: {exc}", retry_after, rule="kafka"))
 
+    async def disconnected(r: Request, exc: Exception) -> Response:
+        # The client's event, not the server's: no traceback, no 500 (nobody reads the answer).
+        route = getattr(r.scope.get("route"), "path", "unmatched")
+        log.info("client disconnected before its request was read: %s %s", r.method, route)
+        metrics.disconnected(route, "body")
+        return Response(status_code=CLIENT_CLOSED)
+
     async def internal(r: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, (ConnectionError, OSError)):
             return _answer(r, unavailable(str(exc), retry_after, rule="dependency"))
@@ -158,6 +173,7 @@ def add_error_handlers(app: FastAPI, settings: Settings) -> None:
         (ValidationError, rejected),
         (RequestValidationError, schema),
         (StarletteHTTPException, http),
+        (ClientDisconnect, disconnected),
         (RedisError, redis_down),
         (KafkaError, kafka_down),
         (Exception, internal),

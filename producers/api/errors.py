@@ -71,7 +71,13 @@ def from_validation(exc: ValidationError) -> ApiError:
     503 for a render timeout, else 422)."""
     if exc.rule == TIMEOUT_RULE:
         return ApiError(
-            503, "timeout", exc.detail, rule=exc.rule, modality=exc.modality, item=exc.item
+            503,
+            "timeout",
+            exc.detail,
+            rule=exc.rule,
+            field=exc.field,
+            item=exc.item,
+            modality=exc.modality,
         )
     too_large = exc.rule in TOO_LARGE_RULES
     status, code = (413, "too_large") if too_large else (422, "validation_failed")

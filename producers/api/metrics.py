@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from starlette.requests import Request
 
 
 class Metrics:
@@ -34,6 +35,13 @@ class Metrics:
         self.http_in_flight = Gauge(
             "epd_api_http_in_flight", "HTTP requests being handled", registry=self.registry
         )
+        self.disconnects = Counter(
+            "epd_api_client_disconnects",
+            "clients gone before their answer, by route and when (body: while the API read "
+            "the request body; wait: before a plain answer; stream: during a streamed one)",
+            ["route", "phase"],
+            registry=self.registry,
+        )
         self.render = Histogram(
             "epd_api_render_seconds",
             "render time (decode + image processor)",
@@ -45,6 +53,19 @@ class Metrics:
         """One submission's outcome (``queued``, ``duplicate``, ``rejected``, a refusal)."""
         self.requests.labels(label).inc()
 
+    def disconnected(self, route: str, phase: str) -> None:
+        """A client that went away (``phase``: ``body`` or ``stream``) on ``route``."""
+        self.disconnects.labels(route, phase).inc()
+
     def rendered(self, seconds: float) -> None:
         """One render's duration."""
         self.render.observe(seconds)
+
+
+def client_gone(request: Request, phase: str) -> None:
+    """Count a client that went away before its answer (``phase``: ``wait`` for a plain
+    answer, ``stream`` for a streamed one) on the request's route, in the app's metrics."""
+    metrics: Metrics | None = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        route = getattr(request.scope.get("route"), "path", "unmatched")
+        metrics.disconnected(route, phase)

@@ -579,3 +579,82 @@ async def test_schemathesis_with_deeply_nested_bodies_finds_no_server_error(
     for route in ("POST /v1/requests", "POST /v1/vllm/generate"):
         assert rules[f"{route} body.json"] > 0, rules  # the nested bodies reached both
     assert "Traceback" not in stack.api.tail() and "RecursionError" not in stack.api.tail()
+
+
+# ---------------------------------------------------------------- issue 27: clients that leave
+
+
+def _abort_upload(url: str, path: str, ctype: str, sent: bytes, declared: int) -> None:
+    """A POST that declares ``declared`` body bytes, sends ``sent`` and closes the connection."""
+    import socket
+    import time
+
+    host, port = url.removeprefix("http://").split(":")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: {auth()['Authorization']}\r\n"
+        f"Content-Type: {ctype}\r\nContent-Length: {declared}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head + sent)
+        time.sleep(0.2)  # the route is reading the body when the client goes
+
+
+def _samples(metrics: str, name: str) -> dict[str, float]:
+    """``name``'s samples of a Prometheus text page, by their label text."""
+    out: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith(name + "{"):
+            labels, _, value = line[len(name) :].rpartition(" ")
+            out[labels] = float(value)
+    return out
+
+
+async def test_a_client_that_disconnects_is_no_server_error(
+    stack: ApiStack, http: httpx.AsyncClient
+) -> None:
+    """Issue 27 (3): an upload abandoned mid-body, on every route that reads one, and a stream
+    abandoned mid-answer, are the client's events: no 500 in ``/metrics``, no traceback in the
+    log, an INFO line, and a count under ``epd_api_client_disconnects`` by route and phase."""
+    log_start = len(stack.api.log.read_bytes())
+    before = (await http.get("/metrics")).text
+    uploads = [
+        ("/v1/requests", "application/json", b'{"prompt": "' + b"x" * 3000),
+        ("/v1/requests", "multipart/form-data; boundary=b", b"--b\r\nContent-Disposition: "),
+        ("/v1/chat/completions", "application/json", b'{"messages": [{"role": "us'),
+        ("/v1/responses", "application/json", b'{"input": "hel'),
+        ("/v1/vllm/generate", "application/json", b'{"token_ids": [1, 2'),
+    ]
+    for path, ctype, sent in uploads:
+        for _ in range(3):
+            await asyncio.to_thread(_abort_upload, stack.api.url, path, ctype, sent, 200_000)
+    body = {"messages": [{"role": "user", "content": "Go on"}], "max_tokens": 500}
+    body.update(stream=True, ignore_eos=True)
+    async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if '"content":"' in line and '"content":""' not in line:
+                break  # leave mid-answer
+    want = {(path, "body") for path, _, _ in uploads} | {("/v1/chat/completions", "stream")}
+
+    def gone(page: str) -> dict[tuple[str, str], float]:
+        samples = _samples(page, "epd_api_client_disconnects_total")
+        return {w: samples.get(f'{{phase="{w[1]}",route="{w[0]}"}}', 0.0) for w in want}
+
+    def server_errors(page: str) -> dict[str, float]:
+        samples = _samples(page, "epd_api_http_request_seconds_count")
+        return {k: v for k, v in samples.items() if 'code="5' in k}
+
+    counted: dict[tuple[str, str], float] = {}
+    for _ in range(50):
+        metrics = (await http.get("/metrics")).text
+        counted = {w: n - gone(before)[w] for w, n in gone(metrics).items()}
+        if all(counted.values()) and counted[("/v1/requests", "body")] >= 6:
+            break
+        await asyncio.sleep(0.2)
+    assert counted[("/v1/requests", "body")] == 6, counted
+    assert all(n >= 1 for n in counted.values()), counted
+    assert server_errors(metrics) == server_errors(before), server_errors(metrics)
+    assert 'code="499"' in metrics
+    log = stack.api.log.read_bytes()[log_start:].decode(errors="replace")
+    assert "Traceback" not in log and "ClientDisconnect" not in log, log[-3000:]
+    assert "client disconnected before its request was read" in log, log[-3000:]

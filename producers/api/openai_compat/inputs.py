@@ -4,7 +4,8 @@ Checked here, before the intake sees anything (nothing is stored, nothing fetche
 size and JSON (by the route), message and part counts (``EPD_API_MAX_MESSAGES`` /
 ``EPD_API_MAX_MESSAGE_PARTS``) and image and video counts before pydantic copies the body,
 its schema, the parameters this pipeline cannot honour (:data:`models.NEUTRAL`), the model
-name, every text part (no vision tokens; all of it within ``EPD_API_MAX_PROMPT_CHARS``), every
+name, every text part (no vision tokens, no special tokens, alone or joined to the text parts
+before it; all of it within ``EPD_API_MAX_PROMPT_CHARS``), every
 ``data:`` URL (size before decoding, type from the bytes) and every ``http(s)`` URL against the
 allow-list (:class:`producers.api.media_urls.MediaFetcher`), and the sampling parameters
 against the request limits. Allowed URLs are fetched later, in the request's render.
@@ -39,7 +40,7 @@ from producers.api.openai_compat.models import (
     ResponseRequest,
 )
 from producers.api.videos import VIDEO_FIELD, VIDEO_TYPES, sniff_video_type
-from producers.chat import ChatMessage, ChatPart, check_text
+from producers.chat import ChatMessage, ChatPart, check_run
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
 from schemas.errors import ValidationError
@@ -78,6 +79,33 @@ class Conversation:
     include_usage: bool = False
     background: bool = False
     model: str = ""
+    root: str = "messages"
+    """The field that holds the conversation (``messages``, or ``input`` for a response)."""
+    continuous_usage: bool = False
+    """``stream_options.continuous_usage_stats``: every chunk carries the usage so far."""
+
+    def name_part(self, exc: ValidationError | ApiError) -> None:
+        """Point ``exc.field`` at what the client wrote (``param`` of OpenAI's errors): the part
+        of the item a renderer's, fetch's or worker's error names by modality and index, else
+        the conversation for an error of the prompt as a whole (a context overflow, a
+        template's refusal), never a field of the native event (``token_ids``)."""
+        ref = next(
+            (
+                m.ref
+                for m in self.media
+                if exc.item is not None and (m.ref.modality, m.ref.item) == (exc.modality, exc.item)
+            ),
+            None,
+        )
+        if ref is not None:
+            exc.field = ref.field
+        elif exc.field is None or exc.field.split("[")[0] in NATIVE_FIELDS:
+            exc.field, exc.item = self.root, None
+
+
+NATIVE_FIELDS = frozenset({"prompt", "token_ids", "images", "videos", "features.mm_hashes"})
+"""Fields of the native request and event that an error past the parse may name: a
+conversation has none of them."""
 
 
 @dataclass(slots=True)
@@ -94,16 +122,20 @@ class Builder:
     messages: list[ChatMessage] = field(default_factory=list)
     media: list[Media] = field(default_factory=list)
     chars: int = 0
+    run: str = ""
+    """The end of the message's text parts since its last item: the template joins the next
+    text part to it, so a special token split over parts is one (:func:`check_run`)."""
 
     def message(self, role: str, where: str) -> ChatMessage:
         if role not in ROLES:
             raise unsupported(where + ".role", f"role {role!r} (tools are not supported)")
         msg = ChatMessage(ROLES[role])
         self.messages.append(msg)
+        self.run = ""
         return msg
 
     def text(self, msg: ChatMessage, text: str, where: str) -> None:
-        check_text(text, where, self.control)
+        self.run = check_run(self.run, text, where, self.control)
         self.chars += len(text)
         if self.chars > self.limits.max_prompt_chars:
             raise ValidationError(
@@ -126,6 +158,7 @@ class Builder:
             self.fetcher.check(url, ref)  # refused here, before anything connects
             self.media.append(Media(kind, ref, url=url))
         msg.parts.append(ChatPart(kind, where=where))
+        self.run = ""  # the template writes the item's vision block after the text
 
 
 def _decode(url: str, ref: MediaRef, settings: Settings) -> bytes:
@@ -308,6 +341,7 @@ def parse_chat(
         stream=bool(req.stream),
         include_usage=bool(options and options.include_usage),
         model=settings.model_name(),
+        continuous_usage=bool(options and options.continuous_usage_stats),
     )
 
 
@@ -389,6 +423,7 @@ def parse_response(
         fingerprint=fingerprint(obj),
         background=bool(req.background),
         model=settings.model_name(),
+        root="input",
     )
 
 

@@ -144,7 +144,9 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = Field(
         None, description="a last chunk with the request's usage (and no choices)"
     )
-    continuous_usage_stats: bool | None = Field(None, description="vLLM's: usage on every chunk")
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM's: every chunk carries the usage so far"
+    )
 
 
 class ChatCompletionRequest(BaseModel):

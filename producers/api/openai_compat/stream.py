@@ -3,7 +3,9 @@ ending with ``data: [DONE]``.
 
 The first chunk carries the assistant role; each token chunk of the request's stream
 (:func:`producers.api.follow.follow`) becomes a content chunk; the last names the finish
-reason, then (``stream_options.include_usage``) a chunk with the usage and no choices. The
+reason, then (``stream_options.include_usage``) a chunk with the usage and no choices; with
+``stream_options.continuous_usage_stats`` (vLLM's) every chunk also carries the usage so far
+(the prompt's tokens, those generated up to it, their total), as vLLM writes it. The
 status record's final text is the reference: should a token-stream write have been lost, what
 the chunks missed is sent before the finish. A request that ends other than completed ends the
 stream with an error event in OpenAI's shape, and so does one whose status record went before
@@ -14,7 +16,7 @@ it ended (``status-gone``). A client that goes away cancels the request
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from producers.api.errors import ApiError
@@ -51,13 +53,32 @@ class ChunkWriter:
             "created": created_s,
             "model": model,
         }
+        self.prompt_tokens: int | None = None
+        """Set: every chunk carries the usage so far (``continuous_usage_stats``)."""
 
-    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
+    def chunk(self, delta: dict[str, Any], finish: str | None = None, *, made: int = 0) -> bytes:
+        """A chunk of one choice; ``made``: the tokens generated so far."""
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        return _event({**self.base, "choices": [choice]})
+        out: dict[str, Any] = {**self.base, "choices": [choice]}
+        if self.prompt_tokens is not None:
+            out["usage"] = {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": made,
+                "total_tokens": self.prompt_tokens + made,
+            }
+        return _event(out)
 
     def usage(self, use: dict[str, int]) -> bytes:
         return _event({**self.base, "choices": [], "usage": use})
+
+
+async def _prompt_tokens(st: ApiState, request_id: str, known: int | None) -> int:
+    """The prompt's length: as the route rendered it, else (a duplicate under an
+    ``Idempotency-Key``) as the record keeps it."""
+    if known is not None:
+        return known
+    rec = await st.status.get(request_id)
+    return 0 if rec is None else rec.prompt_tokens
 
 
 async def chat_chunks(
@@ -68,12 +89,22 @@ async def chat_chunks(
     created_s: int,
     include_usage: bool,
     keyed: bool,
+    continuous_usage: bool = False,
+    prompt_tokens: int | None = None,
+    name_part: Callable[[ApiError], None] | None = None,
+    gone: Callable[[], None] | None = None,
 ) -> AsyncIterator[bytes]:
-    """The SSE body of a streamed chat completion (see the module docstring)."""
+    """The SSE body of a streamed chat completion (see the module docstring).
+    ``continuous_usage``: every chunk carries the usage so far (``prompt_tokens``: the
+    prompt's length, read from the record when not given). ``name_part`` points a worker's
+    refusal at the message part it is about; ``gone`` is called when the client leaves
+    before the end."""
     w = ChunkWriter(request_id, model, created_s)
     sent: list[str] = []
     ended = False
     try:
+        if continuous_usage:
+            w.prompt_tokens = await _prompt_tokens(st, request_id, prompt_tokens)
         yield w.chunk({"role": "assistant", "content": ""})
         async for item, _ in follow(st, request_id):
             if item is None:
@@ -81,7 +112,7 @@ async def chat_chunks(
             elif isinstance(item, TokenChunk):
                 if item.text:
                     sent.append(item.text)
-                    yield w.chunk({"content": item.text})
+                    yield w.chunk({"content": item.text}, made=item.tokens_total)
             elif isinstance(item, StatusChange) and item.terminal:
                 ended = True
                 rec = await st.status.get(request_id)
@@ -91,12 +122,16 @@ async def chat_chunks(
                         status=str(item.data.get("status") or "failed"),
                         error=item.data.get("error"),
                     )
-                    yield _event(openai_body(not_completed(rec)))
+                    err = not_completed(rec)
+                    if name_part is not None and rec.status == "rejected":
+                        name_part(err)
+                    yield _event(openai_body(err))
                     break
                 text, streamed = rec.text or "", "".join(sent)
+                made = len(rec.token_ids or [])
                 if text.startswith(streamed) and len(text) > len(streamed):
-                    yield w.chunk({"content": text[len(streamed) :]})
-                yield w.chunk({}, finish_reason(rec))
+                    yield w.chunk({"content": text[len(streamed) :]}, made=made)
+                yield w.chunk({}, finish_reason(rec), made=made)
                 if include_usage:
                     yield w.usage(usage(rec))
             elif isinstance(item, RecordGone):
@@ -108,3 +143,5 @@ async def chat_chunks(
     finally:
         if not ended:  # the client went away mid-stream (the body's task was cancelled)
             cancel_if_abandoned(st, request_id, keyed)
+            if gone is not None:
+                gone()

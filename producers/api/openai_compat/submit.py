@@ -19,7 +19,7 @@ from starlette.requests import Request
 from producers.api.bodies import read_body
 from producers.api.checks import JSON, content_type
 from producers.api.data_strings import sniff_image_type
-from producers.api.errors import answered, not_found
+from producers.api.errors import ApiError, answered, not_found
 from producers.api.openai_compat.inputs import Conversation, Media
 from producers.api.state import ApiState
 from producers.api.submissions import SubmitHeaders, off_the_loop
@@ -130,9 +130,14 @@ def front_of(conv: Conversation, api: str, **more: Any) -> dict[str, Any]:
 async def submit(
     st: ApiState, request: Request, conv: Conversation, tenant: str | None, front: dict[str, Any]
 ) -> Accepted:
-    """Hand a conversation to the intake (``Accepted``, or the intake's refusals)."""
+    """Hand a conversation to the intake (``Accepted``, or the intake's refusals; an error
+    of the render names the message part it is in: :meth:`Conversation.name_part`)."""
     sub = conversation_submission(st, conv, tenant, SubmitHeaders.of(request), front)
-    return await st.intake.submit(sub)
+    try:
+        return await st.intake.submit(sub)
+    except (ValidationError, ApiError) as exc:  # the render's, the fetch's, the intake's
+        conv.name_part(exc)
+        raise
 
 
 async def _disconnected(request: Request) -> None:

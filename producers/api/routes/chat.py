@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from producers.api.deps import State, Tenant
+from producers.api.metrics import client_gone
 from producers.api.openai_compat.inputs import parse_chat
 from producers.api.openai_compat.openapi import CHAT_BODY, CHAT_RESPONSES
 from producers.api.openai_compat.stream import chat_chunks
@@ -37,13 +38,21 @@ async def chat_completions(request: Request, st: State, tenant: Tenant) -> Respo
                 created_s=front["created_s"],
                 include_usage=conv.include_usage,
                 keyed=keyed,
+                continuous_usage=conv.continuous_usage,
+                prompt_tokens=None if accepted.event is None else len(accepted.event.token_ids),
+                name_part=conv.name_part,
+                gone=lambda: client_gone(request, "stream"),
             ),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
     rec = await outcome(st, request, accepted.request_id, keyed)
     if rec is None:
+        client_gone(request, "wait")
         return Response(status_code=499)  # the client closed the connection; nobody reads this
     if rec.status != "completed":
-        raise not_completed(rec)
+        err = not_completed(rec)
+        if rec.status == "rejected":  # a worker's refusal names its item, not the part
+            conv.name_part(err)
+        raise err
     return JSONResponse(chat_completion(rec))

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from producers.api.checks import refuse_finished
 from producers.api.deps import State, Tenant
 from producers.api.errors import not_found
+from producers.api.metrics import client_gone
 from producers.api.openai_compat.inputs import parse_response
 from producers.api.openai_compat.openapi import (
     RESPONSE_BODY,
@@ -56,6 +57,7 @@ async def create_response(request: Request, st: State, tenant: Tenant) -> Respon
     keyed = request.headers.get("idempotency-key") is not None
     rec = await outcome(st, request, rid, keyed)
     if rec is None:
+        client_gone(request, "wait")
         return Response(status_code=499)  # the client closed the connection
     return JSONResponse(response_object(rec))
 
