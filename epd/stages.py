@@ -202,10 +202,12 @@ async def _build_router(ctx: StageContext) -> Handler:
 
     store = ctx.open_store()
     info = await asyncio.to_thread(load_render_info, ctx.settings.model)
-    # The router is an external renderer's request's entry point: its fan-out's update makes
-    # the request's record (StatusStore.start), as the intake's create does for the API's.
-    status = ctx.status_store()
-    fanout = build_fanout(ctx.settings, store, info, ctx.publisher, record=status.start)
+    # The router is an external renderer's request's entry point: its fan-out's update
+    # (marked routed) makes the request's record, as the intake's create does for the API's,
+    # whether written through here or folded by the results collector.
+    fanout = build_fanout(
+        ctx.settings, store, info, ctx.publisher, record=ctx.status_store().apply, routed=True
+    )
     return RenderRouter(fanout).handle
 
 

@@ -9,8 +9,9 @@ record, atomically, in one round trip. The fold itself is :mod:`schemas.status_r
 in-flight set is :mod:`runtime.status.inflight`, cancels :mod:`runtime.status.cancel`.
 
 Only a request's entry point makes its record: the intake (:meth:`StatusStore.create`, with the
-tenant, metadata and front) or, for a request an external renderer sent, the render router's
-fan-out (:meth:`StatusStore.start`). Every other write (a stage's transitions and outcome, the
+tenant, metadata and front) or, for a request an external renderer sent, the render router
+(its fan-out's update, :func:`~schemas.status_record.makes_record`, and its dead letters,
+:meth:`StatusStore.start`). Every other write (a stage's transitions and outcome, the
 results collector's fold, the sweep, a cancel, a dead letter's outcome) folds into the record
 it finds and never makes one: the compare-and-set starts from the text it read, so a record
 that went meanwhile (its TTL, an eviction, an operator, a Redis restart) is not rebuilt
@@ -34,7 +35,7 @@ from runtime.settings import Settings
 from runtime.status.cancel import announce_cancel
 from runtime.status.inflight import InFlight
 from schemas.keys import RedisKeys
-from schemas.status_record import StatusRecord, created, fold
+from schemas.status_record import StatusRecord, created, fold, makes_record
 from schemas.types import ErrorInfo, ResultEvent, now_ms
 
 
@@ -159,13 +160,16 @@ class StatusStore:
     async def apply(self, ev: ResultEvent) -> bool:
         """Fold one ResultEvent into its existing record atomically; False when it was a
         duplicate. Raises :class:`StatusGone` when there is no record: an update never makes
-        one (see the module docstring)."""
-        return await self._modify(ev.request_id, lambda rec: fold(rec, ev), stage=ev.stage)
+        one (see the module docstring), but for the render router's fan-out update
+        (:func:`~schemas.status_record.makes_record`)."""
+        return await self._modify(
+            ev.request_id, lambda rec: fold(rec, ev), stage=ev.stage, creates=makes_record(ev)
+        )
 
     async def start(self, ev: ResultEvent) -> bool:
-        """:meth:`apply`, making the record when there is none: only for the first write of a
-        request that came in without the intake (the render router's fan-out of an external
-        renderer's event, which has no tenant or front to lose)."""
+        """:meth:`apply`, making the record when there is none: only for a word of a request's
+        entry point that came in without the intake (the render router's dead letters: an
+        external renderer's event it refused, which has no tenant or front to lose)."""
         return await self._modify(
             ev.request_id, lambda rec: fold(rec, ev), stage=ev.stage, creates=True
         )

@@ -268,7 +268,9 @@ async def test_a_record_deleted_between_the_read_and_the_write_is_not_made_again
 ) -> None:
     """The compare-and-set itself checks existence: an update that read the record and lost
     it before its script ran writes nothing (the script compares with the text it read)."""
+    from consumers.results import ResultsCollector
     from runtime.status import StatusGone
+    from schemas.status_record import fanout_info
 
     rid = f"h-{uuid.uuid4().hex[:8]}"
     assert await store.create(rid, {"tenant": "bob"})
@@ -285,11 +287,25 @@ async def test_a_record_deleted_between_the_read_and_the_write_is_not_made_again
     finally:
         del store._write
     assert await store.client.exists(store.keys.status(rid)) == 0
-    # The entry points still make records: the intake's create and the router's first update.
+    # The entry points still make records: the intake's create, the router's dead letters
+    # (start) and the router's fan-out update (marked routed), wherever it is folded; the
+    # same update behind the intake (unmarked) makes none.
     assert await store.create(rid, {"tenant": "bob"})
     other = f"h-{uuid.uuid4().hex[:8]}"
-    assert await store.start(ResultEvent(other, "fanout", "encoding"))
+    assert await store.start(ResultEvent(other, "fanout", "rejected"))
     assert (await store.get(other)) is not None
+    info = fanout_info(encode_events=1, deadline_ms=None)
+    unrouted = ResultEvent(f"h-{uuid.uuid4().hex[:8]}", "fanout", "encoding", info=info)
+    with pytest.raises(StatusGone):
+        await store.apply(unrouted)
+    routed_info = fanout_info(encode_events=1, deadline_ms=None, routed=True)
+    written = ResultEvent(f"h-{uuid.uuid4().hex[:8]}", "fanout", "encoding", info=routed_info)
+    assert await store.apply(written)  # the router's write-through
+    folded = ResultEvent(f"h-{uuid.uuid4().hex[:8]}", "fanout", "encoding", info=routed_info)
+    await ResultsCollector(store).handle(folded)  # its write-through failed: the collector's
+    for ev in (written, folded):
+        rec = await store.get(ev.request_id)
+        assert rec is not None and rec.status == "encoding"
 
 
 async def test_an_update_of_a_known_record_is_one_round_trip(store: StatusStore) -> None:
