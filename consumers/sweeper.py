@@ -210,7 +210,10 @@ class Sweeper:
         return verdicts
 
     async def _unfinished(self) -> list[StatusRecord]:
-        return await self.status.inflight.unfinished(SCAN_LIMIT)
+        stale_ms = int(self.settings.sweep_stale_s * 1000)
+        return await self.status.inflight.unfinished(
+            SCAN_LIMIT, orphaned_before_ms=now_ms() - stale_ms
+        )
 
     async def run(self) -> None:
         """Sweep every ``EPD_SWEEP_INTERVAL_S`` until cancelled; a failed pass is logged."""

@@ -236,7 +236,7 @@ class StatusStore:
         while True:
             old = StatusRecord.from_json(expected) if expected else None
             if old is None and verified and not creates:
-                await self._gone(request_id)
+                await self._gone(request_id, change)
             rec = change(old)
             if rec is None:
                 if verified:
@@ -297,12 +297,17 @@ class StatusStore:
             return True, None
         return False, _text(reply[1] if len(reply) > 1 else None)
 
-    async def _gone(self, request_id: str) -> None:
+    async def _gone(self, request_id: str, change: RecordChange) -> None:
         """An update found no record: announce a change, so that a reader following the
         request (an event stream, a long-poll) looks now and finds it gone rather than waiting
-        for a change that will not come; then :class:`StatusGone`."""
+        for a change that will not come; an outcome also gives back the request's in-flight
+        slot (nothing else would: the sweep drops what is left later); then
+        :class:`StatusGone`."""
         self._remember(request_id, None)
+        would = change(None)
         try:
+            if would is not None and would.terminal:
+                await self.inflight.release(request_id)
             if self.cluster:
                 await self.client.spublish(self.keys.status_changes(request_id), request_id)
             else:

@@ -234,6 +234,7 @@ async def test_an_update_never_makes_a_record_that_went(store: StatusStore) -> N
     from runtime.status import StatusGone
 
     rid = f"g-{uuid.uuid4().hex[:8]}"
+    assert await store.admit(rid, 1000)
     assert await store.create(rid, {"tenant": "alice", "front": {"model": "m"}})
     assert await store.apply(ResultEvent(rid, "prefill", "decoding"))
     seen = await store.get(rid)
@@ -261,6 +262,20 @@ async def test_an_update_never_makes_a_record_that_went(store: StatusStore) -> N
     assert (rc.applied, rc.duplicates, rc.gone) == (0, 0, 1)
     assert await store.client.exists(store.keys.status(rid)) == 0
     assert await store.get(rid) is None
+    # Its outcome, refused, still gave its in-flight slot back (nothing else would).
+    assert rid not in {m.decode() for m in await store.client.zrange(store.keys.inflight, 0, -1)}
+
+
+async def test_the_sweep_drops_in_flight_entries_whose_record_went(store: StatusStore) -> None:
+    """An entry whose record went (no outcome will release it) is dropped once older than
+    the cut; a young one without a record (being made) stays."""
+    from schemas.types import now_ms
+
+    old, young = f"o-{uuid.uuid4().hex[:8]}", f"y-{uuid.uuid4().hex[:8]}"
+    await store.client.zadd(store.keys.inflight, {old: now_ms() - 120_000, young: now_ms()})
+    assert await store.inflight.unfinished(100, orphaned_before_ms=now_ms() - 60_000) == []
+    left = {m.decode() for m in await store.client.zrange(store.keys.inflight, 0, -1)}
+    assert young in left and old not in left
 
 
 async def test_a_record_deleted_between_the_read_and_the_write_is_not_made_again(
