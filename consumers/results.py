@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from runtime.status import StatusStore
+from runtime.status import StatusGone, StatusStore
 from schemas.status_record import encoded_update
 from schemas.types import EncodedEvent, ResultEvent
 
@@ -24,6 +24,8 @@ class ResultsCollector:
         self.status = status
         self.applied = 0
         self.duplicates = 0
+        self.gone = 0
+        """Updates of requests whose record went (never made again: see StatusStore)."""
         # The consume loop runs records concurrently. Updates of one request (same key, same
         # partition, in offset order) are applied one at a time in arrival order, so a short
         # request's "decoding" is not overtaken by its "completed" and lost from its history.
@@ -38,7 +40,15 @@ class ResultsCollector:
         self._order[rid] = (lock, users + 1)
         try:
             async with lock:
-                if await self.status.apply(update):
+                try:
+                    applied = await self.status.apply(update)
+                except StatusGone:
+                    # Expired, evicted or deleted before this update came: it stays gone (a
+                    # record rebuilt from here would lack the tenant and front).
+                    self.gone += 1
+                    log.debug("results: %s %s: its record is gone", rid, update.status)
+                    return
+                if applied:
                     self.applied += 1
                 else:
                     self.duplicates += 1

@@ -38,7 +38,7 @@ from aiokafka import TopicPartition
 from aiokafka.partitioner import DefaultPartitioner
 
 from runtime.settings import Settings
-from runtime.status import StatusStore
+from runtime.status import StatusGone, StatusStore
 from schemas.status_record import HANDOFF_INFO, StatusRecord
 from schemas.topics import Topics
 from schemas.types import ErrorInfo, ResultEvent, now_ms
@@ -197,7 +197,11 @@ class Sweeper:
         ]
         for v in verdicts:
             ev = v.event()
-            if await self.status.apply(ev):  # False: a stage ended it first
+            try:
+                ended = await self.status.apply(ev)  # False: a stage ended it first
+            except StatusGone:
+                continue  # the record went since the scan: nothing is left to end
+            if ended:
                 self.ended += 1
                 log.warning(
                     "sweep: request %s %s (%s): %s", v.request_id, v.status, v.code, v.message
@@ -206,7 +210,10 @@ class Sweeper:
         return verdicts
 
     async def _unfinished(self) -> list[StatusRecord]:
-        return await self.status.inflight.unfinished(SCAN_LIMIT)
+        stale_ms = int(self.settings.sweep_stale_s * 1000)
+        return await self.status.inflight.unfinished(
+            SCAN_LIMIT, orphaned_before_ms=now_ms() - stale_ms
+        )
 
     async def run(self) -> None:
         """Sweep every ``EPD_SWEEP_INTERVAL_S`` until cancelled; a failed pass is logged."""

@@ -202,7 +202,12 @@ async def _build_router(ctx: StageContext) -> Handler:
 
     store = ctx.open_store()
     info = await asyncio.to_thread(load_render_info, ctx.settings.model)
-    fanout = build_fanout(ctx.settings, store, info, ctx.publisher, record=ctx.status_store().apply)
+    # The router is an external renderer's request's entry point: its fan-out's update
+    # (marked routed) makes the request's record, as the intake's create does for the API's,
+    # whether written through here or folded by the results collector.
+    fanout = build_fanout(
+        ctx.settings, store, info, ctx.publisher, record=ctx.status_store().apply, routed=True
+    )
     return RenderRouter(fanout).handle
 
 
@@ -231,6 +236,10 @@ class Stage:
     """Stage name on the ``rejected``/``failed`` status of a dead-lettered request; None: none."""
     uses_model: bool = True
     """Whether the stage loads the model (or its render info): checked at start-up."""
+    makes_records: bool = False
+    """Whether the stage is a request's entry point, whose first status write makes the
+    record (the router, for an external renderer's request); every other stage only updates
+    the record it finds (``StatusStore.apply``), so a record that went is not made again."""
     fetch_wait_ms: Callable[[Settings], int | None] = lambda _: None
     """The stage's own fetch wait, if it has one (None: ``EPD_KAFKA_FETCH_MAX_WAIT_MS``)."""
     fetch_min_bytes: Callable[[Settings], int | None] = lambda _: None
@@ -274,6 +283,7 @@ STAGES: dict[str, Stage] = {
             "fan RenderEvents from external renderers out to encode and prefill",
             _build_router,
             report_as="fanout",
+            makes_records=True,
         ),
     )
 }
@@ -336,8 +346,12 @@ async def _consume_loop(stage: Stage, ctx: StageContext, handler: Handler) -> Co
 
     reporter = None
     if stage.report_as is not None:
+        status = ctx.status_store()
         reporter = dead_letter_reporter(
-            ctx.publisher, ctx.topics, stage.report_as, record=ctx.status_store().apply
+            ctx.publisher,
+            ctx.topics,
+            stage.report_as,
+            record=status.start if stage.makes_records else status.apply,
         )
     await ctx.warm()
     settings = ctx.settings

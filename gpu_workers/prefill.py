@@ -206,6 +206,12 @@ class Admission:
         return list(self.keys.values())
 
 
+GONE_DETAIL = (
+    "the request's status record went while it decoded (its TTL, an eviction, an operator); "
+    "nobody can read its outcome"
+)
+
+
 @dataclass(slots=True)
 class Generation:
     """What the compute phase made of an admitted request."""
@@ -222,6 +228,9 @@ class Generation:
     """``stop`` or ``length`` once completed."""
     stream: TokenStreamWriter | None = None
     """The request's token stream, still to be ended."""
+    gone: bool = False
+    """Stopped because the request's status record went while it decoded (see
+    :meth:`PrefillWorker._record_gone`)."""
 
 
 class PrefillWorker:
@@ -282,7 +291,12 @@ class PrefillWorker:
         self._arrival_vconfig = dataclasses.replace(self.vconfig, now_ms=None)
         self.bounds = Bounds.for_model(settings, bundle)
         self.report = ResultReporter(
-            publisher, self.topics.results, self.STAGE, self.worker_id, record=record
+            publisher,
+            self.topics.results,
+            self.STAGE,
+            self.worker_id,
+            record=record,
+            on_gone=lambda event: self._record_gone(event.request_id),
         )
         self.embedding_wait_s = (
             settings.embedding_wait_s if embedding_wait_s is None else embedding_wait_s
@@ -297,9 +311,54 @@ class PrefillWorker:
         self.skipped = 0
         self.lost = 0
         self.handed_off = 0
+        self.decoding: dict[str, int] = {}
+        """Requests in this worker's batch -> their creation time (epoch ms)."""
+        self.gone: set[str] = set()
+        """Requests in the batch whose status record went: stopped at the next step."""
+        self._judging: set[asyncio.Task[None]] = set()
 
     async def close(self) -> None:
+        for task in list(self._judging):
+            task.cancel()
         await self.engine.close()
+
+    # ------------------------------------------------------------------- a record gone
+
+    RESTART_SLACK_MS = 2000
+    """How early ``RequestState.records_since_ms`` may err (Redis's uptime is whole seconds)."""
+
+    def _record_gone(self, request_id: str) -> None:
+        """A write (a status update, a token) found the request's status record gone. No one
+        can read its outcome through the API any more (the record is never made again), so a
+        request still decoding here stops at its next step, as a cancel would; unless Redis
+        itself restarted since the request was made (then the outcome still goes to the
+        results topic, as the README's failure modes say of a restart)."""
+        created = self.decoding.get(request_id)
+        if created is None or request_id in self.gone or self.request_state is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._judge_gone(request_id, created))
+        self._judging.add(task)
+        task.add_done_callback(self._judging.discard)
+
+    async def _judge_gone(self, request_id: str, created_ms: int) -> None:
+        assert self.request_state is not None
+        state = await self.request_state(request_id, since=True)
+        since = state.records_since_ms if state is not None else None
+        if state is None or state.status is not None or since is None:
+            return  # cannot tell, or it is there (again): go on
+        if since + self.RESTART_SLACK_MS >= created_ms:
+            log.info(
+                "%s: %s lost its record with a Redis restart; going on", self.worker_id, request_id
+            )
+            return
+        if request_id in self.decoding:
+            self.gone.add(request_id)
+            log.warning(
+                "%s: the status record of %s went while it decoded (its TTL, an eviction, an "
+                "operator); it stops",
+                self.worker_id,
+                request_id,
+            )
 
     async def handle(self, ev: PrefillEvent) -> None:
         """Run one request to completion (or to a clear failure)."""
@@ -548,27 +607,36 @@ class PrefillWorker:
         cancel = self.cancel
         rid = ev.request_id
         seq = new_sequence(self.bundle, ev.sampling, rid)
-        stream = self.streams.writer(rid) if self.streams is not None else None
+        # A worker that reads records guards its token writes by the record: none lands once
+        # it went, and that is how a decoding request learns it (``_record_gone``).
+        on_gone = self._record_gone if self.request_state is not None else None
+        stream = self.streams.writer(rid, on_gone) if self.streams is not None else None
         if stream is not None:
             await stream.resume()
+        gone = self.gone
         job = DecodeJob(
             rid,
             seq,
             start,
             kv_tokens=len(ev.token_ids) + ev.sampling.max_tokens,
             deadline_ms=ev.deadline_ms,
-            # Asked on the compute thread before the start and between steps: a set lookup.
-            should_stop=(lambda: cancel.cancelled_now(rid)) if cancel else None,
+            # Asked on the compute thread before the start and between steps: set lookups.
+            should_stop=lambda: rid in gone or (cancel is not None and cancel.cancelled_now(rid)),
             on_tokens=stream.push if stream is not None else None,
             # Sent in the background while the batch decodes.
             on_started=lambda: updates.soon("decoding"),
         )
+        self.decoding[rid] = ev.created_ms
         try:
             done = await self.engine.run(job)
         except BaseException:
             if stream is not None:
                 await stream.abandon()
             raise
+        finally:
+            self.decoding.pop(rid, None)
+            stopped_gone = rid in gone
+            gone.discard(rid)
         seq.settle()
         return Generation(
             done.outcome,
@@ -578,6 +646,7 @@ class PrefillWorker:
             text=seq.text,
             finish_reason=seq.finish_reason if done.outcome == COMPLETED else None,
             stream=stream,
+            gone=stopped_gone and done.outcome == CANCELLED,
         )
 
     # ------------------------------------------------------------------------- hand off
@@ -644,6 +713,11 @@ class PrefillWorker:
         The token stream ends first, so a terminal record means a complete stream."""
         if result.stream is not None:
             await result.stream.close(result.outcome, result.finish_reason)
+        if result.gone:
+            await self._report_cancelled(
+                updates, GONE_DETAIL, result.tokens, result.text, code="status-gone"
+            )
+            return
         if result.outcome == "cancelled":
             await self._report_cancelled(updates, result.detail, result.tokens, result.text)
             return
@@ -720,14 +794,17 @@ class PrefillWorker:
         what: str,
         tokens: list[int] | None = None,
         text: str | None = None,
+        *,
+        code: str = "cancelled",
     ) -> None:
-        """``cancelled``, with the tokens made before the cancel took effect (if any)."""
+        """``cancelled``, with the tokens made before the cancel took effect (if any);
+        ``code`` ``status-gone``: stopped because the request's record went."""
         self.cancelled += 1
         await updates.now(
             "cancelled",
             token_ids=tokens or None,
             text=text if tokens else None,
-            error=ErrorInfo("cancelled", f"cancelled: {what}"),
+            error=ErrorInfo(code, f"cancelled: {what}"),
             # info survives in the record even though the API's cancel was the terminal status
             info={"prefill.cancelled": what},
         )

@@ -193,11 +193,15 @@ class FanOut:
         publisher: Publisher | None = None,
         topics: Topics | None = None,
         record: StatusWriter | None = None,
+        routed: bool = False,
     ) -> None:
         """``info``: the model's ``RenderInfo`` (no weights): its fingerprint and processor config
         go into the hash the store is keyed by. Without a ``publisher`` the fan-out can only
         :meth:`plan` (benchmarks, tests). ``record`` (``StatusStore.apply``): the fan-out's
-        status update is also written to the request's record directly (see ResultReporter)."""
+        status update is also written to the request's record directly (see ResultReporter).
+        ``routed``: the render router's fan-out, the entry point of its requests, whose update
+        makes their records (``schemas.status_record.makes_record``); behind the intake, which
+        made the record, it only updates it."""
         self.settings = settings
         self.store = store
         self.info = info
@@ -206,6 +210,7 @@ class FanOut:
         self.publisher = publisher
         self.topics = topics or Topics(settings.topic_prefix)
         self.record = record
+        self.routed = routed
         self._secret = settings.secret_bytes()
         self.limits: InputLimits = input_limits(settings, info.image_processor)
         self.pixel_dtype = pixel_dtype(settings)
@@ -402,7 +407,11 @@ class FanOut:
             "encoding" if plan.encode else "prefilling",
             timings={"fanout": (time.perf_counter() - t0) * 1000},
             info={
-                **fanout_info(encode_events=len(plan.encode), deadline_ms=plan.prefill.deadline_ms),
+                **fanout_info(
+                    encode_events=len(plan.encode),
+                    deadline_ms=plan.prefill.deadline_ms,
+                    routed=self.routed,
+                ),
                 "cache_hits": str(len(plan.cached)),
             },
         )
@@ -466,11 +475,13 @@ def build_fanout(
     publisher: Publisher,
     *,
     record: StatusWriter | None = None,
+    routed: bool = False,
 ) -> FanOut:
     """The one place a publishing FanOut is assembled (router, Submitter, demo, verify).
 
     ``record``: write the fan-out's status update through to the status record (pass
-    ``StatusStore.apply`` wherever the status store is at hand)."""
+    ``StatusStore.apply`` wherever the status store is at hand). ``routed``: the render
+    router's (its update makes the request's record)."""
     return FanOut(
         settings,
         store,
@@ -478,6 +489,7 @@ def build_fanout(
         publisher=publisher,
         topics=Topics(settings.topic_prefix),
         record=record,
+        routed=routed,
     )
 
 

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from runtime.publisher import Publisher
+from runtime.status.store import StatusGone
 from runtime.tracing import current_trace_id
 from schemas.types import ErrorInfo, ResultEvent
 
@@ -39,7 +40,9 @@ class ResultReporter:
     request's status record directly, beside the send, so a client polling the record sees it
     without waiting for the results collector's hop. The topic stays the durable record: the
     collector folds the same update later as a duplicate, and a failed direct write (Redis
-    away) is only logged.
+    away) is only logged. A record that is gone (:class:`~runtime.status.StatusGone`: the
+    record store never makes one on an update) is logged at INFO and told to ``on_gone``, so
+    the stage can stop working for a request nobody can read the outcome of.
     """
 
     RESULT_ID_HEADER = "epd-result-id"
@@ -58,12 +61,14 @@ class ResultReporter:
         worker: str = "",
         *,
         record: StatusWriter | None = None,
+        on_gone: Callable[[ResultEvent], object] | None = None,
     ):
         self.publisher = publisher
         self.topic = results_topic
         self.stage = stage
         self.worker = worker
         self.record = record
+        self.on_gone = on_gone
 
     async def __call__(
         self,
@@ -139,6 +144,16 @@ class ResultReporter:
         try:
             # Bounded: a frozen Redis must not hold the stage up; the topic carries the update.
             await asyncio.wait_for(self.record(event), self.WRITE_THROUGH_TIMEOUT_S)
+        except StatusGone:
+            # Not made again (it would lack its tenant and front); the topic still has it.
+            log.info(
+                "%s: the status record of %s is gone; its %s is not recorded there",
+                self.stage,
+                event.request_id,
+                event.status,
+            )
+            if self.on_gone is not None:
+                self.on_gone(event)
         except Exception as exc:  # any failure: the results topic still carries the update
             log.warning(
                 "status write-through of %s %s failed (%r); the results topic carries it",

@@ -56,7 +56,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -83,12 +83,15 @@ RESUBSCRIBE_S = 0.5
 """Redis Cluster: how long a reader whose channel could not be subscribed (its master is
 failing over) sleeps before it reads again and retries the subscription."""
 
-# KEYS: the stream. ARGV: its cap, TTL (s), the channel, the request id, then the entry's
-# field/value pairs. A cluster's write: the stream and the channel share the request's slot.
+# KEYS: the stream, and for a guarded write the request's status record. ARGV: its cap, TTL
+# (s), the channel, the request id, the publish command, then the entry's field/value pairs.
+# Returns 0, writing nothing, when the record it is guarded by is gone. On a cluster the
+# stream, the record and the channel share the request's slot.
 _APPEND_SCRIPT = """
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 5))
+if KEYS[2] and redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 6))
 redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('SPUBLISH', ARGV[3], ARGV[4])
+redis.call(ARGV[5], ARGV[3], ARGV[4])
 return 1
 """
 
@@ -153,7 +156,7 @@ class TokenStreams:
         self._sharded: ShardedChannels | None = None
         self._lingering: dict[str, asyncio.TimerHandle] = {}
         self._leaving: set[asyncio.Task[None]] = set()
-        self._append = client.register_script(_APPEND_SCRIPT) if self.cluster else None
+        self._append = client.register_script(_APPEND_SCRIPT)
 
     @classmethod
     def from_settings(cls, client: RedisClient, settings: Settings) -> TokenStreams:
@@ -169,9 +172,14 @@ class TokenStreams:
     def key(self, request_id: str) -> str:
         return self.keys.tokens(request_id)
 
-    def writer(self, request_id: str) -> TokenStreamWriter:
-        """A writer for one request's stream (the worker's side)."""
-        return TokenStreamWriter(self, request_id)
+    def writer(
+        self, request_id: str, on_gone: Callable[[str], object] | None = None
+    ) -> TokenStreamWriter:
+        """A writer for one request's stream (the worker's side). ``on_gone``: its writes are
+        guarded by the request's status record: none is written once the record is gone (a
+        stream is never made again for a request nobody can read), and ``on_gone`` is told
+        the request id, once."""
+        return TokenStreamWriter(self, request_id, on_gone)
 
     # --------------------------------------------------------------------------- reading
 
@@ -268,21 +276,27 @@ class TokenStreams:
             for ev in evs:
                 ev.set()
 
-    async def append(self, request_id: str, fields: dict[str, str]) -> None:
+    async def append(
+        self, request_id: str, fields: dict[str, str], *, guarded: bool = False
+    ) -> bool:
         """Append one entry to the request's stream, renew its TTL and announce it, in one
-        atomic step (a ``MULTI`` on one Redis; a script on the request's shard of a cluster)."""
-        key = self.key(request_id)
-        if self._append is not None:
-            flat = [part for pair in fields.items() for part in pair]
-            channel = self.keys.token_changes(request_id)
-            args: list[str | int] = [self.max_entries, self.ttl_s, channel, request_id, *flat]
-            await self._append(keys=[key], args=args)
-            return
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(key, fields, maxlen=self.max_entries, approximate=True)  # type: ignore[arg-type]
-        pipe.expire(key, self.ttl_s)
-        pipe.publish(self.channel, request_id)
-        await pipe.execute()
+        atomic step (a script, on a cluster on the request's shard). ``guarded``: only while
+        the request's status record exists; False (nothing written) when it is gone."""
+        keys = [self.key(request_id)]
+        if guarded:
+            keys.append(self.keys.status(request_id))
+        flat = [part for pair in fields.items() for part in pair]
+        channel = self.keys.token_changes(request_id) if self.cluster else self.channel
+        publish = "SPUBLISH" if self.cluster else "PUBLISH"
+        args: list[str | int] = [
+            self.max_entries,
+            self.ttl_s,
+            channel,
+            request_id,
+            publish,
+            *flat,
+        ]
+        return bool(int(await self._append(keys=keys, args=args)))
 
     async def read(self, request_id: str, after: str = "0", count: int = 1000) -> list[TokenChunk]:
         """The chunks after entry id ``after`` (``"0"``: all), oldest first, at most ``count``."""
@@ -335,9 +349,17 @@ class TokenStreams:
 class TokenStreamWriter:
     """Writes one request's tokens to its stream in bounded-rate batches (see the module)."""
 
-    def __init__(self, streams: TokenStreams, request_id: str) -> None:
+    def __init__(
+        self,
+        streams: TokenStreams,
+        request_id: str,
+        on_gone: Callable[[str], object] | None = None,
+    ) -> None:
         self.streams = streams
         self.request_id = request_id
+        self.on_gone = on_gone
+        self.gone = False
+        """A guarded write found the request's status record gone (nothing is written after)."""
         self.key = streams.key(request_id)
         self._tokens: list[int] = []
         self._text: list[str] = []
@@ -410,11 +432,21 @@ class TokenStreamWriter:
             fields["end"] = end
             fields["finish"] = finish_reason or ""
         self._last_write = asyncio.get_running_loop().time()
+        if self.gone:
+            return
+        guarded = self.on_gone is not None
         try:
-            await self.streams.append(self.request_id, fields)
-            self.writes += 1
+            written = await self.streams.append(self.request_id, fields, guarded=guarded)
         except (RedisError, OSError) as exc:
             log.warning("token stream %s: a write failed (%r); it is dropped", self.key, exc)
+            return
+        if written:
+            self.writes += 1
+            return
+        self.gone, self._closed = True, True
+        log.info("token stream %s: the request's status record is gone; not written", self.key)
+        if self.on_gone is not None:
+            self.on_gone(self.request_id)
 
     async def close(self, status: str, finish_reason: str | None = None) -> None:
         """Write what is buffered and the end entry (``status``: the terminal status), bounded

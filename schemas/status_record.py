@@ -32,6 +32,9 @@ ENCODE_MARK = "encode."
 """Prefix of the per-item encode stages and of their timings (``encode.<hash12>``)."""
 HANDOFF_INFO = "prefill.handoff"
 """Info key a prefill worker sets (to ``decode``) when it hands the request to the decode stage."""
+ROUTED_INFO = "fanout.routed"
+"""Info key the render router's fan-out sets (to ``1``) on its update: the first word of a
+request that came in without the intake, which makes the request's record (:func:`makes_record`)."""
 _ENCODED = "encoded."
 _ENCODE_FAILED = "encode_failed."
 _ENCODE_HOP = "encode_hop."
@@ -60,9 +63,24 @@ def encode_stage(mm_hash: str) -> str:
     return ENCODE_MARK + short_hash(mm_hash)
 
 
-def fanout_info(*, encode_events: int, deadline_ms: int | None) -> dict[str, str]:
-    """The ``info`` the fan-out records: how many encode events it sent, and the deadline."""
-    return {_ENCODE_EVENTS: str(encode_events), _DEADLINE: str(deadline_ms)}
+def fanout_info(
+    *, encode_events: int, deadline_ms: int | None, routed: bool = False
+) -> dict[str, str]:
+    """The ``info`` the fan-out records: how many encode events it sent, and the deadline;
+    ``routed``: the router's fan-out, whose update makes the record (:data:`ROUTED_INFO`)."""
+    info = {_ENCODE_EVENTS: str(encode_events), _DEADLINE: str(deadline_ms)}
+    if routed:
+        info[ROUTED_INFO] = "1"
+    return info
+
+
+def makes_record(ev: ResultEvent) -> bool:
+    """Whether ``ev`` may make its request's record where there is none: only the render
+    router's fan-out update does (an external renderer's request has no intake to make it),
+    wherever it is folded (written through, or by the results collector). Every other update
+    folds into the record it finds, so a record that went is never made again without its
+    tenant and front."""
+    return ev.stage == "fanout" and ev.info.get(ROUTED_INFO) == "1"
 
 
 def _rank(status: str) -> int:
@@ -370,12 +388,14 @@ def encoded_update(ev: EncodedEvent, *, hop_ms: float | None = None) -> ResultEv
 __all__ = [
     "ENCODE_MARK",
     "HANDOFF_INFO",
+    "ROUTED_INFO",
     "StatusRecord",
     "created",
     "encode_stage",
     "encoded_update",
     "fanout_info",
     "fold",
+    "makes_record",
     "short_hash",
     "stage_key",
 ]

@@ -199,3 +199,8 @@ async def follow(
             read_tokens = read_status  # a status change: its tokens so far are read beside it
             if not chunks and not read_status:
                 yield None, f.at
+                # A record can go without a word (its TTL, an operator): look after a silence.
+                read_status = True
+            elif any(c.end is not None for c in chunks):
+                # The token stream ended: the terminal status follows, unless the record went.
+                read_status = True

@@ -15,7 +15,7 @@ from runtime.status.inflight import InFlight
 from runtime.status.listener import ChannelListener
 from runtime.status.notify import StatusNotifier
 from runtime.status.reader import RequestReader, RequestState, RequestStateReader
-from runtime.status.store import StatusStore
+from runtime.status.store import StatusGone, StatusStore
 
 __all__ = [
     "CancelWatch",
@@ -24,6 +24,7 @@ __all__ = [
     "RequestReader",
     "RequestState",
     "RequestStateReader",
+    "StatusGone",
     "StatusNotifier",
     "StatusStore",
 ]

@@ -89,13 +89,29 @@ class InFlight:
         raws = await read_many(self.client, [self.keys.status(n) for n in names])
         return [StatusRecord.from_json(raw) for raw in raws if raw]
 
-    async def unfinished(self, limit: int) -> list[StatusRecord]:
+    async def unfinished(
+        self, limit: int, *, orphaned_before_ms: int | None = None
+    ) -> list[StatusRecord]:
         """:meth:`records` without the finished ones, whose entries are removed: what a process
-        that died between a request's outcome and its removal left behind (cluster only)."""
-        recs = await self.records(limit)
+        that died between a request's outcome and its removal left behind (cluster only).
+        ``orphaned_before_ms``: the entries counted before then whose record is gone are
+        removed too (its TTL, an eviction, an operator took it; no update makes it again, so
+        no outcome would ever release the slot). A younger entry may be a record still being
+        made (on a cluster the entry comes first), so it stays."""
+        entries: Any = await self.client.zrange(self.keys.inflight, 0, limit - 1, withscores=True)
+        names = [_name(n) for n, _ in entries]
+        scores = [float(score) for _, score in entries]
+        raws = await read_many(self.client, [self.keys.status(n) for n in names])
+        recs = [StatusRecord.from_json(raw) for raw in raws if raw]
+        cut = orphaned_before_ms
+        gone = [
+            name
+            for name, score, raw in zip(names, scores, raws, strict=True)
+            if not raw and cut is not None and score < cut
+        ]
         finished = [r.request_id for r in recs if r.terminal]
-        if finished:
-            await self.client.zrem(self.keys.inflight, *finished)
+        if finished or gone:
+            await self.client.zrem(self.keys.inflight, *finished, *gone)
         return [r for r in recs if not r.terminal]
 
     async def by_status(self, limit: int = 10000) -> dict[str, int]:

@@ -7,6 +7,16 @@ message = request id), so long-polls and event streams wake on a notification in
 polling. An update is one server-side compare-and-set script that writes all three with the
 record, atomically, in one round trip. The fold itself is :mod:`schemas.status_record`; the
 in-flight set is :mod:`runtime.status.inflight`, cancels :mod:`runtime.status.cancel`.
+
+Only a request's entry point makes its record: the intake (:meth:`StatusStore.create`, with the
+tenant, metadata and front) or, for a request an external renderer sent, the render router
+(its fan-out's update, :func:`~schemas.status_record.makes_record`, and its dead letters,
+:meth:`StatusStore.start`). Every other write (a stage's transitions and outcome, the
+results collector's fold, the sweep, a cancel, a dead letter's outcome) folds into the record
+it finds and never makes one: the compare-and-set starts from the text it read, so a record
+that went meanwhile (its TTL, an eviction, an operator, a Redis restart) is not rebuilt
+without its tenant and front, and the update raises :class:`StatusGone` instead (after a
+notification, so that whoever follows the request looks again and finds it gone).
 """
 
 from __future__ import annotations
@@ -18,14 +28,25 @@ from collections.abc import Callable
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 
 from runtime.redis_cluster import RedisClient, is_cluster_client
 from runtime.settings import Settings
 from runtime.status.cancel import announce_cancel
 from runtime.status.inflight import InFlight
 from schemas.keys import RedisKeys
-from schemas.status_record import StatusRecord, created, fold
+from schemas.status_record import StatusRecord, created, fold, makes_record
 from schemas.types import ErrorInfo, ResultEvent, now_ms
+
+
+class StatusGone(LookupError):
+    """The request has no status record (it went: its TTL, an eviction, an operator, a Redis
+    restart; or it never had one): an update folds into an existing record only."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"the status record of {request_id} is gone")
+        self.request_id = request_id
+
 
 RecordChange = Callable[[StatusRecord | None], StatusRecord | None]
 """The record before -> the record after, or None when nothing is to be written."""
@@ -35,10 +56,12 @@ STREAM_MAXLEN = 256
 
 
 # KEYS: record, its event stream, and on one Redis the in-flight set. ARGV: the record text
-# the fold started from ("" = no record), the new text, TTL s, the stream entry ("" = the status
-# did not change), the change channel, the stream's cap, "1" when terminal, the request id, now
-# (ms), the publish command (PUBLISH; SPUBLISH on a cluster, where the channel is in the
-# request's slot). Returns {1} once written, or {0, text Redis holds} when the start was stale.
+# the fold started from ("" = no record: only a create passes it; an update passes the text
+# it read, so it never writes where the record went), the new text, TTL s, the stream entry
+# ("" = the status did not change), the change channel, the stream's cap, "1" when terminal,
+# the request id, now (ms), the publish command (PUBLISH; SPUBLISH on a cluster, where the
+# channel is in the request's slot). Returns {1} once written, or {0, text Redis holds} when
+# the start was stale (nothing, when the record went: the update then finds it gone).
 # A request that is not finished is in the in-flight set whoever wrote its record (the API's
 # admission adds it first; a router's or a submitter's record joins here), so the sweep sees
 # every one of them; on a cluster the set is another slot's, updated beside the script.
@@ -118,14 +141,15 @@ class StatusStore:
         def make(rec: StatusRecord | None) -> StatusRecord | None:
             return record if rec is None else None
 
-        if await self._modify(request_id, make, stage="api", absent=True):
+        if await self._modify(request_id, make, stage="api", absent=True, creates=True):
             return True
         # A connection dropped after the script ran, and the retry found the record: one that
         # holds this very text is ours.
         return self._known.get(request_id) == text
 
     async def update_fields(self, request_id: str, fields: dict[str, Any]) -> None:
-        """Merge top-level ``fields`` into an existing record (no status change)."""
+        """Merge top-level ``fields`` into an existing record (no status change); nothing
+        when there is none (:class:`StatusGone`)."""
         await self._modify(request_id, lambda rec: rec.with_fields(fields) if rec else None)
 
     async def delete(self, request_id: str) -> None:
@@ -134,8 +158,21 @@ class StatusStore:
         await self.client.zrem(self.keys.inflight, request_id)
 
     async def apply(self, ev: ResultEvent) -> bool:
-        """Fold one ResultEvent into its record atomically; False when it was a duplicate."""
-        return await self._modify(ev.request_id, lambda rec: fold(rec, ev), stage=ev.stage)
+        """Fold one ResultEvent into its existing record atomically; False when it was a
+        duplicate. Raises :class:`StatusGone` when there is no record: an update never makes
+        one (see the module docstring), but for the render router's fan-out update
+        (:func:`~schemas.status_record.makes_record`)."""
+        return await self._modify(
+            ev.request_id, lambda rec: fold(rec, ev), stage=ev.stage, creates=makes_record(ev)
+        )
+
+    async def start(self, ev: ResultEvent) -> bool:
+        """:meth:`apply`, making the record when there is none: only for a word of a request's
+        entry point that came in without the intake (the render router's dead letters: an
+        external renderer's event it refused, which has no tenant or front to lose)."""
+        return await self._modify(
+            ev.request_id, lambda rec: fold(rec, ev), stage=ev.stage, creates=True
+        )
 
     async def end_if_unchanged(self, ev: ResultEvent, seen_updated_ms: int) -> bool:
         """Fold the outcome ``ev`` only into a record that is unfinished and unchanged since it
@@ -148,10 +185,19 @@ class StatusStore:
                 return None
             return fold(rec, ev)
 
-        return await self._modify(ev.request_id, change, stage=ev.stage)
+        try:
+            return await self._modify(ev.request_id, change, stage=ev.stage)
+        except StatusGone:
+            return False  # it went since the judge read it: nothing to end
 
     async def _modify(
-        self, request_id: str, change: RecordChange, stage: str = "api", *, absent: bool = False
+        self,
+        request_id: str,
+        change: RecordChange,
+        stage: str = "api",
+        *,
+        absent: bool = False,
+        creates: bool = False,
     ) -> bool:
         """Fold ``change`` into the record with one compare-and-set script per try.
 
@@ -161,11 +207,13 @@ class StatusStore:
         record (:attr:`_known`), else what a read finds; a stale one costs one more try, never
         a lost update. A remembered text that says "nothing to change" is checked against
         Redis first. ``absent``: start from "no record" (a create), not from a read.
+        ``creates``: ``change`` may make the record; otherwise a fold that finds none raises
+        :class:`StatusGone` and writes nothing.
         """
         dropped = 0
         while True:
             try:
-                return await self._fold_in(request_id, change, stage, absent)
+                return await self._fold_in(request_id, change, stage, absent, creates)
             except RedisConnectionError:
                 # A pooled connection Redis dropped (a restart, a freeze): fold again on a
                 # fresh one. Safe even if the script ran: the same update folds as a duplicate.
@@ -176,7 +224,7 @@ class StatusStore:
                 await asyncio.sleep(0.05 * dropped)
 
     async def _fold_in(
-        self, request_id: str, change: RecordChange, stage: str, absent: bool
+        self, request_id: str, change: RecordChange, stage: str, absent: bool, creates: bool
     ) -> bool:
         expected, verified = ("" if absent else self._known.get(request_id)), False
         counted = False  # cluster: this call added the request to the in-flight set
@@ -187,6 +235,8 @@ class StatusStore:
             expected, verified = await self._read(request_id), True
         while True:
             old = StatusRecord.from_json(expected) if expected else None
+            if old is None and verified and not creates:
+                await self._gone(request_id, change)
             rec = change(old)
             if rec is None:
                 if verified:
@@ -247,6 +297,25 @@ class StatusStore:
             return True, None
         return False, _text(reply[1] if len(reply) > 1 else None)
 
+    async def _gone(self, request_id: str, change: RecordChange) -> None:
+        """An update found no record: announce a change, so that a reader following the
+        request (an event stream, a long-poll) looks now and finds it gone rather than waiting
+        for a change that will not come; an outcome also gives back the request's in-flight
+        slot (nothing else would: the sweep drops what is left later); then
+        :class:`StatusGone`."""
+        self._remember(request_id, None)
+        would = change(None)
+        try:
+            if would is not None and would.terminal:
+                await self.inflight.release(request_id)
+            if self.cluster:
+                await self.client.spublish(self.keys.status_changes(request_id), request_id)
+            else:
+                await self.client.publish(self.keys.status_notify, request_id)
+        except RedisError:
+            pass  # the readers still look on their next wake; the update is refused anyway
+        raise StatusGone(request_id)
+
     async def warm(self) -> None:
         """Load the update script and open a connection now, so a worker's first update is as
         quick as the next ones (redis-py would load the script on its first NOSCRIPT answer:
@@ -305,13 +374,17 @@ class StatusStore:
 
     async def cancel(self, request_id: str, reason: str = "cancelled by the client") -> bool:
         """Mark a request cancelled: the flag workers check, a message to running workers, and
-        the terminal ``cancelled`` status (False when the record was already terminal)."""
+        the terminal ``cancelled`` status (False when the record was already terminal, or is
+        gone: no record is made for it)."""
         await announce_cancel(self.client, self.keys, request_id, ttl_s=self.ttl_s)
-        return await self.apply(
-            ResultEvent(
-                request_id=request_id,
-                stage="api",
-                status="cancelled",
-                error=ErrorInfo("cancelled", reason),
+        try:
+            return await self.apply(
+                ResultEvent(
+                    request_id=request_id,
+                    stage="api",
+                    status="cancelled",
+                    error=ErrorInfo("cancelled", reason),
+                )
             )
-        )
+        except StatusGone:
+            return False

@@ -837,6 +837,154 @@ async def test_a_stream_whose_record_goes_before_the_end_ends_with_an_error(
     assert getattr(e.value, "code", None) == "status-gone", e.value
 
 
+async def test_a_record_deleted_mid_decode_is_not_made_again_and_every_reader_says_so(
+    stack: ApiStack, http: httpx.AsyncClient
+) -> None:
+    """Issue 27 #8: three requests decoding (a plain chat, a streamed chat, a native request
+    read through /events) lose their status records as a TTL or an operator would take them:
+    the key alone, no notification. No worker (nor the results collector) makes a record
+    again: it would lack the tenant and front, so the plain chat answered 200 with
+    ``"model": ""``, both streams ended as if complete and the owner got 404. Now the plain
+    chat answers 503 ``status-gone``, both streams end with their status-gone error event, the
+    native GET answers 404, the records stay gone, and the workers stop decoding them (the
+    results topic says ``cancelled``, ``status-gone``, short of max_tokens)."""
+    import redis.asyncio as aioredis
+
+    from runtime.kafka import read_topic
+    from schemas.codec import decode
+    from schemas.keys import RedisKeys
+    from schemas.types import ResultEvent
+
+    max_tokens = 2000
+    keys = RedisKeys(stack.settings.topic_prefix)
+    redis = aioredis.Redis.from_url(stack.settings.redis_url)
+    case = uuid.uuid4().hex
+    turn = [user_turn("Go on")]
+    chat = {"model": MODEL, "messages": turn, "max_tokens": max_tokens, "ignore_eos": True}
+
+    async def plain() -> httpx.Response:
+        body = {**chat, "metadata": {"case": case}}
+        return await http.post("/v1/chat/completions", json=body)
+
+    async def lines(method: str, url: str, body: Any, first: asyncio.Future[str]) -> list[str]:
+        out: list[str] = []
+        async with http.stream(method, url, json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                out.append(line)
+                if not first.done() and '"content":"' in line and '"content":""' not in line:
+                    first.set_result(record_id(json.loads(line[5:])["id"]))
+                if not first.done() and line.startswith("event: token"):
+                    first.set_result("")  # the native stream: its id is known already
+        return out
+
+    r = await http.post(
+        "/v1/requests", json={"prompt": "Go on", "max_tokens": max_tokens, "ignore_eos": True}
+    )
+    assert r.status_code == 202, r.text
+    native_id = r.json()["request_id"]
+    loop = asyncio.get_running_loop()
+    streamed_first: asyncio.Future[str] = loop.create_future()
+    native_first: asyncio.Future[str] = loop.create_future()
+    plain_task = asyncio.create_task(plain())
+    stream_task = asyncio.create_task(
+        lines("POST", "/v1/chat/completions", {**chat, "stream": True}, streamed_first)
+    )
+    events_task = asyncio.create_task(
+        lines("GET", f"/v1/requests/{native_id}/events", None, native_first)
+    )
+    tasks: list[asyncio.Task[Any]] = [plain_task, stream_task, events_task]
+    try:
+        stream_id = await asyncio.wait_for(streamed_first, 120)
+        await asyncio.wait_for(native_first, 120)
+        plain_id = ""
+        for _ in range(600):
+            found = await _records_with(stack, case)
+            if found and found[0][1] == "decoding":
+                plain_id = found[0][0]
+                break
+            await asyncio.sleep(0.1)
+        assert plain_id, "the plain chat did not start decoding"
+        ids = [plain_id, stream_id, native_id]
+        long_poll = asyncio.create_task(
+            http.get(f"/v1/requests/{native_id}", params={"wait": 60, "changed_from": "decoding"})
+        )
+        tasks.append(long_poll)
+        await asyncio.sleep(0.3)  # the long-poll is waiting
+        for rid in ids:  # the key alone, as its TTL would take it: nobody is told
+            assert await redis.delete(keys.status(rid)) == 1
+
+        answer = await asyncio.wait_for(plain_task, 120)
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "status-gone", answer.text
+        assert "status record is gone" in answer.json()["error"]["message"]
+        assert answer.headers.get("retry-after") == "1"
+
+        streamed = await asyncio.wait_for(stream_task, 120)
+        data = [json.loads(x[5:]) for x in streamed if x.startswith("data:") and "{" in x]
+        assert data[-1]["error"]["code"] == "status-gone", streamed[-6:]
+        assert not any(c.get("choices") and c["choices"][0]["finish_reason"] for c in data)
+
+        native_lines = await asyncio.wait_for(events_task, 120)
+        assert native_lines[-3] == "event: error", native_lines[-6:]
+        err = json.loads(native_lines[-2][5:])
+        assert err["status"] == 404 and err["error"]["rule"] == "status-gone", err
+
+        polled = await asyncio.wait_for(long_poll, 120)
+        assert polled.status_code == 404, polled.text
+        assert polled.json()["error"]["rule"] == "status-gone", polled.text
+        for rid in ids:
+            got = await http.get(f"/v1/requests/{rid}")
+            assert got.status_code == 404, got.text
+
+        # The workers stopped them (their outcome is on the results topic) and nothing, the
+        # workers' write-through nor the results collector's fold, made a record again.
+        topic = f"{stack.settings.topic_prefix}.results"
+        ends: dict[str, ResultEvent] = {}
+        for _ in range(240):
+            for rec in await read_topic(stack.settings, topic):
+                ev = decode(rec.value)
+                if isinstance(ev, ResultEvent) and ev.request_id in ids and ev.stage != "api":
+                    if ev.status in ("completed", "cancelled", "failed", "expired"):
+                        ends[ev.request_id] = ev
+            if len(ends) == len(ids):
+                break
+            await asyncio.sleep(0.5)
+        assert set(ends) == set(ids), ends
+        for rid, ev in ends.items():
+            assert ev.status == "cancelled" and ev.error is not None, ev
+            assert ev.error.code == "status-gone", ev
+            assert len(ev.token_ids or []) < max_tokens, rid
+        await asyncio.sleep(2.0)  # the collector folds the same outcomes by now
+        for rid in ids:
+            assert await redis.exists(keys.status(rid)) == 0, rid
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await redis.aclose()
+
+
+async def _records_with(stack: ApiStack, case: str) -> list[tuple[str, str]]:
+    """(id, status) of the records labelled ``case`` (the client has no id until the end)."""
+    import redis.asyncio as aioredis
+
+    from runtime.status import StatusStore
+
+    client = aioredis.Redis.from_url(stack.settings.redis_url)
+    try:
+        store = StatusStore(client, prefix=stack.settings.topic_prefix)
+        found = []
+        async for key in client.scan_iter(match=f"{stack.settings.topic_prefix}:status:*"):
+            rec = await store.get(key.decode().rsplit(":", 1)[1])
+            labels = (rec.metadata if rec else None) or {}
+            if rec and labels.get("case") == case:
+                found.append((rec.request_id, rec.status))
+        return found
+    finally:
+        await client.aclose()
+
+
 async def _cancelled_with(stack: ApiStack, case: str) -> list[str]:
     """Ids of the cancelled records labelled ``case`` (read from Redis: the client never got
     the request's id)."""

@@ -38,7 +38,8 @@ async def test_burst_of_status_applies_waits_for_a_connection(
     client = make_redis_client(small)
     status = StatusStore(client, prefix=redis_prefix.rstrip(":"), ttl_s=60)
     try:
-        results = await asyncio.gather(*(status.apply(ev) for ev in _burst()))
+        # start: the burst makes its records, as the router's first updates do
+        results = await asyncio.gather(*(status.start(ev) for ev in _burst()))
         assert all(results)  # every (stage, status) pair was new: none lost, none failed
         pool = client.connection_pool
         opened = len(pool._available_connections) + len(pool._in_use_connections)
@@ -57,7 +58,7 @@ async def test_default_pool_of_that_size_fails_the_same_burst(
     status = StatusStore(client, prefix=redis_prefix.rstrip(":"), ttl_s=60)
     try:
         outcomes = await asyncio.gather(
-            *(status.apply(ev) for ev in _burst()), return_exceptions=True
+            *(status.start(ev) for ev in _burst()), return_exceptions=True
         )
         assert any(isinstance(o, MaxConnectionsError) for o in outcomes)
     finally:
@@ -90,7 +91,7 @@ async def test_status_updates_survive_connections_redis_dropped(
     try:
         ids = [f"dropped-{i}" for i in range(4)]
         # four pooled connections, all in use at once, then all idle in the pool
-        await asyncio.gather(*(status.apply(ResultEvent(r, "api", "queued")) for r in ids))
+        await asyncio.gather(*(status.start(ResultEvent(r, "api", "queued")) for r in ids))
         killed = await redis_client.client_kill_filter(_type="normal", skipme=True)
         assert killed >= 1
         done = await asyncio.gather(

@@ -203,6 +203,7 @@ async def test_a_request_cancelled_mid_decode_keeps_the_tokens_it_made(
     pre = PrefillWorker(
         cfg, bundle, store, env["producer"], cancel=env["watch"], record=status.apply
     )
+    assert await status.create(ev.request_id, {})  # as the intake does
     try:
         await enc.handle(plan.encode[0])
         running = asyncio.create_task(pre.handle(plan.prefill))

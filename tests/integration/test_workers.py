@@ -807,16 +807,17 @@ async def status(cfg: Settings, namespace: str) -> AsyncIterator[Any]:
 
 
 async def fold_into(status: Any, cfg: Settings, request_id: str) -> None:
-    """Fold everything produced for ``request_id`` into its record, as the collector does."""
+    """Fold everything produced for ``request_id`` into its record, as the collector does
+    (``start``: the record is made by the first, as the router's fan-out would)."""
     from consumers.results import encoded_update
 
     topics = Topics(cfg.topic_prefix)
     for ev in await produced(cfg, topics.encoded):
         if ev.request_id == request_id:
-            await status.apply(encoded_update(ev))
+            await status.start(encoded_update(ev))
     for ev in await produced(cfg, topics.results):
         if ev.request_id == request_id:
-            await status.apply(ev)
+            await status.start(ev)
 
 
 async def test_a_replayed_prefill_event_is_skipped_once_the_request_is_terminal(
@@ -1069,6 +1070,7 @@ async def test_the_encoder_writes_each_items_mark_through_to_the_record(
     ev = render(renderer, (181, 182))
     p = await plan(cfg, store, bundle, ev)
     worker = EncodeWorker(cfg, bundle, store, producer, record=status.apply)
+    assert await status.create(ev.request_id, {})  # as the intake does
     try:
         await asyncio.gather(*(worker.handle(wire(enc)) for enc in p.encode))
     finally:

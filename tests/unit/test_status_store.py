@@ -10,7 +10,7 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from runtime.status import StatusStore
+from runtime.status import StatusNotifier, StatusStore
 from schemas.status_record import fold
 from schemas.types import ErrorInfo, ResultEvent
 
@@ -63,7 +63,7 @@ async def store(request: pytest.FixtureRequest):
 
 async def test_store_applies_and_dedupes(store: StatusStore) -> None:
     assert await store.get("r1") is None
-    assert await store.apply(ResultEvent("r1", "api", "queued"))
+    assert await store.start(ResultEvent("r1", "api", "queued"))
     assert await store.apply(ResultEvent("r1", "prefill", "completed", token_ids=[7]))
     assert not await store.apply(ResultEvent("r1", "prefill", "completed", token_ids=[7]))
     rec = await store.get("r1")
@@ -75,9 +75,10 @@ async def test_concurrent_writers_lose_nothing(store: StatusStore) -> None:
     events = [
         ResultEvent("r2", f"stage{i}", "encoding", timings={f"t{i}": float(i)}) for i in range(20)
     ]
+    assert await store.create("r2", {})
     await asyncio.gather(*(store.apply(e) for e in events))
     rec = await store.get("r2")
-    assert rec is not None and len(rec.timings) == 20 and len(rec.stages) == 20
+    assert rec is not None and len(rec.timings) == 20 and len(rec.stages) == 21
 
 
 def test_encoded_events_mark_each_item_of_a_request() -> None:
@@ -192,6 +193,7 @@ async def test_collector_applies_one_requests_updates_in_arrival_order(
     from consumers.results import ResultsCollector
 
     rc = ResultsCollector(store)
+    assert await store.create("o1", {})
     # dispatched together, as the consume loop does with one fetched batch
     await asyncio.gather(
         rc.handle(ResultEvent("o1", "prefill", "prefilling")),
@@ -199,7 +201,7 @@ async def test_collector_applies_one_requests_updates_in_arrival_order(
         rc.handle(ResultEvent("o1", "prefill", "completed", token_ids=[1])),
     )
     history = [e["status"] for _, e in await store.events("o1")]
-    assert history == ["prefilling", "decoding", "completed"]
+    assert history == ["queued", "prefilling", "decoding", "completed"]
     assert rc.applied == 3 and not rc._order  # nothing kept once a request is idle
 
 
@@ -207,7 +209,7 @@ async def test_a_stale_memory_of_the_record_loses_no_update(store: StatusStore) 
     """Two writers (a worker and the collector, say), each remembering its own last sight of
     the record: the compare-and-set refuses the stale one, which folds again on Redis's."""
     other = StatusStore(store.client, prefix=store.prefix, ttl_s=60)
-    assert await store.apply(ResultEvent("s1", "api", "queued"))
+    assert await store.start(ResultEvent("s1", "api", "queued"))
     assert await other.apply(ResultEvent("s1", "fanout", "encoding", timings={"fanout": 1.0}))
     # ``store`` still remembers the queued record
     assert await store.apply(ResultEvent("s1", "prefill", "prefilling", timings={"q": 2.0}))
@@ -221,14 +223,104 @@ async def test_a_stale_memory_of_the_record_loses_no_update(store: StatusStore) 
     assert not await other.apply(ResultEvent("s1", "prefill", "prefilling", timings={"q": 2.0}))
 
 
-async def test_a_remembered_record_that_redis_lost_is_written_again(store: StatusStore) -> None:
-    done = ResultEvent("s2", "prefill", "completed", token_ids=[5])
-    assert await store.apply(done)
-    await store.client.delete(store.keys.status("s2"))  # evicted, or Redis restarted empty
-    # The memory says "already folded"; Redis says otherwise, and Redis wins.
-    assert await store.apply(done)
-    rec = await store.get("s2")
-    assert rec is not None and rec.status == "completed" and rec.token_ids == [5]
+async def test_an_update_never_makes_a_record_that_went(store: StatusStore) -> None:
+    """A record deleted after a writer last saw it (its TTL, an eviction, an operator, a Redis
+    restart) is not made again by an update, whichever path the update takes: the writer's
+    remembered text (the compare-and-set finds no record), a fresh read, a field merge, a
+    cancel, the sweep's judged outcome or the results collector's fold. Each leaves no key
+    behind; the update raises StatusGone (the collector counts it) and announces a change, so
+    a reader following the request looks again."""
+    from consumers.results import ResultsCollector
+    from runtime.status import StatusGone
+
+    rid = f"g-{uuid.uuid4().hex[:8]}"
+    assert await store.admit(rid, 1000)
+    assert await store.create(rid, {"tenant": "alice", "front": {"model": "m"}})
+    assert await store.apply(ResultEvent(rid, "prefill", "decoding"))
+    seen = await store.get(rid)
+    assert seen is not None and seen.updated_ms is not None
+    await store.client.delete(store.keys.status(rid))  # as the TTL or an operator would
+    fresh = StatusStore(store.client, prefix=store.prefix, ttl_s=60)  # remembers nothing
+    done = ResultEvent(rid, "prefill", "completed", token_ids=[5])
+    notifier = StatusNotifier(store)  # what the API's readers wait on
+    await notifier.start()
+    try:
+        async with notifier.watch(rid) as changed:
+            for writer in (store, fresh):  # the remembered text; a fresh read
+                changed.clear()
+                with pytest.raises(StatusGone):
+                    await writer.apply(done)
+                await asyncio.wait_for(changed.wait(), 5)  # a follower looks again
+    finally:
+        await notifier.close()
+    with pytest.raises(StatusGone):
+        await store.update_fields(rid, {"cached": []})
+    assert not await store.cancel(rid)
+    assert not await store.end_if_unchanged(done, seen.updated_ms)
+    rc = ResultsCollector(fresh)
+    await rc.handle(done)
+    assert (rc.applied, rc.duplicates, rc.gone) == (0, 0, 1)
+    assert await store.client.exists(store.keys.status(rid)) == 0
+    assert await store.get(rid) is None
+    # Its outcome, refused, still gave its in-flight slot back (nothing else would).
+    assert rid not in {m.decode() for m in await store.client.zrange(store.keys.inflight, 0, -1)}
+
+
+async def test_the_sweep_drops_in_flight_entries_whose_record_went(store: StatusStore) -> None:
+    """An entry whose record went (no outcome will release it) is dropped once older than
+    the cut; a young one without a record (being made) stays."""
+    from schemas.types import now_ms
+
+    old, young = f"o-{uuid.uuid4().hex[:8]}", f"y-{uuid.uuid4().hex[:8]}"
+    await store.client.zadd(store.keys.inflight, {old: now_ms() - 120_000, young: now_ms()})
+    assert await store.inflight.unfinished(100, orphaned_before_ms=now_ms() - 60_000) == []
+    left = {m.decode() for m in await store.client.zrange(store.keys.inflight, 0, -1)}
+    assert young in left and old not in left
+
+
+async def test_a_record_deleted_between_the_read_and_the_write_is_not_made_again(
+    store: StatusStore,
+) -> None:
+    """The compare-and-set itself checks existence: an update that read the record and lost
+    it before its script ran writes nothing (the script compares with the text it read)."""
+    from consumers.results import ResultsCollector
+    from runtime.status import StatusGone
+    from schemas.status_record import fanout_info
+
+    rid = f"h-{uuid.uuid4().hex[:8]}"
+    assert await store.create(rid, {"tenant": "bob"})
+    real_write = store._write
+
+    async def deleted_first(*args: object, **kwargs: object) -> tuple[bool, str | None]:
+        await store.client.delete(store.keys.status(rid))
+        return await real_write(*args, **kwargs)  # type: ignore[arg-type]
+
+    store._write = deleted_first  # type: ignore[method-assign]
+    try:
+        with pytest.raises(StatusGone):
+            await store.apply(ResultEvent(rid, "prefill", "completed", token_ids=[1]))
+    finally:
+        del store._write
+    assert await store.client.exists(store.keys.status(rid)) == 0
+    # The entry points still make records: the intake's create, the router's dead letters
+    # (start) and the router's fan-out update (marked routed), wherever it is folded; the
+    # same update behind the intake (unmarked) makes none.
+    assert await store.create(rid, {"tenant": "bob"})
+    other = f"h-{uuid.uuid4().hex[:8]}"
+    assert await store.start(ResultEvent(other, "fanout", "rejected"))
+    assert (await store.get(other)) is not None
+    info = fanout_info(encode_events=1, deadline_ms=None)
+    unrouted = ResultEvent(f"h-{uuid.uuid4().hex[:8]}", "fanout", "encoding", info=info)
+    with pytest.raises(StatusGone):
+        await store.apply(unrouted)
+    routed_info = fanout_info(encode_events=1, deadline_ms=None, routed=True)
+    written = ResultEvent(f"h-{uuid.uuid4().hex[:8]}", "fanout", "encoding", info=routed_info)
+    assert await store.apply(written)  # the router's write-through
+    folded = ResultEvent(f"h-{uuid.uuid4().hex[:8]}", "fanout", "encoding", info=routed_info)
+    await ResultsCollector(store).handle(folded)  # its write-through failed: the collector's
+    for ev in (written, folded):
+        rec = await store.get(ev.request_id)
+        assert rec is not None and rec.status == "encoding"
 
 
 async def test_an_update_of_a_known_record_is_one_round_trip(store: StatusStore) -> None:
@@ -240,7 +332,7 @@ async def test_an_update_of_a_known_record_is_one_round_trip(store: StatusStore)
         return await real(*args, **kwargs)
 
     assert await store.admit("s3", 10)
-    assert await store.apply(ResultEvent("s3", "api", "queued"))
+    assert await store.start(ResultEvent("s3", "api", "queued"))
     store.client.execute_command = counting  # type: ignore[method-assign]
     try:
         assert await store.apply(ResultEvent("s3", "fanout", "encoding"))
@@ -259,7 +351,7 @@ async def test_every_unfinished_request_is_in_flight_whoever_wrote_it(store: Sta
     """A record a router or a submitter wrote (no admission) is in the in-flight set too, until
     its outcome: the sweep must see every request that could still hang."""
     rid = f"r-{uuid.uuid4().hex[:8]}"
-    assert await store.apply(ResultEvent(rid, "fanout", "encoding"))
+    assert await store.start(ResultEvent(rid, "fanout", "encoding"))
     assert rid in {m.decode() for m in await store.client.zrange(store.keys.inflight, 0, -1)}
     assert await store.apply(ResultEvent(rid, "prefill", "completed", token_ids=[1]))
     assert rid not in {m.decode() for m in await store.client.zrange(store.keys.inflight, 0, -1)}
@@ -270,7 +362,7 @@ async def test_a_judged_outcome_lands_only_on_the_record_as_judged(store: Status
     sweep read it, so neither a stage's progress nor its outcome is overridden twice."""
     rid = f"r-{uuid.uuid4().hex[:8]}"
     lost = ResultEvent(rid, "sweep", "failed", error=ErrorInfo("broker-lost", "gone"))
-    await store.apply(ResultEvent(rid, "fanout", "prefilling"))
+    await store.start(ResultEvent(rid, "fanout", "prefilling"))
     first = await store.get(rid)
     assert first is not None and first.updated_ms is not None
     seen = first.updated_ms

@@ -162,6 +162,37 @@ async def test_on_a_cluster_a_stream_sits_in_its_requests_slot(
     assert not streams.following("r6")
 
 
+async def test_a_guarded_writer_writes_nothing_once_the_record_went(
+    streams: TokenStreams,
+) -> None:
+    """Issue 27 #8: a worker's writer is guarded by the request's status record (one script
+    checks it exists and appends): while the record is there tokens land; once it went (TTL,
+    eviction, an operator) nothing is written, no stream is made again where there was none,
+    no end entry says ``completed``, and the writer tells ``on_gone`` once."""
+    from schemas.keys import RedisKeys
+
+    keys = RedisKeys(streams.prefix, cluster=streams.cluster)
+    rid = f"g-{uuid.uuid4().hex[:8]}"
+    await streams.client.set(keys.status(rid), b"{}", ex=60)
+    told: list[str] = []
+    w = streams.writer(rid, told.append)
+    w.push([1], "a")
+    await asyncio.sleep(0.2)
+    assert [c.token_ids for c in await streams.read(rid)] == [[1]]
+    await streams.client.delete(keys.status(rid), streams.key(rid))
+    w.push([2], "b")
+    await asyncio.sleep(0.2)
+    w.push([3], "c")
+    await w.close("completed", LENGTH)
+    assert await streams.client.exists(streams.key(rid)) == 0
+    assert w.gone and told == [rid] and w.writes == 1
+    # An unguarded writer (no record in its deployment) writes as ever.
+    free = streams.writer(f"u-{uuid.uuid4().hex[:8]}")
+    free.push([4], "d")
+    await free.close("completed", LENGTH)
+    assert free.writes == 2 and not free.gone
+
+
 async def test_a_failed_write_never_reaches_the_decode_loop() -> None:
     dead = aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
     w = TokenStreams(dead, "dead", interval_s=0).writer("r5")

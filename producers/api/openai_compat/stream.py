@@ -23,20 +23,17 @@ from producers.api.errors import ApiError
 from producers.api.follow import RecordGone, StatusChange, follow
 from producers.api.openai_compat.errors import openai_body
 from producers.api.openai_compat.submit import cancel_if_abandoned
-from producers.api.openai_compat.views import CHAT_PREFIX, finish_reason, not_completed, usage
+from producers.api.openai_compat.views import (
+    CHAT_PREFIX,
+    RECORD_GONE,
+    finish_reason,
+    not_completed,
+    usage,
+)
 from producers.api.state import ApiState
 from runtime.token_stream import TokenChunk
-from schemas.status_record import StatusRecord
 
 DONE = b"data: [DONE]\n\n"
-RECORD_GONE = ApiError(
-    503,
-    "unavailable",
-    "the request's status record is gone (expired, or lost with a Redis restart) before the "
-    "request ended; its outcome, if any, is on the results topic",
-    rule="status-gone",
-    headers={"Retry-After": "1"},
-)
 
 
 def _event(obj: dict[str, Any]) -> bytes:
@@ -116,12 +113,10 @@ async def chat_chunks(
             elif isinstance(item, StatusChange) and item.terminal:
                 ended = True
                 rec = await st.status.get(request_id)
-                if rec is None or rec.status != "completed":
-                    rec = rec or StatusRecord(
-                        request_id,
-                        status=str(item.data.get("status") or "failed"),
-                        error=item.data.get("error"),
-                    )
+                if rec is None:  # it went right after its terminal status
+                    yield _event(openai_body(RECORD_GONE))
+                    break
+                if rec.status != "completed":
                     err = not_completed(rec)
                     if name_part is not None and rec.status == "rejected":
                         name_part(err)

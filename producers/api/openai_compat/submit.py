@@ -19,8 +19,9 @@ from starlette.requests import Request
 from producers.api.bodies import read_body
 from producers.api.checks import JSON, content_type
 from producers.api.data_strings import sniff_image_type
-from producers.api.errors import ApiError, answered, not_found
+from producers.api.errors import ApiError, answered
 from producers.api.openai_compat.inputs import Conversation, Media
+from producers.api.openai_compat.views import RECORD_GONE
 from producers.api.state import ApiState
 from producers.api.submissions import SubmitHeaders, off_the_loop
 from producers.api.videos import sniff_video_type
@@ -160,7 +161,8 @@ async def outcome(
     st: ApiState, request: Request, request_id: str, keyed: bool
 ) -> StatusRecord | None:
     """The request's terminal record, waiting on status notifications (no polling); None when
-    the client disconnected first (which cancels the request: :func:`cancel_if_abandoned`)."""
+    the client disconnected first (which cancels the request: :func:`cancel_if_abandoned`).
+    A record that went before the request ended raises ``RECORD_GONE`` (503 ``status-gone``)."""
     gone = asyncio.create_task(_disconnected(request))
     try:
         seen: str | None = None
@@ -175,7 +177,9 @@ async def outcome(
                 return None
             rec = wait.result()
             if rec is None:
-                raise not_found(request_id)  # its record expired while it ran
+                # Its record went while it ran (TTL, eviction, a Redis restart): no outcome
+                # can come this way, and no worker makes the record again.
+                raise RECORD_GONE
             if rec.terminal:
                 return rec
             seen = rec.status

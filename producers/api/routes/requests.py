@@ -11,7 +11,7 @@ from producers.api.bodies import SubmitInput, parse_json_submit, parse_multipart
 from producers.api.checks import JSON, MULTIPART, content_type, refuse_finished
 from producers.api.deps import OwnedRecord, State, Tenant, Wait
 from producers.api.errors import bad_request
-from producers.api.events import SSE_EVENT_SCHEMA, event_stream, is_stream_id
+from producers.api.events import SSE_EVENT_SCHEMA, event_stream, is_stream_id, record_gone
 from producers.api.models import ERROR_RESPONSES, Accepted, RequestStatus, Status
 from producers.api.openapi import IDEMPOTENCY_PARAM, SUBMIT_BODY, SUBMIT_RESPONSES, with_errors
 from producers.api.state import ApiState
@@ -97,7 +97,10 @@ async def get_status(
 ) -> JSONResponse:
     if wait > 0 and not rec.terminal:
         since = changed_from or rec.status
-        rec = await st.notifier.wait_change(request_id, since, wait) or rec
+        changed = await st.notifier.wait_change(request_id, since, wait)
+        if changed is None:
+            raise record_gone(request_id)  # it went during the wait (TTL, an operator)
+        rec = changed
     return JSONResponse(status_view(rec))
 
 
@@ -138,6 +141,9 @@ async def events(
 async def cancel(request_id: str, st: State, rec: OwnedRecord) -> JSONResponse:
     refuse_finished(rec)
     await st.status.cancel(request_id)
-    rec = await st.status.get(request_id) or rec
-    refuse_finished(rec)  # it finished between the read and the cancel
+    after = await st.status.get(request_id)
+    if after is None:
+        raise record_gone(request_id)  # it went between the read and the cancel
+    refuse_finished(after)  # it finished between the read and the cancel
+    rec = after
     return JSONResponse(status_view(rec))

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from producers.api.checks import refuse_finished
 from producers.api.deps import State, Tenant
 from producers.api.errors import not_found
+from producers.api.events import record_gone
 from producers.api.metrics import client_gone
 from producers.api.openai_compat.inputs import parse_response
 from producers.api.openai_compat.openapi import (
@@ -95,6 +96,9 @@ async def cancel_response(response_id: str, st: State, rec: OwnedResponse) -> JS
     refuse_finished(rec)
     rid = rec.request_id
     await st.status.cancel(rid)
-    rec = await st.status.get(rid) or rec
-    refuse_finished(rec)  # it finished between the read and the cancel
+    after = await st.status.get(rid)
+    if after is None:
+        raise record_gone(response_id)  # it went between the read and the cancel
+    refuse_finished(after)  # it finished between the read and the cancel
+    rec = after
     return JSONResponse(response_object(rec))
