@@ -488,9 +488,11 @@ class RequestLimits:
     # ------------------------------------------------------------ a record read from a topic
 
     def check_prefill(self, ev: PrefillEvent) -> None:
-        """What a prefill (or decode) worker holds an event to before any tensor is built:
-        the sampling parameters (:meth:`check_sampling_params`, ``max_tokens`` among them) and
-        the tokens (:meth:`check_tokens`), with the door's own checks, rules and messages, so
-        a record written straight to a topic is refused exactly as the door refuses it."""
+        """What a prefill (or decode) worker holds an event to before any tensor is built, in
+        the order the door checks a request: the prompt's length (:meth:`check_prompt`), the
+        sampling parameters (:meth:`check_sampling_params`, ``max_tokens`` among them), then
+        the tokens (:meth:`check_tokens`). The door's own checks, rules and messages, so a
+        record written straight to a topic is refused exactly as the door refuses it."""
+        self.check_prompt(None, ev.token_ids)
         self.check_sampling_params(ev.sampling)
         self.check_tokens(ev.token_ids, ev.sampling.max_tokens)
