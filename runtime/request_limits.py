@@ -446,21 +446,26 @@ class RequestLimits:
         cache_salt: Any,
         metadata: Mapping[str, Any] | None,
         deadline_s: float | None = None,
+        *,
+        sampling_checked: bool = False,
     ) -> None:
-        """What the intake checks of every submission before rendering it."""
-        self.check_sampling_params(sampling)
+        """What the intake checks of every submission before rendering it (the sampling
+        parameters unless its front checked them: ``sampling_checked``)."""
+        if not sampling_checked:
+            self.check_sampling_params(sampling)
         self.check_cache_salt(cache_salt)
         self.check_metadata(metadata)
         self.check_deadline(deadline_s)
 
     # -------------------------------------------------------------- once the tokens are known
 
-    def check_event(self, ev: RenderEvent) -> None:
-        """A rendered request, before anything of it is stored or sent: items per modality,
-        item labels, every token id inside the vocabulary, prompt + ``max_tokens`` inside the
-        context."""
-        counts = {m: len(h) for m, h in ev.features.mm_hashes.items()}
-        self.check_counts(counts.get("image", 0), counts.get("video", 0))
+    def check_event(self, ev: RenderEvent, *, counted: bool = False) -> None:
+        """A rendered request, before anything of it is stored or sent: items per modality
+        (unless its front counted them in the body: ``counted``), item labels, every token id
+        inside the vocabulary, prompt + ``max_tokens`` inside the context."""
+        if not counted:
+            counts = {m: len(h) for m, h in ev.features.mm_hashes.items()}
+            self.check_counts(counts.get("image", 0), counts.get("video", 0))
         for modality, index, label in ev.features.items():
             _at_most(
                 len(label),

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import secrets
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from epd.stages import run_worker
 from producers.api import create_app
 from runtime.kafka import KafkaPublisher, ensure_topics, make_producer, read_topic
 from runtime.model import load_render_info
+from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
 from schemas.codec import decode
 from schemas.topics import Topics
@@ -86,6 +88,8 @@ class Deployment:
     topics: Topics
     api: httpx.AsyncClient
     publisher: KafkaPublisher
+    limits: RequestLimits
+    """The API's own (the worker builds its own from the same settings)."""
 
 
 async def _until(pred: Callable[[], Awaitable[bool]], what: str) -> None:
@@ -128,7 +132,7 @@ async def deployment(settings: Settings) -> AsyncIterator[Deployment]:
             await asyncio.wait_for(state.kafka_ready.wait(), GUARD_S)
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://api") as api:
-                yield Deployment(cfg, topics, api, KafkaPublisher(producer))
+                yield Deployment(cfg, topics, api, KafkaPublisher(producer), state.limits)
     finally:
         await producer.stop()
         worker.cancel()
@@ -179,3 +183,38 @@ async def test_a_record_written_straight_to_the_topic_is_refused_as_the_door_ref
     door = await _door(deployment, case)
     worker = await _worker(deployment, case)
     assert worker == door
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/requests", {"prompt": "hi", "max_tokens": 1, "temperature": 0.5, "top_p": 0.9}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "top_p": 0.9},
+        ),
+    ],
+    ids=["native", "openai"],
+)
+async def test_each_bound_is_checked_once_per_front(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch, path: str, body: dict[str, Any]
+) -> None:
+    """The sampling parameters and the item counts of one accepted request: checked by its
+    route in the raw body, not a second time by the intake (they were twice)."""
+    calls: Counter[str] = Counter()
+
+    def spy(name: str) -> None:
+        original = getattr(RequestLimits, name)
+
+        def counted(self: RequestLimits, *args: Any, **kwargs: Any) -> Any:
+            if self is deployment.limits:  # the API's, not the worker's
+                calls[name] += 1
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(RequestLimits, name, counted)
+
+    for name in ("check_sampling", "check_counts"):
+        spy(name)
+    r = await deployment.api.post(path, json=body)
+    assert r.status_code in (200, 202), r.text[:500]
+    assert calls == {"check_sampling": 1, "check_counts": 1}

@@ -118,6 +118,7 @@ def conversation_submission(
         traceparent=headers.traceparent,
         idempotency_key=headers.idempotency_key,
         fingerprint=conv.fingerprint,
+        door_checked=True,  # sampling_of and the raw-body count (inputs.py)
     )
 
 

@@ -71,6 +71,7 @@ def native_submission(
         traceparent=headers.traceparent,
         idempotency_key=headers.idempotency_key,
         fingerprint=inp.fingerprint(),
+        door_checked=True,  # the body's parse (bodies.py) checked sampling and counts
     )
 
 

@@ -63,6 +63,7 @@ async def vllm_generate(request: Request, st: State, tenant: Tenant) -> JSONResp
         traceparent=headers.traceparent,
         idempotency_key=headers.idempotency_key,
         fingerprint=await off_the_loop(len(body), fingerprint, obj),
+        door_checked=True,  # door_checks: sampling_params and the items counted
     )
     return accepted_response(await st.intake.submit(sub))
 
