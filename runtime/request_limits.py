@@ -89,6 +89,25 @@ def context_overflow(prompt_tokens: int, max_tokens: int, context: int) -> str |
     )
 
 
+def _check_draw(top_p: Any, top_k: Any, seed: Any, prefix: str) -> None:
+    """``top_p`` in ``(0, 1]``, ``top_k`` an integer >= 0 (0: off), ``seed`` a 64-bit
+    integer; None leaves one at its default."""
+    if top_p is not None and (not _finite(top_p) or not 0.0 < top_p <= 1.0):
+        raise ValidationError(
+            "sampling.top_p", f"top_p is {top_p!r}; it must be in (0, 1]", field=f"{prefix}top_p"
+        )
+    if top_k is not None and (not _integer(top_k) or not 0 <= top_k <= INT32_MAX):
+        raise ValidationError(
+            "sampling.top_k",
+            f"top_k is {top_k!r}; it must be an integer, 0 (off) or positive",
+            field=f"{prefix}top_k",
+        )
+    if seed is not None and (not _integer(seed) or not -(2**63) <= seed < 2**63):
+        raise ValidationError(
+            "sampling.seed", f"seed is {seed!r}; it must be a 64-bit integer", field=f"{prefix}seed"
+        )
+
+
 def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -196,47 +215,30 @@ class RequestLimits:
         self.check_max_tokens(max_tokens, field=f"{prefix}max_tokens")
         if temperature is not None:
             self._check_temperature(temperature, f"{prefix}temperature")
-        if top_p is not None:
-            field = f"{prefix}top_p"
-            if not _finite(top_p) or not 0.0 < top_p <= 1.0:
-                raise ValidationError(
-                    "sampling.top_p", f"top_p is {top_p!r}; it must be in (0, 1]", field=field
-                )
-        if top_k is not None:
-            if not _integer(top_k) or not 0 <= top_k <= INT32_MAX:
-                raise ValidationError(
-                    "sampling.top_k",
-                    f"top_k is {top_k!r}; it must be an integer, 0 (off) or positive",
-                    field=f"{prefix}top_k",
-                )
-        if seed is not None:
-            if not _integer(seed) or not -(2**63) <= seed < 2**63:
-                raise ValidationError(
-                    "sampling.seed",
-                    f"seed is {seed!r}; it must be a 64-bit integer",
-                    field=f"{prefix}seed",
-                )
+        _check_draw(top_p, top_k, seed, prefix)
         if stop is not None:
             self.check_stop(stop, f"{prefix}stop")
         if stop_token_ids is not None:
-            field = f"{prefix}stop_token_ids"
-            if not isinstance(stop_token_ids, list):
-                raise ValidationError(
-                    "sampling.stop_token_ids", "stop_token_ids must be a list", field=field
-                )
-            n = len(stop_token_ids)
-            _at_most(
-                n,
-                self.max_stop_token_ids,
-                "EPD_MAX_STOP_TOKEN_IDS",
-                "sampling.stop_token_ids",
-                f"stop_token_ids has {n} ids",
-                field=field,
-            )
-            outside = outside_vocabulary(stop_token_ids, self.vocab_size, "stop_token_ids")
-            if outside is not None:
-                index, detail = outside
-                raise ValidationError("sampling.stop_token_ids", detail, field=field, item=index)
+            self.check_stop_token_ids(stop_token_ids, f"{prefix}stop_token_ids")
+
+    def check_stop_token_ids(self, stop_token_ids: Any, field: str = "stop_token_ids") -> None:
+        """A list of at most ``EPD_MAX_STOP_TOKEN_IDS`` ids, each inside the vocabulary."""
+        rule = "sampling.stop_token_ids"
+        if not isinstance(stop_token_ids, list):
+            raise ValidationError(rule, "stop_token_ids must be a list", field=field)
+        n = len(stop_token_ids)
+        _at_most(
+            n,
+            self.max_stop_token_ids,
+            "EPD_MAX_STOP_TOKEN_IDS",
+            rule,
+            f"stop_token_ids has {n} ids",
+            field=field,
+        )
+        outside = outside_vocabulary(stop_token_ids, self.vocab_size, "stop_token_ids")
+        if outside is not None:
+            index, detail = outside
+            raise ValidationError(rule, detail, field=field, item=index)
 
     def check_sampling_params(self, s: SamplingParams, *, prefix: str = "") -> None:
         """:meth:`check_sampling` over a ``SamplingParams``."""
