@@ -154,9 +154,10 @@ async def _worker(d: Deployment, case: Case) -> dict[str, Any]:
 
     async def answered() -> bool:
         records = await read_topic(d.settings, d.topics.results, timeout_s=GUARD_S)
+        events: list[Any] = [decode(r.value) for r in records]
         outcome[:] = [
             ev
-            for ev in map(decode, (r.value for r in records))
+            for ev in events
             if isinstance(ev, ResultEvent)
             and ev.request_id == rid
             and ev.status in TERMINAL_STATUSES
