@@ -2,8 +2,12 @@
 
 The HTTP routes (native, vLLM and OpenAI-compatible), the intake and ``/openapi.json``
 read the same :class:`RequestLimits`, built once from the settings and the model's render
-info (vocabulary, context), so what is documented, what is refused at the door and what the
-workers refuse agree. Each check raises ``schemas.errors.ValidationError`` naming its rule and
+info (vocabulary, context); the prefill and decode workers build it from the same settings and
+their model and call :meth:`RequestLimits.check_prefill` on every event, so what is
+documented, what is refused at the door and what the workers refuse (a record written straight
+to a topic included) agree, rule and message. The renderer's and the compute guard's
+vocabulary and context checks word themselves with :func:`outside_vocabulary` and
+:func:`context_overflow`. Each check raises ``schemas.errors.ValidationError`` naming its rule and
 field; rules that mean "send less" are answered 413 by the API, the others 422.
 
 What the door cannot know (an embedding that never arrives, a deadline passing in a queue)
