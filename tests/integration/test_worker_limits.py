@@ -186,19 +186,42 @@ async def test_a_record_written_straight_to_the_topic_is_refused_as_the_door_ref
     assert worker == door
 
 
-@pytest.mark.parametrize(
-    ("path", "body"),
-    [
-        ("/v1/requests", {"prompt": "hi", "max_tokens": 1, "temperature": 0.5, "top_p": 0.9}),
-        (
-            "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "top_p": 0.9},
-        ),
-    ],
-    ids=["native", "openai"],
-)
+def _vllm_body() -> dict[str, Any]:
+    """A vLLM render response of one image, rendered by this pipeline's renderer."""
+    from producers.render import Renderer
+    from producers.sample_images import synthetic_image
+    from schemas.vllm_wire import GenerateRequest, generate_request_to_json
+
+    ev = Renderer(load_render_info("tiny"), max_image_pixels=4096 * 4096).render(
+        "vllm", prompt="From vLLM <image>", images=[synthetic_image(56, 56, seed=3)]
+    )
+    req = GenerateRequest(
+        token_ids=ev.token_ids,
+        features=ev.features,
+        sampling_params={"max_tokens": 2, "temperature": 0.5, "top_p": 0.9},
+        request_id=f"vllm-{uuid.uuid4().hex[:8]}",
+    )
+    return generate_request_to_json(req)
+
+
+FRONTS: dict[str, tuple[str, Callable[[], dict[str, Any]]]] = {
+    "native": (
+        "/v1/requests",
+        lambda: {"prompt": "hi", "max_tokens": 1, "temperature": 0.5, "top_p": 0.9},
+    ),
+    "openai": (
+        "/v1/chat/completions",
+        lambda: {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "top_p": 0.9},
+    ),
+    "vllm": ("/v1/vllm/generate", _vllm_body),
+}
+
+
+@pytest.mark.parametrize("front", FRONTS.values(), ids=FRONTS.keys())
 async def test_each_bound_is_checked_once_per_front(
-    deployment: Deployment, monkeypatch: pytest.MonkeyPatch, path: str, body: dict[str, Any]
+    deployment: Deployment,
+    monkeypatch: pytest.MonkeyPatch,
+    front: tuple[str, Callable[[], dict[str, Any]]],
 ) -> None:
     """The sampling parameters and the item counts of one accepted request: checked by its
     route in the raw body, not a second time by the intake (they were twice)."""
@@ -216,6 +239,7 @@ async def test_each_bound_is_checked_once_per_front(
 
     for name in ("check_sampling", "check_counts"):
         spy(name)
-    r = await deployment.api.post(path, json=body)
+    path, body = front
+    r = await deployment.api.post(path, json=body())
     assert r.status_code in (200, 202), r.text[:500]
     assert calls == {"check_sampling": 1, "check_counts": 1}
