@@ -27,6 +27,7 @@ from transformers import DynamicCache
 
 from gpu_workers.sequence import DecodeState
 from runtime.model import ModelBundle, placeholder_ids, text_config, vision_config
+from runtime.request_limits import context_overflow, outside_vocabulary
 from schemas.errors import ComputeError
 from schemas.families import DEEPSTACK, EMBEDS
 from schemas.modalities import GRID_FIELDS, MODALITIES
@@ -210,11 +211,11 @@ def kv_bytes_per_token(bundle: ModelBundle) -> int:
 
 def check_token_range(bundle: ModelBundle, token_ids: Sequence[int]) -> None:
     """Every id in ``[0, vocab)``, checked before any tensor is built: on CUDA an id outside the
-    embedding table is a device-side assert that kills the process and every request on it."""
-    vocab = vocab_size(bundle)
-    for i, t in enumerate(token_ids):
-        if not 0 <= int(t) < vocab:
-            raise ComputeError(f"token_ids[{i}] = {t} is outside the vocabulary [0, {vocab})")
+    embedding table is a device-side assert that kills the process and every request on it.
+    The last guard under the workers' admission (the same wording as its rule)."""
+    outside = outside_vocabulary([int(t) for t in token_ids], vocab_size(bundle))
+    if outside is not None:
+        raise ComputeError(outside[1])
 
 
 def _past(deadline_ms: int | None) -> bool:
@@ -430,10 +431,9 @@ def prefill(
     if not token_ids:
         raise ComputeError("token_ids is empty")
     check_token_range(bundle, token_ids)
-    if len(token_ids) > context_length(bundle):
-        raise ComputeError(
-            f"{len(token_ids)} prompt tokens exceed the model's context of {context_length(bundle)}"
-        )
+    overflow = context_overflow(len(token_ids), 0, context_length(bundle))
+    if overflow is not None:
+        raise ComputeError(overflow)
     ordered = _check_items(bundle, token_ids, items)
     lm = bundle.model.model.language_model
     with torch.inference_mode():

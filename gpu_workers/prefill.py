@@ -1,12 +1,15 @@
 """Prefill worker: PrefillEvents -> wait for embeddings -> splice -> prefill + decode.
 
 Validation is strict (a metadata-only item without a valid ``ec_transfer_params`` entry is
-rejected before anything runs), and so are the bounds of what runs (:func:`check_bounds`:
-``max_tokens``, prompt length against the context, token ids against the vocabulary, sampling
-parameters). Waiting for embeddings is an async store wait, so one slow request never blocks
-others; model compute runs on one compute thread, where every request the worker holds decodes
-in one batch (:mod:`gpu_workers.engine`: a forward per step over all of them, each stopping at
-its own end, deadline or cancel), tokens streamed as they come (:mod:`runtime.token_stream`).
+rejected before anything runs), and so are the bounds of what runs: the door's own
+:class:`runtime.request_limits.RequestLimits`, built from the settings and this model's
+vocabulary and context (``max_tokens``, sampling parameters, token ids against the vocabulary,
+prompt + ``max_tokens`` against the context), so an event written straight to the topic is
+refused with the rule and message the door gives. Waiting for embeddings is an async store
+wait, so one slow request never blocks others; model compute runs on one compute thread, where
+every request the worker holds decodes in one batch (:mod:`gpu_workers.engine`: a forward per
+step over all of them, each stopping at its own end, deadline or cancel), tokens streamed as
+they come (:mod:`runtime.token_stream`).
 With the decode stage on, the worker parks the KV cache and hands the request to a decode
 worker (:mod:`gpu_workers.decode`) instead of decoding it.
 """
@@ -17,7 +20,6 @@ import asyncio
 import dataclasses
 import enum
 import logging
-import math
 import socket
 import time
 from collections.abc import Callable
@@ -45,14 +47,14 @@ from gpu_workers.entries import (
 from gpu_workers.kv_handoff import kv_entry, kv_tensors, park
 from runtime.publisher import publish
 from runtime.reporting import RequestUpdates, ResultReporter, StatusWriter
-from runtime.request_limits import MIN_TEMPERATURE
+from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
 from runtime.stores.base import StoreError, StoreTimeout, StoreUnavailable
 from runtime.tracing import broker_hop_ms
 from schemas.errors import ValidationError
 from schemas.status_record import HANDOFF_INFO, short_hash
 from schemas.topics import Topics
-from schemas.types import DecodeEvent, ErrorInfo, PrefillEvent, SamplingParams, now_ms
+from schemas.types import DecodeEvent, ErrorInfo, PrefillEvent, now_ms
 from schemas.validator import validate_prefill_event, validate_prefill_expiry
 
 if TYPE_CHECKING:
@@ -65,99 +67,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class Bounds:
-    """What one prefill worker agrees to run."""
-
-    vocab_size: int
-    context: int
-    """Most tokens (prompt + generated) one request may hold."""
-    max_tokens: int
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 256
-    max_stop_token_ids: int = 64
-
-    @classmethod
-    def for_model(cls, settings: Settings, bundle: ModelBundle) -> Bounds:
-        """The settings' caps, held to the model's vocabulary and context."""
-        ctx = context_length(bundle)
-        if settings.max_context_tokens:
-            ctx = min(ctx, settings.max_context_tokens)
-        return cls(
-            vocab_size(bundle),
-            ctx,
-            settings.max_tokens_limit,
-            settings.max_stop_strings,
-            settings.max_stop_string_chars,
-            settings.max_stop_token_ids,
-        )
-
-
-def check_bounds(ev: PrefillEvent, bounds: Bounds) -> None:
-    """Refuse a request the worker must not run, before any tensor is built.
-
-    Rules: ``max-tokens`` (1 .. ``EPD_MAX_TOKENS_LIMIT``), ``context-length`` (prompt +
-    ``max_tokens`` within the context), ``token-ids`` (every id below the vocabulary size: on
-    CUDA an out-of-range id is a device-side assert that kills the process), ``sampling``
-    (:func:`check_sampling`).
-    """
-    s = ev.sampling
-    if not 1 <= s.max_tokens <= bounds.max_tokens:
-        raise ValidationError(
-            "max-tokens",
-            f"max_tokens is {s.max_tokens}; it must be between 1 and {bounds.max_tokens}",
-            field="max_tokens",
-        )
-    if len(ev.token_ids) + s.max_tokens > bounds.context:
-        raise ValidationError(
-            "context-length",
-            f"{len(ev.token_ids)} prompt tokens + max_tokens {s.max_tokens} exceed the context "
-            f"of {bounds.context} tokens",
-            field="token_ids",
-        )
-    for i, t in enumerate(ev.token_ids):
-        if not 0 <= t < bounds.vocab_size:
-            raise ValidationError(
-                "token-ids",
-                f"token_ids[{i}] = {t} is outside the vocabulary [0, {bounds.vocab_size})",
-                field="token_ids",
-            )
-    check_sampling(s, bounds)
-
-
-def check_sampling(s: SamplingParams, bounds: Bounds) -> None:
-    """Rule ``sampling`` (the field named): ``temperature`` 0 (greedy) or a finite value of at
-    least ``MIN_TEMPERATURE``; ``top_p`` in (0, 1]; ``top_k`` >= 0 (0: off); at most
-    ``EPD_MAX_STOP_TOKEN_IDS`` stop token ids, in the vocabulary; at most
-    ``EPD_MAX_STOP_STRINGS`` stop strings, each non-empty and at most
-    ``EPD_MAX_STOP_STRING_CHARS`` long."""
-
-    def bad(name: str, why: str) -> ValidationError:
-        return ValidationError("sampling", f"{name} {why}", field=name)
-
-    t = s.temperature
-    if not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
-        raise bad("temperature", f"is {t}; it must be 0 (greedy) or at least {MIN_TEMPERATURE}")
-    if not (math.isfinite(s.top_p) and 0 < s.top_p <= 1):
-        raise bad("top_p", f"is {s.top_p}; it must be in (0, 1]")
-    if s.top_k < 0:
-        raise bad("top_k", f"is {s.top_k}; it must be 0 (off) or positive")
-    if len(s.stop_token_ids) > bounds.max_stop_token_ids:
-        raise bad(
-            "stop_token_ids",
-            f"has {len(s.stop_token_ids)} ids; at most {bounds.max_stop_token_ids}",
-        )
-    for i, t_id in enumerate(s.stop_token_ids):
-        if not 0 <= t_id < bounds.vocab_size:
-            raise bad("stop_token_ids", f"[{i}] = {t_id} is outside the vocabulary")
-    if len(s.stop) > bounds.max_stop_strings:
-        raise bad("stop", f"has {len(s.stop)} strings; at most {bounds.max_stop_strings}")
-    for i, stop in enumerate(s.stop):
-        if not 1 <= len(stop) <= bounds.max_stop_string_chars:
-            raise bad(
-                "stop",
-                f"[{i}] has {len(stop)} characters; 1 to {bounds.max_stop_string_chars}",
-            )
+def worker_limits(settings: Settings, bundle: ModelBundle) -> RequestLimits:
+    """The door's :class:`RequestLimits` for this model: the settings, held to what the model
+    knows (its vocabulary and context), as the API builds them from the model's render info."""
+    return RequestLimits.from_settings(
+        settings, vocab_size=vocab_size(bundle), model_context=context_length(bundle)
+    )
 
 
 def embeddings_lost(missing: list[str], state: RequestState | None, created_ms: int) -> list[str]:
@@ -289,7 +204,7 @@ class PrefillWorker:
         # (validate_prefill_expiry) only once the request is known to run: arriving late is no
         # offence for a redelivery of a finished request (nothing runs), and a late one expires.
         self._arrival_vconfig = dataclasses.replace(self.vconfig, now_ms=None)
-        self.bounds = Bounds.for_model(settings, bundle)
+        self.limits = worker_limits(settings, bundle)
         self.report = ResultReporter(
             publisher,
             self.topics.results,
@@ -447,7 +362,7 @@ class PrefillWorker:
             raise unsafe
         if reads_embeddings:
             validate_prefill_expiry(ev, self.vconfig)
-        check_bounds(ev, self.bounds)
+        self.limits.check_prefill(ev)
         if cancelled:
             await self._report_cancelled(updates, "skipped before prefill")
             return None

@@ -91,6 +91,11 @@ class Submission:
     decodes_media: bool = True
     """Whether ``render`` decodes images or videos. Only such renders take one of the
     intake's render slots: a text-only request never waits behind a slow image."""
+    door_checked: bool = False
+    """Its front held the body's sampling parameters and item counts to the intake's
+    :class:`RequestLimits` already (each route does, in the raw body, before anything is
+    decoded): the intake does not check them a second time. Every other bound is the
+    intake's; and the workers hold what runs to the same limits whatever the intake checked."""
 
     @classmethod
     def rendered(cls, ev: RenderEvent) -> Submission:
@@ -202,7 +207,9 @@ class Intake:
 
     async def _submit(self, sub: Submission) -> Accepted:
         if self.limits is not None:
-            self.limits.check_submission(sub.sampling, sub.cache_salt, sub.metadata)
+            self.limits.check_submission(
+                sub.sampling, sub.cache_salt, sub.metadata, sampling_checked=sub.door_checked
+            )
         rid = sub.request_id or new_request_id()
         if sub.idempotency_key is not None:
             earlier = await self._claim(sub, rid)
@@ -251,7 +258,7 @@ class Intake:
             try:
                 ev, timing = (sub.event, None) if sub.event else await self._render(rid, sub)
                 if self.limits is not None:
-                    self.limits.check_event(ev)
+                    self.limits.check_event(ev, counted=sub.door_checked)
             except BaseException:
                 await self._forget(rid, sub, None)
                 raise

@@ -37,6 +37,7 @@ from producers.video import VideoInput, VideoLimits
 from producers.video_items import VideoItems
 from runtime.limits import input_limits
 from runtime.model import ModelBundle, RenderInfo, placeholder_ids
+from runtime.request_limits import outside_vocabulary
 from runtime.settings import Settings
 from schemas import defaults
 from schemas.errors import ValidationError
@@ -302,13 +303,9 @@ class Renderer:
         vision_start/end wrap; also the modality of each mark, in order."""
         info = self.info
         ids = [int(t) for t in token_ids]
-        bad = [t for t in ids if t < 0 or t >= info.vocab_size]
-        if bad:
-            raise RenderError(
-                "render.token_ids",
-                f"token ids must be in [0, {info.vocab_size}); got {bad[:5]}",
-                field="token_ids",
-            )
+        outside = outside_vocabulary(ids, info.vocab_size)
+        if outside is not None:
+            raise RenderError("render.token_ids", outside[1], field="token_ids", item=outside[0])
         pads = {pad: modality for modality, pad in placeholder_ids(info).items()}
         marks = [i for i, t in enumerate(ids) if t in pads]
         kinds = [pads[ids[i]] for i in marks]

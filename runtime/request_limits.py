@@ -2,8 +2,12 @@
 
 The HTTP routes (native, vLLM and OpenAI-compatible), the intake and ``/openapi.json``
 read the same :class:`RequestLimits`, built once from the settings and the model's render
-info (vocabulary, context), so what is documented, what is refused at the door and what the
-workers refuse agree. Each check raises ``schemas.errors.ValidationError`` naming its rule and
+info (vocabulary, context); the prefill and decode workers build it from the same settings and
+their model and call :meth:`RequestLimits.check_prefill` on every event, so what is
+documented, what is refused at the door and what the workers refuse (a record written straight
+to a topic included) agree, rule and message. The renderer's and the compute guard's
+vocabulary and context checks word themselves with :func:`outside_vocabulary` and
+:func:`context_overflow`. Each check raises ``schemas.errors.ValidationError`` naming its rule and
 field; rules that mean "send less" are answered 413 by the API, the others 422.
 
 What the door cannot know (an embedding that never arrives, a deadline passing in a queue)
@@ -13,15 +17,16 @@ stays the workers' to report.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from schemas import defaults
 from schemas.errors import ValidationError
 
 if TYPE_CHECKING:
     from runtime.settings import Settings
-    from schemas.types import RenderEvent, SamplingParams
+    from schemas.types import PrefillEvent, RenderEvent, SamplingParams
 
 MAX_TEMPERATURE = 2.0
 MIN_TEMPERATURE = 1e-3
@@ -51,6 +56,60 @@ def context_limit(settings: Settings, model_context: int) -> int:
     if settings.max_context_tokens:
         return min(model_context, settings.max_context_tokens)
     return model_context
+
+
+def _at_most(
+    n: int, limit: int, setting: str, rule: str, counted: str, per: str = "", **where: Any
+) -> None:
+    """Every count and length bound, in one wording: ``counted`` (what was given, ``n`` said
+    in it) "; the limit is" ``limit`` ``per`` "(" ``setting`` ")", refused as ``rule`` at
+    ``where`` (field, item, modality) when ``n`` is above ``limit``."""
+    if n > limit:
+        raise ValidationError(rule, f"{counted}; the limit is {limit}{per} ({setting})", **where)
+
+
+def outside_vocabulary(
+    token_ids: Sequence[Any], vocab_size: int, name: str = "token_ids"
+) -> tuple[int, str] | None:
+    """The first token id that is not an integer in ``[0, vocab_size)``, as (its index, the
+    one wording of the vocabulary rules, ``name`` the list's field); None when every id is
+    inside. On CUDA an id
+    outside the embedding table is a device-side assert that kills the worker, so every front
+    (the door, the renderer, the prefill workers, the compute guard) asks this."""
+    for i, t in enumerate(token_ids):
+        if not _integer(t) or not 0 <= t < vocab_size:
+            return i, f"{name}[{i}] = {t!r} is outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def context_overflow(prompt_tokens: int, max_tokens: int, context: int) -> str | None:
+    """The wording of rule ``context-length`` when ``prompt_tokens`` + ``max_tokens`` exceed
+    ``context``; None when they fit."""
+    if prompt_tokens + max_tokens <= context:
+        return None
+    return (
+        f"{prompt_tokens} prompt tokens + max_tokens {max_tokens} exceed the context "
+        f"of {context} tokens"
+    )
+
+
+def _check_draw(top_p: Any, top_k: Any, seed: Any, prefix: str) -> None:
+    """``top_p`` in ``(0, 1]``, ``top_k`` an integer >= 0 (0: off), ``seed`` a 64-bit
+    integer; None leaves one at its default."""
+    if top_p is not None and (not _finite(top_p) or not 0.0 < top_p <= 1.0):
+        raise ValidationError(
+            "sampling.top_p", f"top_p is {top_p!r}; it must be in (0, 1]", field=f"{prefix}top_p"
+        )
+    if top_k is not None and (not _integer(top_k) or not 0 <= top_k <= INT32_MAX):
+        raise ValidationError(
+            "sampling.top_k",
+            f"top_k is {top_k!r}; it must be an integer, 0 (off) or positive",
+            field=f"{prefix}top_k",
+        )
+    if seed is not None and (not _integer(seed) or not -(2**63) <= seed < 2**63):
+        raise ValidationError(
+            "sampling.seed", f"seed is {seed!r}; it must be a 64-bit integer", field=f"{prefix}seed"
+        )
 
 
 def _number(value: Any) -> bool:
@@ -95,15 +154,15 @@ class RequestLimits:
     """``EPD_API_MAX_JSON_DEPTH``: nesting of objects and arrays in a JSON body."""
     max_wait_s: float
     """``EPD_API_MAX_WAIT_S``: longest long-poll."""
-    max_stop_strings: int = 16
+    max_stop_strings: int = defaults.MAX_STOP_STRINGS
     """``EPD_MAX_STOP_STRINGS``: stop strings per request (the workers' bound too)."""
-    max_stop_string_chars: int = 256
+    max_stop_string_chars: int = defaults.MAX_STOP_STRING_CHARS
     """``EPD_MAX_STOP_STRING_CHARS``: characters of one stop string."""
-    max_stop_token_ids: int = 64
+    max_stop_token_ids: int = defaults.MAX_STOP_TOKEN_IDS
     """``EPD_MAX_STOP_TOKEN_IDS``: stop token ids per request (the workers' bound too)."""
-    max_messages: int = 256
+    max_messages: int = defaults.API_MAX_MESSAGES
     """``EPD_API_MAX_MESSAGES``: messages of a chat request (input items of a response)."""
-    max_message_parts: int = 64
+    max_message_parts: int = defaults.API_MAX_MESSAGE_PARTS
     """``EPD_API_MAX_MESSAGE_PARTS``: content parts of one message."""
     max_deadline_s: float = MAX_DEADLINE_S
 
@@ -160,50 +219,30 @@ class RequestLimits:
         self.check_max_tokens(max_tokens, field=f"{prefix}max_tokens")
         if temperature is not None:
             self._check_temperature(temperature, f"{prefix}temperature")
-        if top_p is not None:
-            field = f"{prefix}top_p"
-            if not _finite(top_p) or not 0.0 < top_p <= 1.0:
-                raise ValidationError(
-                    "sampling.top_p", f"top_p is {top_p!r}; it must be in (0, 1]", field=field
-                )
-        if top_k is not None:
-            if not _integer(top_k) or not 0 <= top_k <= INT32_MAX:
-                raise ValidationError(
-                    "sampling.top_k",
-                    f"top_k is {top_k!r}; it must be an integer, 0 (off) or positive",
-                    field=f"{prefix}top_k",
-                )
-        if seed is not None:
-            if not _integer(seed) or not -(2**63) <= seed < 2**63:
-                raise ValidationError(
-                    "sampling.seed",
-                    f"seed is {seed!r}; it must be a 64-bit integer",
-                    field=f"{prefix}seed",
-                )
+        _check_draw(top_p, top_k, seed, prefix)
         if stop is not None:
             self.check_stop(stop, f"{prefix}stop")
         if stop_token_ids is not None:
-            field = f"{prefix}stop_token_ids"
-            if not isinstance(stop_token_ids, list):
-                raise ValidationError(
-                    "sampling.stop_token_ids", "stop_token_ids must be a list", field=field
-                )
-            if len(stop_token_ids) > self.max_stop_token_ids:
-                raise ValidationError(
-                    "sampling.stop_token_ids",
-                    f"stop_token_ids has {len(stop_token_ids)} ids; the limit is "
-                    f"{self.max_stop_token_ids} (EPD_MAX_STOP_TOKEN_IDS)",
-                    field=field,
-                )
-            for i, t in enumerate(stop_token_ids):
-                if not _integer(t) or not 0 <= t < self.vocab_size:
-                    raise ValidationError(
-                        "sampling.stop_token_ids",
-                        f"stop_token_ids[{i}] = {t!r} is outside the vocabulary "
-                        f"[0, {self.vocab_size})",
-                        field=field,
-                        item=i,
-                    )
+            self.check_stop_token_ids(stop_token_ids, f"{prefix}stop_token_ids")
+
+    def check_stop_token_ids(self, stop_token_ids: Any, field: str = "stop_token_ids") -> None:
+        """A list of at most ``EPD_MAX_STOP_TOKEN_IDS`` ids, each inside the vocabulary."""
+        rule = "sampling.stop_token_ids"
+        if not isinstance(stop_token_ids, list):
+            raise ValidationError(rule, "stop_token_ids must be a list", field=field)
+        n = len(stop_token_ids)
+        _at_most(
+            n,
+            self.max_stop_token_ids,
+            "EPD_MAX_STOP_TOKEN_IDS",
+            rule,
+            f"stop_token_ids has {n} ids",
+            field=field,
+        )
+        outside = outside_vocabulary(stop_token_ids, self.vocab_size, "stop_token_ids")
+        if outside is not None:
+            index, detail = outside
+            raise ValidationError(rule, detail, field=field, item=index)
 
     def check_sampling_params(self, s: SamplingParams, *, prefix: str = "") -> None:
         """:meth:`check_sampling` over a ``SamplingParams``."""
@@ -251,13 +290,15 @@ class RequestLimits:
             raise ValidationError(
                 "sampling.stop", "stop must be a string or a list of strings", field=field
             )
-        if len(stops) > self.max_stop_strings:
-            raise ValidationError(
-                "sampling.stop",
-                f"stop has {len(stops)} strings; the limit is {self.max_stop_strings} "
-                "(EPD_MAX_STOP_STRINGS)",
-                field=field,
-            )
+        n = len(stops)
+        _at_most(
+            n,
+            self.max_stop_strings,
+            "EPD_MAX_STOP_STRINGS",
+            "sampling.stop",
+            f"stop has {n} strings",
+            field=field,
+        )
         for i, text in enumerate(stops):
             if not 1 <= len(text) <= self.max_stop_string_chars:
                 raise ValidationError(
@@ -271,19 +312,23 @@ class RequestLimits:
     def check_chat_counts(self, messages: int, parts: int, where: str = "messages") -> None:
         """At most ``EPD_API_MAX_MESSAGES`` messages and ``EPD_API_MAX_MESSAGE_PARTS``
         content parts in any one of them (counted before any is parsed)."""
-        if messages > self.max_messages:
-            raise ValidationError(
-                "request.messages",
-                f"{messages} messages; the limit is {self.max_messages} (EPD_API_MAX_MESSAGES)",
-                field=where,
-            )
-        if parts > self.max_message_parts:
-            raise ValidationError(
-                "request.messages",
-                f"a message has {parts} content parts; the limit is {self.max_message_parts} "
-                "(EPD_API_MAX_MESSAGE_PARTS)",
-                field=where,
-            )
+        rule = "request.messages"
+        _at_most(
+            messages,
+            self.max_messages,
+            "EPD_API_MAX_MESSAGES",
+            rule,
+            f"{messages} messages",
+            field=where,
+        )
+        _at_most(
+            parts,
+            self.max_message_parts,
+            "EPD_API_MAX_MESSAGE_PARTS",
+            rule,
+            f"a message has {parts} content parts",
+            field=where,
+        )
 
     def check_deadline(self, deadline_s: Any, field: str = "deadline_s") -> None:
         """A deadline in seconds from now: a finite number in ``(0, 86400]``."""
@@ -307,13 +352,14 @@ class RequestLimits:
             return
         if not isinstance(salt, str):
             raise ValidationError("request.schema", "cache_salt must be a string", field=field)
-        if len(salt) > self.max_cache_salt_chars:
-            raise ValidationError(
-                "request.cache_salt",
-                f"cache_salt has {len(salt)} characters; the limit is "
-                f"{self.max_cache_salt_chars} (EPD_API_MAX_CACHE_SALT_CHARS)",
-                field=field,
-            )
+        _at_most(
+            len(salt),
+            self.max_cache_salt_chars,
+            "EPD_API_MAX_CACHE_SALT_CHARS",
+            "request.cache_salt",
+            f"cache_salt has {len(salt)} characters",
+            field=field,
+        )
 
     def check_id(self, value: Any, field: str, rule: str = "request.request_id") -> None:
         """A client-given id: a non-empty string of at most ``max_id_chars`` (or none)."""
@@ -321,26 +367,29 @@ class RequestLimits:
             return
         if not isinstance(value, str) or not value:
             raise ValidationError("request.schema", f"{field} must be a string", field=field)
-        if len(value) > self.max_id_chars:
-            raise ValidationError(
-                rule,
-                f"{field} has {len(value)} characters; the limit is {self.max_id_chars} "
-                "(EPD_API_MAX_ID_CHARS)",
-                field=field,
-            )
+        _at_most(
+            len(value),
+            self.max_id_chars,
+            "EPD_API_MAX_ID_CHARS",
+            rule,
+            f"{field} has {len(value)} characters",
+            field=field,
+        )
 
     def check_metadata(self, metadata: Mapping[str, Any] | None) -> None:
         """At most ``max_metadata_keys`` string labels, each key and value at most
         ``max_metadata_chars``, all together at most ``max_metadata_bytes`` (UTF-8)."""
         if metadata is None:
             return
-        if len(metadata) > self.max_metadata_keys:
-            raise ValidationError(
-                "request.metadata",
-                f"metadata has {len(metadata)} keys; the limit is {self.max_metadata_keys} "
-                "(EPD_API_MAX_METADATA_KEYS)",
-                field="metadata",
-            )
+        rule, field = "request.metadata", "metadata"
+        _at_most(
+            len(metadata),
+            self.max_metadata_keys,
+            "EPD_API_MAX_METADATA_KEYS",
+            rule,
+            f"metadata has {len(metadata)} keys",
+            field=field,
+        )
         total = 0
         for key, value in metadata.items():
             if not isinstance(key, str) or not isinstance(value, str):
@@ -348,30 +397,35 @@ class RequestLimits:
                     "request.schema", "metadata keys and values must be strings", field="metadata"
                 )
             longest = max(len(key), len(value))
-            if longest > self.max_metadata_chars:
-                raise ValidationError(
-                    "request.metadata",
-                    f"metadata[{key[:32]!r}] has {longest} characters; the limit is "
-                    f"{self.max_metadata_chars} per key or value (EPD_API_MAX_METADATA_CHARS)",
-                    field="metadata",
-                )
-            total += len(key.encode()) + len(value.encode())
-        if total > self.max_metadata_bytes:
-            raise ValidationError(
-                "request.metadata",
-                f"metadata holds {total} bytes; the limit is {self.max_metadata_bytes} "
-                "(EPD_API_MAX_METADATA_BYTES)",
-                field="metadata",
+            _at_most(
+                longest,
+                self.max_metadata_chars,
+                "EPD_API_MAX_METADATA_CHARS",
+                rule,
+                f"metadata[{key[:32]!r}] has {longest} characters",
+                per=" per key or value",
+                field=field,
             )
+            total += len(key.encode()) + len(value.encode())
+        _at_most(
+            total,
+            self.max_metadata_bytes,
+            "EPD_API_MAX_METADATA_BYTES",
+            rule,
+            f"metadata holds {total} bytes",
+            field=field,
+        )
 
     def check_prompt(self, prompt: str | None, token_ids: list[int] | None) -> None:
         """A prompt of at most ``max_prompt_chars`` characters; at most ``context_tokens``
         token ids (the context holds no more, whatever ``max_tokens`` is)."""
-        if prompt is not None and len(prompt) > self.max_prompt_chars:
-            raise ValidationError(
+        if prompt is not None:
+            _at_most(
+                len(prompt),
+                self.max_prompt_chars,
+                "EPD_API_MAX_PROMPT_CHARS",
                 "request.prompt",
-                f"prompt has {len(prompt)} characters; the limit is {self.max_prompt_chars} "
-                "(EPD_API_MAX_PROMPT_CHARS)",
+                f"prompt has {len(prompt)} characters",
                 field="prompt",
             )
         if token_ids is not None and len(token_ids) >= self.context_tokens:
@@ -388,13 +442,9 @@ class RequestLimits:
             (images, self.max_images, "image", "EPD_API_MAX_IMAGES"),
             (videos, self.max_videos, "video", "EPD_API_MAX_VIDEOS"),
         ):
-            if n > most:
-                raise ValidationError(
-                    f"{what}.count",
-                    f"{n} {what}s; the limit is {most} ({setting})",
-                    modality=what,
-                    field=f"{what}s",
-                )
+            _at_most(
+                n, most, setting, f"{what}.count", f"{n} {what}s", modality=what, field=f"{what}s"
+            )
 
     def check_submission(
         self,
@@ -402,49 +452,58 @@ class RequestLimits:
         cache_salt: Any,
         metadata: Mapping[str, Any] | None,
         deadline_s: float | None = None,
+        *,
+        sampling_checked: bool = False,
     ) -> None:
-        """What the intake checks of every submission before rendering it."""
-        self.check_sampling_params(sampling)
+        """What the intake checks of every submission before rendering it (the sampling
+        parameters unless its front checked them: ``sampling_checked``)."""
+        if not sampling_checked:
+            self.check_sampling_params(sampling)
         self.check_cache_salt(cache_salt)
         self.check_metadata(metadata)
         self.check_deadline(deadline_s)
 
     # -------------------------------------------------------------- once the tokens are known
 
-    def check_event(self, ev: RenderEvent) -> None:
-        """A rendered request, before anything of it is stored or sent: items per modality,
-        item labels, every token id inside the vocabulary, prompt + ``max_tokens`` inside the
-        context."""
-        counts = {m: len(h) for m, h in ev.features.mm_hashes.items()}
-        self.check_counts(counts.get("image", 0), counts.get("video", 0))
+    def check_event(self, ev: RenderEvent, *, counted: bool = False) -> None:
+        """A rendered request, before anything of it is stored or sent: items per modality
+        (unless its front counted them in the body: ``counted``), item labels, every token id
+        inside the vocabulary, prompt + ``max_tokens`` inside the context."""
+        if not counted:
+            counts = {m: len(h) for m, h in ev.features.mm_hashes.items()}
+            self.check_counts(counts.get("image", 0), counts.get("video", 0))
         for modality, index, label in ev.features.items():
-            if len(label) > self.max_id_chars:
-                raise ValidationError(
-                    "request.mm_hash",
-                    f"the item's mm_hash has {len(label)} characters; the limit is "
-                    f"{self.max_id_chars} (EPD_API_MAX_ID_CHARS)",
-                    modality=modality,
-                    item=index,
-                    field="features.mm_hashes",
-                )
+            _at_most(
+                len(label),
+                self.max_id_chars,
+                "EPD_API_MAX_ID_CHARS",
+                "request.mm_hash",
+                f"the item's mm_hash has {len(label)} characters",
+                modality=modality,
+                item=index,
+                field="features.mm_hashes",
+            )
         self.check_tokens(ev.token_ids, ev.sampling.max_tokens)
 
     def check_tokens(self, token_ids: list[int], max_tokens: int) -> None:
         """Rules ``render.token_ids`` (every id in ``[0, vocab)``: on CUDA an id outside the
         embedding table kills the worker) and ``context-length``."""
-        vocab = self.vocab_size
-        for i, t in enumerate(token_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValidationError(
-                    "render.token_ids",
-                    f"token_ids[{i}] = {t!r} is outside the vocabulary [0, {vocab})",
-                    field="token_ids",
-                    item=i,
-                )
-        if len(token_ids) + max_tokens > self.context_tokens:
-            raise ValidationError(
-                "context-length",
-                f"{len(token_ids)} prompt tokens + max_tokens {max_tokens} exceed the context "
-                f"of {self.context_tokens} tokens",
-                field="token_ids",
-            )
+        outside = outside_vocabulary(token_ids, self.vocab_size)
+        if outside is not None:
+            index, detail = outside
+            raise ValidationError("render.token_ids", detail, field="token_ids", item=index)
+        overflow = context_overflow(len(token_ids), max_tokens, self.context_tokens)
+        if overflow is not None:
+            raise ValidationError("context-length", overflow, field="token_ids")
+
+    # ------------------------------------------------------------ a record read from a topic
+
+    def check_prefill(self, ev: PrefillEvent) -> None:
+        """What a prefill (or decode) worker holds an event to before any tensor is built, in
+        the order the door checks a request: the prompt's length (:meth:`check_prompt`), the
+        sampling parameters (:meth:`check_sampling_params`, ``max_tokens`` among them), then
+        the tokens (:meth:`check_tokens`). The door's own checks, rules and messages, so a
+        record written straight to a topic is refused exactly as the door refuses it."""
+        self.check_prompt(None, ev.token_ids)
+        self.check_sampling_params(ev.sampling)
+        self.check_tokens(ev.token_ids, ev.sampling.max_tokens)

@@ -227,13 +227,19 @@ class Settings(BaseSettings):
     )
 
     max_stop_strings: int = Field(
-        16, ge=0, description="most stop strings one request may carry; more is rejected"
+        defaults.MAX_STOP_STRINGS,
+        ge=0,
+        description="most stop strings one request may carry; more is rejected",
     )
     max_stop_string_chars: int = Field(
-        256, ge=1, description="longest stop string (characters); longer is rejected"
+        defaults.MAX_STOP_STRING_CHARS,
+        ge=1,
+        description="longest stop string (characters); longer is rejected",
     )
     max_stop_token_ids: int = Field(
-        64, ge=0, description="most stop token ids one request may carry; more is rejected"
+        defaults.MAX_STOP_TOKEN_IDS,
+        ge=0,
+        description="most stop token ids one request may carry; more is rejected",
     )
 
     # Decoding: continuous batching and the optional decode stage
@@ -409,10 +415,14 @@ class Settings(BaseSettings):
         32, ge=2, description="nesting of objects and arrays in a JSON body (deeper: 400)"
     )
     api_max_messages: int = Field(
-        256, ge=1, description="messages of one chat request (and input items of a response)"
+        defaults.API_MAX_MESSAGES,
+        ge=1,
+        description="messages of one chat request (and input items of a response)",
     )
     api_max_message_parts: int = Field(
-        64, ge=1, description="content parts (text, image, video) of one chat message"
+        defaults.API_MAX_MESSAGE_PARTS,
+        ge=1,
+        description="content parts (text, image, video) of one chat message",
     )
 
     # OpenAI-compatible routes (/v1/chat/completions, /v1/responses, /v1/models)

@@ -18,3 +18,15 @@ MAX_KV_TRANSFER_PARAMS_BYTES = 64 * 1024
 MAX_TENSOR_BYTES = 256 * 1024 * 1024
 """The floor of the largest tensor an event may carry or claim-check (``EPD_MAX_TENSOR_BYTES``
 unset: derived from the processor's ``max_pixels``, never below this)."""
+MAX_TOKENS = 16
+"""``max_tokens`` of a request that names none (this pipeline's and vLLM's default)."""
+MAX_STOP_STRINGS = 16
+"""Stop strings one request may carry (``EPD_MAX_STOP_STRINGS``)."""
+MAX_STOP_STRING_CHARS = 256
+"""Characters of one stop string (``EPD_MAX_STOP_STRING_CHARS``)."""
+MAX_STOP_TOKEN_IDS = 64
+"""Stop token ids one request may carry (``EPD_MAX_STOP_TOKEN_IDS``)."""
+API_MAX_MESSAGES = 256
+"""Messages of one chat request (``EPD_API_MAX_MESSAGES``)."""
+API_MAX_MESSAGE_PARTS = 64
+"""Content parts of one chat message (``EPD_API_MAX_MESSAGE_PARTS``)."""

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from schemas import defaults
+
 DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
     "uint8": torch.uint8,
@@ -102,7 +104,7 @@ class SamplingParams:
     from the request's own generator seeded with ``seed``. ``stop`` strings end generation and
     are cut from the text; ``stop_token_ids`` (and eos unless ``ignore_eos``) end it too."""
 
-    max_tokens: int = 16
+    max_tokens: int = defaults.MAX_TOKENS
     temperature: float = 0.0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False

@@ -19,6 +19,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from schemas import defaults
 from schemas.errors import ValidationError
 from schemas.types import SamplingParams
 
@@ -96,7 +97,7 @@ def sampling_from_vllm(params: Mapping[str, Any]) -> SamplingParams:
         raise _bad("ignore_eos", "must be true or false")
     top_k = _integer(params, "top_k", 0)
     return SamplingParams(
-        max_tokens=_integer(params, "max_tokens", 16) or 16,
+        max_tokens=_integer(params, "max_tokens", defaults.MAX_TOKENS) or defaults.MAX_TOKENS,
         temperature=_number(params, "temperature", VLLM_DEFAULT_TEMPERATURE),
         stop_token_ids=list(stop_ids),
         ignore_eos=ignore_eos,

@@ -715,10 +715,10 @@ async def test_forged_render_gets_no_hit_on_another_tenants_embedding(
 @pytest.mark.parametrize(
     ("change", "rule"),
     [
-        ({"token_ids": "oov"}, "token-ids"),
+        ({"token_ids": "oov"}, "render.token_ids"),
         ({"max_tokens": 10**6}, "max-tokens"),
-        ({"temperature": -0.8}, "sampling"),
-        ({"temperature": 0.8, "top_p": 0.0}, "sampling"),
+        ({"temperature": -0.8}, "sampling.temperature"),
+        ({"temperature": 0.8, "top_p": 0.0}, "sampling.top_p"),
     ],
 )
 async def test_prefill_refuses_out_of_bounds_requests_before_running(

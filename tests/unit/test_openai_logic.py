@@ -604,18 +604,15 @@ def test_the_door_holds_sampling_to_the_workers_bounds() -> None:
 
 def test_stop_token_ids_are_counted_by_one_setting_at_the_door_and_in_prefill() -> None:
     """A list of stop token ids was bounded only by the body (millions of ids in one event)."""
-    from gpu_workers.prefill import Bounds, check_sampling
-
     s = Settings(max_stop_token_ids=3)
     lim = RequestLimits.from_settings(s, vocab_size=270, model_context=4096)
-    bounds = Bounds(270, 4096, 16, s.max_stop_strings, s.max_stop_string_chars, 3)
     lim.check_sampling(16, 0, stop_token_ids=[1, 2, 3])
-    check_sampling(SamplingParams(max_tokens=4, stop_token_ids=[1, 2, 3]), bounds)
+    lim.check_sampling_params(SamplingParams(max_tokens=4, stop_token_ids=[1, 2, 3]))
     with pytest.raises(ValidationError) as e:
         lim.check_sampling(16, 0, stop_token_ids=[1, 2, 3, 4])
     assert "EPD_MAX_STOP_TOKEN_IDS" in e.value.detail
     with pytest.raises(ValidationError) as e:
-        check_sampling(SamplingParams(max_tokens=4, stop_token_ids=[1, 2, 3, 4]), bounds)
+        lim.check_sampling_params(SamplingParams(max_tokens=4, stop_token_ids=[1, 2, 3, 4]))
     assert e.value.field == "stop_token_ids"
 
 

@@ -1,6 +1,7 @@
 """What a prefill worker agrees to run: max_tokens, context, vocabulary, sampling, deadline.
 
-``check_bounds`` is pure (a ``Bounds`` and an event); the compute-level guards run on the
+``RequestLimits.check_prefill`` is pure (the door's limits and an event: the workers hold
+events to the door's own checks); the compute-level guards run on the
 seeded tiny model (CPU), with the clock the decode loop reads replaced so the deadline falls
 between two given steps.
 """
@@ -17,15 +18,20 @@ from gpu_workers.compute import (
     ComputeError,
     DeadlineExceeded,
     check_token_range,
+    context_length,
     generate_from_embeddings,
+    vocab_size,
 )
-from gpu_workers.prefill import Bounds, check_bounds
+from gpu_workers.prefill import worker_limits
 from runtime.model import ModelBundle, load_model, text_config
+from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
 from schemas.errors import ValidationError
 from schemas.types import Features, PrefillEvent, SamplingParams
 
-BOUNDS = Bounds(vocab_size=100, context=64, max_tokens=16)
+BOUNDS = RequestLimits.from_settings(
+    Settings(max_tokens_limit=16, max_context_tokens=0), vocab_size=100, model_context=64
+)
 
 
 def event(token_ids: list[int], **sampling: object) -> PrefillEvent:
@@ -38,9 +44,9 @@ def event(token_ids: list[int], **sampling: object) -> PrefillEvent:
     )
 
 
-def rule_of(ev: PrefillEvent, bounds: Bounds = BOUNDS) -> str | None:
+def rule_of(ev: PrefillEvent, bounds: RequestLimits = BOUNDS) -> str | None:
     try:
-        check_bounds(ev, bounds)
+        bounds.check_prefill(ev)
     except ValidationError as e:
         return e.rule
     return None
@@ -64,8 +70,8 @@ def test_prompt_plus_max_tokens_must_fit_the_context() -> None:
 @pytest.mark.parametrize("bad", [100, 101, 2**31])
 def test_token_ids_must_be_inside_the_vocabulary(bad: int) -> None:
     with pytest.raises(ValidationError) as err:
-        check_bounds(event([1, bad, 2], max_tokens=4), BOUNDS)
-    assert (err.value.rule, err.value.field) == ("token-ids", "token_ids")
+        BOUNDS.check_prefill(event([1, bad, 2], max_tokens=4))
+    assert (err.value.rule, err.value.field, err.value.item) == ("render.token_ids", "token_ids", 1)
     assert "token_ids[1]" in str(err.value)
 
 
@@ -74,7 +80,7 @@ def test_token_ids_must_be_inside_the_vocabulary(bad: int) -> None:
     [
         {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 3},
         {"temperature": 1.0},
-        {"temperature": 2.5, "top_p": 1.0, "top_k": 0},
+        {"temperature": 2.0, "top_p": 1.0, "top_k": 0},
         {"temperature": 0.0, "stop": ["\n\n", "END"]},
         {"temperature": 0.001},
     ],
@@ -90,11 +96,13 @@ def test_sampling_within_bounds_runs(sampling: dict[str, object]) -> None:
         ({"temperature": float("nan")}, "temperature"),
         ({"temperature": float("inf")}, "temperature"),
         ({"temperature": 1e-9}, "temperature"),  # logits / 1e-9 overflow: refused, not NaN
+        ({"temperature": 2.5}, "temperature"),  # the door's cap (MAX_TEMPERATURE), held here too
         ({"temperature": 1.0, "top_p": 0.0}, "top_p"),
         ({"temperature": 1.0, "top_p": 1.5}, "top_p"),
         ({"temperature": 1.0, "top_p": float("nan")}, "top_p"),
         ({"temperature": 1.0, "top_k": -1}, "top_k"),
         ({"stop_token_ids": [100]}, "stop_token_ids"),
+        ({"stop_token_ids": [1] * 65}, "stop_token_ids"),
         ({"stop": [""]}, "stop"),
         ({"stop": ["x" * 257]}, "stop"),
         ({"stop": [str(i) for i in range(17)]}, "stop"),
@@ -104,8 +112,8 @@ def test_sampling_out_of_bounds_is_refused_naming_the_field(
     sampling: dict[str, object], field: str
 ) -> None:
     with pytest.raises(ValidationError) as err:
-        check_bounds(event([1], max_tokens=4, **sampling), BOUNDS)
-    assert (err.value.rule, err.value.field) == ("sampling", field)
+        BOUNDS.check_prefill(event([1], max_tokens=4, **sampling))
+    assert (err.value.rule, err.value.field) == (f"sampling.{field}", field)
 
 
 @pytest.fixture(scope="module")
@@ -115,12 +123,21 @@ def bundle() -> ModelBundle:
 
 def test_bounds_follow_settings_within_the_model(bundle: ModelBundle) -> None:
     tc = text_config(bundle.config)
-    b = Bounds.for_model(Settings(max_tokens_limit=32, max_context_tokens=0), bundle)
-    assert b == Bounds(tc.vocab_size, tc.max_position_embeddings, 32, 16, 256)
-    assert Bounds.for_model(Settings(max_context_tokens=100), bundle).context == 100
+    s = Settings(max_tokens_limit=32, max_context_tokens=0)
+    b = worker_limits(s, bundle)
+    assert b == RequestLimits.from_settings(
+        s, vocab_size=tc.vocab_size, model_context=tc.max_position_embeddings
+    )
+    assert (b.vocab_size, b.context_tokens, b.max_tokens) == (
+        vocab_size(bundle),
+        context_length(bundle),
+        32,
+    )
+    assert (b.max_stop_strings, b.max_stop_string_chars, b.max_stop_token_ids) == (16, 256, 64)
+    assert worker_limits(Settings(max_context_tokens=100), bundle).context_tokens == 100
     # A setting above the model's context cannot raise it.
     huge = Settings(max_context_tokens=tc.max_position_embeddings * 4)
-    assert Bounds.for_model(huge, bundle).context == tc.max_position_embeddings
+    assert worker_limits(huge, bundle).context_tokens == tc.max_position_embeddings
 
 
 def test_out_of_vocabulary_id_is_refused_before_any_tensor(

@@ -120,6 +120,7 @@ def conversation_submission(
         idempotency_key=headers.idempotency_key,
         fingerprint=conv.fingerprint,
         decodes_media=bool(conv.media),
+        door_checked=True,  # sampling_of and the raw-body count (inputs.py)
     )
 
 

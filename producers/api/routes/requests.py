@@ -72,6 +72,7 @@ def native_submission(
         idempotency_key=headers.idempotency_key,
         fingerprint=inp.fingerprint(),
         decodes_media=bool(inp.images or inp.videos),
+        door_checked=True,  # the body's parse (bodies.py) checked sampling and counts
     )
 
 

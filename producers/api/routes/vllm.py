@@ -17,6 +17,7 @@ from producers.api.openapi import IDEMPOTENCY_PARAM, SUBMIT_RESPONSES, VLLM_BODY
 from producers.api.state import ApiState
 from producers.api.submissions import SubmitHeaders, accepted_response, off_the_loop
 from producers.intake import RenderContext, Submission
+from schemas import defaults
 from schemas.errors import ValidationError
 from schemas.types import RenderEvent, SamplingParams
 from schemas.vllm_sampling import sampling_from_vllm
@@ -64,6 +65,7 @@ async def vllm_generate(request: Request, st: State, tenant: Tenant) -> JSONResp
         idempotency_key=headers.idempotency_key,
         fingerprint=await off_the_loop(len(body), fingerprint, obj),
         decodes_media=False,  # its tensors come decoded: nothing for a render slot to bound
+        door_checked=True,  # door_checks: sampling_params and the items counted
     )
     return accepted_response(await st.intake.submit(sub))
 
@@ -90,7 +92,9 @@ def door_checks(st: ApiState, obj: Any) -> SamplingParams:
         )
     # vLLM's meaning of each field (its defaults where one is absent: a temperature of 1),
     # then the bounds every route holds sampling to.
-    st.limits.check_max_tokens(sp.get("max_tokens", 16), field="sampling_params.max_tokens")
+    st.limits.check_max_tokens(
+        sp.get("max_tokens", defaults.MAX_TOKENS), field="sampling_params.max_tokens"
+    )
     sampling = sampling_from_vllm(sp)
     st.limits.check_sampling_params(sampling, prefix="sampling_params.")
     return sampling
