@@ -14,9 +14,9 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
-import psutil
 import pytest
 
+from bench.api_decode_bombs import tree_cpu_s
 from epd.local_pipeline import worker_env
 from producers.sample_images import repeated_scan_jpeg
 from runtime.settings import Settings
@@ -76,15 +76,7 @@ def bomb_body(scans: int = 4000) -> dict[str, object]:
 
 def cpu_seconds(api: ApiProcess) -> float:
     """CPU time of the API process and every process under it."""
-    root = psutil.Process(api.proc.pid)
-    total = 0.0
-    for p in [root, *root.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += t.user + t.system
-    return total
+    return tree_cpu_s(api.proc.pid)
 
 
 async def test_a_jpeg_of_repeated_scans_is_refused_before_decoding(

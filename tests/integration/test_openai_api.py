@@ -988,22 +988,7 @@ async def _records_with(stack: ApiStack, case: str) -> list[tuple[str, str]]:
 async def _cancelled_with(stack: ApiStack, case: str) -> list[str]:
     """Ids of the cancelled records labelled ``case`` (read from Redis: the client never got
     the request's id)."""
-    import redis.asyncio as aioredis
-
-    from runtime.status import StatusStore
-
-    client = aioredis.Redis.from_url(stack.settings.redis_url)
-    try:
-        store = StatusStore(client, prefix=stack.settings.topic_prefix)
-        found = []
-        async for key in client.scan_iter(match=f"{stack.settings.topic_prefix}:status:*"):
-            rec = await store.get(key.decode().rsplit(":", 1)[1])
-            labels = (rec.metadata if rec else None) or {}
-            if rec and labels.get("case") == case and rec.status == "cancelled":
-                found.append(rec.request_id)
-        return found
-    finally:
-        await client.aclose()
+    return [rid for rid, status in await _records_with(stack, case) if status == "cancelled"]
 
 
 # ---------------------------------------------------------------------------------- the CLI
