@@ -135,7 +135,9 @@ async def test_the_stream_is_bounded_in_length(streams: TokenStreams) -> None:
         w.push([i], "x")
         await asyncio.sleep(0)
     await w.close("completed", LENGTH)
-    assert await streams.client.xlen(streams.key("r4")) <= 2 * 64  # approximate trimming
+    # Approximate trimming drops whole stream nodes only: what stays is at most the cap plus
+    # one node (stream-node-max-entries, 100 by default); 2 x 64 was crossed under load.
+    assert await streams.client.xlen(streams.key("r4")) <= 64 + 100
     assert (await streams.read("r4"))[-1].tokens_total == 400  # the counts tell what was cut
     await unthrottled.close()
 
