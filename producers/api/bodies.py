@@ -9,9 +9,12 @@ base64 or ``data:`` URLs. Nothing here opens a file or fetches a URL.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +22,7 @@ from pydantic import ValidationError as PydanticValidationError
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
+from producers.api.budget import ByteBudget, Reservation
 from producers.api.checks import pydantic_error
 from producers.api.data_strings import check_image_bytes, decode_image_string
 from producers.api.errors import ApiError, answered, bad_request
@@ -93,22 +97,111 @@ class SubmitInput:
         return h.hexdigest()
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
+SMALL_BODY_BYTES = 64 * 1024
+"""Bodies up to this size reserve nothing from the body budget: they cost little, and small
+requests keep working while big ones have spent it."""
+
+
+@dataclass(frozen=True, slots=True)
+class BodyRules:
+    """How the API reads a body: at most ``max_bytes``, all of it within ``timeout_s``, its
+    bytes reserved from the process's ``budget`` while they are held (see
+    :mod:`producers.api.budget`)."""
+
+    max_bytes: int
+    timeout_s: float
+    budget: ByteBudget
+    retry_after_s: int = 1
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> BodyRules:
+        """The rules of ``EPD_API_MAX_BODY_BYTES``, ``EPD_API_BODY_TIMEOUT_S`` and
+        ``EPD_API_BODY_BUDGET_BYTES`` (never below the largest body, which must fit alone)."""
+        budget = max(settings.api_body_budget_bytes, settings.api_max_body_bytes)
+        return cls(
+            settings.api_max_body_bytes,
+            settings.api_body_timeout_s,
+            ByteBudget(budget),
+            settings.api_retry_after_s,
+        )
+
+    @asynccontextmanager
+    async def held(self, request: Request) -> AsyncIterator[bytes]:
+        """The body, read under these rules; its bytes stay reserved until the block ends
+        (put the parse and the render that hold them inside it)."""
+        hold = Reservation(self.budget)
+        try:
+            yield await read_body(
+                request,
+                self.max_bytes,
+                hold=hold,
+                timeout_s=self.timeout_s,
+                retry_after_s=self.retry_after_s,
+            )
+        finally:
+            hold.release()
+
+
+async def read_body(
+    request: Request,
+    limit: int,
+    *,
+    hold: Reservation | None = None,
+    timeout_s: float | None = None,
+    retry_after_s: int = 1,
+) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes, 408 when
+    it has not all arrived within ``timeout_s``, 503 when ``hold`` cannot cover it (its
+    declared length before a byte is read, else as it grows past :data:`SMALL_BODY_BYTES`).
+    Each refusal closes the connection: the rest of the body is never read."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.strip().isdigit():
             raise bad_request("Content-Length is not a number", rule="body.length")
         if int(declared) > limit:
             raise _body_too_large(int(declared), limit)
+        _reserve(hold, int(declared), retry_after_s)
     chunks: list[bytes] = []
     total = 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise _body_too_large(total, limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                total += len(chunk)
+                if total > limit:
+                    raise _body_too_large(total, limit)
+                _reserve(hold, total, retry_after_s)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(
+            408,
+            "timeout",
+            f"the body did not arrive within {timeout_s:g} s ({total} bytes came; "
+            "EPD_API_BODY_TIMEOUT_S)",
+            rule="body.timeout",
+            headers=dict(CLOSE),
+        ) from None
     return b"".join(chunks)
+
+
+CLOSE = {"Connection": "close"}
+"""On an answer given before the body was read whole: the server closes the connection
+instead of reading (and discarding) the rest."""
+
+
+def _reserve(hold: Reservation | None, size: int, retry_after_s: int) -> None:
+    """``hold`` covers a body of ``size`` bytes (small ones need nothing), else 503."""
+    if hold is None or size <= SMALL_BODY_BYTES or hold.cover(size):
+        return
+    budget = hold.budget
+    raise ApiError(
+        503,
+        "unavailable",
+        f"this server is holding {budget.used} bytes of other request bodies and has room "
+        f"for {budget.free} more; this body needs {size} (EPD_API_BODY_BUDGET_BYTES is "
+        f"{budget.total}); retry later",
+        rule="body.budget",
+        headers={"Retry-After": str(retry_after_s), **CLOSE},
+    )
 
 
 def replayed(request: Request, body: bytes) -> Request:
@@ -129,7 +222,11 @@ def replayed(request: Request, body: bytes) -> Request:
 
 def _body_too_large(size: int, limit: int) -> ApiError:
     return ApiError(
-        413, "too_large", f"body is at least {size} bytes; the limit is {limit}", rule="body.size"
+        413,
+        "too_large",
+        f"body is at least {size} bytes; the limit is {limit}",
+        rule="body.size",
+        headers=dict(CLOSE),
     )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from producers.api.bodies import parse_json, read_body
+from producers.api.bodies import parse_json
 from producers.api.checks import JSON, content_type
 from producers.api.deps import State, Tenant
 from producers.api.models import Accepted
@@ -34,7 +34,14 @@ router = APIRouter(prefix="/v1/vllm", tags=["vllm"])
 )
 async def vllm_generate(request: Request, st: State, tenant: Tenant) -> JSONResponse:
     content_type(request, JSON)
-    body = await read_body(request, st.settings.api_max_body_bytes)
+    # The body's bytes stay reserved until its tensors are fanned out.
+    async with st.bodies.held(request) as body:
+        return await _generate(request, st, tenant, body)
+
+
+async def _generate(
+    request: Request, st: ApiState, tenant: str | None, body: bytes
+) -> JSONResponse:
     obj = await off_the_loop(len(body), parse_json, body, st.limits.max_json_depth)
     sampling = door_checks(st, obj)
     # Base64 + msgpack decoding of megabytes of tensors: off the event loop.
