@@ -112,6 +112,10 @@ class BodyRules:
     timeout_s: float
     budget: ByteBudget
     retry_after_s: int = 1
+    parsing: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
+    """Big bodies parse one at a time: JSON, base64 and pydantic hold the GIL (threads run
+    them no faster side by side), and each parse waiting for it is one the event loop, and so
+    ``/healthz``, would wait behind."""
 
     @classmethod
     def from_settings(cls, settings: Any) -> BodyRules:
@@ -153,7 +157,8 @@ async def read_body(
     """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes, 408 when
     it has not all arrived within ``timeout_s``, 503 when ``hold`` cannot cover it (its
     declared length before a byte is read, else as it grows past :data:`SMALL_BODY_BYTES`).
-    Each refusal closes the connection: the rest of the body is never read."""
+    None of them reads the rest of the body (the server discards it); 408 closes the
+    connection."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.strip().isdigit():
@@ -184,8 +189,10 @@ async def read_body(
 
 
 CLOSE = {"Connection": "close"}
-"""On an answer given before the body was read whole: the server closes the connection
-instead of reading (and discarding) the rest."""
+"""On the answer to a body too slow to wait for: the server closes the connection instead of
+reading (and discarding) the rest. Refusals of a client that sends at speed (413, 503) keep
+it: the server discards what it did not read (no memory; closed after the keep-alive
+timeout at most), so the client reads the answer instead of a reset connection."""
 
 
 def _reserve(hold: Reservation | None, size: int, retry_after_s: int) -> None:
@@ -200,7 +207,7 @@ def _reserve(hold: Reservation | None, size: int, retry_after_s: int) -> None:
         f"for {budget.free} more; this body needs {size} (EPD_API_BODY_BUDGET_BYTES is "
         f"{budget.total}); retry later",
         rule="body.budget",
-        headers={"Retry-After": str(retry_after_s), **CLOSE},
+        headers={"Retry-After": str(retry_after_s)},
     )
 
 
@@ -226,7 +233,6 @@ def _body_too_large(size: int, limit: int) -> ApiError:
         "too_large",
         f"body is at least {size} bytes; the limit is {limit}",
         rule="body.size",
-        headers=dict(CLOSE),
     )
 
 
@@ -270,7 +276,7 @@ def parse_json(body: bytes | str, max_depth: int, *, where: str = "body") -> Any
         raise bad_request(
             f"{where} is nested too deeply (the limit is {max_depth} levels)", rule="body.json"
         ) from None
-    problem = _tree_problem(obj, max_depth)
+    problem = _tree_problem(obj, max_depth, strings=_may_hold_surrogate(body))
     if problem == "depth":
         raise bad_request(
             f"{where} is nested too deeply (the limit is {max_depth} levels, "
@@ -291,14 +297,44 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 any left in a parsed string is half a pair."""
 
 
-def _tree_problem(obj: Any, limit: int) -> str | None:
+ESCAPES_SCANNED = 256
+"""``\\u`` escapes :func:`_may_hold_surrogate` looks at before it leaves the question to the
+scan of the parsed strings."""
+
+
+def _may_hold_surrogate(body: bytes | str) -> bool:
+    """Whether the JSON text can hold a lone surrogate, by a scan of its bytes far cheaper
+    than a regex over every parsed string (which held the GIL for most of a second per 30 MB
+    body): UTF-8 text holds one only as a ``\\uD800``-``\\uDFFF`` escape or as raw
+    ``ED A0``-``ED BF`` bytes (``json.loads`` decodes with ``surrogatepass``). Other
+    encodings, text already decoded, and many escapes: True (the strings are scanned)."""
+    if not isinstance(body, bytes) or not json.detect_encoding(body).startswith("utf-8"):
+        return True
+    for marker, follows in ((b"\\u", b"dD"), (b"\xed", None)):
+        at, seen = body.find(marker), 0
+        while at != -1:
+            nxt = body[at + len(marker) : at + len(marker) + 2]
+            if follows is None:
+                if nxt[:1] and 0xA0 <= nxt[0] <= 0xBF:
+                    return True
+            elif nxt[:1] and nxt[:1] in follows and nxt[1:2] and nxt[1:2] in b"89abcdefABCDEF":
+                return True
+            seen += 1
+            if seen > ESCAPES_SCANNED:
+                return True
+            at = body.find(marker, at + 1)
+    return False
+
+
+def _tree_problem(obj: Any, limit: int, *, strings: bool = True) -> str | None:
     """``"depth"`` when objects/arrays nest more than ``limit`` levels, ``"surrogate"`` when a
-    string or key holds a lone surrogate, else None (iterative: no recursion)."""
+    string or key holds a lone surrogate (looked for only when ``strings``), else None
+    (iterative: no recursion)."""
     stack: list[tuple[Any, int]] = [(obj, 1)]
     while stack:
         node, depth = stack.pop()
         if isinstance(node, str):
-            if _SURROGATE.search(node):
+            if strings and _SURROGATE.search(node):
                 return "surrogate"
             continue
         if not isinstance(node, dict | list):
@@ -349,6 +385,8 @@ def _parse_json_submit(body: bytes, limits: RequestLimits, settings: Any) -> Sub
         len(images) if isinstance(images, list) else 0,
         len(videos) if isinstance(videos, list) else 0,
     )
+    if isinstance(obj.get("prompt"), str):  # a 30 MB prompt: refused before pydantic sees it
+        limits.check_prompt(obj["prompt"], None)
     try:
         req = SubmitRequest.model_validate(obj)
     except PydanticValidationError as e:

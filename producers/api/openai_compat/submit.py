@@ -56,6 +56,7 @@ async def read_conversation(
                 st.media,
                 takes_video(st),
                 st.chat.control_tokens,
+                slot=st.bodies.parsing,
             )
         del body  # the parse holds what the render needs
         yield conv

@@ -36,7 +36,9 @@ async def submit(request: Request, st: State, tenant: Tenant) -> JSONResponse:
     # The body's bytes stay reserved through the render: its images are held until then.
     async with st.bodies.held(request) as body:
         if ctype == JSON:
-            inp = await off_the_loop(len(body), parse_json_submit, body, st.limits, st.settings)
+            inp = await off_the_loop(
+                len(body), parse_json_submit, body, st.limits, st.settings, slot=st.bodies.parsing
+            )
         else:
             inp = await parse_multipart_submit(request, body, st.limits, st.settings)
         del body

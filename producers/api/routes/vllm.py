@@ -42,10 +42,11 @@ async def vllm_generate(request: Request, st: State, tenant: Tenant) -> JSONResp
 async def _generate(
     request: Request, st: ApiState, tenant: str | None, body: bytes
 ) -> JSONResponse:
-    obj = await off_the_loop(len(body), parse_json, body, st.limits.max_json_depth)
+    slot = st.bodies.parsing
+    obj = await off_the_loop(len(body), parse_json, body, st.limits.max_json_depth, slot=slot)
     sampling = door_checks(st, obj)
     # Base64 + msgpack decoding of megabytes of tensors: off the event loop.
-    req = await off_the_loop(len(body), parse_render, st, obj)
+    req = await off_the_loop(len(body), parse_render, st, obj, slot=slot)
     vllm_id = None if obj.get("request_id") is None else str(obj["request_id"])
 
     async def render(ctx: RenderContext) -> RenderEvent:
@@ -69,7 +70,7 @@ async def _generate(
         foreign_labels=True,
         traceparent=headers.traceparent,
         idempotency_key=headers.idempotency_key,
-        fingerprint=await off_the_loop(len(body), fingerprint, obj),
+        fingerprint=await off_the_loop(len(body), fingerprint, obj, slot=slot),
     )
     return accepted_response(await st.intake.submit(sub))
 
