@@ -1,7 +1,8 @@
 """Reading and parsing request bodies: size limits first, then structure, then image bytes.
 
 Order matters for safety: the body is counted while it is read (a 50 MB upload is refused at
-the limit, never held whole); an image's encoded size is checked before it is base64-decoded;
+the limit, never held whole), within its deadline, and its bytes are reserved from the
+process's body budget before they are held (:class:`BodyRules`); an image's encoded size is checked before it is base64-decoded;
 its type is sniffed from magic bytes before any decoder sees it; pixel counts are checked by
 the renderer from the header before pixels are decompressed. Image strings are data only:
 base64 or ``data:`` URLs. Nothing here opens a file or fetches a URL.
