@@ -2,10 +2,12 @@
 
 Order matters for safety: the body is counted while it is read (a 50 MB upload is refused at
 the limit, never held whole), within its deadline, and its bytes are reserved from the
-process's body budget before they are held (:class:`BodyRules`); an image's encoded size is checked before it is base64-decoded;
-its type is sniffed from magic bytes before any decoder sees it; pixel counts are checked by
-the renderer from the header before pixels are decompressed. Image strings are data only:
-base64 or ``data:`` URLs. Nothing here opens a file or fetches a URL.
+process's body budget before they are held (:class:`BodyRules`); a text far over its limit
+is refused from the raw bytes before the parse (:func:`refuse_long_text`); an image's
+encoded size is checked before it is base64-decoded; its type is sniffed from magic bytes
+before any decoder sees it; pixel counts are checked by the renderer from the header before
+pixels are decompressed. Image strings are data only: base64 or ``data:`` URLs. Nothing here
+opens a file or fetches a URL.
 """
 
 from __future__ import annotations
@@ -293,6 +295,65 @@ def parse_json(body: bytes | str, max_depth: int, *, where: str = "body") -> Any
     return obj
 
 
+BYTES_PER_CHAR = 12
+"""The most bytes one character of a JSON string can take (a surrogate pair written as two
+``\\u`` escapes): a string of more bytes than this many times a limit holds more characters
+than the limit, whatever it is made of."""
+_WINDOWS = 4
+"""Quote-free windows per over-long string length :func:`refuse_long_text` looks through."""
+
+
+def refuse_long_text(body: bytes, keys: tuple[str, ...], max_chars: int) -> None:
+    """413 ``request.prompt`` for a text field (a string value of one of ``keys``) that holds
+    more than ``max_chars`` characters for certain, found in the raw bytes before anything is
+    parsed: parsing a 30 MB body holds the GIL (so the event loop) for most of a second, only
+    for the prompt's limit to refuse it afterwards.
+
+    A string of more than ``BYTES_PER_CHAR * max_chars`` bytes has no quote in that span: the
+    body is looked through in windows a quarter that long (a few ``bytes.find`` calls, never a
+    Python loop over its bytes); a quote-free window's run is taken back to the quote that
+    opened it, and refused when that quote opens the value of a text key written plainly
+    (``{"prompt": "`` / ``, "content": "``: a key's quote after ``{``, ``,`` or a space is
+    outside every string). Shorter texts, or keys written with escapes, are left to the
+    parse, which holds every text to the exact limit."""
+    span = BYTES_PER_CHAR * max_chars
+    step = max(1, span // _WINDOWS)
+    at = 0
+    while at + step <= len(body):
+        if body.find(b'"', at, at + step) != -1:
+            at += step
+            continue
+        opened = body.rfind(b'"', 0, at)
+        closed = body.find(b'"', at + step)
+        end = len(body) if closed == -1 else closed
+        if opened != -1 and end - opened - 1 > span:
+            key = _text_key(body[max(0, opened - 64) : opened + 1], keys)
+            if key is not None:
+                raise ValidationError(
+                    "request.prompt",
+                    f"{key!r} holds a string of {end - opened - 1} bytes or more: more than "
+                    f"{max_chars} characters (EPD_API_MAX_PROMPT_CHARS)",
+                    field=key,
+                )
+        if closed == -1:
+            return
+        at = closed + 1
+
+
+_KEYED_STRING = re.compile(rb'[{,\s]"([A-Za-z_]{1,32})"\s*:\s*"\Z')
+"""A plainly written key, its colon and the quote that opens its string value, at the end of
+the bytes before a long string."""
+
+
+def _text_key(before: bytes, keys: tuple[str, ...]) -> str | None:
+    """The key whose string value opens at the end of ``before``, when it is one of ``keys``."""
+    match = _KEYED_STRING.search(before)
+    if match is None:
+        return None
+    key = match.group(1).decode()
+    return key if key in keys else None
+
+
 _SURROGATE = re.compile("[\ud800-\udfff]")
 """A surrogate code point: json.loads joins a well-formed escaped pair into one character, so
 any left in a parsed string is half a pair."""
@@ -377,6 +438,7 @@ def parse_json_submit(body: bytes, limits: RequestLimits, settings: Any) -> Subm
 
 
 def _parse_json_submit(body: bytes, limits: RequestLimits, settings: Any) -> SubmitInput:
+    refuse_long_text(body, ("prompt",), limits.max_prompt_chars)
     obj = parse_json(body, limits.max_json_depth)
     if not isinstance(obj, dict):
         raise bad_request("body must be a JSON object", rule="body.json")

@@ -1,16 +1,18 @@
 """The pure logic under the body budget and the fetched-media total (issue 27, defects 4, 5):
-the byte budget and its reservations, a request's fetch count, and the byte pre-scan that
-lets the surrogate check skip the parsed strings."""
+the byte budget and its reservations, a request's fetch count, the byte pre-scan that lets
+the surrogate check skip the parsed strings, and the one that refuses a text far over its
+limit before the parse."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from producers.api.bodies import _may_hold_surrogate, _tree_problem
+from producers.api.bodies import _may_hold_surrogate, _tree_problem, refuse_long_text
 from producers.api.budget import ByteBudget, Reservation
 from producers.api.errors import from_validation
 from producers.api.media_urls import FetchTotal, MediaRef
@@ -90,3 +92,42 @@ def test_when_the_prescan_says_no_the_parsed_strings_hold_no_surrogate(s: str) -
         obj = json.loads(body)
         if not _may_hold_surrogate(body):
             assert _tree_problem(obj, 32) is None
+
+
+def _long_text(body: dict[str, Any], keys: tuple[str, ...] = ("prompt",)) -> str | None:
+    """The field :func:`refuse_long_text` refuses in ``body`` (limit 1000), else None."""
+    try:
+        refuse_long_text(json.dumps(body).encode(), keys, 1000)
+    except ValidationError as e:
+        assert e.rule == "request.prompt" and from_validation(e).status == 413
+        return e.field
+    return None
+
+
+def test_a_text_far_over_its_limit_is_refused_from_the_raw_bytes() -> None:
+    assert _long_text({"prompt": "x" * 13_000}) == "prompt"
+    assert _long_text({"cache_salt": "s", "prompt": "é" * 13_000}) == "prompt"  # escaped: 6 B
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x" * 13_000}]}]}
+    assert _long_text(chat, ("content", "text")) == "text"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "x" * 11_000},  # under 12 bytes a character: the parse counts it exactly
+        {"prompt": "hi", "images": ["A" * 50_000]},  # media strings are not text
+        {"note": 'say "prompt": "' + "x" * 13_000},  # a key's look-alike inside a string
+        {"token_ids": list(range(5_000))},  # a long run outside any string
+        {"prompt": 'a"b' * 5_000},  # quotes inside: left to the parse
+    ],
+)
+def test_the_prescan_leaves_what_it_cannot_be_sure_of_to_the_parse(body: dict[str, Any]) -> None:
+    assert _long_text(body) is None
+
+
+def test_the_prescan_costs_a_few_finds_not_a_loop_over_the_bytes() -> None:
+    many = json.dumps({"images": ["ab"] * 500_000}).encode()  # a quote every few bytes
+    refuse_long_text(many, ("prompt",), 1000)  # returns: windows that hold a quote are skipped
+    big = b'{"prompt": "' + b"x" * (8 << 20) + b'"}'
+    with pytest.raises(ValidationError):
+        refuse_long_text(big, ("prompt",), 262_144)
