@@ -41,7 +41,7 @@ async def submit(request: Request, st: State, tenant: Tenant) -> JSONResponse:
             )
         else:
             inp = await parse_multipart_submit(request, body, st.limits, st.settings)
-        del body
+        del body  # the parse holds what the render needs
         sub = native_submission(st, inp, tenant, SubmitHeaders.of(request))
         accepted = await st.intake.submit(sub)
     return accepted_response(accepted)
