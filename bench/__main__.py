@@ -4,7 +4,8 @@ print JSON. ``epd bench`` is the same command (``epd/commands/bench.py`` reuses
 
 ``python -m bench soak [OPTIONS]`` runs the soak instead (``bench/soak.py``; not a budgeted
 benchmark, so it is never part of the default selection), ``python -m bench api-soak`` the
-HTTP API's soak (``bench/api_soak.py``).
+HTTP API's soak (``bench/api_soak.py``), ``python -m bench api-bodies`` the API under many
+big bodies at once (``bench/api_bodies.py``).
 
 stdout gets one JSON document: ``machine`` facts, the run ``options``, one key per benchmark
 (its numbers, its ``budget`` from docs/design.md and ``meets_budget``) and a ``summary``. Progress
@@ -167,6 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.api_soak import main as api_soak_main
 
         return api_soak_main(argv[1:])
+    if argv[:1] == ["api-bodies"]:
+        from bench.api_bodies import main as api_bodies_main
+
+        return api_bodies_main(argv[1:])
     return run_selected(parse_args(argv))
 
 

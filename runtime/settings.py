@@ -363,6 +363,20 @@ class Settings(BaseSettings):
     api_max_body_bytes: int = Field(
         32 * 1024 * 1024, description="largest request body; checked while it is read"
     )
+    api_body_budget_bytes: int = Field(
+        128 * 1024 * 1024,
+        ge=1,
+        description="request body bytes one API process holds at once, across requests, from "
+        "the read to the end of the render (a body's Content-Length is reserved before it is "
+        "read; bodies up to 64 KiB take none); beyond: 503 body.budget with Retry-After, "
+        "answered without reading the body. Never below EPD_API_MAX_BODY_BYTES",
+    )
+    api_body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="longest a request body may take to arrive, its first byte to its last; "
+        "slower: 408 body.timeout and the connection is closed",
+    )
     api_max_image_bytes: int = Field(
         16 * 1024 * 1024, description="largest encoded image (file bytes, before decoding)"
     )
@@ -446,6 +460,19 @@ class Settings(BaseSettings):
     )
     api_image_url_max_redirects: int = Field(
         3, ge=0, description="redirects followed per URL fetch (only to the same host and port)"
+    )
+    api_max_fetched_bytes: int = Field(
+        32 * 1024 * 1024,
+        ge=1,
+        description="bytes all the media URLs of one request may fetch together (the sum "
+        "across its fetches, counted as they stream in; each is also held to its image or "
+        "video limit); beyond: 413 image_url.total",
+    )
+    api_image_url_concurrency: int = Field(
+        4,
+        ge=1,
+        description="media URL fetches one API process runs at once, across requests (more "
+        "wait for a slot; each fetch's own timeout starts once it has one)",
     )
 
     @field_validator("store_url")

@@ -23,6 +23,7 @@ TOO_LARGE_RULES = frozenset(
         "render.video_too_many_frames",
         "render.video_decode_budget",
         "image_url.size",
+        "image_url.total",
         *SIZE_RULES,
     }
 )

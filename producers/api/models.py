@@ -211,11 +211,12 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         400: "malformed request (bad JSON, bad base64, bad form)",
         401: "missing or unknown bearer token (when EPD_API_TOKENS is set)",
         404: "unknown request id (or another tenant's)",
+        408: "the body did not arrive within EPD_API_BODY_TIMEOUT_S (the connection closes)",
         409: "Idempotency-Key reused with another body, or cancel of a finished request",
         413: "body or image too large",
         415: "unsupported content or image type",
         422: "validation failed (the rule is named)",
         429: "too many requests in flight or encoder backlog; see Retry-After",
-        503: "Kafka or Redis unavailable; see Retry-After",
+        503: "Kafka or Redis unavailable, or the body budget spent; see Retry-After",
     }.items()
 }

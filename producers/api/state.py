@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from aiokafka.admin import AIOKafkaAdminClient
 
 from producers.api.admission import ApiAdmission, LagMonitor
+from producers.api.bodies import BodyRules
 from producers.api.media_urls import MediaFetcher
 from producers.api.metrics import Metrics
 from producers.api.tenants import Tenants
@@ -61,6 +62,8 @@ class ApiState:
     """The model's chat template (the OpenAI-compatible routes)."""
     media: MediaFetcher
     """Fetches the http(s) media URLs ``EPD_API_IMAGE_URL_HOSTS`` allows."""
+    bodies: BodyRules
+    """How request bodies are read: size, deadline, and the process's byte budget."""
     kafka_ready: asyncio.Event = field(default_factory=asyncio.Event)
     admin: AIOKafkaAdminClient | None = None
     """Started with the publisher: ``/readyz`` lists the topics through it."""
@@ -141,6 +144,7 @@ class ApiState:
             tokens=TokenStreams.from_settings(client, settings),
             chat=ChatTemplate.for_model(info, settings.model, settings.chat_template),
             media=MediaFetcher.from_settings(settings),
+            bodies=BodyRules.from_settings(settings),
             kafka_ready=ready,
         )
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -20,12 +21,15 @@ OFF_LOOP_BYTES = 64 * 1024
 T = TypeVar("T")
 
 
-async def off_the_loop(size: int, parse: Callable[..., T], *args: Any) -> T:
+async def off_the_loop(
+    size: int, parse: Callable[..., T], *args: Any, slot: asyncio.Semaphore | None = None
+) -> T:
     """``parse(*args)``, in a worker thread when the body is large (small ones parse faster
-    here than a thread hop costs)."""
-    if size > OFF_LOOP_BYTES:
+    here than a thread hop costs), holding ``slot`` there (``BodyRules.parsing``)."""
+    if size <= OFF_LOOP_BYTES:
+        return parse(*args)
+    async with slot or contextlib.nullcontext():
         return await asyncio.to_thread(parse, *args)
-    return parse(*args)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 
-from producers.api.bodies import parse_json
+from producers.api.bodies import parse_json, refuse_long_text
 from producers.api.data_strings import (
     IMAGE_FIELD,
     IMAGE_TYPES,
@@ -219,7 +219,12 @@ def _validate(model: type[BaseModel], obj: Any) -> Any:
         raise schema_error(exc) from None
 
 
+TEXT_KEYS = ("content", "text", "refusal", "input", "instructions")
+"""Keys whose string values are message text (held to ``EPD_API_MAX_PROMPT_CHARS``)."""
+
+
 def _object(body: bytes, limits: RequestLimits) -> dict[str, Any]:
+    refuse_long_text(body, TEXT_KEYS, limits.max_prompt_chars)  # before the parse
     obj = parse_json(body, limits.max_json_depth)
     if not isinstance(obj, dict):
         raise ValidationError("request.schema", "the body must be a JSON object")

@@ -11,15 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
 
-from producers.api.bodies import read_body
 from producers.api.checks import JSON, content_type
 from producers.api.data_strings import sniff_image_type
 from producers.api.errors import ApiError, answered
+from producers.api.media_urls import FetchTotal
 from producers.api.openai_compat.inputs import Conversation, Media
 from producers.api.openai_compat.views import RECORD_GONE
 from producers.api.state import ApiState
@@ -37,33 +37,52 @@ def takes_video(st: ApiState) -> bool:
     return "video" in placeholder_ids(st.info)
 
 
+@contextlib.asynccontextmanager
 async def read_conversation(
     request: Request, st: ApiState, parse: Callable[..., Conversation]
-) -> Conversation:
-    """The request's JSON body, bounded, then checked by ``parse`` (``parse_chat`` or
-    ``parse_response``) in a worker thread for a large body, with the deployment's limits."""
+) -> AsyncIterator[Conversation]:
+    """The request's JSON body, bounded (:class:`producers.api.bodies.BodyRules`), then
+    checked by ``parse`` (``parse_chat`` or ``parse_response``) in a worker thread for a
+    large body, with the deployment's limits. The body's bytes stay reserved until the block
+    ends: submit inside it (the render holds its media), wait for the outcome after it."""
     content_type(request, JSON)
-    body = await read_body(request, st.settings.api_max_body_bytes)
-    with answered():
-        return await off_the_loop(
-            len(body),
-            parse,
-            body,
-            st.limits,
-            st.settings,
-            st.media,
-            takes_video(st),
-            st.chat.control_tokens,
-        )
+    async with st.bodies.held(request) as body:
+        with answered():
+            conv = await off_the_loop(
+                len(body),
+                parse,
+                body,
+                st.limits,
+                st.settings,
+                st.media,
+                takes_video(st),
+                st.chat.control_tokens,
+                slot=st.bodies.parsing,
+            )
+        del body  # the parse holds what the render needs
+        yield conv
+        conv.media.clear()  # submitted: the bytes go with the reservation, not the wait
 
 
-async def _fetched(st: ApiState, item: Media) -> bytes:
+async def _all_fetched(st: ApiState, media: list[Media]) -> list[bytes]:
+    """The items' bytes, fetched side by side under one :class:`FetchTotal` for the request;
+    the first failure stops the other fetches (their bytes would be thrown away)."""
+    total = st.media.total()
+    tasks = [asyncio.ensure_future(_fetched(st, m, total)) for m in media]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _fetched(st: ApiState, item: Media, total: FetchTotal) -> bytes:
     """An item's bytes: given, or fetched from its (allowed) URL and sniffed."""
     if item.data is not None:
         return item.data
     s = st.settings
     limit = s.api_max_image_bytes if item.kind == "image" else s.api_max_video_bytes
-    data = await st.media.fetch(str(item.url), item.ref, limit)
+    data = await st.media.fetch(str(item.url), item.ref, limit, total)
     sniff = sniff_image_type if item.kind == "image" else sniff_video_type
     if not data or sniff(data) is None:
         raise ValidationError(
@@ -85,11 +104,14 @@ def conversation_submission(
     front: dict[str, Any],
 ) -> Submission:
     """The intake's :class:`Submission` of a checked conversation."""
+    # The render's own list: read_conversation clears the conversation's once the submit
+    # returned, and an enqueue outlives a client that went away mid-submit.
+    media = list(conv.media)
 
     async def render(ctx: RenderContext) -> RenderEvent:
-        data = await asyncio.gather(*(_fetched(st, m) for m in conv.media))
-        images = [d for m, d in zip(conv.media, data, strict=True) if m.kind == "image"]
-        videos = [d for m, d in zip(conv.media, data, strict=True) if m.kind == "video"]
+        data = await _all_fetched(st, media)
+        images = [d for m, d in zip(media, data, strict=True) if m.kind == "image"]
+        videos = [d for m, d in zip(media, data, strict=True) if m.kind == "video"]
         ids = await asyncio.to_thread(st.chat.token_ids, conv.messages)
         st.limits.check_prompt(None, ids)
         ev = await st.renderer.render_async(
@@ -119,7 +141,7 @@ def conversation_submission(
         traceparent=headers.traceparent,
         idempotency_key=headers.idempotency_key,
         fingerprint=conv.fingerprint,
-        decodes_media=bool(conv.media),
+        decodes_media=bool(media),
         door_checked=True,  # sampling_of and the raw-body count (inputs.py)
     )
 

@@ -25,9 +25,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     summary="OpenAI chat completions: text, image_url and video_url parts; stream as SSE",
 )
 async def chat_completions(request: Request, st: State, tenant: Tenant) -> Response:
-    conv = await read_conversation(request, st, parse_chat)
-    front = front_of(conv, "chat.completions", max_tokens=conv.sampling.max_tokens)
-    accepted = await submit(st, request, conv, tenant, front)
+    async with read_conversation(request, st, parse_chat) as conv:
+        front = front_of(conv, "chat.completions", max_tokens=conv.sampling.max_tokens)
+        accepted = await submit(st, request, conv, tenant, front)
     keyed = request.headers.get("idempotency-key") is not None
     if conv.stream:
         return StreamingResponse(

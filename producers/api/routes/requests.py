@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from producers.api.bodies import SubmitInput, parse_json_submit, parse_multipart_submit, read_body
+from producers.api.bodies import SubmitInput, parse_json_submit, parse_multipart_submit
 from producers.api.checks import JSON, MULTIPART, content_type, refuse_finished
 from producers.api.deps import OwnedRecord, State, Tenant, Wait
 from producers.api.errors import bad_request
@@ -33,13 +33,18 @@ router = APIRouter(prefix="/v1", tags=["requests"])
 )
 async def submit(request: Request, st: State, tenant: Tenant) -> JSONResponse:
     ctype = content_type(request, JSON, MULTIPART)
-    body = await read_body(request, st.settings.api_max_body_bytes)
-    if ctype == JSON:
-        inp = await off_the_loop(len(body), parse_json_submit, body, st.limits, st.settings)
-    else:
-        inp = await parse_multipart_submit(request, body, st.limits, st.settings)
-    sub = native_submission(st, inp, tenant, SubmitHeaders.of(request))
-    return accepted_response(await st.intake.submit(sub))
+    # The body's bytes stay reserved through the render: its images are held until then.
+    async with st.bodies.held(request) as body:
+        if ctype == JSON:
+            inp = await off_the_loop(
+                len(body), parse_json_submit, body, st.limits, st.settings, slot=st.bodies.parsing
+            )
+        else:
+            inp = await parse_multipart_submit(request, body, st.limits, st.settings)
+        del body  # the parse holds what the render needs
+        sub = native_submission(st, inp, tenant, SubmitHeaders.of(request))
+        accepted = await st.intake.submit(sub)
+    return accepted_response(accepted)
 
 
 def native_submission(

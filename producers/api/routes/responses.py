@@ -35,17 +35,17 @@ RESPONSES_API = "responses"
     summary="OpenAI responses: background answers queued at once (poll by id), else when done",
 )
 async def create_response(request: Request, st: State, tenant: Tenant) -> Response:
-    conv = await read_conversation(request, st, parse_response)
-    s = conv.sampling
-    front = front_of(
-        conv,
-        RESPONSES_API,
-        background=conv.background,
-        max_tokens=s.max_tokens if conv.max_tokens_given else None,
-        temperature=s.temperature,
-        top_p=s.top_p,
-    )
-    accepted = await submit(st, request, conv, tenant, front)
+    async with read_conversation(request, st, parse_response) as conv:
+        s = conv.sampling
+        front = front_of(
+            conv,
+            RESPONSES_API,
+            background=conv.background,
+            max_tokens=s.max_tokens if conv.max_tokens_given else None,
+            temperature=s.temperature,
+            top_p=s.top_p,
+        )
+        accepted = await submit(st, request, conv, tenant, front)
     rid = accepted.request_id
     if conv.background:
         rec = await st.status.get(rid)

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from producers.api.bodies import parse_json, read_body
+from producers.api.bodies import parse_json
 from producers.api.checks import JSON, content_type
 from producers.api.deps import State, Tenant
 from producers.api.models import Accepted
@@ -35,11 +35,19 @@ router = APIRouter(prefix="/v1/vllm", tags=["vllm"])
 )
 async def vllm_generate(request: Request, st: State, tenant: Tenant) -> JSONResponse:
     content_type(request, JSON)
-    body = await read_body(request, st.settings.api_max_body_bytes)
-    obj = await off_the_loop(len(body), parse_json, body, st.limits.max_json_depth)
+    # The body's bytes stay reserved until its tensors are fanned out.
+    async with st.bodies.held(request) as body:
+        return await _generate(request, st, tenant, body)
+
+
+async def _generate(
+    request: Request, st: ApiState, tenant: str | None, body: bytes
+) -> JSONResponse:
+    slot = st.bodies.parsing
+    obj = await off_the_loop(len(body), parse_json, body, st.limits.max_json_depth, slot=slot)
     sampling = door_checks(st, obj)
     # Base64 + msgpack decoding of megabytes of tensors: off the event loop.
-    req = await off_the_loop(len(body), parse_render, st, obj)
+    req = await off_the_loop(len(body), parse_render, st, obj, slot=slot)
     vllm_id = None if obj.get("request_id") is None else str(obj["request_id"])
 
     async def render(ctx: RenderContext) -> RenderEvent:
@@ -63,7 +71,7 @@ async def vllm_generate(request: Request, st: State, tenant: Tenant) -> JSONResp
         foreign_labels=True,
         traceparent=headers.traceparent,
         idempotency_key=headers.idempotency_key,
-        fingerprint=await off_the_loop(len(body), fingerprint, obj),
+        fingerprint=await off_the_loop(len(body), fingerprint, obj, slot=slot),
         decodes_media=False,  # its tensors come decoded: nothing for a render slot to bound
         door_checked=True,  # door_checks: sampling_params and the items counted
     )
