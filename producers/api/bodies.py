@@ -31,6 +31,7 @@ from producers.api.data_strings import check_image_bytes, decode_image_string
 from producers.api.errors import ApiError, answered, bad_request
 from producers.api.models import SubmitRequest
 from producers.api.videos import decode_videos
+from producers.image_structure import StructureLimits
 from runtime.request_limits import RequestLimits
 from schemas.errors import ValidationError
 from schemas.types import SamplingParams
@@ -456,9 +457,10 @@ def _parse_json_submit(body: bytes, limits: RequestLimits, settings: Any) -> Sub
         raise pydantic_error(e) from None
     _checked(req, limits)
     datas, types = [], []
+    structure = StructureLimits.from_settings(settings)
     for i, text in enumerate(req.images):
         data = decode_image_string(text, i, settings.api_max_image_bytes)
-        types.append(check_image_bytes(data, i, settings.api_max_image_bytes))
+        types.append(check_image_bytes(data, i, settings.api_max_image_bytes, structure))
         datas.append(data)
     inp = _from_model(req, datas, types)
     if req.videos:
@@ -497,7 +499,14 @@ async def _parse_multipart_submit(
                     data = await value.read(settings.api_max_image_bytes + 1)
                 else:
                     data = decode_image_string(str(value), i, settings.api_max_image_bytes)
-                types.append(check_image_bytes(data, i, settings.api_max_image_bytes))
+                types.append(
+                    check_image_bytes(
+                        data,
+                        i,
+                        settings.api_max_image_bytes,
+                        StructureLimits.from_settings(settings),
+                    )
+                )
                 images.append(data)
             elif isinstance(value, UploadFile):
                 raise bad_request(f"unexpected file part {name!r}", rule="body.form", field=name)

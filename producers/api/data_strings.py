@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from producers.api.errors import ApiError, bad_request
+from producers.image_structure import StructureLimits, too_complex
 
 # Magic bytes of the image formats the renderer decodes (producers.pictures.IMAGE_FORMATS:
 # PNG, JPEG, WebP, GIF, BMP); anything else is 415.
@@ -69,8 +70,12 @@ def base64_problem(text: str) -> str:
     return "the base64 padding ('=') is misplaced"
 
 
-def check_image_bytes(data: bytes, index: int, limit: int) -> str:
-    """Size and type of one image's file bytes; returns its MIME type (413/415 otherwise)."""
+def check_image_bytes(
+    data: bytes, index: int, limit: int, structure: StructureLimits | None = None
+) -> str:
+    """Size, type and (given ``structure``) decode cost of one image's file bytes, as soon as
+    they are known; returns its MIME type (413/415 otherwise). The renderer counts the
+    structure again before it decodes (images that reach it another way)."""
     if len(data) > limit:
         raise ApiError(
             413,
@@ -90,6 +95,17 @@ def check_image_bytes(data: bytes, index: int, limit: int) -> str:
             "unsupported_media_type",
             f"image is not one of {sorted(IMAGE_TYPES)} (checked by its leading bytes)",
             rule="image.type",
+            field="images",
+            item=index,
+            modality="image",
+        )
+    why = None if structure is None else too_complex(data, structure)
+    if why is not None:
+        raise ApiError(
+            413,
+            "too_large",
+            why,
+            rule="render.image_too_complex",
             field="images",
             item=index,
             modality="image",

@@ -113,7 +113,9 @@ async def test_a_jpeg_of_repeated_scans_is_refused_before_decoding(
 
         r = await http.post("/v1/chat/completions", json=chat)
         assert r.status_code == 413, r.text
-        assert r.json()["error"]["code"] == "render.image_too_complex", r.text
+        err = r.json()["error"]
+        assert err["code"] == "render.image_too_complex", r.text
+        assert err["param"] == "messages[0].content[1].image_url.url", err
 
 
 async def test_a_decode_past_the_render_time_is_killed_and_costs_nothing_after(

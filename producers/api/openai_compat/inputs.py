@@ -41,6 +41,7 @@ from producers.api.openai_compat.models import (
 )
 from producers.api.videos import VIDEO_FIELD, VIDEO_TYPES, sniff_video_type
 from producers.chat import ChatMessage, ChatPart, check_run
+from producers.image_structure import StructureLimits
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
 from schemas.errors import ValidationError
@@ -169,7 +170,8 @@ def _decode(url: str, ref: MediaRef, settings: Settings) -> bytes:
             data = decode_data_string(
                 url, ref.item, settings.api_max_image_bytes, IMAGE_TYPES, where
             )
-            check_image_bytes(data, ref.item, settings.api_max_image_bytes)
+            structure = StructureLimits.from_settings(settings)
+            check_image_bytes(data, ref.item, settings.api_max_image_bytes, structure)
             return data
         where = replace(VIDEO_FIELD, field=ref.field)
         data = decode_data_string(url, ref.item, settings.api_max_video_bytes, VIDEO_TYPES, where)
