@@ -42,6 +42,7 @@ from gpu_workers.compute import Prefilled, cache_kwarg, kv_bytes_per_token
 from gpu_workers.sequence import DecodeState
 from runtime.model import text_config
 from schemas.errors import ValidationError
+from schemas.statuses import TerminalStatus
 from schemas.types import now_ms
 
 if TYPE_CHECKING:
@@ -50,7 +51,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-COMPLETED, CANCELLED, EXPIRED = "completed", "cancelled", "expired"
+# A job's outcomes are the request statuses they end in (typed so, the contract's vocabulary).
+COMPLETED: TerminalStatus = "completed"
+CANCELLED: TerminalStatus = "cancelled"
+EXPIRED: TerminalStatus = "expired"
 T = TypeVar("T")
 
 
@@ -92,7 +96,7 @@ class Finished:
     """How a job ended: ``completed`` (its sequence says why), ``cancelled`` or ``expired``
     (with the tokens made before)."""
 
-    outcome: str
+    outcome: TerminalStatus
     detail: str = ""
     start_ms: float = 0.0
     """Its start's compute time (prefill or KV restore)."""
