@@ -43,16 +43,20 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "guided_decoding": (None,),
     "truncate_prompt_tokens": (None,),
 }
-"""Fields honoured only at these values (what vLLM does by default)."""
+"""Fields honoured only at these values (what vLLM does by default). The OpenAI-compatible
+routes extend this table (``producers/api/openai_compat/models.py``) and differ on ``logprobs``
+alone: OpenAI's is a flag (``false`` is off), vLLM's a count, where 0 (and so ``false``, which
+equals 0) asks for the sampled token's log-probability: only null is off."""
+
+
+def is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of a field's ``neutral`` values (:data:`NEUTRAL`)."""
+    # True == 1 in Python: a boolean is neutral only where a boolean is (n=true is no n=1).
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
 
 
 def _bad(name: str, why: str) -> ValidationError:
     return ValidationError("sampling", f"sampling_params.{name} {why}", field=name)
-
-
-def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
-    # True == 1 in Python: a boolean is neutral only where a boolean is (n=true is no n=1).
-    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
 
 
 def _number(params: Mapping[str, Any], name: str, default: float) -> float:
@@ -79,7 +83,7 @@ def sampling_from_vllm(params: Mapping[str, Any]) -> SamplingParams:
     if not isinstance(params, Mapping):
         raise _bad("", "must be an object")
     for name, neutral in NEUTRAL.items():
-        if name in params and not _is_neutral(params[name], neutral):
+        if name in params and not is_neutral(params[name], neutral):
             raise _bad(name, f"= {params[name]!r} is not supported (only {neutral[0]!r})")
     stop = params.get("stop") or []
     if isinstance(stop, str):

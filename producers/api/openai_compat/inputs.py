@@ -44,6 +44,7 @@ from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
 from schemas.errors import ValidationError
 from schemas.types import SamplingParams
+from schemas.vllm_sampling import is_neutral
 
 OPENAI_TEMPERATURE = 1.0
 """OpenAI samples at temperature 1 when a request names none."""
@@ -164,7 +165,7 @@ def check_neutral(obj: dict[str, Any], names: set[str]) -> None:
     neutral value (:data:`models.NEUTRAL`)."""
     for name in sorted(names & obj.keys()):
         value, neutral = obj[name], NEUTRAL[name]
-        if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
+        if not is_neutral(value, neutral):
             shown = json.dumps(value)[:80]
             raise ValidationError(
                 "request.unsupported",
