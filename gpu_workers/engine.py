@@ -44,6 +44,7 @@ from runtime.model import text_config
 from schemas.errors import ValidationError
 from schemas.statuses import TerminalStatus
 from schemas.types import now_ms
+from schemas.values import deadline_passed
 
 if TYPE_CHECKING:
     from runtime.model import ModelBundle
@@ -284,7 +285,7 @@ class DecodeEngine:
         return report
 
     def _stopped(self, job: DecodeJob) -> Finished | None:
-        if job.deadline_ms is not None and now_ms() >= job.deadline_ms:
+        if deadline_passed(job.deadline_ms, now_ms()):
             return Finished(EXPIRED, f"deadline passed after {len(job.seq.tokens)} tokens")
         if job.should_stop is not None and job.should_stop():
             return Finished(CANCELLED, f"stopped after {len(job.seq.tokens)} tokens")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from schemas.errors import ValidationError
+from schemas.values import is_int, is_number
 
 if TYPE_CHECKING:
     from runtime.settings import Settings
@@ -54,7 +55,7 @@ def context_limit(settings: Settings, model_context: int) -> int:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return is_number(value)
 
 
 def _finite(value: Any) -> bool:
@@ -62,7 +63,7 @@ def _finite(value: Any) -> bool:
 
 
 def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return is_int(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,7 +435,7 @@ class RequestLimits:
         embedding table kills the worker) and ``context-length``."""
         vocab = self.vocab_size
         for i, t in enumerate(token_ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            if not is_int(t) or not 0 <= t < vocab:
                 raise ValidationError(
                     "render.token_ids",
                     f"token_ids[{i}] = {t!r} is outside the vocabulary [0, {vocab})",
