@@ -42,3 +42,9 @@ def test_a_record_ranks_statuses_in_pipeline_order() -> None:
     ranks = [_rank(s) for s in ACTIVE_STATUSES]
     assert ranks == sorted(ranks) and len(set(ranks)) == len(ranks)
     assert {_rank(s) for s in TERMINAL_STATUSES} == {max(ranks) + 1}
+
+
+def test_the_openai_response_status_table_maps_every_status() -> None:
+    from producers.api.openai_compat.views import RESPONSE_STATUS
+
+    assert set(RESPONSE_STATUS) == set(STATUSES)
