@@ -39,10 +39,10 @@ from typing import Any
 
 from bench.common import machine_facts, sig
 from bench.worker_profile import rss_mb
+from schemas.statuses import TERMINAL_STATUSES
 
 MB = 1024 * 1024
 TOKEN = "soak-token"
-TERMINAL = {"completed", "failed", "rejected", "expired", "cancelled"}
 
 
 @dataclass
@@ -96,7 +96,7 @@ async def _follow(http: Any, rid: str, stream: bool) -> str:
         return status
     for _ in range(20):
         body = (await http.get(f"/v1/requests/{rid}", params={"wait": 30}, timeout=60)).json()
-        if body["status"] in TERMINAL:
+        if body["status"] in TERMINAL_STATUSES:
             return str(body["status"])
     return "unfinished"
 

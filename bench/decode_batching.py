@@ -41,6 +41,7 @@ from bench.api_process import ApiProcess, image_b64
 from bench.common import budget, headroom, quantile, sig
 from bench.pipeline import _cleanup_redis, _delete_topics, pipeline_settings
 from schemas.status_record import StatusRecord
+from schemas.statuses import TERMINAL_STATUSES
 
 CONCURRENCY = (1, 4, 16, 32)
 MAX_TOKENS = 64
@@ -152,7 +153,7 @@ async def _api_request(
         s = await client.get(f"{api.url}/v1/requests/{rid}", params={"wait": 30}, timeout=60)
         s.raise_for_status()
         rec = s.json()
-        if rec["status"] in ("completed", "failed", "rejected", "expired", "cancelled"):
+        if rec["status"] in TERMINAL_STATUSES:
             break
     done = time.perf_counter()
     with contextlib.suppress(TimeoutError):

@@ -56,6 +56,7 @@ from schemas.validator import (
     validate_prefill_event,
     validate_render_event,
 )
+from schemas.values import deadline_passed
 
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
@@ -358,7 +359,7 @@ def _replay_target(r: DeadLetterRecord, topics: Topics) -> type | ErrorInfo:
 
 def _expired(ev: Any, now: int | None) -> ErrorInfo | None:
     deadline = getattr(ev, "deadline_ms", None)
-    if deadline is not None and (now if now is not None else now_ms()) >= deadline:
+    if deadline_passed(deadline, now_ms() if now is None else now):
         return ErrorInfo(
             "expired", f"its deadline passed at {_iso(deadline)}; the worker would only expire it"
         )

@@ -32,6 +32,7 @@ from schemas.errors import ComputeError
 from schemas.families import DEEPSTACK, EMBEDS
 from schemas.modalities import GRID_FIELDS, MODALITIES
 from schemas.types import SamplingParams, now_ms
+from schemas.values import deadline_passed
 
 # mm_token_type_ids values understood by every family's get_rope_index (0 is text).
 TOKEN_TYPE = {"text": 0} | {
@@ -219,7 +220,7 @@ def check_token_range(bundle: ModelBundle, token_ids: Sequence[int]) -> None:
 
 
 def _past(deadline_ms: int | None) -> bool:
-    return deadline_ms is not None and now_ms() >= deadline_ms
+    return deadline_passed(deadline_ms, now_ms())
 
 
 # ---------------------------------------------------------------------------------------------

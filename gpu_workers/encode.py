@@ -40,6 +40,7 @@ from schemas.tensors import dtype_name, tensor_from_bytes
 from schemas.topics import Topics
 from schemas.types import EncodedEvent, EncodeEvent, ErrorInfo, TensorRef, now_ms
 from schemas.validator import check_tensor, validate_encode_event
+from schemas.values import deadline_passed
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -275,7 +276,7 @@ class EncodeWorker:
         # The deadline comes first: the fan-out caps ec_transfer expiry at the deadline, so a late
         # event would otherwise fail validation as ec-expired (rejected) instead of expiring.
         # Nothing is read or computed on this path.
-        if ev.deadline_ms is not None and now_ms() >= ev.deadline_ms:
+        if deadline_passed(ev.deadline_ms, now_ms()):
             await self._report_expired(ev)
             return
         hop_ms = broker_hop_ms(now_ms())

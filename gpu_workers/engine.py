@@ -42,7 +42,9 @@ from gpu_workers.compute import Prefilled, cache_kwarg, kv_bytes_per_token
 from gpu_workers.sequence import DecodeState
 from runtime.model import text_config
 from schemas.errors import ValidationError
+from schemas.statuses import TerminalStatus
 from schemas.types import now_ms
+from schemas.values import deadline_passed
 
 if TYPE_CHECKING:
     from runtime.model import ModelBundle
@@ -50,7 +52,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-COMPLETED, CANCELLED, EXPIRED = "completed", "cancelled", "expired"
+# A job's outcomes are the request statuses they end in (typed so, the contract's vocabulary).
+COMPLETED: TerminalStatus = "completed"
+CANCELLED: TerminalStatus = "cancelled"
+EXPIRED: TerminalStatus = "expired"
 T = TypeVar("T")
 
 
@@ -92,7 +97,7 @@ class Finished:
     """How a job ended: ``completed`` (its sequence says why), ``cancelled`` or ``expired``
     (with the tokens made before)."""
 
-    outcome: str
+    outcome: TerminalStatus
     detail: str = ""
     start_ms: float = 0.0
     """Its start's compute time (prefill or KV restore)."""
@@ -280,7 +285,7 @@ class DecodeEngine:
         return report
 
     def _stopped(self, job: DecodeJob) -> Finished | None:
-        if job.deadline_ms is not None and now_ms() >= job.deadline_ms:
+        if deadline_passed(job.deadline_ms, now_ms()):
             return Finished(EXPIRED, f"deadline passed after {len(job.seq.tokens)} tokens")
         if job.should_stop is not None and job.should_stop():
             return Finished(CANCELLED, f"stopped after {len(job.seq.tokens)} tokens")

@@ -56,6 +56,7 @@ from schemas.status_record import HANDOFF_INFO, short_hash
 from schemas.topics import Topics
 from schemas.types import DecodeEvent, ErrorInfo, PrefillEvent, now_ms
 from schemas.validator import validate_prefill_event, validate_prefill_expiry
+from schemas.values import deadline_passed
 
 if TYPE_CHECKING:
     from runtime.model import ModelBundle
@@ -327,11 +328,7 @@ class PrefillWorker:
         unsafe = self._judge_on_arrival(ev)
         hashes = dict.fromkeys(h for _, _, h in ev.features.items())
         keys = {} if unsafe else {h: ev.ec_transfer_params[h].key for h in hashes}
-        fetch = (
-            reads_embeddings
-            and unsafe is None
-            and not (ev.deadline_ms is not None and started >= ev.deadline_ms)
-        )
+        fetch = reads_embeddings and unsafe is None and not deadline_passed(ev.deadline_ms, started)
         # Three independent reads, one round trip: the record (a redelivery of a finished
         # request?), the cancel flag, and the embeddings, which are often all there (a cache
         # hit, or encoded while this event travelled). Each entry holds all of an item's encoder
@@ -353,7 +350,7 @@ class PrefillWorker:
         # The deadline comes first (judged now, after the reads): the fan-out caps ec_transfer
         # expiry at the deadline, so a late event would otherwise fail validation as ec-expired
         # (rejected) instead of expiring. Nothing is run on this path.
-        if ev.deadline_ms is not None and now_ms() >= ev.deadline_ms:
+        if deadline_passed(ev.deadline_ms, now_ms()):
             await updates.now(
                 "expired", error=ErrorInfo("expired", "deadline passed before prefill")
             )
@@ -583,7 +580,7 @@ class PrefillWorker:
             # Asked on the compute thread as it takes the request up, as a batch asks.
             if cancel is not None and cancel.cancelled_now(rid):
                 return CANCELLED
-            if ev.deadline_ms is not None and now_ms() >= ev.deadline_ms:
+            if deadline_passed(ev.deadline_ms, now_ms()):
                 return EXPIRED
             t0 = time.perf_counter()
             state = prefill(self.bundle, ev.token_ids, items)
@@ -673,7 +670,7 @@ class PrefillWorker:
             (None, None),
         )
         await updates.now(
-            "failed" if ev.deadline_ms is None or now_ms() < ev.deadline_ms else "expired",
+            "expired" if deadline_passed(ev.deadline_ms, now_ms()) else "failed",
             error=ErrorInfo(
                 "embeddings-missing",
                 f"embeddings for {len(missing)} item(s) not in the store after {waited_s:.1f}s: "

@@ -13,15 +13,16 @@ import json
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
 
 TERMINAL = frozenset({"completed", "failed", "rejected", "expired", "cancelled"})
 ImageArg = bytes | bytearray | memoryview | Path
+T = TypeVar("T")
 
 # ----------------------------------------------------------------------------- results
 
@@ -351,8 +352,134 @@ def _parse_sse(lines: list[str]) -> StatusEvent | TokenEvent | None:
     return StatusEvent(id=ev_id, status=obj.get("status", ""), stage=obj.get("stage", ""), data=obj)
 
 
-def _wanted(ev: StatusEvent | TokenEvent | None, tokens: bool) -> bool:
-    return ev is not None and (tokens or isinstance(ev, StatusEvent))
+class _SseReader:
+    """Lines of ``/events`` in, the events wanted out (``tokens``: the token events too)."""
+
+    def __init__(self, tokens: bool) -> None:
+        self.tokens = tokens
+        self._lines: list[str] = []
+
+    def feed(self, line: str) -> StatusEvent | TokenEvent | None:
+        """The event a blank ``line`` ends, when it is one wanted; None otherwise."""
+        if line:
+            self._lines.append(line)
+            return None
+        ev, self._lines = _parse_sse(self._lines), []
+        return ev if isinstance(ev, StatusEvent) or (self.tokens and ev is not None) else None
+
+
+# ---------------------------------------------------------------------- calls, sans I/O
+
+
+@dataclass(frozen=True, slots=True)
+class _Call(Generic[T]):
+    """One API call as data: what to send and how to read its answer. Both clients send the
+    same calls; only the sending (``await`` or not) is theirs."""
+
+    method: str
+    url: str
+    kw: dict[str, Any]
+    read: Callable[[Any], T]
+    """The answer's JSON -> the method's result."""
+
+    @property
+    def idempotent(self) -> bool:
+        return "Idempotency-Key" in (self.kw.get("headers") or {})
+
+    def answer(self, resp: httpx.Response) -> T:
+        """The result of a final answer (an error answer raises its :class:`EPDError`)."""
+        _raise_for(resp)
+        return self.read(resp.json())
+
+
+def _request_id(body: Any) -> str:
+    return str(body["request_id"])
+
+
+def _keyed(idempotency_key: str | None) -> dict[str, str]:
+    return {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+
+
+def _submit_call(parts: dict[str, Any], idempotency_key: str | None) -> _Call[str]:
+    return _Call("POST", "/v1/requests", {**parts, "headers": _keyed(idempotency_key)}, _request_id)
+
+
+def _submit_vllm_call(
+    generate_request: Mapping[str, Any], idempotency_key: str | None
+) -> _Call[str]:
+    kw = {"json": dict(generate_request), "headers": _keyed(idempotency_key)}
+    return _Call("POST", "/v1/vllm/generate", kw, _request_id)
+
+
+def _status_call(
+    request_id: str, wait_s: float, changed_from: str | None, read_s: float | None
+) -> _Call[RequestStatus]:
+    # A long-poll answers after up to wait_s: the read timeout stretches by as much.
+    timeout = httpx.Timeout((read_s or 30.0) + wait_s + 10)
+    kw = {"params": _status_params(wait_s, changed_from), "timeout": timeout}
+    return _Call("GET", f"/v1/requests/{request_id}", kw, RequestStatus.from_json)
+
+
+def _cancel_call(request_id: str) -> _Call[RequestStatus]:
+    return _Call("DELETE", f"/v1/requests/{request_id}", {}, RequestStatus.from_json)
+
+
+def _events_stream(request_id: str, last_event_id: str | None) -> dict[str, Any]:
+    """``httpx`` stream arguments of ``/events`` (no read timeout: a stream may idle)."""
+    return {
+        "method": "GET",
+        "url": f"/v1/requests/{request_id}/events",
+        "headers": {"Last-Event-ID": last_event_id} if last_event_id else {},
+        "timeout": httpx.Timeout(10.0, read=None),
+    }
+
+
+class _Tries:
+    """The retry decisions of one call, apart from its I/O."""
+
+    def __init__(self, policy: RetryPolicy, rng: random.Random, call: _Call[Any]) -> None:
+        self.policy, self.rng, self.call = policy, rng, call
+        self.attempt = 0
+
+    def wait_s(self, resp: httpx.Response | None) -> float | None:
+        """Seconds to wait before another try after ``resp`` (None: the connection broke), or
+        None when it is final."""
+        call, policy = self.call, self.policy
+        if self.attempt >= policy.retries or not policy.retryable(
+            resp, call.method, call.idempotent
+        ):
+            return None
+        after = resp.headers.get("retry-after") if resp is not None else None
+        wait = policy.delay(self.attempt, after, self.rng)
+        self.attempt += 1
+        return wait
+
+
+class _Wait:
+    """The long-poll loop of ``wait``, apart from its I/O: each status read waits for a change
+    from the last status seen, at most 30 s and never past the caller's timeout."""
+
+    def __init__(self, request_id: str, timeout_s: float) -> None:
+        self.request_id, self.timeout_s = request_id, timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.seen: str | None = None
+
+    def poll_s(self) -> float:
+        return max(0.0, min(self.deadline - time.monotonic(), 30.0))
+
+    def done(self, st: RequestStatus) -> bool:
+        """Whether ``st`` ends the wait; TimeoutError once the time is up without it."""
+        self.seen = st.status
+        if st.done:
+            return True
+        if time.monotonic() >= self.deadline:
+            raise TimeoutError(
+                f"request {self.request_id} still {st.status} after {self.timeout_s}s"
+            )
+        return False
+
+
+# ------------------------------------------------------------------------------ clients
 
 
 class EPDClient:
@@ -386,26 +513,18 @@ class EPDClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
-        idempotent = "Idempotency-Key" in (kw.get("headers") or {})
-        attempt = 0
+    async def _send(self, call: _Call[T]) -> T:
+        tries = _Tries(self.retry, self._rng, call)
         while True:
             try:
-                resp: httpx.Response | None = await self._http.request(method, url, **kw)
+                resp = await self._http.request(call.method, call.url, **call.kw)
             except RETRYABLE_TRANSPORT:
-                if attempt >= self.retry.retries or not self.retry.retryable(
-                    None, method, idempotent
-                ):
+                if (wait := tries.wait_s(None)) is None:
                     raise
-                resp = None
-            if resp is not None and (
-                attempt >= self.retry.retries or not self.retry.retryable(resp, method, idempotent)
-            ):
-                _raise_for(resp)
-                return resp
-            after = resp.headers.get("retry-after") if resp is not None else None
-            await asyncio.sleep(self.retry.delay(attempt, after, self._rng))
-            attempt += 1
+            else:
+                if (wait := tries.wait_s(resp)) is None:
+                    return call.answer(resp)
+            await asyncio.sleep(wait)
 
     async def submit(
         self,
@@ -430,7 +549,7 @@ class EPDClient:
         (``top_p``, ``top_k``, ``seed``: the same seed gives the same tokens); ``stop``
         strings end generation."""
         sampling = _sampling(temperature, top_p, top_k, seed, stop)
-        kw = _submit_parts(
+        parts = _submit_parts(
             prompt,
             token_ids,
             images,
@@ -441,44 +560,29 @@ class EPDClient:
             ignore_eos,
             sampling,
         )
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        resp = await self._request("POST", "/v1/requests", headers=headers, **kw)
-        return str(resp.json()["request_id"])
+        return await self._send(_submit_call(parts, idempotency_key))
 
     async def submit_vllm(
         self, generate_request: Mapping[str, Any], *, idempotency_key: str | None = None
     ) -> str:
         """Fan out a vLLM render response / GenerateRequest JSON; returns the request id."""
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        resp = await self._request(
-            "POST", "/v1/vllm/generate", json=dict(generate_request), headers=headers
-        )
-        return str(resp.json()["request_id"])
+        return await self._send(_submit_vllm_call(generate_request, idempotency_key))
 
     async def status(
         self, request_id: str, *, wait_s: float = 0.0, changed_from: str | None = None
     ) -> RequestStatus:
         """The request's status; ``wait_s`` long-polls until it changes (from
         ``changed_from``, the last status you saw, when given: then no change is missed)."""
-        params = _status_params(wait_s, changed_from)
-        timeout = httpx.Timeout((self._http.timeout.read or 30.0) + wait_s + 10)
-        resp = await self._request(
-            "GET", f"/v1/requests/{request_id}", params=params, timeout=timeout
-        )
-        return RequestStatus.from_json(resp.json())
+        read_s = self._http.timeout.read
+        return await self._send(_status_call(request_id, wait_s, changed_from, read_s))
 
     async def wait(self, request_id: str, timeout_s: float = 300.0) -> RequestStatus:
         """Long-poll until the request is terminal; TimeoutError after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        seen: str | None = None
+        w = _Wait(request_id, timeout_s)
         while True:
-            left = deadline - time.monotonic()
-            st = await self.status(request_id, wait_s=max(0.0, min(left, 30.0)), changed_from=seen)
-            seen = st.status
-            if st.done:
+            st = await self.status(request_id, wait_s=w.poll_s(), changed_from=w.seen)
+            if w.done(st):
                 return st
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"request {request_id} still {st.status} after {timeout_s}s")
 
     async def events(
         self, request_id: str, *, last_event_id: str | None = None, tokens: bool = False
@@ -487,30 +591,18 @@ class EPDClient:
         terminal one (raises :class:`NotFound`, rule ``status-gone``, if the request's record
         went first). ``tokens``: the :class:`TokenEvent` s too, as the request decodes.
         Resume with ``last_event_id`` (the ``id`` of the last event seen, of either kind)."""
-        headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
-        async with self._http.stream(
-            "GET",
-            f"/v1/requests/{request_id}/events",
-            headers=headers,
-            timeout=httpx.Timeout(10.0, read=None),
-        ) as resp:
+        async with self._http.stream(**_events_stream(request_id, last_event_id)) as resp:
             if resp.status_code >= 400:
                 await resp.aread()
                 _raise_for(resp)
-            lines: list[str] = []
+            sse = _SseReader(tokens)
             async for line in resp.aiter_lines():
-                if line:
-                    lines.append(line)
-                    continue
-                ev = _parse_sse(lines)
-                lines = []
-                if _wanted(ev, tokens):
+                if (ev := sse.feed(line)) is not None:
                     yield ev
 
     async def cancel(self, request_id: str) -> RequestStatus:
         """Cancel; the answer's status is ``cancelled`` (Conflict if it already finished)."""
-        resp = await self._request("DELETE", f"/v1/requests/{request_id}")
-        return RequestStatus.from_json(resp.json())
+        return await self._send(_cancel_call(request_id))
 
 
 class SyncEPDClient:
@@ -540,26 +632,18 @@ class SyncEPDClient:
     def close(self) -> None:
         self._http.close()
 
-    def _request(self, method: str, url: str, **kw: Any) -> httpx.Response:
-        idempotent = "Idempotency-Key" in (kw.get("headers") or {})
-        attempt = 0
+    def _send(self, call: _Call[T]) -> T:
+        tries = _Tries(self.retry, self._rng, call)
         while True:
             try:
-                resp: httpx.Response | None = self._http.request(method, url, **kw)
+                resp = self._http.request(call.method, call.url, **call.kw)
             except RETRYABLE_TRANSPORT:
-                if attempt >= self.retry.retries or not self.retry.retryable(
-                    None, method, idempotent
-                ):
+                if (wait := tries.wait_s(None)) is None:
                     raise
-                resp = None
-            if resp is not None and (
-                attempt >= self.retry.retries or not self.retry.retryable(resp, method, idempotent)
-            ):
-                _raise_for(resp)
-                return resp
-            after = resp.headers.get("retry-after") if resp is not None else None
-            time.sleep(self.retry.delay(attempt, after, self._rng))
-            attempt += 1
+            else:
+                if (wait := tries.wait_s(resp)) is None:
+                    return call.answer(resp)
+            time.sleep(wait)
 
     def submit(
         self,
@@ -581,7 +665,7 @@ class SyncEPDClient:
     ) -> str:
         """See :meth:`EPDClient.submit`."""
         sampling = _sampling(temperature, top_p, top_k, seed, stop)
-        kw = _submit_parts(
+        parts = _submit_parts(
             prompt,
             token_ids,
             images,
@@ -592,71 +676,42 @@ class SyncEPDClient:
             ignore_eos,
             sampling,
         )
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        return str(
-            self._request("POST", "/v1/requests", headers=headers, **kw).json()["request_id"]
-        )
+        return self._send(_submit_call(parts, idempotency_key))
 
     def submit_vllm(
         self, generate_request: Mapping[str, Any], *, idempotency_key: str | None = None
     ) -> str:
         """See :meth:`EPDClient.submit_vllm`."""
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        resp = self._request(
-            "POST", "/v1/vllm/generate", json=dict(generate_request), headers=headers
-        )
-        return str(resp.json()["request_id"])
+        return self._send(_submit_vllm_call(generate_request, idempotency_key))
 
     def status(
         self, request_id: str, *, wait_s: float = 0.0, changed_from: str | None = None
     ) -> RequestStatus:
         """See :meth:`EPDClient.status`."""
-        params = _status_params(wait_s, changed_from)
-        resp = self._request(
-            "GET",
-            f"/v1/requests/{request_id}",
-            params=params,
-            timeout=httpx.Timeout(30.0 + wait_s + 10),
-        )
-        return RequestStatus.from_json(resp.json())
+        read_s = self._http.timeout.read
+        return self._send(_status_call(request_id, wait_s, changed_from, read_s))
 
     def wait(self, request_id: str, timeout_s: float = 300.0) -> RequestStatus:
         """See :meth:`EPDClient.wait`."""
-        deadline = time.monotonic() + timeout_s
-        seen: str | None = None
+        w = _Wait(request_id, timeout_s)
         while True:
-            left = deadline - time.monotonic()
-            st = self.status(request_id, wait_s=max(0.0, min(left, 30.0)), changed_from=seen)
-            seen = st.status
-            if st.done:
+            st = self.status(request_id, wait_s=w.poll_s(), changed_from=w.seen)
+            if w.done(st):
                 return st
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"request {request_id} still {st.status} after {timeout_s}s")
 
     def events(
         self, request_id: str, *, last_event_id: str | None = None, tokens: bool = False
     ) -> Iterator[Any]:
         """See :meth:`EPDClient.events`."""
-        headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
-        with self._http.stream(
-            "GET",
-            f"/v1/requests/{request_id}/events",
-            headers=headers,
-            timeout=httpx.Timeout(10.0, read=None),
-        ) as resp:
+        with self._http.stream(**_events_stream(request_id, last_event_id)) as resp:
             if resp.status_code >= 400:
                 resp.read()
                 _raise_for(resp)
-            lines: list[str] = []
+            sse = _SseReader(tokens)
             for line in resp.iter_lines():
-                if line:
-                    lines.append(line)
-                    continue
-                ev = _parse_sse(lines)
-                lines = []
-                if _wanted(ev, tokens):
+                if (ev := sse.feed(line)) is not None:
                     yield ev
 
     def cancel(self, request_id: str) -> RequestStatus:
         """See :meth:`EPDClient.cancel`."""
-        return RequestStatus.from_json(self._request("DELETE", f"/v1/requests/{request_id}").json())
+        return self._send(_cancel_call(request_id))

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from schemas import defaults
 from schemas.errors import ValidationError
+from schemas.values import is_int, is_number
 
 if TYPE_CHECKING:
     from runtime.settings import Settings
@@ -113,7 +114,7 @@ def _check_draw(top_p: Any, top_k: Any, seed: Any, prefix: str) -> None:
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return is_number(value)
 
 
 def _finite(value: Any) -> bool:
@@ -121,7 +122,7 @@ def _finite(value: Any) -> bool:
 
 
 def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return is_int(value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,10 +22,11 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from schemas.types import TERMINAL_STATUSES, EncodedEvent, ResultEvent, now_ms
+from schemas.statuses import ACTIVE_STATUSES, TERMINAL_STATUSES
+from schemas.types import EncodedEvent, ResultEvent, now_ms
 
-_RANK = {"queued": 0, "encoding": 1, "prefilling": 2, "decoding": 3}
-_TERMINAL_RANK = 4
+_RANK: dict[str, int] = {status: rank for rank, status in enumerate(ACTIVE_STATUSES)}
+_TERMINAL_RANK = len(ACTIVE_STATUSES)
 
 SHORT_HASH_CHARS = 12
 ENCODE_MARK = "encode."

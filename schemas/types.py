@@ -13,6 +13,10 @@ import torch
 
 from schemas import defaults
 
+# Re-exported where the event types are: the status vocabulary itself is schemas/statuses.py.
+from schemas.statuses import STATUSES as STATUSES
+from schemas.statuses import TERMINAL_STATUSES as TERMINAL_STATUSES
+
 DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
     "uint8": torch.uint8,
@@ -26,19 +30,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-
-STATUSES = (
-    "queued",
-    "encoding",
-    "prefilling",
-    "decoding",
-    "completed",
-    "failed",
-    "rejected",
-    "expired",
-    "cancelled",
-)
-TERMINAL_STATUSES = frozenset({"completed", "failed", "rejected", "expired", "cancelled"})
 
 
 def now_ms() -> int:

@@ -94,6 +94,7 @@ from schemas.types import (
     TensorRef,
 )
 from schemas.validation_config import DEFAULT_METADATA_FIELDS, Mode, ValidationConfig
+from schemas.values import is_int
 
 __all__ = [
     "DEFAULT_METADATA_FIELDS",
@@ -126,17 +127,13 @@ __all__ = [
 # Structure
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 _LAX_INT: pydantic.TypeAdapter[int] = pydantic.TypeAdapter(int)
 
 
 def _as_int(x: Any, lax: bool) -> int | None:
     """``x`` as an int, or None. ``lax`` is vLLM's reading: its pydantic models coerce ``1.0``,
     ``True`` and ``"0"`` to ints (lax mode); strict takes only real ints."""
-    if _is_int(x):
+    if is_int(x):
         return int(x)
     if not lax:
         return None
@@ -261,7 +258,7 @@ def check_tensor(
     if isinstance(v, TensorRef):
         if v.dtype not in DTYPES:
             raise ValidationError("tensor", f"unknown dtype {v.dtype!r}", **where)
-        if any(not _is_int(d) or d < 0 for d in v.shape):
+        if any(not is_int(d) or d < 0 for d in v.shape):
             raise ValidationError("tensor", f"invalid shape {v.shape!r}", **where)
         expected = math.prod(v.shape) * DTYPES[v.dtype].itemsize
         if v.nbytes != expected:
@@ -627,7 +624,7 @@ def validate_decode_event(
 def validate_encode_event(ev: EncodeEvent, config: ValidationConfig) -> None:
     """An encode event: encoder inputs + grid present and consistent, tensors, EC entry."""
     where: dict[str, Any] = {"modality": ev.modality, "item": ev.item_index}
-    if not _is_int(ev.item_index) or ev.item_index < 0:
+    if not is_int(ev.item_index) or ev.item_index < 0:
         raise ValidationError(
             "encode-inputs", f"item_index {ev.item_index!r} must be >= 0", **where
         )

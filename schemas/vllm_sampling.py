@@ -22,6 +22,7 @@ from typing import Any
 from schemas import defaults
 from schemas.errors import ValidationError
 from schemas.types import SamplingParams
+from schemas.values import is_int, is_number
 
 VLLM_DEFAULT_TEMPERATURE = 1.0
 """vLLM samples at temperature 1 when a request names none."""
@@ -44,23 +45,32 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "guided_decoding": (None,),
     "truncate_prompt_tokens": (None,),
 }
-"""Fields honoured only at these values (what vLLM does by default)."""
+"""Fields honoured only at these values (what vLLM does by default). The OpenAI-compatible
+routes extend this table (``producers/api/openai_compat/models.py``) and differ on ``logprobs``
+alone: OpenAI's is a flag (``false`` is off), vLLM's a count, where 0 (and so ``false``, which
+equals 0) asks for the sampled token's log-probability: only null is off."""
+
+
+def is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of a field's ``neutral`` values (:data:`NEUTRAL`)."""
+    # True == 1 in Python: a boolean is neutral only where a boolean is (n=true is no n=1).
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
+
+
+def pipeline_top_k(top_k: int | None) -> int:
+    """``top_k`` as the pipeline spells it: vLLM's "all tokens" is -1 or 0 (or none), ours 0."""
+    return 0 if top_k is None or top_k == -1 else top_k
 
 
 def _bad(name: str, why: str) -> ValidationError:
     return ValidationError("sampling", f"sampling_params.{name} {why}", field=name)
 
 
-def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
-    # True == 1 in Python: a boolean is neutral only where a boolean is (n=true is no n=1).
-    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
-
-
 def _number(params: Mapping[str, Any], name: str, default: float) -> float:
     v = params.get(name, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+    if not is_number(v) or not math.isfinite(v):
         raise _bad(name, f"must be a finite number, got {v!r}")
     return float(v)
 
@@ -69,7 +79,7 @@ def _integer(params: Mapping[str, Any], name: str, default: int | None) -> int |
     v = params.get(name, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int):
+    if not is_int(v):
         raise _bad(name, f"must be an integer, got {v!r}")
     return v
 
@@ -80,7 +90,7 @@ def sampling_from_vllm(params: Mapping[str, Any]) -> SamplingParams:
     if not isinstance(params, Mapping):
         raise _bad("", "must be an object")
     for name, neutral in NEUTRAL.items():
-        if name in params and not _is_neutral(params[name], neutral):
+        if name in params and not is_neutral(params[name], neutral):
             raise _bad(name, f"= {params[name]!r} is not supported (only {neutral[0]!r})")
     stop = params.get("stop") or []
     if isinstance(stop, str):
@@ -88,9 +98,7 @@ def sampling_from_vllm(params: Mapping[str, Any]) -> SamplingParams:
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise _bad("stop", "must be a string or a list of strings")
     stop_ids = params.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
-    ):
+    if not isinstance(stop_ids, list) or not all(is_int(t) for t in stop_ids):
         raise _bad("stop_token_ids", "must be a list of integers")
     ignore_eos = params.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
@@ -102,7 +110,7 @@ def sampling_from_vllm(params: Mapping[str, Any]) -> SamplingParams:
         stop_token_ids=list(stop_ids),
         ignore_eos=ignore_eos,
         top_p=_number(params, "top_p", 1.0),
-        top_k=0 if top_k == -1 else int(top_k or 0),
+        top_k=pipeline_top_k(top_k),
         seed=_integer(params, "seed", None),
         stop=list(stop),
     )

@@ -49,6 +49,7 @@ from schemas.validator import (
     ValidationConfig,
     validate_features,
 )
+from schemas.values import is_int
 from schemas.vllm_rules import check_vllm_request
 
 RAW_VIEW_EXT = 3
@@ -189,11 +190,9 @@ def _decode_tensor(obj: Any, where: tuple[str | None, int | None, str]) -> torch
     dtype, shape, data = obj
     if dtype not in DTYPES:
         raise _item_error(f"unknown dtype {dtype!r}", modality, item, name)
-    if not isinstance(shape, list) or any(
-        isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
-    ):
+    if not isinstance(shape, list) or any(not is_int(d) or d < 0 for d in shape):
         raise _item_error(f"invalid shape {shape!r}", modality, item, name)
-    if isinstance(data, int) and not isinstance(data, bool):
+    if is_int(data):
         raise _item_error(
             "out-of-band tensor buffers are not supported on JSON", modality, item, name
         )

@@ -35,6 +35,7 @@ from producers.image_structure import StructureLimits
 from runtime.request_limits import RequestLimits
 from schemas.errors import ValidationError
 from schemas.types import SamplingParams
+from schemas.vllm_sampling import pipeline_top_k
 
 
 @dataclass(slots=True)
@@ -64,7 +65,7 @@ class SubmitInput:
             temperature=self.temperature,
             ignore_eos=self.ignore_eos,
             top_p=self.top_p,
-            top_k=0 if self.top_k == -1 else self.top_k,
+            top_k=pipeline_top_k(self.top_k),
             seed=self.seed,
             stop=list(self.stop),
         )
@@ -425,7 +426,7 @@ def _checked(req: SubmitRequest, limits: RequestLimits) -> None:
         req.max_tokens,
         req.temperature,
         top_p=req.top_p,
-        top_k=0 if req.top_k == -1 else req.top_k,
+        top_k=pipeline_top_k(req.top_k),
         seed=req.seed,
         stop=req.stop,
     )

@@ -14,7 +14,7 @@ from producers.api.errors import ApiError
 from producers.api.follow import Position, RecordGone, StatusChange, follow
 from producers.api.state import ApiState
 from runtime.token_stream import TokenChunk
-from schemas.types import STATUSES
+from schemas.statuses import STATUSES
 
 # One Server-Sent Event of /events (OpenAPI 3.1: the media type's schema describes one event;
 # its data is JSON).

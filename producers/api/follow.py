@@ -27,7 +27,7 @@ from typing import Any
 
 from producers.api.state import ApiState
 from runtime.token_stream import TokenChunk
-from schemas.types import TERMINAL_STATUSES
+from schemas.statuses import TERMINAL_STATUSES
 
 IDLE_S = 15.0
 """Longest the feed stays silent: it yields None then (an SSE keep-alive)."""

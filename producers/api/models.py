@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
-Status = Literal[
-    "queued",
-    "encoding",
-    "prefilling",
-    "decoding",
-    "completed",
-    "failed",
-    "rejected",
-    "expired",
-    "cancelled",
-]
+from schemas.statuses import Status
 
 # A 28x28 red PNG (the smallest the Qwen2-VL processor takes): an example that actually runs.
 EXAMPLE_PNG_B64 = (

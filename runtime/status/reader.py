@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from schemas.types import TERMINAL_STATUSES
+from schemas.statuses import TERMINAL_STATUSES
 
 if TYPE_CHECKING:
     from runtime.status.store import StatusStore

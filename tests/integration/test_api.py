@@ -759,6 +759,11 @@ async def test_health_ready_metrics_and_offline_docs(
     } <= set(spec["paths"])
     post = spec["paths"]["/v1/requests"]["post"]
     assert post["requestBody"]["content"]["application/json"]["example"]["prompt"]
+    # the statuses come from the contract's one Literal (schemas/statuses.py)
+    from schemas.statuses import STATUSES
+
+    status_schema = spec["components"]["schemas"]["RequestStatus"]["properties"]["status"]
+    assert status_schema["enum"] == list(STATUSES)
     assert {"202", "400", "409", "413", "415", "422", "429", "503"} <= set(post["responses"])
     docs = (await http.get("/docs")).text
     # every asset is served by the API itself: no CDN

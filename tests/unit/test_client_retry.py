@@ -4,6 +4,7 @@ repeat is safe."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import sys
 from collections.abc import Callable
@@ -99,3 +100,41 @@ async def test_async_client_retries_broken_connections_only_when_safe(
     async with EPDClient("http://api", transport=handler_for([broken, 202])) as c:
         assert await c.submit(prompt="x", idempotency_key="k1") == "r1"  # with one it is safe
     assert len(slept) == 3
+
+
+def test_both_clients_stretch_a_long_polls_read_timeout_from_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The sync client read 30 s into every status call whatever its timeout_s; the async one
+    # its own: both build the call from the same code now.
+    status = {**ACCEPTED, "created_at": "2026-01-01T00:00:00Z", "stages": {}, "items": []}
+    seen: list[float] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request.extensions["timeout"]["read"])
+        return httpx.Response(200, json=status)
+
+    c = SyncEPDClient("http://api", timeout_s=100)
+    c._http = httpx.Client(
+        base_url="http://api", timeout=100, transport=httpx.MockTransport(handle)
+    )
+    assert c.status("r1", wait_s=5).status == "queued"
+
+    async def read_async() -> None:
+        transport = httpx.MockTransport(handle)
+        async with EPDClient("http://api", timeout_s=100, transport=transport) as a:
+            await a.status("r1", wait_s=5)
+
+    asyncio.run(read_async())
+    assert seen == [115.0, 115.0]
+
+
+def test_the_event_reader_yields_what_was_asked_for() -> None:
+    from producers.client import StatusEvent, TokenEvent, _SseReader
+
+    lines = ["id: 1", "event: status", 'data: {"status": "decoding", "stage": "decode"}', ""]
+    lines += ["id: 2", "event: token", 'data: {"token_ids": [5], "text": "a"}', ""]
+    for tokens, kinds in ((False, [StatusEvent]), (True, [StatusEvent, TokenEvent])):
+        sse = _SseReader(tokens)
+        got = [ev for line in lines if (ev := sse.feed(line)) is not None]
+        assert [type(ev) for ev in got] == kinds

@@ -253,6 +253,14 @@ def test_chat_bodies_parse_with_openai_defaults_and_vllm_extensions() -> None:
     assert not unset.max_tokens_given and unset.sampling.max_tokens == limits().max_tokens
 
 
+def test_the_openai_neutral_table_is_vllms_extended_and_differs_on_logprobs_alone() -> None:
+    from producers.api.openai_compat.models import NEUTRAL as OPENAI
+    from schemas.vllm_sampling import NEUTRAL as VLLM
+
+    assert {name for name in VLLM if OPENAI[name] != VLLM[name]} == {"logprobs"}
+    assert OPENAI["logprobs"] == (False, None) and VLLM["logprobs"] == (None,)
+
+
 @pytest.mark.parametrize(
     ("body", "rule", "field"),
     [
@@ -261,6 +269,7 @@ def test_chat_bodies_parse_with_openai_defaults_and_vllm_extensions() -> None:
         ({"presence_penalty": 0.5}, "request.unsupported", "presence_penalty"),
         ({"response_format": {"type": "json_object"}}, "request.unsupported", "response_format"),
         ({"logprobs": True}, "request.unsupported", "logprobs"),
+        ({"logprobs": 0}, "request.unsupported", "logprobs"),  # a flag here, not vLLM's count
         ({"tools": [{"type": "function"}]}, "request.unsupported", "tools"),
         ({"whatever": 1}, "request.schema", "whatever"),
         ({"temperature": 0.0001}, "sampling.temperature", "temperature"),

@@ -489,6 +489,9 @@ def test_vllm_sampling_params_map_both_ways_with_vllms_defaults() -> None:
         ({"repetition_penalty": 1.2}, "repetition_penalty"),
         ({"min_p": 0.1}, "min_p"),
         ({"logprobs": 5}, "logprobs"),
+        # a count on vLLM's wire: 0 (and false, which equals 0) asks for the sampled token's
+        ({"logprobs": 0}, "logprobs"),
+        ({"logprobs": False}, "logprobs"),
         ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
         ({"temperature": "hot"}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),

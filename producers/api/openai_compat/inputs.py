@@ -46,6 +46,7 @@ from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
 from schemas.errors import ValidationError
 from schemas.types import SamplingParams
+from schemas.vllm_sampling import is_neutral, pipeline_top_k
 
 OPENAI_TEMPERATURE = 1.0
 """OpenAI samples at temperature 1 when a request names none."""
@@ -199,7 +200,7 @@ def check_neutral(obj: dict[str, Any], names: set[str]) -> None:
     neutral value (:data:`models.NEUTRAL`)."""
     for name in sorted(names & obj.keys()):
         value, neutral = obj[name], NEUTRAL[name]
-        if not any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
+        if not is_neutral(value, neutral):
             shown = json.dumps(value)[:80]
             raise ValidationError(
                 "request.unsupported",
@@ -268,7 +269,7 @@ def sampling_of(
         max_tokens=limits.max_tokens if max_tokens is None else max_tokens,
         temperature=OPENAI_TEMPERATURE if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
-        top_k=0 if top_k in (None, -1) else int(top_k),
+        top_k=pipeline_top_k(top_k),
         seed=seed,
         stop=stops,
         stop_token_ids=list(stop_token_ids or []),

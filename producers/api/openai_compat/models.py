@@ -15,18 +15,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from producers.api.models import EXAMPLE_PNG_B64, Integer, Number
+from schemas.vllm_sampling import NEUTRAL as SAMPLING_NEUTRAL
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1, None),
-    "best_of": (1, None),
-    "presence_penalty": (0, 0.0, None),
-    "frequency_penalty": (0, 0.0, None),
-    "repetition_penalty": (1, 1.0, None),
-    "min_p": (0, 0.0, None),
-    "min_tokens": (0, None),
+    **SAMPLING_NEUTRAL,  # vLLM's sampling fields; OpenAI's logprobs is a flag, vLLM's a count
     "logprobs": (False, None),
     "top_logprobs": (0, None),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
@@ -39,7 +33,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "reasoning": (None, {}),
     "verbosity": (None,),
     "web_search_options": (None,),
-    "include_stop_str_in_output": (False, None),
     "skip_special_tokens": (True, None),
     "echo": (False, None),
     "add_generation_prompt": (True, None),

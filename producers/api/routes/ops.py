@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from producers.api.deps import State
 from producers.api.models import Health
+from schemas.statuses import ACTIVE_STATUSES
 
 router = APIRouter(tags=["ops"])
 REDIS_PING_S = 2.0
@@ -72,6 +73,6 @@ async def prometheus(request: Request, st: State) -> Response:
     with contextlib.suppress(Exception):
         metrics.in_flight.set(await st.status.in_flight())
         counts = await st.status.in_flight_by_status()
-        for status in ("queued", "encoding", "prefilling", "decoding"):
+        for status in ACTIVE_STATUSES:
             metrics.by_status.labels(status).set(counts.get(status, 0))
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

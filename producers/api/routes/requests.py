@@ -12,12 +12,13 @@ from producers.api.checks import JSON, MULTIPART, content_type, refuse_finished
 from producers.api.deps import OwnedRecord, State, Tenant, Wait
 from producers.api.errors import bad_request
 from producers.api.events import SSE_EVENT_SCHEMA, event_stream, is_stream_id, record_gone
-from producers.api.models import ERROR_RESPONSES, Accepted, RequestStatus, Status
+from producers.api.models import ERROR_RESPONSES, Accepted, RequestStatus
 from producers.api.openapi import IDEMPOTENCY_PARAM, SUBMIT_BODY, SUBMIT_RESPONSES, with_errors
 from producers.api.state import ApiState
 from producers.api.submissions import SubmitHeaders, accepted_response, off_the_loop
 from producers.api.views import status_view
 from producers.intake import RenderContext, Submission
+from schemas.statuses import Status
 from schemas.types import RenderEvent, now_ms
 
 router = APIRouter(prefix="/v1", tags=["requests"])
