@@ -5,7 +5,8 @@ print JSON. ``epd bench`` is the same command (``epd/commands/bench.py`` reuses
 ``python -m bench soak [OPTIONS]`` runs the soak instead (``bench/soak.py``; not a budgeted
 benchmark, so it is never part of the default selection), ``python -m bench api-soak`` the
 HTTP API's soak (``bench/api_soak.py``), ``python -m bench api-bodies`` the API under many
-big bodies at once (``bench/api_bodies.py``).
+big bodies at once (``bench/api_bodies.py``), ``python -m bench api-decode-bombs`` the API under
+images that are slow to decode (``bench/api_decode_bombs.py``).
 
 stdout gets one JSON document: ``machine`` facts, the run ``options``, one key per benchmark
 (its numbers, its ``budget`` from docs/design.md and ``meets_budget``) and a ``summary``. Progress
@@ -172,6 +173,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.api_bodies import main as api_bodies_main
 
         return api_bodies_main(argv[1:])
+    if argv[:1] == ["api-decode-bombs"]:
+        from bench.api_decode_bombs import main as api_decode_bombs_main
+
+        return api_decode_bombs_main(argv[1:])
     return run_selected(parse_args(argv))
 
 
