@@ -89,6 +89,26 @@ async def outcomes(run: LocalRun, ids: list[str]) -> dict[str, dict]:
     }
 
 
+async def outcomes_records_may_lose(run: LocalRun, ids: list[str]) -> dict[str, dict]:
+    """Every request's outcome where a fault may take status records with it (a failover
+    that lost a master's last writes): its terminal record, or for one whose record went (no
+    update makes it again) the terminal ``ResultEvent`` on the results topic, as
+    ``{"status", "error": {"code"}}``; ``lost`` for one that has neither."""
+    results = await terminal_results(run, ids, WAIT_S)
+    out: dict[str, dict] = {}
+    for r in ids:
+        rec = await run.submitter.status.get(r)
+        if rec is not None and rec.terminal:
+            out[r] = rec.to_dict()
+        elif r in results:
+            ev = results[r][-1]
+            error = None if ev.error is None else {"code": ev.error.code}
+            out[r] = {"status": ev.status, "error": error, "record": rec is not None}
+        else:
+            out[r] = {"status": "lost", "error": "no terminal record or result"}
+    return out
+
+
 def figures(name: str, ids: list[str], got: dict[str, dict], **extra: object) -> dict:
     done = [r for r in ids if got[r]["status"] == "completed"]
     lost = [r for r in ids if got[r]["status"] == "lost"]
