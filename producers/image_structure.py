@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the decode processes import this module: they need no settings
     from runtime.settings import Settings
 
-_JPEG_MARKER = re.compile(rb"\xff+([^\x00\xff])")
-"""A JPEG marker as libjpeg finds one: 0xFF (fill bytes may repeat it), then a byte that is
-neither 0x00 (a stuffed 0xFF inside entropy-coded data) nor 0xFF."""
-_JPEG_SCAN_END = re.compile(rb"\xff+([^\x00\xff\xd0-\xd7])")
+_JPEG_MARKER = re.compile(rb"\xff([^\x00\xff])")
+"""A JPEG marker as libjpeg finds one: 0xFF, then a byte that is neither 0x00 (a stuffed 0xFF
+inside entropy-coded data) nor 0xFF (fill bytes before a marker: the last one is matched).
+No ``+`` after the first byte: on a long run of 0xFF that would backtrack quadratically."""
+_JPEG_SCAN_END = re.compile(rb"\xff([^\x00\xff\xd0-\xd7])")
 """The marker that ends a scan's entropy-coded data (restart markers RST0-7 are inside it)."""
 _SOS, _EOI = 0xDA, 0xD9
 _STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})
@@ -157,7 +158,7 @@ def _gif(data: bytes, limits: StructureLimits) -> Structure:
     while pos < len(data) and blocks <= limits.max_chunks:
         kind = data[pos]
         if kind == 0x21:
-            pos = _gif_sub_blocks(data, pos + 2)
+            pos, short = _gif_sub_blocks(data, pos + 2, limits.max_chunks - blocks)
         elif kind == 0x2C:
             if pos + 10 > len(data):
                 break
@@ -165,18 +166,25 @@ def _gif(data: bytes, limits: StructureLimits) -> Structure:
             pos += 10
             if packed & 0x80:
                 pos += 3 << ((packed & 0x07) + 1)
-            pos = _gif_sub_blocks(data, pos + 1)
+            pos, short = _gif_sub_blocks(data, pos + 1, limits.max_chunks - blocks)
         else:
             break  # the trailer, or bytes the decoder stops at too
-        blocks += 1
+        blocks += 1 + short
     return Structure("GIF", chunks=blocks)
 
 
-def _gif_sub_blocks(data: bytes, pos: int) -> int:
-    """Position after a chain of data sub-blocks (size byte, data; a 0 ends it)."""
-    while pos < len(data):
+def _gif_sub_blocks(data: bytes, pos: int, budget: int) -> tuple[int, int]:
+    """Position after a chain of data sub-blocks (size byte, data; a 0 ends it), and how many
+    of them were short. Encoders write full 255-byte sub-blocks, a chain's last one aside, and
+    their cost is their bytes; short ones count as blocks (a chain of millions of one-byte
+    sub-blocks is walked one by one, by this loop as by Pillow), the walk stopping past
+    ``budget`` of them."""
+    short = 0
+    while pos < len(data) and short <= budget:
         size = data[pos]
         pos += 1 + size
         if size == 0:
             break
-    return pos
+        if size < 255:
+            short += 1
+    return pos, short

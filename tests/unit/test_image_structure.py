@@ -93,3 +93,32 @@ def test_truncated_files_leave_the_verdict_to_the_decoder(data: bytes) -> None:
 
 def test_bmp_has_no_structure_to_count() -> None:
     assert measure(encoded("BMP"), LIMITS) is None
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"\xff\xd8\xff\xe0\x00\x10JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00",
+        b"\xff\xd8\xff\xda\x00\x08\x01\x01\x00\x00\x3f\x00",
+    ],
+    ids=["between-segments", "inside-a-scan"],
+)
+def test_a_long_run_of_fill_bytes_is_walked_in_linear_time(head: bytes) -> None:
+    """A regex that backtracked over 0xFF runs took 8 s for 20 KB of them (holding the GIL)."""
+    import time
+
+    t0 = time.process_time()
+    assert too_complex(head + b"\xff" * 4_000_000, LIMITS) is None
+    assert time.process_time() - t0 < 2.0  # linear: ~0.1 s; quadratic: hours
+
+
+def test_a_gif_chain_of_one_byte_sub_blocks_is_refused() -> None:
+    """Encoders write full 255-byte sub-blocks; millions of one-byte ones are walked one by one
+    (by Pillow too), so each counts as a block."""
+    screen = b"GIF89a" + b"\x01\x00\x01\x00\x00\x00\x00"
+    comment = b"\x21\xfe" + b"\x01a" * 100_000 + b"\x00"
+    image = b"\x2c\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x02\x44\x01\x00\x3b"
+    why = too_complex(screen + comment + image, LIMITS)
+    assert why is not None and "EPD_MAX_IMAGE_CHUNKS" in why
+    full = b"\x21\xfe" + (b"\xff" + b"a" * 255) * 1000 + b"\x00"  # 255 KB of comment: its bytes
+    assert too_complex(screen + full + image, LIMITS) is None
