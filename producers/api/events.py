@@ -92,7 +92,7 @@ def _frame(kind: str, at: Position, data: dict[str, Any]) -> bytes:
 def record_gone(request_id: str) -> ApiError:
     """What an event stream ends with, and a read or cancel by id answers, when the
     request's record went before it ended (404: the id names nothing any more; the OpenAI
-    routes' awaited answers say it as 503, ``openai_compat.views.RECORD_GONE``)."""
+    routes' awaited answers say it as 503, ``openai_compat.views.record_gone_503``)."""
     return ApiError(
         404,
         "not_found",

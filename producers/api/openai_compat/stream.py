@@ -25,9 +25,9 @@ from producers.api.openai_compat.errors import openai_body
 from producers.api.openai_compat.submit import cancel_if_abandoned
 from producers.api.openai_compat.views import (
     CHAT_PREFIX,
-    RECORD_GONE,
     finish_reason,
     not_completed,
+    record_gone_503,
     usage,
 )
 from producers.api.state import ApiState
@@ -114,7 +114,7 @@ async def chat_chunks(
                 ended = True
                 rec = await st.status.get(request_id)
                 if rec is None:  # it went right after its terminal status
-                    yield _event(openai_body(RECORD_GONE))
+                    yield _event(openai_body(record_gone_503()))
                     break
                 if rec.status != "completed":
                     err = not_completed(rec)
@@ -132,7 +132,7 @@ async def chat_chunks(
             elif isinstance(item, RecordGone):
                 # No outcome will come this way, and a stream that just stopped would read as
                 # a whole answer.
-                yield _event(openai_body(RECORD_GONE))
+                yield _event(openai_body(record_gone_503()))
         ended = True
         yield DONE
     finally:

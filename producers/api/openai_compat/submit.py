@@ -21,7 +21,7 @@ from producers.api.data_strings import sniff_image_type
 from producers.api.errors import ApiError, answered
 from producers.api.media_urls import FetchTotal
 from producers.api.openai_compat.inputs import Conversation, Media
-from producers.api.openai_compat.views import RECORD_GONE
+from producers.api.openai_compat.views import record_gone_503
 from producers.api.state import ApiState
 from producers.api.submissions import SubmitHeaders, off_the_loop
 from producers.api.videos import sniff_video_type
@@ -185,7 +185,7 @@ async def outcome(
 ) -> StatusRecord | None:
     """The request's terminal record, waiting on status notifications (no polling); None when
     the client disconnected first (which cancels the request: :func:`cancel_if_abandoned`).
-    A record that went before the request ended raises ``RECORD_GONE`` (503 ``status-gone``)."""
+    A record that went before the request ended raises :func:`record_gone_503` (503)."""
     gone = asyncio.create_task(_disconnected(request))
     try:
         seen: str | None = None
@@ -202,7 +202,7 @@ async def outcome(
             if rec is None:
                 # Its record went while it ran (TTL, eviction, a Redis restart): no outcome
                 # can come this way, and no worker makes the record again.
-                raise RECORD_GONE
+                raise record_gone_503()
             if rec.terminal:
                 return rec
             seen = rec.status
