@@ -49,10 +49,10 @@ def usage(rec: StatusRecord) -> dict[str, int]:
 def record_gone_503() -> ApiError:
     """What an OpenAI route answers (a non-streamed answer) or ends its stream with when the
     request's record went before the request ended: 503 with ``Retry-After``, as the OpenAI
-    clients retry (resubmit), since this API can no longer give the outcome. The native routes say
-    the same as 404 (``producers.api.events.record_gone``): there a request id is read, here a
-        conversation is answered. A new error each time: a raised exception keeps its traceback,
-        so one shared instance would pin the frames of every request it was raised for."""
+    clients retry (resubmit), since this API can no longer give the outcome. The native routes
+    say the same as 404 (``producers.api.events.record_gone``): there a request id is read,
+    here a conversation is answered. A new error each time: a raised exception keeps its
+    traceback, so one shared instance would pin the frames of every request it was raised for."""
     return ApiError(
         503,
         "unavailable",
