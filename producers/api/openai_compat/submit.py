@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -109,14 +110,24 @@ def conversation_submission(
     media = list(conv.media)
 
     async def render(ctx: RenderContext) -> RenderEvent:
-        data = await _all_fetched(st, media)
+        # The fetches count against the render's time too: this render holds a render slot.
+        give_up_at = time.monotonic() + st.settings.api_render_timeout_s
+        try:
+            async with asyncio.timeout(st.settings.api_render_timeout_s):
+                data = await _all_fetched(st, media)
+        except TimeoutError:
+            raise ValidationError(
+                "render.timeout",
+                "fetching the media URLs ran past the render time limit "
+                "(EPD_API_RENDER_TIMEOUT_S); send fewer or smaller inputs, or faster URLs",
+            ) from None
         images = [d for m, d in zip(media, data, strict=True) if m.kind == "image"]
         videos = [d for m, d in zip(media, data, strict=True) if m.kind == "video"]
         ids = await asyncio.to_thread(st.chat.token_ids, conv.messages)
         st.limits.check_prompt(None, ids)
         ev = await st.renderer.render_async(
             ctx.request_id,
-            timeout_s=st.settings.api_render_timeout_s,
+            timeout_s=max(0.001, give_up_at - time.monotonic()),
             token_ids=ids,
             images=images,
             videos=videos,
