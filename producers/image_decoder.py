@@ -91,6 +91,7 @@ class ImageDecoder:
         self._slots = asyncio.Semaphore(self.processes)
         self._idle: list[_Child] = []
         self._reaping: set[asyncio.Task[Any]] = set()
+        self._closed = False
         self.killed = 0
         """Children killed mid-decode (out of time, caller gone, or died): for tests."""
 
@@ -101,6 +102,7 @@ class ImageDecoder:
 
     async def close(self) -> None:
         """End every idle process."""
+        self._closed = True
         for task in list(self._reaping):
             task.cancel()
         idle, self._idle = self._idle, []
@@ -128,6 +130,8 @@ class ImageDecoder:
             bytes(data),
         )
         async with self._slots:
+            if give_up_at is not None and time.monotonic() >= give_up_at:
+                raise DecodeTimedOut()  # no child is killed for an image never sent
             child = await self._take()
             try:
                 left = None if give_up_at is None else max(0.0, give_up_at - time.monotonic())
@@ -154,6 +158,7 @@ class ImageDecoder:
             child = self._idle.pop()
             if child.alive:
                 return child
+            self._background(child.proc.wait())  # died idle: reaped
         return await _Child.start()
 
     def _discard(self, child: _Child) -> None:
@@ -166,7 +171,7 @@ class ImageDecoder:
     async def _spare(self) -> None:
         """A process in place of a killed one, started now so the next image does not wait."""
         child = await _Child.start()
-        if len(self._idle) < self.processes:
+        if len(self._idle) < self.processes and not self._closed:
             self._idle.append(child)
         else:
             child.kill()
