@@ -210,9 +210,13 @@ class Sweeper:
         return verdicts
 
     async def _unfinished(self) -> list[StatusRecord]:
-        stale_ms = int(self.settings.sweep_stale_s * 1000)
+        # An in-flight entry is counted at admission, its record made after the render (up
+        # to EPD_API_RENDER_TIMEOUT_S): an entry without a record is an orphan only once it is
+        # older than both together.
+        s = self.settings
+        orphan_ms = int((s.sweep_stale_s + s.api_render_timeout_s) * 1000)
         return await self.status.inflight.unfinished(
-            SCAN_LIMIT, orphaned_before_ms=now_ms() - stale_ms
+            SCAN_LIMIT, orphaned_before_ms=now_ms() - orphan_ms
         )
 
     async def run(self) -> None:
