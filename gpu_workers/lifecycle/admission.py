@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpu_workers.compute import context_length, vocab_size
-from gpu_workers.entries import request_cancelled
-from gpu_workers.lifecycle.embeddings import read_if_present
+from gpu_workers.entries import fetch_outputs, request_cancelled
 from runtime.request_limits import RequestLimits
+from runtime.stores.base import StoreError
 from runtime.tracing import broker_hop_ms
 from schemas.errors import ValidationError
 from schemas.types import now_ms
@@ -30,6 +30,8 @@ from schemas.validator import validate_decode_event, validate_prefill_event, val
 from schemas.values import deadline_passed
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from gpu_workers.compute import EncoderOutput
     from gpu_workers.context import WorkerContext
     from gpu_workers.lifecycle.outcomes import Outcomes
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
     from runtime.reporting import RequestUpdates
     from runtime.settings import Settings
     from runtime.status import RequestState, RequestStateReader
+    from runtime.stores.base import EmbeddingStore
+    from schemas.families import ModelFamily
     from schemas.kv_entries import KVShape
     from schemas.types import DecodeEvent, PrefillEvent
 
@@ -49,6 +53,19 @@ def worker_limits(settings: Settings, bundle: ModelBundle) -> RequestLimits:
     return RequestLimits.from_settings(
         settings, vocab_size=vocab_size(bundle), model_context=context_length(bundle)
     )
+
+
+async def read_if_present(
+    store: EmbeddingStore, keys: Sequence[str], family: ModelFamily
+) -> list[EncoderOutput] | None:
+    """Every entry of ``keys`` if all are in the store now (one read), else None.
+
+    A read ahead of the request's checks: it fails quietly (None), so a store error never
+    decides ahead of them; the wait and the read after it surface it."""
+    try:
+        return await fetch_outputs(store, keys, family)
+    except StoreError:
+        return None
 
 
 @dataclass(slots=True)

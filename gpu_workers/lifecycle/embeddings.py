@@ -14,13 +14,11 @@ import enum
 from typing import TYPE_CHECKING
 
 from gpu_workers.entries import fetch_outputs, request_cancelled
-from runtime.stores.base import StoreError, StoreTimeout, StoreUnavailable
+from runtime.stores.base import StoreTimeout, StoreUnavailable
 from schemas.status_record import short_hash
 from schemas.types import PrefillEvent, now_ms
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from gpu_workers.compute import EncoderOutput
     from gpu_workers.lifecycle.admission import Admitted
     from gpu_workers.lifecycle.outcomes import Outcomes
@@ -57,19 +55,6 @@ class Readiness(enum.Enum):
     """Some are missing but may still arrive (or the store cannot tell): wait for them."""
     LOST = "lost"
     """One can never arrive (evicted after it was stored, or lost with a Redis restart)."""
-
-
-async def read_if_present(
-    store: EmbeddingStore, keys: Sequence[str], family: ModelFamily
-) -> list[EncoderOutput] | None:
-    """Every entry of ``keys`` if all are in the store now (one read), else None.
-
-    A read ahead of the request's checks: it fails quietly (None), so a store error never
-    decides ahead of them; the wait and the read after it surface it."""
-    try:
-        return await fetch_outputs(store, keys, family)
-    except StoreError:
-        return None
 
 
 class EmbeddingWait:

@@ -158,7 +158,7 @@ async def test_a_cancel_ends_the_prefill_wait_for_embeddings_that_will_not_come(
         await pre.close()
     assert pre.tally.cancelled == 1 and pre.tally.completed == 0
     cancelled = [e for e in await _results(cfg, ev.request_id) if e.status == "cancelled"]
-    assert [e.info.get("prefill.tally.cancelled") for e in cancelled] == ["skipped before compute"]
+    assert [e.info.get("prefill.cancelled") for e in cancelled] == ["skipped before compute"]
 
 
 async def test_same_request_runs_when_not_cancelled(
