@@ -72,8 +72,8 @@ async def test_an_item_stored_while_the_record_is_read_is_not_lost() -> None:
     from gpu_workers.lifecycle.embeddings import EmbeddingWait, Readiness
     from gpu_workers.lifecycle.outcomes import Outcomes, Tally
     from runtime.reporting import RequestUpdates
-    from schemas.families import FAMILIES
     from runtime.stores import open_store
+    from schemas.families import FAMILIES
 
     store = open_store("local://test-lost-race")
     reports: list[tuple[str, str]] = []
