@@ -22,6 +22,10 @@ from schemas.topics import Topics
 
 if TYPE_CHECKING:
     from consumers.loop import ConsumeLoop
+    from gpu_workers.context import WorkerContext
+    from gpu_workers.decode import DecodeWorker
+    from gpu_workers.encode import EncodeWorker
+    from gpu_workers.prefill import PrefillWorker
     from runtime.kafka import KafkaPublisher
     from runtime.settings import Settings
     from runtime.stores.base import EmbeddingStore
@@ -79,6 +83,26 @@ class StageContext:
             self._status = StatusStore.for_settings(client, self.settings)
         return self._status
 
+    async def worker_context(self) -> WorkerContext:
+        """What a GPU worker is built from: the model, the store, this stage's publisher,
+        topics and name, a cancel watch, and the status record, which every update is written
+        through to (so the client does not wait for the results collector's hop; an item's
+        encoded mark lands before its request's outcome)."""
+        from gpu_workers.context import WorkerContext
+
+        record = self.status_store().apply
+        store = self.open_store()
+        return WorkerContext(
+            self.settings,
+            await self.load_model(),
+            store,
+            self.publisher,
+            topics=self.topics,
+            worker_id=self.worker_id,
+            cancel=await self.cancel_watch(),
+            record=record,
+        )
+
     async def load_model(self) -> Any:
         """The model on the configured device (in a thread: loading takes seconds)."""
         from runtime.model import load_model
@@ -96,65 +120,52 @@ class StageContext:
         return bundle
 
 
-async def _build_gpu_worker(ctx: StageContext, kind: str, **extra: Any) -> Handler:
-    """An encode, prefill or decode worker: the model, the store, the publisher and a cancel
-    watch."""
-    from gpu_workers.decode import DecodeWorker
-    from gpu_workers.encode import EncodeWorker
-    from gpu_workers.prefill import PrefillWorker
-
-    worker_cls = {"encode": EncodeWorker, "prefill": PrefillWorker, "decode": DecodeWorker}[kind]
-    store = ctx.open_store()
-    w = worker_cls(
-        ctx.settings,
-        await ctx.load_model(),
-        store,
-        ctx.publisher,
-        topics=ctx.topics,
-        worker_id=ctx.worker_id,
-        cancel=await ctx.cancel_watch(),
-        **extra,
-    )
-    ctx.closers.append(w.close)
-    return w.handle
+def _serve(ctx: StageContext, worker: EncodeWorker | PrefillWorker | DecodeWorker) -> Handler:
+    """A worker's handler, the worker closed when the process stops."""
+    ctx.closers.append(worker.close)
+    return worker.handle
 
 
 async def _build_encode(ctx: StageContext) -> Handler:
     from prometheus_client import REGISTRY
 
+    from gpu_workers.encode import EncodeWorker
+
     # Encoder-cache hit ratio and bytes in/out, on the same /metrics as the consume loop's.
-    # Each item's encoded mark goes straight into its request's status record too, so the
-    # request's outcome (written through by prefill) never arrives before its encode timings.
-    return await _build_gpu_worker(
-        ctx, "encode", registry=REGISTRY, record=ctx.status_store().apply
-    )
+    return _serve(ctx, EncodeWorker(await ctx.worker_context(), registry=REGISTRY))
 
 
-async def _build_prefill(ctx: StageContext, kind: str = "prefill") -> Handler:
-    from runtime.status import RequestReader
-    from runtime.token_stream import TokenStreams
+async def _build_prefill(ctx: StageContext) -> Handler:
+    from gpu_workers.prefill import PrefillWorker
 
-    # Prefill reads the request's status record: replays of a finished request are skipped,
-    # and a lost embedding ends the request at once (embedding-lost) instead of a long wait.
-    # It also writes its updates through to the record, so the client does not wait for the
-    # results collector's hop to see the outcome, and streams tokens while it decodes. A
-    # decode worker is built the same way: it is a prefill worker that starts from a parked KV.
-    status = ctx.status_store()
-    return await _build_gpu_worker(
-        ctx,
-        kind,
-        request_state=RequestReader(status),
-        record=status.apply,
-        streams=(
-            TokenStreams.from_settings(status.client, ctx.settings)
-            if ctx.settings.stream_tokens
-            else None
-        ),
-    )
+    return await _build_request_worker(ctx, PrefillWorker)
 
 
 async def _build_decode(ctx: StageContext) -> Handler:
-    return await _build_prefill(ctx, "decode")
+    from gpu_workers.decode import DecodeWorker
+
+    return await _build_request_worker(ctx, DecodeWorker)
+
+
+async def _build_request_worker(
+    ctx: StageContext, worker_cls: type[PrefillWorker] | type[DecodeWorker]
+) -> Handler:
+    """A prefill or decode worker: both read the request's status record (replays of a
+    finished request are skipped, and a lost embedding ends the request at once,
+    embedding-lost, instead of a long wait) and stream tokens while they decode."""
+    from runtime.status import RequestReader
+    from runtime.token_stream import TokenStreams
+
+    status = ctx.status_store()
+    streams = (
+        TokenStreams.from_settings(status.client, ctx.settings)
+        if ctx.settings.stream_tokens
+        else None
+    )
+    worker = worker_cls(
+        await ctx.worker_context(), request_state=RequestReader(status), streams=streams
+    )
+    return _serve(ctx, worker)
 
 
 async def _build_results(ctx: StageContext) -> Handler:

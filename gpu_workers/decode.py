@@ -22,85 +22,114 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gpu_workers.compute import prefill
+from gpu_workers.engine import DecodeEngine
 from gpu_workers.entries import items_from_features
+from gpu_workers.generation import Generator
 from gpu_workers.kv_handoff import fetch, kv_shape, restore
-from gpu_workers.prefill import PrefillWorker
+from gpu_workers.lifecycle.parts import RequestLifecycle
 from gpu_workers.single_flight import SingleFlight
-from runtime.reporting import RequestUpdates
 from runtime.stores.base import StoreError
 from schemas.types import DecodeEvent, now_ms
-from schemas.validator import validate_decode_event, validate_prefill_expiry
 
 if TYPE_CHECKING:
     from gpu_workers.compute import Prefilled
+    from gpu_workers.context import WorkerContext
+    from gpu_workers.lifecycle.admission import Admitted
+    from runtime.reporting import RequestUpdates
+    from runtime.status import RequestStateReader
+    from runtime.token_stream import TokenStreams
 
 
-class DecodeWorker(PrefillWorker):
-    """Handles DecodeEvents; plug :meth:`handle` into a ConsumeLoop (group ``{prefix}-decode``)."""
+class DecodeWorker:
+    """Handles DecodeEvents; plug :meth:`handle` into a ConsumeLoop (group ``{prefix}-decode``).
+
+    The prefill worker's sibling: the same lifecycle pieces
+    (:class:`~gpu_workers.lifecycle.parts.RequestLifecycle`) and decode batch
+    (:class:`~gpu_workers.generation.Generator`), a request admitted as handed over (its
+    embeddings read only when the parked cache is gone) and started from its cache.
+    """
 
     STAGE = "decode"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """The prefill worker's arguments (its store holds the parked caches)."""
-        super().__init__(*args, **kwargs)
-        self.kv_shape = kv_shape(self.bundle)
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        *,
+        embedding_wait_s: float | None = None,
+        request_state: RequestStateReader | None = None,
+        streams: TokenStreams | None = None,
+    ) -> None:
+        """The prefill worker's arguments (``ctx.store`` holds the parked caches)."""
+        self.ctx = ctx
+        self.life = RequestLifecycle.build(
+            ctx, self.STAGE, embedding_wait_s=embedding_wait_s, request_state=request_state
+        )
+        self.worker_id = self.life.worker_id
+        self.tally = self.life.tally
+        self.engine = DecodeEngine.for_settings(ctx.settings, ctx.bundle)
+        self.generator = Generator(ctx, self.engine, self.life.watch, streams=streams)
+        self.kv_shape = kv_shape(ctx.bundle)
         self.flights: SingleFlight[str] = SingleFlight()
-        self.from_kv = 0
-        self.prefilled_again = 0
 
-    async def handle(self, ev: DecodeEvent) -> None:  # type: ignore[override]
+    async def close(self) -> None:
+        await self.life.close()
+        await self.engine.close()
+
+    async def handle(self, ev: DecodeEvent) -> None:
         """Decode one handed-over request to its end (or a clear failure)."""
-        validate_decode_event(ev, self._arrival_vconfig, self.kv_shape)
+        self.life.gate.check_handoff(ev, self.kv_shape)
         flight = await self.flights.join(ev.request_id)
         if flight is None:
-            self.skipped += 1  # another event of this request ran here meanwhile
+            self.tally.skipped += 1  # another event of this request ran here meanwhile
             return
         with flight:
-            updates = RequestUpdates(self.report, ev.request_id)
-            try:
-                await self._decode(ev, updates)
-            except BaseException:
-                await updates.abandon()
-                raise
-            await updates.flush()
+            await self.life.run(ev.request_id, lambda updates: self._decode(ev, updates))
 
     async def _decode(self, dev: DecodeEvent, updates: RequestUpdates) -> None:
         ev = dev.prefill
         handoff_ms = float(max(0, now_ms() - dev.created_ms))
-        admitted = await self._admit(ev, updates, reads_embeddings=False)
+        admitted = await self.life.gate.admit_handed_over(ev, updates)
         if admitted is None:
             return
         t_fetch = time.perf_counter()
         kv = dev.kv
         # A store that cannot answer raises here (the loop retries: the cache may be there).
         live = kv is not None and kv.expires_ms > now_ms()
-        tensors = await fetch(self.store, kv) if kv is not None and live else None
+        tensors = await fetch(self.ctx.store, kv) if kv is not None and live else None
         timings: dict[str, float] = {
             "queue": float(admitted.started_ms - ev.created_ms),
             "handoff": handoff_ms,
             "kv_fetch": (time.perf_counter() - t_fetch) * 1000,
         }
-        start: Callable[[], Prefilled]
+        start: Callable[[], Prefilled] | None
         if kv is not None and tensors is not None:
-            start = functools.partial(restore, self.bundle, kv, tensors)
+            start = functools.partial(restore, self.ctx.bundle, kv, tensors)
             source = "kv"
-            self.from_kv += 1
+            self.tally.from_kv += 1
         else:
-            # No cache (expired, evicted, never parked): run the prefill here, from the
-            # embeddings the prefill event points at.
-            validate_prefill_expiry(ev, self.vconfig)
-            outputs = await self._await_embeddings(ev, admitted, updates)
-            if outputs is None:
+            start = await self._prefill_again(dev, admitted, updates)
+            if start is None:
                 return
-            items = items_from_features(ev.features, dict(zip(admitted.keys, outputs, strict=True)))
-            start = functools.partial(prefill, self.bundle, ev.token_ids, items)
             source = "prefill"
-            self.prefilled_again += 1
-        result = await self._generate(ev, start, updates)
-        await self._report(ev, result, timings, updates, {"decode.from": source})
+            self.tally.prefilled_again += 1
+        result = await self.generator.run(ev, start, updates)
+        await self.life.outcomes.finished(ev, result, timings, updates, {"decode.from": source})
         if kv is not None:
             with contextlib.suppress(StoreError):
-                await self.store.delete(kv.key)  # its TTL would; this frees the memory now
+                await self.ctx.store.delete(kv.key)  # its TTL would; this frees the memory now
+
+    async def _prefill_again(
+        self, dev: DecodeEvent, admitted: Admitted, updates: RequestUpdates
+    ) -> Callable[[], Prefilled] | None:
+        """No cache (expired, evicted, never parked): the prefill to run here, from the
+        embeddings the prefill event points at; None when the request ended waiting for them."""
+        ev = dev.prefill
+        self.life.gate.check_entries_expiry(ev)
+        outputs = await self.life.embeddings.collect(ev, admitted, updates)
+        if outputs is None:
+            return None
+        items = items_from_features(ev.features, dict(zip(admitted.keys, outputs, strict=True)))
+        return functools.partial(prefill, self.ctx.bundle, ev.token_ids, items)

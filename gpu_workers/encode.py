@@ -10,103 +10,79 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import logging
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import blake3
 import torch
 
 from gpu_workers.batcher import MicroBatcher
 from gpu_workers.compute import EncoderOutput, encode_items
-from gpu_workers.entries import request_cancelled, store_outputs, worker_validation
+from gpu_workers.encoder_inputs import EncoderInputs, InputLost, check_patch_width, encoder_fields
+from gpu_workers.entries import request_cancelled, store_outputs
 from gpu_workers.metrics import encode_metrics
 from gpu_workers.single_flight import SingleFlight
-from runtime.model import vision_config
 from runtime.publisher import publish
-from runtime.reporting import ResultReporter, StatusWriter
-from runtime.settings import Settings
-from runtime.stores.base import StoreError, StoreKeyMissing
 from runtime.tracing import broker_hop_ms
-from schemas.errors import ValidationError
 from schemas.families import EMBEDS
-from schemas.keys import claim_key
-from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT
 from schemas.status_record import encoded_update
-from schemas.tensors import dtype_name, tensor_from_bytes
-from schemas.topics import Topics
-from schemas.types import EncodedEvent, EncodeEvent, ErrorInfo, TensorRef, now_ms
-from schemas.validator import check_tensor, validate_encode_event
+from schemas.tensors import dtype_name
+from schemas.types import EncodedEvent, EncodeEvent, ErrorInfo, now_ms
+from schemas.validator import validate_encode_event
 from schemas.values import deadline_passed
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from runtime.model import ModelBundle
-    from runtime.publisher import Publisher
-    from runtime.status import CancelWatch
-    from runtime.stores.base import EmbeddingStore
-
-log = logging.getLogger(__name__)
+    from gpu_workers.context import WorkerContext
 
 Job = tuple[torch.Tensor, torch.Tensor]
 
 
-class InputLost(Exception):
-    """A claim-checked input that is not in the store any more: retrying cannot bring it
-    back, and it was valid when it was sent (``failed``/``input-lost``, never ``rejected``)."""
-
-    def __init__(self, info: ErrorInfo) -> None:
-        super().__init__(info.message)
-        self.info = info
-
-
 class EncodeWorker:
-    """Handles EncodeEvents; plug :meth:`handle` into a ConsumeLoop."""
+    """Handles EncodeEvents; plug :meth:`handle` into a ConsumeLoop.
 
-    def __init__(
-        self,
-        settings: Settings,
-        bundle: ModelBundle,
-        store: EmbeddingStore,
-        publisher: Publisher,
-        *,
-        topics: Topics | None = None,
-        worker_id: str | None = None,
-        cancel: CancelWatch | None = None,
-        registry: CollectorRegistry | None = None,
-        record: StatusWriter | None = None,
-    ) -> None:
-        """``cancel``: asked (beside the store lookup) before any input is read or encoded; a
-        cancelled request's item is skipped and reported ``cancelled``. The event is validated
-        first, so an unsafe one goes to the DLQ whatever its request's state.
+    Composes the item's inputs (:class:`~gpu_workers.encoder_inputs.EncoderInputs`), a single
+    flight per item, the micro-batched vision tower (:class:`~gpu_workers.batcher.MicroBatcher`
+    over :func:`~gpu_workers.compute.encode_items`) and the entry format
+    (:mod:`gpu_workers.entries`).
+    """
 
-        ``record`` (``StatusStore.apply``): each item's encoded (or cached) mark, and every
-        status update, is also written to the request's status record directly, so the
-        request's outcome never shows up before its items' encode timings."""
-        self.settings = settings
-        self.bundle = bundle
-        self.store = store
-        self.publisher = publisher
-        self.topics = topics or Topics(settings.topic_prefix)
-        self.worker_id = worker_id or f"encode@{socket.gethostname()}"
-        self.vconfig = worker_validation(settings, bundle, store)
-        self.report = ResultReporter(
-            publisher, self.topics.results, "encode", self.worker_id, record=record
+    STAGE = "encode"
+    """The stage name on this worker's status updates."""
+
+    def __init__(self, ctx: WorkerContext, *, registry: CollectorRegistry | None = None) -> None:
+        """``ctx.cancel``: asked (beside the store lookup) before any input is read or encoded;
+        a cancelled request's item is skipped and reported ``cancelled``. The event is
+        validated first, so an unsafe one goes to the DLQ whatever its request's state.
+
+        ``ctx.record``: each item's encoded (or cached) mark, and every status update, is also
+        written to the request's status record directly, so the request's outcome never shows
+        up before its items' encode timings. ``registry``: the worker's /metrics (None:
+        private series)."""
+        self.ctx = ctx
+        self.settings = ctx.settings
+        self.bundle = ctx.bundle
+        self.store = ctx.store
+        self.worker_id = ctx.name(self.STAGE)
+        self.vconfig = ctx.validation()
+        self.report = ctx.reporter(self.STAGE)
+        self.metrics = encode_metrics(registry)
+        self.inputs = EncoderInputs(
+            ctx.store,
+            ctx.settings.ec_namespace,
+            self.vconfig,
+            self.metrics.bytes_in,
+            worker_id=self.worker_id,
         )
         self.batcher: MicroBatcher[Job, EncoderOutput] = MicroBatcher(
-            self._compute, max_cost=settings.encode_batch_patches
+            self._compute, max_cost=ctx.settings.encode_batch_patches
         )
         self.flights: SingleFlight[str] = SingleFlight()
         """Items being encoded now, by store key: a second event of one waits for the first."""
         self.cache_hits = 0
         self.items_encoded = 0
-        self.claims_deleted = 0
-        self.cancel = cancel
-        self.metrics = encode_metrics(registry)  # the worker's /metrics (None: private series)
         self.skipped_cancelled = 0
 
     @property
@@ -114,96 +90,16 @@ class EncodeWorker:
         """Vision-tower calls made so far (one per micro-batch)."""
         return self.batcher.batches
 
+    @property
+    def claims_deleted(self) -> int:
+        """Claim-checked inputs deleted once their item's embedding was stored."""
+        return self.inputs.deleted
+
     def _compute(self, jobs: Sequence[Job]) -> list[EncoderOutput]:
         return encode_items(self.bundle, jobs)
 
     async def close(self) -> None:
         await self.batcher.close()
-
-    async def _tensor(
-        self, value: torch.Tensor | TensorRef, name: str, ev: EncodeEvent
-    ) -> torch.Tensor:
-        if isinstance(value, torch.Tensor):
-            return value
-        if value.store != self.store.url:
-            raise ValidationError(
-                "claim-check",
-                f"TensorRef points at store {value.store!r}, this worker reads {self.store.url!r}",
-                modality=ev.modality,
-                item=ev.item_index,
-                field=name,
-            )
-        if not value.key.startswith(f"{self.settings.ec_namespace}:"):
-            raise ValidationError(
-                "ec-namespace",
-                f"claim-check key {value.key!r} is outside namespace "
-                f"{self.settings.ec_namespace!r}",
-                modality=ev.modality,
-                item=ev.item_index,
-                field=name,
-            )
-        try:
-            raw = await self.store.get_bytes(value.key)
-            self.metrics.bytes_in.inc(len(raw))
-        except StoreKeyMissing:
-            # The fan-out stores the input before it sends the event: missing means it expired
-            # while queued or was lost with the store. Ours to report, not the request's fault.
-            raise InputLost(
-                ErrorInfo(
-                    "input-lost",
-                    f"claim-checked input {value.key!r} is gone from the store (expired while "
-                    "queued, or lost with a store restart); resubmit the request",
-                    rule="claim-check",
-                    modality=ev.modality,
-                    item=ev.item_index,
-                    field=name,
-                )
-            ) from None
-        # Hashing and scanning megabytes takes milliseconds: keep it off the event loop.
-        return await asyncio.to_thread(self._verified, value, raw, name, ev)
-
-    async def _inputs(
-        self, ev: EncodeEvent, pv_name: str, grid_name: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The item's pixels and grid, read from the store where claim-checked, and checked."""
-        pixels = await self._tensor(ev.data[pv_name], pv_name, ev)
-        grid = await self._tensor(ev.data[grid_name], grid_name, ev)
-        return pixels, grid
-
-    def _verified(self, ref: TensorRef, raw: bytes, name: str, ev: EncodeEvent) -> torch.Tensor:
-        if blake3.blake3(raw).hexdigest() != ref.digest:
-            raise ValidationError(
-                "claim-check",
-                f"digest mismatch for {ref.key!r}",
-                modality=ev.modality,
-                item=ev.item_index,
-                field=name,
-            )
-        tensor = tensor_from_bytes(ref.dtype, ref.shape, raw)
-        # The event only carried the reference: check the values now that we hold them.
-        check_tensor(tensor, self.vconfig, modality=ev.modality, item=ev.item_index, name=name)
-        return tensor
-
-    async def _drop_claims(self, ev: EncodeEvent) -> None:
-        """Delete this item's claim-checked inputs (megabytes each) once its embedding is stored.
-
-        Only keys the fan-out would have written for this item (:func:`claim_key`) in this
-        worker's store are deleted, so an event cannot name another key for deletion. A failed
-        delete is logged, not raised: the claim's own TTL removes it anyway.
-        """
-        for name, value in ev.data.items():
-            if not isinstance(value, TensorRef) or value.store != self.store.url:
-                continue
-            # The signed entry's key ends with the fan-out's own hash, which the claims use too
-            # (it equals mm_hash except for a vLLM render's foreign label).
-            key_hash = ev.ec_transfer.key.rpartition(":")[2]
-            if value.key != claim_key(self.settings.ec_namespace, key_hash, name):
-                continue
-            try:
-                await self.store.delete(value.key)
-                self.claims_deleted += 1
-            except StoreError as exc:
-                log.warning("%s: could not delete claim %s (%r)", self.worker_id, value.key, exc)
 
     async def _encoded(
         self,
@@ -230,35 +126,8 @@ class EncodeWorker:
         # record writer), and through the results collector, which reads the topic.
         await asyncio.gather(
             self.report.write_through(encoded_update(encoded, hop_ms=hop_ms)),
-            publish(self.publisher, self.topics, encoded),
+            publish(self.ctx.publisher, self.ctx.topics, encoded),
         )
-
-    def _fields(self, ev: EncodeEvent) -> tuple[str, str]:
-        pv_name = MAIN_ENCODER_INPUT.get(ev.modality)
-        grid_name = GRID_FIELDS.get(ev.modality)
-        if pv_name is None or grid_name is None or ev.modality not in self.bundle.family.modalities:
-            raise ValidationError(
-                "encode-inputs",
-                f"modality {ev.modality!r} has no vision encoder here; supported: "
-                f"{sorted(MAIN_ENCODER_INPUT)}",
-                modality=ev.modality,
-                item=ev.item_index,
-            )
-        return pv_name, grid_name
-
-    def _check_patch_width(self, pixels: torch.Tensor, name: str, ev: EncodeEvent) -> None:
-        # Rows were checked against the grid; the width is the model's. A wrong width would
-        # fail torch.cat for every item of the micro-batch, not just this one.
-        vc = vision_config(self.bundle.config)
-        width = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
-        if pixels.ndim != 2 or pixels.shape[1] != width:
-            raise ValidationError(
-                "encode-inputs",
-                f"{name} has shape {list(pixels.shape)}; this model takes (patches, {width})",
-                modality=ev.modality,
-                item=ev.item_index,
-                field=name,
-            )
 
     async def handle(self, ev: EncodeEvent) -> None:
         """Encode one item (or find it already encoded) and announce it. An input lost with
@@ -281,7 +150,7 @@ class EncodeWorker:
             return
         hop_ms = broker_hop_ms(now_ms())
         validate_encode_event(ev, self.vconfig)
-        pv_name, grid_name = self._fields(ev)
+        pv_name, grid_name = encoder_fields(ev, self.bundle)
         flight = await self.flights.join(ev.ec_transfer.key)
         if flight is None:
             # The same item was encoded meanwhile, by another event of this worker.
@@ -303,14 +172,14 @@ class EncodeWorker:
         # The inputs are read (and checked) beside the cancel flag and the store lookup, which
         # share one round trip: a miss, the usual case (the fan-out looked already), waits for
         # neither in turn. A hit or a cancel drops them unread by anyone.
-        inputs = asyncio.ensure_future(self._inputs(ev, pv_name, grid_name))
+        inputs = asyncio.ensure_future(self.inputs.read(ev, pv_name, grid_name))
         t0 = time.perf_counter()
         # A batch being formed waits for this item while its inputs arrive (a hit or a cancel
         # withdraws it on leaving the block).
         with self.batcher.on_the_way():
             try:
                 cancelled, hit = await asyncio.gather(
-                    request_cancelled(self.cancel, ev.request_id),
+                    request_cancelled(self.ctx.cancel, ev.request_id),
                     self.store.touch(ev.ec_transfer.key, self.settings.embedding_ttl_s),
                 )
             except BaseException:
@@ -320,7 +189,7 @@ class EncodeWorker:
                 await _discard(inputs)
                 return Lookup(Found.CANCELLED if cancelled else Found.HIT)
             pixels, grid = await inputs
-            self._check_patch_width(pixels, pv_name, ev)
+            check_patch_width(pixels, pv_name, ev, self.bundle)
             out = await self.batcher.submit((pixels, grid), cost=int(pixels.shape[0]))
         return Lookup(Found.ENCODED, out, t0)
 
@@ -365,7 +234,7 @@ class EncodeWorker:
             )
         # Only now (the embedding is stored) is the claim-checked input garbage: a redelivery of
         # this event finds the embedding (a hit) and never reads the claim again.
-        await asyncio.gather(announce, self._drop_claims(ev))
+        await asyncio.gather(announce, self.inputs.drop_claims(ev))
 
     async def _report_expired(self, ev: EncodeEvent) -> None:
         await self.report(

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from gpu_workers.context import WorkerContext
 from gpu_workers.encode import EncodeWorker
 from producers.fanout import FanOut, claim_ttl_s
 from producers.render import Renderer
@@ -91,7 +92,7 @@ async def test_claim_is_deleted_once_the_embedding_is_stored(
     assert 0 < await _pttl_ms(cfg, ref.key) <= CLAIM_TTL_S * 1000
 
     pub = InMemoryPublisher()
-    worker = EncodeWorker(cfg, bundle, store, pub)
+    worker = EncodeWorker(WorkerContext(cfg, bundle, store, pub))
     try:
         await worker.handle(enc)
         assert worker.items_encoded == 1 and worker.claims_deleted == 1

@@ -29,6 +29,7 @@ from pydantic import SecretStr
 from transformers import Qwen2VLImageProcessorPil
 
 from gpu_workers.compute import generate_monolithic
+from gpu_workers.context import WorkerContext
 from gpu_workers.encode import EncodeWorker
 from gpu_workers.prefill import PrefillWorker
 from producers.fanout import build_fanout
@@ -163,8 +164,12 @@ async def test_a_12_megapixel_photo_end_to_end_in_fp32_and_bf16(
         (enc_size, enc), *_ = await records(run, topics.encode, ev.request_id)
         ((pf_size, pf),) = await records(run, topics.prefill, ev.request_id)
         assert isinstance(enc, EncodeEvent) and isinstance(pf, PrefillEvent)
-        encoder = EncodeWorker(run, public, store, producer, worker_id=f"encode-{dtype}")
-        prefill = PrefillWorker(run, public, store, producer, worker_id=f"prefill-{dtype}")
+        encoder = EncodeWorker(
+            WorkerContext(run, public, store, producer, worker_id=f"encode-{dtype}")
+        )
+        prefill = PrefillWorker(
+            WorkerContext(run, public, store, producer, worker_id=f"prefill-{dtype}")
+        )
         try:
             waiting = asyncio.create_task(prefill.handle(pf))
             await asyncio.wait_for(encoder.handle(enc), HANG_GUARD_S)
@@ -244,8 +249,8 @@ async def test_sixteen_images_batched_with_parity_and_small_requests_not_held_ba
     (big_prefill,) = only(await records(cfg, topics.prefill, big.request_id), PrefillEvent)
     assert len(big_prefill.features.mm_hashes["image"]) == 16
 
-    encoder = EncodeWorker(cfg, bundle, store, producer, worker_id="encode-16")
-    prefill = PrefillWorker(cfg, bundle, store, producer, worker_id="prefill-16")
+    encoder = EncodeWorker(WorkerContext(cfg, bundle, store, producer, worker_id="encode-16"))
+    prefill = PrefillWorker(WorkerContext(cfg, bundle, store, producer, worker_id="prefill-16"))
     try:
         # The 16-image request is taken first and waits for its embeddings (none exist yet).
         big_task = asyncio.create_task(prefill.handle(big_prefill))
@@ -255,7 +260,7 @@ async def test_sixteen_images_batched_with_parity_and_small_requests_not_held_ba
             (pf,) = only(await records(cfg, topics.prefill, ev.request_id), PrefillEvent)
             await asyncio.wait_for(encoder.handle(enc), HANG_GUARD_S)
             await asyncio.wait_for(prefill.handle(pf), HANG_GUARD_S)
-        assert prefill.completed == 2 and not big_task.done()
+        assert prefill.tally.completed == 2 and not big_task.done()
 
         calls_before = encoder.encoder_calls
         await asyncio.wait_for(

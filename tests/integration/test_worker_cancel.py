@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from pydantic import SecretStr
 
 from gpu_workers.compute import DecodeStopped, generate_monolithic, greedy_decode, prefill
+from gpu_workers.context import WorkerContext
 from gpu_workers.encode import EncodeWorker
 from gpu_workers.prefill import PrefillWorker
 from producers.fanout import FanOut
@@ -100,8 +101,8 @@ async def test_cancelled_request_is_skipped_by_encode_and_prefill(
     cfg, store = env["cfg"], env["store"]
     ev, plan = await _cancelled_plan(env, bundle, seed=301)
 
-    enc = EncodeWorker(cfg, bundle, store, env["producer"], cancel=env["watch"])
-    pre = PrefillWorker(cfg, bundle, store, env["producer"], cancel=env["watch"])
+    enc = EncodeWorker(WorkerContext(cfg, bundle, store, env["producer"], cancel=env["watch"]))
+    pre = PrefillWorker(WorkerContext(cfg, bundle, store, env["producer"], cancel=env["watch"]))
     try:
         await enc.handle(plan.encode[0])
         await pre.handle(plan.prefill)
@@ -110,7 +111,7 @@ async def test_cancelled_request_is_skipped_by_encode_and_prefill(
         await pre.close()
     assert enc.skipped_cancelled == 1 and enc.encoder_calls == 0 and enc.items_encoded == 0
     assert not await store.exists(plan.encode[0].ec_transfer.key)  # nothing was encoded
-    assert pre.cancelled == 1 and pre.completed == 0
+    assert pre.tally.cancelled == 1 and pre.tally.completed == 0
     updates = {(e.stage, e.status) for e in await _results(cfg, ev.request_id)}
     assert updates == {("encode", "cancelled"), ("prefill", "cancelled")}
 
@@ -126,7 +127,7 @@ async def test_an_unsafe_encode_event_of_a_cancelled_request_is_still_refused(
     forged = dataclasses.replace(
         enc_ev, ec_transfer=dataclasses.replace(enc_ev.ec_transfer, key="ec:other-tenant:key")
     )
-    enc = EncodeWorker(cfg, bundle, store, env["producer"], cancel=env["watch"])
+    enc = EncodeWorker(WorkerContext(cfg, bundle, store, env["producer"], cancel=env["watch"]))
     try:
         with pytest.raises(ValidationError):
             await enc.handle(forged)
@@ -143,7 +144,7 @@ async def test_a_cancel_ends_the_prefill_wait_for_embeddings_that_will_not_come(
     cfg, store = env["cfg"], env["store"]
     ev, plan = await _planned(env, bundle, seed=303, prompt="Wait <image>")  # never encoded
     pre = PrefillWorker(
-        cfg, bundle, store, env["producer"], cancel=env["watch"], embedding_wait_s=60
+        WorkerContext(cfg, bundle, store, env["producer"], cancel=env["watch"]), embedding_wait_s=60
     )
     try:
         t0 = time.monotonic()
@@ -155,7 +156,7 @@ async def test_a_cancel_ends_the_prefill_wait_for_embeddings_that_will_not_come(
         assert time.monotonic() - t0 < 10
     finally:
         await pre.close()
-    assert pre.cancelled == 1 and pre.completed == 0
+    assert pre.tally.cancelled == 1 and pre.tally.completed == 0
     cancelled = [e for e in await _results(cfg, ev.request_id) if e.status == "cancelled"]
     assert [e.info.get("prefill.cancelled") for e in cancelled] == ["skipped before compute"]
 
@@ -172,15 +173,15 @@ async def test_same_request_runs_when_not_cancelled(
         sampling=SamplingParams(max_tokens=3),
     )
     plan = await FanOut(cfg, store, bundle.render_info()).plan(ev)
-    enc = EncodeWorker(cfg, bundle, store, env["producer"], cancel=env["watch"])
-    pre = PrefillWorker(cfg, bundle, store, env["producer"], cancel=env["watch"])
+    enc = EncodeWorker(WorkerContext(cfg, bundle, store, env["producer"], cancel=env["watch"]))
+    pre = PrefillWorker(WorkerContext(cfg, bundle, store, env["producer"], cancel=env["watch"]))
     try:
         await enc.handle(plan.encode[0])
         await pre.handle(plan.prefill)
     finally:
         await enc.close()
         await pre.close()
-    assert enc.items_encoded == 1 and pre.completed == 1 and pre.cancelled == 0
+    assert enc.items_encoded == 1 and pre.tally.completed == 1 and pre.tally.cancelled == 0
     statuses = [e.status for e in await _results(cfg, ev.request_id)]
     assert statuses[-1] == "completed" and "decoding" in statuses
 
@@ -199,9 +200,9 @@ async def test_a_request_cancelled_mid_decode_keeps_the_tokens_it_made(
         sampling=SamplingParams(max_tokens=2000, ignore_eos=True),
     )
     plan = await FanOut(cfg, store, bundle.render_info()).plan(ev)
-    enc = EncodeWorker(cfg, bundle, store, env["producer"], cancel=env["watch"])
+    enc = EncodeWorker(WorkerContext(cfg, bundle, store, env["producer"], cancel=env["watch"]))
     pre = PrefillWorker(
-        cfg, bundle, store, env["producer"], cancel=env["watch"], record=status.apply
+        WorkerContext(cfg, bundle, store, env["producer"], cancel=env["watch"], record=status.apply)
     )
     assert await status.create(ev.request_id, {})  # as the intake does
     try:

@@ -19,6 +19,7 @@ import torch
 from pydantic import SecretStr
 
 from gpu_workers.compute import encode_images, generate_monolithic
+from gpu_workers.context import WorkerContext
 from gpu_workers.encode import EncodeWorker
 from gpu_workers.prefill import PrefillWorker
 from producers.fanout import FanOut, FanoutPlan
@@ -115,7 +116,7 @@ async def store(cfg: Settings, namespace: str) -> AsyncIterator[RedisStore]:
 async def encoder(
     cfg: Settings, bundle: ModelBundle, store: RedisStore, producer: KafkaPublisher
 ) -> AsyncIterator[EncodeWorker]:
-    w = EncodeWorker(cfg, bundle, store, producer, worker_id="encode-test")
+    w = EncodeWorker(WorkerContext(cfg, bundle, store, producer, worker_id="encode-test"))
     try:
         yield w
     finally:
@@ -250,7 +251,7 @@ async def test_the_encoder_reads_its_inputs_beside_the_store_lookup(
     event = wire(p.encode[0])
     assert isinstance(event.data["pixel_values"], TensorRef)
     watched = _LookupAfterRead(cfg.redis_url)
-    worker = EncodeWorker(cfg, bundle, watched, producer, worker_id="encode-overlap")
+    worker = EncodeWorker(WorkerContext(cfg, bundle, watched, producer, worker_id="encode-overlap"))
     try:
         await asyncio.wait_for(worker.handle(event), HANG_GUARD_S)
     finally:
@@ -278,7 +279,9 @@ async def test_a_store_hit_drops_the_inputs_read_beside_it_whatever_they_were(
     await store.delete(ref.key)
     await store.put(ev.ec_transfer.key, torch.ones(4, 64))
     watched = _LookupAfterRead(cfg.redis_url)
-    worker = EncodeWorker(cfg, bundle, watched, producer, worker_id="encode-hit-overlap")
+    worker = EncodeWorker(
+        WorkerContext(cfg, bundle, watched, producer, worker_id="encode-hit-overlap")
+    )
     try:
         await asyncio.wait_for(worker.handle(ev), HANG_GUARD_S)
     finally:
@@ -316,7 +319,7 @@ async def test_concurrent_images_share_a_vision_call(
     # handlers queue their items before the batcher's first call (Redis round trips would make
     # the batch composition depend on timing).
     store = LocalStore(f"local://workers-{uuid.uuid4().hex[:12]}")
-    worker = EncodeWorker(cfg, bundle, store, producer)
+    worker = EncodeWorker(WorkerContext(cfg, bundle, store, producer))
     try:
         ev = render(renderer, (21, 22, 23))
         p = await plan(cfg, store, bundle, ev)
@@ -374,7 +377,7 @@ async def test_expired_claim_check_is_reported_failed_not_rejected(
     assert isinstance(ref, TensorRef)
     await store.delete(ref.key)  # as if its TTL ran out before the encoder got to it
     pub = InMemoryPublisher()
-    encoder = EncodeWorker(cfg, bundle, store, pub)
+    encoder = EncodeWorker(WorkerContext(cfg, bundle, store, pub))
     try:
         await encoder.handle(wire(enc))
     finally:
@@ -478,7 +481,7 @@ async def test_prefill_matches_the_monolithic_model(
     p = await plan(cfg, store, bundle, ev)
     assert len(p.encode) == 2
 
-    prefill = PrefillWorker(cfg, bundle, store, producer, worker_id="prefill-test")
+    prefill = PrefillWorker(WorkerContext(cfg, bundle, store, producer, worker_id="prefill-test"))
     try:
         # Prefill starts first and waits on the store; the encoder's puts wake it.
         waiting = asyncio.create_task(prefill.handle(wire(p.prefill)))
@@ -486,7 +489,7 @@ async def test_prefill_matches_the_monolithic_model(
         await asyncio.wait_for(waiting, HANG_GUARD_S)
     finally:
         await prefill.close()
-    assert prefill.completed == 1
+    assert prefill.tally.completed == 1
 
     results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
     assert [r.status for r in results] == ["prefilling", "decoding", "completed"]
@@ -512,12 +515,12 @@ async def test_prefill_reports_missing_embeddings(
     await encoder.handle(wire(p.encode[0]))  # item 1 is never encoded
     missing = ev.features.mm_hashes["image"][1]
 
-    prefill = PrefillWorker(cfg, bundle, store, producer, embedding_wait_s=0.5)
+    prefill = PrefillWorker(WorkerContext(cfg, bundle, store, producer), embedding_wait_s=0.5)
     try:
         await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
     finally:
         await prefill.close()
-    assert prefill.completed == 0
+    assert prefill.tally.completed == 0
 
     results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
     assert [r.status for r in results] == ["prefilling", "failed"]
@@ -544,8 +547,10 @@ async def test_an_entry_signed_for_another_store_is_refused_at_once(
     await encoder.handle(wire(p.encode[0]))  # the embedding is in the fan-out's store
     other = RedisStore(redis_url_with_db(cfg.redis_url, REDIS_DB + 1))
     # A wait long enough that a worker waiting instead of refusing trips the guard below.
-    prefill = PrefillWorker(cfg, bundle, other, producer, embedding_wait_s=HANG_GUARD_S * 2)
-    enc = EncodeWorker(cfg, bundle, other, producer)
+    prefill = PrefillWorker(
+        WorkerContext(cfg, bundle, other, producer), embedding_wait_s=HANG_GUARD_S * 2
+    )
+    enc = EncodeWorker(WorkerContext(cfg, bundle, other, producer))
     try:
         with pytest.raises(ValidationError) as err:
             await asyncio.wait_for(prefill.handle(wire(p.prefill)), 10)
@@ -572,12 +577,14 @@ async def test_prefill_past_deadline_expires_without_running(
     ev = render(renderer, (91,), deadline_ms=now_ms() - 1_000)
     p = await plan(cfg, store, bundle, ev)
     # A long embedding wait: were the worker to wait instead of expiring, the guard would fire.
-    prefill = PrefillWorker(cfg, bundle, store, producer, embedding_wait_s=HANG_GUARD_S * 2)
+    prefill = PrefillWorker(
+        WorkerContext(cfg, bundle, store, producer), embedding_wait_s=HANG_GUARD_S * 2
+    )
     try:
         await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
     finally:
         await prefill.close()
-    assert prefill.completed == 0
+    assert prefill.tally.completed == 0
     results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
     assert [r.status for r in results] == ["expired"]
     assert results[0].error is not None and results[0].error.code == "expired"
@@ -597,7 +604,9 @@ async def test_prefill_refuses_metadata_only_item_without_entry(
     bad = wire(dataclasses.replace(p.prefill, ec_transfer_params=params))
     assert bad.features.kwargs_data is None and bad.features.mm_metadata is not None
 
-    prefill = PrefillWorker(cfg, bundle, store, producer, embedding_wait_s=HANG_GUARD_S * 2)
+    prefill = PrefillWorker(
+        WorkerContext(cfg, bundle, store, producer), embedding_wait_s=HANG_GUARD_S * 2
+    )
     try:
         with pytest.raises(ValidationError) as err:
             await asyncio.wait_for(prefill.handle(bad), HANG_GUARD_S)
@@ -608,7 +617,7 @@ async def test_prefill_refuses_metadata_only_item_without_entry(
         "image",
         1,
     )
-    assert prefill.completed == 0
+    assert prefill.tally.completed == 0
     # Rejected before anything ran: not even a "prefilling" update went out.
     assert await produced(cfg, Topics(cfg.topic_prefix).results) == []
 
@@ -664,10 +673,10 @@ async def test_forged_render_gets_no_hit_on_another_tenants_embedding(
     await encoder.handle(wire(vp.encode[0]))
     victim_key = vp.encode[0].ec_transfer.key
     assert await store.exists(victim_key)
-    prefill = PrefillWorker(cfg, bundle, store, producer, embedding_wait_s=0.5)
+    prefill = PrefillWorker(WorkerContext(cfg, bundle, store, producer), embedding_wait_s=0.5)
     try:
         await asyncio.wait_for(prefill.handle(wire(vp.prefill)), HANG_GUARD_S)
-        assert prefill.completed == 1
+        assert prefill.tally.completed == 1
         assert (await plan(cfg, store, bundle, victim)).cached == [victim_hash]  # a real hit
 
         # 1. The attacker's own image, labelled with the victim's mm_hash: refused, no entry.
@@ -702,7 +711,7 @@ async def test_forged_render_gets_no_hit_on_another_tenants_embedding(
         with pytest.raises(ValidationError) as err:
             await asyncio.wait_for(prefill.handle(wire(replay)), HANG_GUARD_S)
         assert err.value.rule == "ec-signature"
-        assert prefill.completed == 1
+        assert prefill.tally.completed == 1
     finally:
         await prefill.close()
     results = await produced(cfg, Topics(cfg.topic_prefix).results)
@@ -738,14 +747,16 @@ async def test_prefill_refuses_out_of_bounds_requests_before_running(
     else:
         pre = dataclasses.replace(pre, sampling=dataclasses.replace(pre.sampling, **change))
     # A long embedding wait: nothing is encoded, so a worker that waited would hit the guard.
-    prefill = PrefillWorker(cfg, bundle, store, producer, embedding_wait_s=HANG_GUARD_S * 2)
+    prefill = PrefillWorker(
+        WorkerContext(cfg, bundle, store, producer), embedding_wait_s=HANG_GUARD_S * 2
+    )
     try:
         with pytest.raises(ValidationError) as err:
             await asyncio.wait_for(prefill.handle(wire(pre)), HANG_GUARD_S)
     finally:
         await prefill.close()
     assert err.value.rule == rule
-    assert prefill.completed == 0
+    assert prefill.tally.completed == 0
     assert await produced(cfg, Topics(cfg.topic_prefix).results) == []
 
 
@@ -769,12 +780,12 @@ async def test_prefill_stops_at_the_deadline_between_decode_steps(
     # the first two decode steps.
     ticks = iter([0, 0, 0])
     monkeypatch.setattr(engine, "now_ms", lambda: next(ticks, deadline + 1))
-    prefill = PrefillWorker(cfg, bundle, store, producer)
+    prefill = PrefillWorker(WorkerContext(cfg, bundle, store, producer))
     try:
         await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
     finally:
         await prefill.close()
-    assert prefill.completed == 0
+    assert prefill.tally.completed == 0
     results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
     # "decoding" is reported between the prefill and the decode steps; the deadline ends it.
     assert [r.status for r in results] in (
@@ -835,11 +846,7 @@ async def test_a_replayed_prefill_event_is_skipped_once_the_request_is_terminal(
     p = await plan(cfg, store, bundle, ev)
     await encoder.handle(wire(p.encode[0]))
     prefill = PrefillWorker(
-        cfg,
-        bundle,
-        store,
-        producer,
-        worker_id="prefill-replay",
+        WorkerContext(cfg, bundle, store, producer, worker_id="prefill-replay"),
         request_state=RequestReader(status),
     )
     try:
@@ -855,7 +862,7 @@ async def test_a_replayed_prefill_event_is_skipped_once_the_request_is_terminal(
         assert refused.value.rule == "ec-transfer-required"
     finally:
         await prefill.close()
-    assert (prefill.completed, prefill.skipped) == (1, 1)
+    assert (prefill.tally.completed, prefill.tally.skipped) == (1, 1)
     results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
     assert [r.status for r in results] == ["prefilling", "decoding", "completed"]
 
@@ -884,9 +891,9 @@ async def test_a_finished_requests_redelivery_is_skipped_even_when_the_store_fai
     p = await plan(cfg, store, bundle, ev)
     await encoder.handle(wire(p.encode[0]))
     reader = RequestReader(status)
-    prefill = PrefillWorker(cfg, bundle, store, producer, request_state=reader)
+    prefill = PrefillWorker(WorkerContext(cfg, bundle, store, producer), request_state=reader)
     failing = _FailingReads(cfg.redis_url)
-    replayer = PrefillWorker(cfg, bundle, failing, producer, request_state=reader)
+    replayer = PrefillWorker(WorkerContext(cfg, bundle, failing, producer), request_state=reader)
     try:
         await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
         await fold_into(status, cfg, ev.request_id)
@@ -896,7 +903,7 @@ async def test_a_finished_requests_redelivery_is_skipped_even_when_the_store_fai
         await prefill.close()
         await replayer.close()
         await failing.close()
-    assert (replayer.skipped, replayer.completed) == (1, 0)
+    assert (replayer.tally.skipped, replayer.tally.completed) == (1, 0)
 
 
 class _SlowReads(RedisStore):
@@ -923,13 +930,15 @@ async def test_a_deadline_passing_during_the_prefill_reads_expires_the_request(
     p = await plan(cfg, store, bundle, ev)
     await encoder.handle(wire(p.encode[0]))
     slow = _SlowReads(cfg.redis_url)
-    prefill = PrefillWorker(cfg, bundle, slow, producer, embedding_wait_s=HANG_GUARD_S * 2)
+    prefill = PrefillWorker(
+        WorkerContext(cfg, bundle, slow, producer), embedding_wait_s=HANG_GUARD_S * 2
+    )
     try:
         await asyncio.wait_for(prefill.handle(wire(p.prefill)), HANG_GUARD_S)
     finally:
         await prefill.close()
         await slow.close()
-    assert prefill.completed == 0
+    assert prefill.tally.completed == 0
     results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
     assert results and results[-1].status == "expired"
     assert results[-1].error is not None and results[-1].error.code == "expired"
@@ -954,10 +963,7 @@ async def test_an_evicted_embedding_fails_the_request_at_once_as_embedding_lost(
     await store.delete(p.prefill.ec_transfer_params[lost].key)  # as an eviction would
     # A wait far beyond the guard: only telling the loss apart ends this in time.
     prefill = PrefillWorker(
-        cfg,
-        bundle,
-        store,
-        producer,
+        WorkerContext(cfg, bundle, store, producer),
         embedding_wait_s=HANG_GUARD_S * 2,
         request_state=RequestReader(status),
     )
@@ -967,7 +973,7 @@ async def test_an_evicted_embedding_fails_the_request_at_once_as_embedding_lost(
     finally:
         await prefill.close()
     assert asyncio.get_running_loop().time() - t0 < 10
-    assert (prefill.completed, prefill.lost) == (0, 1)
+    assert (prefill.tally.completed, prefill.tally.lost) == (0, 1)
     results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
     assert [r.status for r in results] == ["prefilling", "failed"]
     err = results[-1].error
@@ -998,10 +1004,7 @@ async def test_an_embedding_evicted_during_the_wait_fails_the_request_within_a_r
     await fold_into(status, cfg, ev.request_id)  # the record says item 0 is encoded
     evicted = ev.features.mm_hashes["image"][0]
     prefill = PrefillWorker(
-        cfg,
-        bundle,
-        store,
-        producer,
+        WorkerContext(cfg, bundle, store, producer),
         embedding_wait_s=HANG_GUARD_S * 2,
         request_state=RequestReader(status),
     )
@@ -1018,7 +1021,7 @@ async def test_an_embedding_evicted_during_the_wait_fails_the_request_within_a_r
         handled.cancel()
         await prefill.close()
     assert loop.time() - evicted_at < recheck_s + 5, loop.time() - t0
-    assert (prefill.completed, prefill.lost) == (0, 1)
+    assert (prefill.tally.completed, prefill.tally.lost) == (0, 1)
     results = prefill_results(await produced(cfg, Topics(cfg.topic_prefix).results), ev.request_id)
     assert [r.status for r in results] == ["prefilling", "failed"]
     err = results[-1].error
@@ -1037,7 +1040,7 @@ async def test_encode_metrics_count_hits_misses_and_bytes(
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
-    worker = EncodeWorker(cfg, bundle, store, producer, registry=registry)
+    worker = EncodeWorker(WorkerContext(cfg, bundle, store, producer), registry=registry)
     try:
         # 84x56 and 112x112: 24 and 64 patch rows, both above the 64 KiB inline limit, so both
         # are claim-checked and read from the store.
@@ -1069,7 +1072,7 @@ async def test_the_encoder_writes_each_items_mark_through_to_the_record(
     through) cannot reach a client ahead of them."""
     ev = render(renderer, (181, 182))
     p = await plan(cfg, store, bundle, ev)
-    worker = EncodeWorker(cfg, bundle, store, producer, record=status.apply)
+    worker = EncodeWorker(WorkerContext(cfg, bundle, store, producer, record=status.apply))
     assert await status.create(ev.request_id, {})  # as the intake does
     try:
         await asyncio.gather(*(worker.handle(wire(enc)) for enc in p.encode))

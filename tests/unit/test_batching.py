@@ -14,6 +14,7 @@ import pytest
 from pydantic import SecretStr
 
 from gpu_workers.compute import generate_monolithic, prefill
+from gpu_workers.context import WorkerContext
 from gpu_workers.encode import EncodeWorker
 from gpu_workers.engine import COMPLETED, DecodeEngine, DecodeJob
 from gpu_workers.prefill import PrefillWorker
@@ -110,7 +111,7 @@ async def encode_all(
     for ev in events:
         await fanout.publish(ev)
     topics = Topics(settings.topic_prefix)
-    encoder = EncodeWorker(settings, bundle, store, pub, worker_id="enc-bat")
+    encoder = EncodeWorker(WorkerContext(settings, bundle, store, pub, worker_id="enc-bat"))
     try:
         await asyncio.gather(*(encoder.handle(e) for e in pub.events(topics.encode)))
     finally:
@@ -138,7 +139,9 @@ async def test_sixteen_concurrent_requests_each_equal_their_solo_generate(
     want = {ev.request_id: solo_generate(spec, ev) for ev in events}
     settings = settings_for(namespace)
     pub, prefills = await encode_all(spec, events, store, settings)
-    worker = PrefillWorker(settings, bundle_of(spec), store, pub, worker_id="pre-bat")
+    worker = PrefillWorker(
+        WorkerContext(settings, bundle_of(spec), store, pub, worker_id="pre-bat")
+    )
     try:
         await asyncio.gather(*(worker.handle(p) for p in prefills))
         engine = worker.engine
@@ -163,7 +166,9 @@ async def test_the_batch_holds_at_most_max_batch_sequences(
     want = {ev.request_id: solo_generate("tiny", ev) for ev in events}
     settings = settings_for(namespace, decode_max_batch=3)
     pub, prefills = await encode_all("tiny", events, store, settings)
-    worker = PrefillWorker(settings, bundle_of("tiny"), store, pub, worker_id="pre-bat3")
+    worker = PrefillWorker(
+        WorkerContext(settings, bundle_of("tiny"), store, pub, worker_id="pre-bat3")
+    )
     seen: list[int] = []
     engine = worker.engine
     forward = engine._forward

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from gpu_workers.context import WorkerContext
 from gpu_workers.decode import DecodeWorker
 from gpu_workers.kv_handoff import kv_shape
 from gpu_workers.prefill import PrefillWorker
@@ -47,7 +48,7 @@ async def hand_off(
 ) -> tuple[InMemoryPublisher, list[DecodeEvent], PrefillWorker]:
     """Fan-out, encode, and a prefill worker with the decode stage on: the decode events."""
     pub, prefills = await encode_all(spec, events, store, settings)
-    pre = PrefillWorker(settings, bundle_of(spec), store, pub, worker_id="pre-stage")
+    pre = PrefillWorker(WorkerContext(settings, bundle_of(spec), store, pub, worker_id="pre-stage"))
     try:
         await asyncio.gather(*(pre.handle(wire(p)) for p in prefills))
     finally:
@@ -76,7 +77,7 @@ async def test_sixteen_concurrent_requests_through_the_decode_stage_equal_their_
     want = {ev.request_id: solo_generate(spec, ev) for ev in events}
     settings = settings_for(namespace, decode_stage=True)
     pub, handed, pre = await hand_off(spec, events, store, settings)
-    assert pre.handed_off == len(events) == len(handed) and pre.completed == 0
+    assert pre.tally.handed_off == len(events) == len(handed) and pre.tally.completed == 0
     # The prefill worker's part: parked, handed over, nothing terminal.
     prefill_updates = outcomes(pub, settings, "prefill")
     assert {e.status for e in prefill_updates.values()} == {"prefilling"}
@@ -86,7 +87,7 @@ async def test_sixteen_concurrent_requests_through_the_decode_stage_equal_their_
         assert await store.exists(ev.kv.key)
         info = prefill_updates[ev.request_id].info
         assert info["prefill.handoff"] == "decode" and int(info["kv_bytes"]) == ev.kv.nbytes
-    dec = DecodeWorker(settings, bundle_of(spec), store, pub, worker_id="dec-stage")
+    dec = DecodeWorker(WorkerContext(settings, bundle_of(spec), store, pub, worker_id="dec-stage"))
     try:
         await asyncio.gather(*(dec.handle(wire(ev)) for ev in handed))
         engine = dec.engine
@@ -98,7 +99,7 @@ async def test_sixteen_concurrent_requests_through_the_decode_stage_equal_their_
         assert res.status == "completed", res.error
         assert res.token_ids == want[ev.request_id], ev.request_id
         assert res.info["decode.from"] == "kv"
-    assert dec.from_kv == len(events) and dec.prefilled_again == 0
+    assert dec.tally.from_kv == len(events) and dec.tally.prefilled_again == 0
     assert engine.largest_batch >= 8
     for ev in handed:  # a finished request's cache is freed at once
         assert ev.kv is not None and not await store.exists(ev.kv.key)
@@ -114,7 +115,7 @@ async def _one_handed(
 
 
 async def _decode(settings: Settings, store: RedisStore, pub: InMemoryPublisher, ev: Any) -> Any:
-    dec = DecodeWorker(settings, bundle_of("tiny"), store, pub, worker_id="dec-one")
+    dec = DecodeWorker(WorkerContext(settings, bundle_of("tiny"), store, pub, worker_id="dec-one"))
     try:
         await dec.handle(wire(ev))
     finally:
@@ -136,7 +137,7 @@ async def test_a_cache_that_is_gone_is_replaced_by_running_the_prefill_again(
         past = dataclasses.replace(ev.kv, expires_ms=now_ms() - 1)
         ev = dataclasses.replace(ev, kv=sign_kv(settings.secret_bytes(), past, ev.request_id))
     dec = await _decode(settings, store, pub, ev)
-    assert dec.prefilled_again == 1 and dec.from_kv == 0
+    assert dec.tally.prefilled_again == 1 and dec.tally.from_kv == 0
     res = outcomes(pub, settings, "decode")[ev.request_id]
     assert res.status == "completed" and res.token_ids == want
     assert res.info["decode.from"] == "prefill"
@@ -180,14 +181,16 @@ async def test_forged_misplaced_or_misshapen_kv_references_are_refused_before_an
         "kv-transfer-params": dataclasses.replace(ev, kv_transfer_params="[1, 2]"),
     }
     for rule, bad in cases.items():
-        dec = DecodeWorker(settings, bundle_of("tiny"), store, pub, worker_id="dec-bad")
+        dec = DecodeWorker(
+            WorkerContext(settings, bundle_of("tiny"), store, pub, worker_id="dec-bad")
+        )
         try:
             with pytest.raises(ValidationError) as err:
                 await dec.handle(wire(bad))
         finally:
             await dec.close()
         assert err.value.rule == rule, (rule, err.value)
-        assert dec.completed == 0 and dec.from_kv == 0
+        assert dec.tally.completed == 0 and dec.tally.from_kv == 0
     assert outcomes(pub, settings, "decode") == {}
     assert await store.exists(ev.kv.key)  # nothing read, nothing deleted
 

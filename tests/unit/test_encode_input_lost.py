@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from gpu_workers.context import WorkerContext
 from gpu_workers.encode import EncodeWorker
 from producers.fanout import FanOut
 from producers.render import Renderer
@@ -39,7 +40,7 @@ async def test_a_lost_claim_check_fails_the_request_as_ours(bundle: ModelBundle)
     await store.delete(ref.key)  # Redis restarted empty (or the claim's TTL ran out)
 
     pub = InMemoryPublisher()
-    worker = EncodeWorker(cfg, bundle, store, pub)
+    worker = EncodeWorker(WorkerContext(cfg, bundle, store, pub))
     try:
         await worker.handle(enc)  # reported, not raised: the consume loop would DLQ a raise
     finally:

@@ -36,6 +36,7 @@ from gpu_workers.compute import (
     item_embedding,
     mrope_positions,
 )
+from gpu_workers.context import WorkerContext
 from gpu_workers.encode import EncodeWorker
 from gpu_workers.prefill import PrefillWorker
 from producers.fanout import build_fanout
@@ -456,9 +457,11 @@ async def run_pipeline(
     pub = InMemoryPublisher()
     fanout = build_fanout(settings, store, bundle.render_info(), pub)
     await fanout.publish(event)
-    encoder = EncodeWorker(settings, bundle, store, pub, worker_id="enc-fam")
+    encoder = EncodeWorker(WorkerContext(settings, bundle, store, pub, worker_id="enc-fam"))
     prefiller = PrefillWorker(
-        settings, bundle, store, pub, worker_id="pre-fam", embedding_wait_s=30, **prefill_options
+        WorkerContext(settings, bundle, store, pub, worker_id="pre-fam"),
+        embedding_wait_s=30,
+        **prefill_options,
     )
     try:
         for enc in pub.events(topics.encode):
@@ -521,14 +524,16 @@ async def test_prefill_of_one_family_rejects_another_familys_event(
     event = renderer_of("tiny").render("x", prompt="<image>", images=[rand_image(84, 84, 2)])
     await fanout.publish(event)
     (prefill_ev,) = pub.events(topics.prefill)
-    worker = PrefillWorker(settings, bundle_of("tiny-qwen3-vl"), store, pub, worker_id="p3")
+    worker = PrefillWorker(
+        WorkerContext(settings, bundle_of("tiny-qwen3-vl"), store, pub, worker_id="p3")
+    )
     try:
         with pytest.raises(ValidationError) as info:
             await worker.handle(prefill_ev)
     finally:
         await worker.close()
     assert info.value.rule == "ec-key"
-    assert worker.completed == 0
+    assert worker.tally.completed == 0
 
     # Qwen2.5-VL's video timing is not a metadata field of Qwen2-VL: rule named, not ignored.
     base = renderer_of("tiny").render("t", prompt="<image>", images=[rand_image(84, 84, 3)])
@@ -537,7 +542,7 @@ async def test_prefill_of_one_family_rejects_another_familys_event(
     pub.records.clear()
     await fanout.publish(event)
     (prefill_ev,) = pub.events(topics.prefill)
-    q2 = PrefillWorker(settings, bundle_of("tiny"), store, pub, worker_id="p2")
+    q2 = PrefillWorker(WorkerContext(settings, bundle_of("tiny"), store, pub, worker_id="p2"))
     try:
         with pytest.raises(ValidationError) as info:
             await q2.handle(prefill_ev)

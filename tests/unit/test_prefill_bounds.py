@@ -22,7 +22,7 @@ from gpu_workers.compute import (
     generate_from_embeddings,
     vocab_size,
 )
-from gpu_workers.prefill import worker_limits
+from gpu_workers.lifecycle.admission import worker_limits
 from runtime.model import ModelBundle, load_model, text_config
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings

@@ -3,7 +3,7 @@ missing embedding lost (pure logic; the workers themselves are in tests/integrat
 
 from __future__ import annotations
 
-from gpu_workers.prefill import embeddings_lost
+from gpu_workers.lifecycle.embeddings import embeddings_lost
 from runtime.status import RequestState
 from schemas.status_record import StatusRecord
 
@@ -69,9 +69,11 @@ async def test_an_item_stored_while_the_record_is_read_is_not_lost() -> None:
     is there now, so nothing is lost; a key still missing after that read is."""
     import torch
 
-    from gpu_workers.prefill import PrefillWorker, Readiness
+    from gpu_workers.lifecycle.embeddings import EmbeddingWait, Readiness
+    from gpu_workers.lifecycle.outcomes import Outcomes, Tally
     from runtime.reporting import RequestUpdates
     from runtime.stores import open_store
+    from schemas.families import FAMILIES
 
     store = open_store("local://test-lost-race")
     reports: list[tuple[str, str]] = []
@@ -83,21 +85,27 @@ async def test_an_item_stored_while_the_record_is_read_is_not_lost() -> None:
         await store.put(f"k-{A}", torch.ones(2))  # encoded between the EXISTS and this read
         return RequestState("prefilling", frozenset({A[:12], B[:12]}))
 
-    worker = PrefillWorker.__new__(PrefillWorker)  # only what _readiness touches
-    worker.store, worker.lost = store, 0
-    worker.request_state = state_after_encode
+    tally = Tally()
+    wait = EmbeddingWait(
+        store,
+        FAMILIES["qwen2_vl"],
+        Outcomes(tally),
+        wait_s=1.0,
+        recheck_s=1.0,
+        request_state=state_after_encode,
+    )
     updates = RequestUpdates(report, "r1")  # type: ignore[arg-type]
     ev = _prefill_event([A, B])
     try:
         # A arrived meanwhile: not lost, and (still missing when asked) waited for
-        assert await worker._readiness(ev, {A: f"k-{A}"}, updates) is Readiness.COMING
-        assert reports == [] and worker.lost == 0
+        assert await wait.readiness(ev, {A: f"k-{A}"}, updates) is Readiness.COMING
+        assert reports == [] and tally.lost == 0
         # there: no wait at all
-        assert await worker._readiness(ev, {A: f"k-{A}"}, updates) is Readiness.PRESENT
+        assert await wait.readiness(ev, {A: f"k-{A}"}, updates) is Readiness.PRESENT
         # B is still missing after the record said it was encoded: gone
         both = {A: f"k-{A}", B: f"k-{B}"}
-        assert await worker._readiness(ev, both, updates) is Readiness.LOST
-        assert reports == [("r1", "failed")] and worker.lost == 1
+        assert await wait.readiness(ev, both, updates) is Readiness.LOST
+        assert reports == [("r1", "failed")] and tally.lost == 1
     finally:
         await store.close()
 
