@@ -22,9 +22,14 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from producers.api.checks import pydantic_error
 from producers.api.docs import mount_docs
-from producers.api.errors import ApiError, from_refusal, from_validation, unavailable
+from producers.api.errors import (
+    ApiError,
+    from_refusal,
+    from_validation,
+    pydantic_error,
+    unavailable,
+)
 from producers.api.metrics import Metrics
 from producers.api.openai_compat.errors import is_openai_path, openai_body
 from producers.api.openapi import install_openapi

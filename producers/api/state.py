@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 from aiokafka.admin import AIOKafkaAdminClient
 
 from producers.api.admission import ApiAdmission, LagMonitor
-from producers.api.bodies import BodyRules
-from producers.api.media_urls import MediaFetcher
 from producers.api.metrics import Metrics
+from producers.api.submit.media_urls import MediaFetcher
+from producers.api.submit.reading import BodyRules
 from producers.api.tenants import Tenants
 from producers.chat import ChatTemplate
 from producers.fanout import build_fanout

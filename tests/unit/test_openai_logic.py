@@ -14,9 +14,7 @@ import pytest
 
 from producers.api.errors import ApiError
 from producers.api.follow import Position, StatusChange, _in_order
-from producers.api.media_urls import MediaFetcher, MediaRef
 from producers.api.openai_compat.errors import openai_body, schema_error
-from producers.api.openai_compat.inputs import parse_chat, parse_response
 from producers.api.openai_compat.models import ChatCompletionRequest
 from producers.api.openai_compat.views import (
     chat_completion,
@@ -24,6 +22,8 @@ from producers.api.openai_compat.views import (
     not_completed,
     response_object,
 )
+from producers.api.submit.conversation import parse_chat, parse_response
+from producers.api.submit.media_urls import MediaFetcher, MediaRef
 from producers.chat import ChatMessage, ChatPart, ChatTemplate
 from producers.sample_images import png_bytes, synthetic_image
 from runtime.model import load_render_info

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from producers.api import bodies
 from producers.api.errors import ApiError
+from producers.api.submit import native
 from producers.render import Renderer
 from producers.sample_images import png_bytes
 from producers.sample_videos import encode_animation, synthetic_frames, synthetic_mp4
@@ -37,7 +37,7 @@ def _tiny_info() -> Any:
 
 def parse_json_submit(body: bytes, s: Settings) -> Any:
     """The JSON body parser with the request limits of ``s``."""
-    return bodies.parse_json_submit(body, limits_of(s), s)
+    return native.parse_json_submit(body, limits_of(s), s)
 
 
 def url(mime: str, data: bytes) -> str:

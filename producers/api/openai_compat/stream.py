@@ -22,7 +22,7 @@ from typing import Any
 from producers.api.errors import ApiError
 from producers.api.follow import RecordGone, StatusChange, follow
 from producers.api.openai_compat.errors import openai_body
-from producers.api.openai_compat.submit import cancel_if_abandoned
+from producers.api.openai_compat.outcome import cancel_if_abandoned
 from producers.api.openai_compat.views import (
     CHAT_PREFIX,
     finish_reason,

@@ -1,36 +1,28 @@
-"""An OpenAI request body -> what the intake needs: the conversation, its media, sampling.
+"""An OpenAI request body -> the conversation it asks for, its media and its sampling.
 
-Checked here, before the intake sees anything (nothing is stored, nothing fetched): the body's
-size and JSON (by the route), message and part counts (``EPD_API_MAX_MESSAGES`` /
+Parse (:func:`json_object`): the JSON text, texts far over ``EPD_API_MAX_PROMPT_CHARS``
+refused from the raw bytes. Check (:func:`check_chat`, :func:`check_response`; nothing is
+stored, nothing fetched): message and part counts (``EPD_API_MAX_MESSAGES`` /
 ``EPD_API_MAX_MESSAGE_PARTS``) and image and video counts before pydantic copies the body,
 its schema, the parameters this pipeline cannot honour (:data:`models.NEUTRAL`), the model
 name, every text part (no vision tokens, no special tokens, alone or joined to the text parts
-before it; all of it within ``EPD_API_MAX_PROMPT_CHARS``), every
-``data:`` URL (size before decoding, type from the bytes) and every ``http(s)`` URL against the
-allow-list (:class:`producers.api.media_urls.MediaFetcher`), and the sampling parameters
-against the request limits. Allowed URLs are fetched later, in the request's render.
+before it; all of it within ``EPD_API_MAX_PROMPT_CHARS``), every ``http(s)`` URL against the
+allow-list (:class:`producers.api.submit.media_urls.MediaFetcher`), and the sampling
+parameters against the request limits. Media (:func:`with_media`): every ``data:`` URL (size
+before decoding, type from the bytes). Allowed URLs are fetched later, in the request's render.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 
-from producers.api.bodies import parse_json, refuse_long_text
-from producers.api.data_strings import (
-    IMAGE_FIELD,
-    IMAGE_TYPES,
-    check_image_bytes,
-    decode_data_string,
-)
 from producers.api.errors import ApiError
-from producers.api.media_urls import MediaFetcher, MediaRef
 from producers.api.openai_compat.errors import schema_error
 from producers.api.openai_compat.models import (
     NEUTRAL,
@@ -39,9 +31,10 @@ from producers.api.openai_compat.models import (
     InputMessage,
     ResponseRequest,
 )
-from producers.api.videos import VIDEO_FIELD, VIDEO_TYPES, sniff_video_type
+from producers.api.submit.json_text import fingerprint, parse_json, refuse_long_text
+from producers.api.submit.media import decode_part
+from producers.api.submit.media_urls import MediaFetcher, MediaRef
 from producers.chat import ChatMessage, ChatPart, check_run
-from producers.image_structure import StructureLimits
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
 from schemas.errors import ValidationError
@@ -57,7 +50,8 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 @dataclass(slots=True)
 class Media:
-    """One image or video of a conversation: its bytes, or the allowed URL to fetch them from."""
+    """One image or video of a conversation: the URL it came as, then its bytes (a ``data:``
+    URL decoded by :func:`with_media`), or the allowed URL the render fetches them from."""
 
     kind: Literal["image", "video"]
     ref: MediaRef
@@ -85,6 +79,8 @@ class Conversation:
     """The field that holds the conversation (``messages``, or ``input`` for a response)."""
     continuous_usage: bool = False
     """``stream_options.continuous_usage_stats``: every chunk carries the usage so far."""
+    front: dict[str, Any] = field(default_factory=dict)
+    """What the record keeps for the route's views (set with the submission)."""
 
     def name_part(self, exc: ValidationError | ApiError) -> None:
         """Point ``exc.field`` at what the client wrote (``param`` of OpenAI's errors): the part
@@ -153,42 +149,11 @@ class Builder:
         ref = MediaRef(where, index, kind)
         if kind == "video" and not self.video:
             raise unsupported(where, "video (this model family takes none)")
-        if url.startswith("data:"):
-            data = _decode(url, ref, self.settings)
-            self.media.append(Media(kind, ref, data=data))
-        else:
+        if not url.startswith("data:"):
             self.fetcher.check(url, ref)  # refused here, before anything connects
-            self.media.append(Media(kind, ref, url=url))
+        self.media.append(Media(kind, ref, url=url))  # a data: URL is decoded by with_media
         msg.parts.append(ChatPart(kind, where=where))
         self.run = ""  # the template writes the item's vision block after the text
-
-
-def _decode(url: str, ref: MediaRef, settings: Settings) -> bytes:
-    """A ``data:`` URL's bytes, size and type checked, errors naming the part."""
-    try:
-        if ref.modality == "image":
-            where = replace(IMAGE_FIELD, field=ref.field)
-            data = decode_data_string(
-                url, ref.item, settings.api_max_image_bytes, IMAGE_TYPES, where
-            )
-            structure = StructureLimits.from_settings(settings)
-            check_image_bytes(data, ref.item, settings.api_max_image_bytes, structure)
-            return data
-        where = replace(VIDEO_FIELD, field=ref.field)
-        data = decode_data_string(url, ref.item, settings.api_max_video_bytes, VIDEO_TYPES, where)
-        if not data or sniff_video_type(data) is None:
-            raise ApiError(
-                415,
-                "unsupported_media_type",
-                "the video is not MP4/MOV, WebM/MKV, GIF or WebP (checked by its leading bytes)",
-                rule="video.type",
-                item=ref.item,
-                modality="video",
-            )
-        return data
-    except ApiError as exc:
-        exc.field = ref.field  # the part, not the native API's field name
-        raise
 
 
 def unsupported(where: str, what: str) -> ValidationError:
@@ -209,12 +174,6 @@ def check_neutral(obj: dict[str, Any], names: set[str]) -> None:
             )
 
 
-def fingerprint(obj: Any) -> str:
-    """The body's meaning (key order and whitespace do not matter): for ``Idempotency-Key``."""
-    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(canonical).hexdigest()
-
-
 def _validate(model: type[BaseModel], obj: Any) -> Any:
     try:
         return model.model_validate(obj)
@@ -226,7 +185,8 @@ TEXT_KEYS = ("content", "text", "refusal", "input", "instructions")
 """Keys whose string values are message text (held to ``EPD_API_MAX_PROMPT_CHARS``)."""
 
 
-def _object(body: bytes, limits: RequestLimits) -> dict[str, Any]:
+def json_object(body: bytes, limits: RequestLimits) -> dict[str, Any]:
+    """Parse: the body's JSON object, long texts refused from the raw bytes first."""
     refuse_long_text(body, TEXT_KEYS, limits.max_prompt_chars)  # before the parse
     obj = parse_json(body, limits.max_json_depth)
     if not isinstance(obj, dict):
@@ -302,9 +262,21 @@ def parse_chat(
     video: bool,
     control: Sequence[str] = (),
 ) -> Conversation:
-    """A ``/v1/chat/completions`` body, checked (CPU-bound for a large body: run it in a
-    worker thread)."""
-    obj = _object(body, limits)
+    """A ``/v1/chat/completions`` body parsed, checked and its media decoded, as the door
+    reads one (in one call: for tests)."""
+    obj = json_object(body, limits)
+    return with_media(check_chat(obj, limits, settings, fetcher, video, control), settings)
+
+
+def check_chat(
+    obj: dict[str, Any],
+    limits: RequestLimits,
+    settings: Settings,
+    fetcher: MediaFetcher,
+    video: bool,
+    control: Sequence[str] = (),
+) -> Conversation:
+    """Check: a ``/v1/chat/completions`` body as the conversation it asks for."""
     _count(obj.get("messages"), limits, "messages")
     req: ChatCompletionRequest = _validate(ChatCompletionRequest, obj)
     check_neutral(obj, set(NEUTRAL) - {"stream"})
@@ -394,8 +366,20 @@ def parse_response(
     video: bool,
     control: Sequence[str] = (),
 ) -> Conversation:
-    """A ``/v1/responses`` body, checked (see :func:`parse_chat`)."""
-    obj = _object(body, limits)
+    """A ``/v1/responses`` body (see :func:`parse_chat`)."""
+    obj = json_object(body, limits)
+    return with_media(check_response(obj, limits, settings, fetcher, video, control), settings)
+
+
+def check_response(
+    obj: dict[str, Any],
+    limits: RequestLimits,
+    settings: Settings,
+    fetcher: MediaFetcher,
+    video: bool,
+    control: Sequence[str] = (),
+) -> Conversation:
+    """Check: a ``/v1/responses`` body as the conversation it asks for."""
     _count(obj.get("input"), limits, "input")
     req: ResponseRequest = _validate(ResponseRequest, obj)
     check_neutral(obj, set(NEUTRAL))
@@ -450,3 +434,12 @@ def _input_message(b: Builder, m: InputMessage, where: str) -> None:
             b.item(msg, "image", part.image_url, f"{at}.image_url")  # type: ignore[union-attr]
         else:
             raise unsupported(at, f"a content part of type {part.type!r}")
+
+
+def with_media(conv: Conversation, settings: Settings) -> Conversation:
+    """Media: every ``data:`` URL of the conversation decoded, sized and sniffed (errors name
+    its part); allowed ``http(s)`` URLs stay for the render to fetch."""
+    for m in conv.media:
+        if m.url is not None and m.url.startswith("data:"):
+            m.data, m.url = decode_part(m.url, m.ref, settings), None
+    return conv
