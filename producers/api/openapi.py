@@ -63,6 +63,17 @@ SUBMIT_RESPONSES = with_errors(
 )
 
 
+def submit_operation(body: dict[str, Any]) -> dict[str, Any]:
+    """The route arguments of a submit route that reads ``body`` itself and answers
+    ``202 Accepted`` (``200`` for a request found again by its ``Idempotency-Key``)."""
+    return {
+        "status_code": 202,
+        "response_model": Accepted,
+        "responses": SUBMIT_RESPONSES,
+        "openapi_extra": {"requestBody": body, "parameters": [IDEMPOTENCY_PARAM]},
+    }
+
+
 def install_openapi(app: FastAPI, limits_of: Any, model: str | None = None) -> None:
     """Serve ``/openapi.json`` with the bounds of ``limits_of()`` written in (made once);
     ``model``: the served model's name, the one ``model`` the OpenAI routes take."""

@@ -22,7 +22,13 @@ from producers.api.openai_compat.views import (
     not_completed,
     response_object,
 )
-from producers.api.submit.conversation import parse_chat, parse_response
+from producers.api.submit.conversation import (
+    Conversation,
+    Deployment,
+    check_chat,
+    check_response,
+    parse_conversation,
+)
 from producers.api.submit.media_urls import MediaFetcher, MediaRef
 from producers.chat import ChatMessage, ChatPart, ChatTemplate
 from producers.sample_images import png_bytes, synthetic_image
@@ -37,6 +43,16 @@ from schemas.types import SamplingParams
 
 PNG = png_bytes(synthetic_image(28, 28, seed=5))
 REF = MediaRef("messages[0].content[1].image_url.url", 0, "image")
+
+
+def parse_chat(body: bytes, *args: Any) -> Conversation:
+    """A chat body through the door's phases (``args``: :class:`Deployment`'s fields)."""
+    return parse_conversation(check_chat, body, Deployment(*args))
+
+
+def parse_response(body: bytes, *args: Any) -> Conversation:
+    """A responses body through the door's phases."""
+    return parse_conversation(check_response, body, Deployment(*args))
 
 
 @pytest.fixture(scope="module")

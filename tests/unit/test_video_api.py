@@ -68,7 +68,7 @@ def test_file_and_frame_list_parse_and_render() -> None:
     )
     assert inp.videos == [mp4, frames, gif]
     ev = Renderer(load_render_info("tiny"), max_image_pixels=1 << 24).render(
-        "r", prompt=inp.prompt, videos=inp.videos
+        "r", prompt=inp.request.prompt, videos=inp.videos
     )
     assert len(ev.features.mm_hashes["video"]) == 3
     # the fingerprint (Idempotency-Key) sees the videos

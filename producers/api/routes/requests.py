@@ -11,8 +11,8 @@ from producers.api.cancels import cancel_owned
 from producers.api.deps import OwnedRecord, State, Tenant, Wait
 from producers.api.errors import bad_request
 from producers.api.events import SSE_EVENT_SCHEMA, event_stream, is_stream_id, record_gone
-from producers.api.models import ERROR_RESPONSES, Accepted, RequestStatus
-from producers.api.openapi import IDEMPOTENCY_PARAM, SUBMIT_BODY, SUBMIT_RESPONSES, with_errors
+from producers.api.models import ERROR_RESPONSES, RequestStatus
+from producers.api.openapi import SUBMIT_BODY, submit_operation, with_errors
 from producers.api.submit import accepted_response, submit_body
 from producers.api.submit.native import NativeDoor
 from producers.api.views import status_view
@@ -23,10 +23,7 @@ router = APIRouter(prefix="/v1", tags=["requests"])
 
 @router.post(
     "/requests",
-    status_code=202,
-    response_model=Accepted,
-    responses=SUBMIT_RESPONSES,
-    openapi_extra={"requestBody": SUBMIT_BODY, "parameters": [IDEMPOTENCY_PARAM]},
+    **submit_operation(SUBMIT_BODY),
     summary="Submit a request (render + enqueue); answers 202 without waiting for a GPU",
 )
 async def submit(request: Request, st: State, tenant: Tenant) -> JSONResponse:

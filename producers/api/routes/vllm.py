@@ -7,8 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from producers.api.deps import State, Tenant
-from producers.api.models import Accepted
-from producers.api.openapi import IDEMPOTENCY_PARAM, SUBMIT_RESPONSES, VLLM_BODY
+from producers.api.openapi import VLLM_BODY, submit_operation
 from producers.api.submit import accepted_response, submit_body
 from producers.api.submit.vllm import VllmDoor
 
@@ -17,10 +16,7 @@ router = APIRouter(prefix="/v1/vllm", tags=["vllm"])
 
 @router.post(
     "/generate",
-    status_code=202,
-    response_model=Accepted,
-    responses=SUBMIT_RESPONSES,
-    openapi_extra={"requestBody": VLLM_BODY, "parameters": [IDEMPOTENCY_PARAM]},
+    **submit_operation(VLLM_BODY),
     summary="Fan out a vLLM render response / GenerateRequest (full encoder inputs)",
 )
 async def vllm_generate(request: Request, st: State, tenant: Tenant) -> JSONResponse:

@@ -15,7 +15,7 @@ before decoding, type from the bytes). Allowed URLs are fetched later, in the re
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -106,9 +106,10 @@ NATIVE_FIELDS = frozenset({"prompt", "token_ids", "images", "videos", "features.
 conversation has none of them."""
 
 
-@dataclass(slots=True)
-class Builder:
-    """Collects messages and media, holding them to the limits as it goes."""
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """What a conversation is checked against: this server's limits and settings, its media
+    URL allow-list, and what the served model takes."""
 
     limits: RequestLimits
     settings: Settings
@@ -117,6 +118,13 @@ class Builder:
     """The family takes video."""
     control: Sequence[str] = ()
     """The tokenizer's special tokens no message text may hold (:func:`control_tokens`)."""
+
+
+@dataclass(slots=True)
+class Builder:
+    """Collects messages and media, holding them to the limits as it goes."""
+
+    d: Deployment
     messages: list[ChatMessage] = field(default_factory=list)
     media: list[Media] = field(default_factory=list)
     chars: int = 0
@@ -133,12 +141,12 @@ class Builder:
         return msg
 
     def text(self, msg: ChatMessage, text: str, where: str) -> None:
-        self.run = check_run(self.run, text, where, self.control)
+        self.run = check_run(self.run, text, where, self.d.control)
         self.chars += len(text)
-        if self.chars > self.limits.max_prompt_chars:
+        if self.chars > self.d.limits.max_prompt_chars:
             raise ValidationError(
                 "request.prompt",
-                f"the messages hold more than {self.limits.max_prompt_chars} characters "
+                f"the messages hold more than {self.d.limits.max_prompt_chars} characters "
                 "(EPD_API_MAX_PROMPT_CHARS)",
                 field=where,
             )
@@ -147,10 +155,10 @@ class Builder:
     def item(self, msg: ChatMessage, kind: Literal["image", "video"], url: str, where: str) -> None:
         index = sum(m.kind == kind for m in self.media)
         ref = MediaRef(where, index, kind)
-        if kind == "video" and not self.video:
+        if kind == "video" and not self.d.video:
             raise unsupported(where, "video (this model family takes none)")
         if not url.startswith("data:"):
-            self.fetcher.check(url, ref)  # refused here, before anything connects
+            self.d.fetcher.check(url, ref)  # refused here, before anything connects
         self.media.append(Media(kind, ref, url=url))  # a data: URL is decoded by with_media
         msg.parts.append(ChatPart(kind, where=where))
         self.run = ""  # the template writes the item's vision block after the text
@@ -209,31 +217,24 @@ def _count(items: Any, limits: RequestLimits, where: str) -> None:
 
 def sampling_of(
     limits: RequestLimits,
-    *,
+    req: ChatCompletionRequest | ResponseRequest,
     max_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
-    stop: str | list[str] | None,
-    stop_token_ids: list[int] | None = None,
-    ignore_eos: bool | None = None,
-    max_tokens_field: str = "max_tokens",
+    max_tokens_field: str,
 ) -> SamplingParams:
     """The request's ``SamplingParams``, held to the limits (OpenAI's defaults: temperature 1,
-    ``max_tokens`` up to the context)."""
+    ``max_tokens`` up to the context; ``max_tokens``: the value of ``max_tokens_field``)."""
     if max_tokens is not None:
         limits.check_max_tokens(max_tokens, field=max_tokens_field)
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     s = SamplingParams(
         max_tokens=limits.max_tokens if max_tokens is None else max_tokens,
-        temperature=OPENAI_TEMPERATURE if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=pipeline_top_k(top_k),
-        seed=seed,
+        temperature=OPENAI_TEMPERATURE if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=pipeline_top_k(req.top_k),
+        seed=req.seed,
         stop=stops,
-        stop_token_ids=list(stop_token_ids or []),
-        ignore_eos=bool(ignore_eos),
+        stop_token_ids=list(getattr(req, "stop_token_ids", None) or []),  # chat's only
+        ignore_eos=bool(req.ignore_eos),
     )
     limits.check_sampling_params(s)
     return s
@@ -254,34 +255,13 @@ def check_model(name: str | None, served: str) -> None:
 # ------------------------------------------------------------------------- chat completions
 
 
-def parse_chat(
-    body: bytes,
-    limits: RequestLimits,
-    settings: Settings,
-    fetcher: MediaFetcher,
-    video: bool,
-    control: Sequence[str] = (),
-) -> Conversation:
-    """A ``/v1/chat/completions`` body parsed, checked and its media decoded, as the door
-    reads one (in one call: for tests)."""
-    obj = json_object(body, limits)
-    return with_media(check_chat(obj, limits, settings, fetcher, video, control), settings)
-
-
-def check_chat(
-    obj: dict[str, Any],
-    limits: RequestLimits,
-    settings: Settings,
-    fetcher: MediaFetcher,
-    video: bool,
-    control: Sequence[str] = (),
-) -> Conversation:
+def check_chat(obj: dict[str, Any], d: Deployment) -> Conversation:
     """Check: a ``/v1/chat/completions`` body as the conversation it asks for."""
-    _count(obj.get("messages"), limits, "messages")
+    _count(obj.get("messages"), d.limits, "messages")
     req: ChatCompletionRequest = _validate(ChatCompletionRequest, obj)
     check_neutral(obj, set(NEUTRAL) - {"stream"})
-    check_model(req.model, settings.model_name())
-    b = Builder(limits, settings, fetcher, video, control)
+    check_model(req.model, d.settings.model_name())
+    b = Builder(d)
     for i, m in enumerate(req.messages):
         _chat_message(b, m, f"messages[{i}]")
     if req.max_tokens is not None and req.max_completion_tokens not in (None, req.max_tokens):
@@ -291,18 +271,8 @@ def check_chat(
             field="max_completion_tokens",
         )
     given = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-    sampling = sampling_of(
-        limits,
-        max_tokens=given,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        seed=req.seed,
-        stop=req.stop,
-        stop_token_ids=req.stop_token_ids,
-        ignore_eos=req.ignore_eos,
-        max_tokens_field="max_tokens" if req.max_tokens is not None else "max_completion_tokens",
-    )
+    named = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
+    sampling = sampling_of(d.limits, req, given, named)
     options = req.stream_options
     if options is not None and not req.stream:
         raise ValidationError(
@@ -320,7 +290,7 @@ def check_chat(
         fingerprint=fingerprint(obj),
         stream=bool(req.stream),
         include_usage=bool(options and options.include_usage),
-        model=settings.model_name(),
+        model=d.settings.model_name(),
         continuous_usage=bool(options and options.continuous_usage_stats),
     )
 
@@ -358,33 +328,13 @@ def _chat_message(b: Builder, m: ChatMessageIn, where: str) -> None:
 # ------------------------------------------------------------------------------- responses
 
 
-def parse_response(
-    body: bytes,
-    limits: RequestLimits,
-    settings: Settings,
-    fetcher: MediaFetcher,
-    video: bool,
-    control: Sequence[str] = (),
-) -> Conversation:
-    """A ``/v1/responses`` body (see :func:`parse_chat`)."""
-    obj = json_object(body, limits)
-    return with_media(check_response(obj, limits, settings, fetcher, video, control), settings)
-
-
-def check_response(
-    obj: dict[str, Any],
-    limits: RequestLimits,
-    settings: Settings,
-    fetcher: MediaFetcher,
-    video: bool,
-    control: Sequence[str] = (),
-) -> Conversation:
+def check_response(obj: dict[str, Any], d: Deployment) -> Conversation:
     """Check: a ``/v1/responses`` body as the conversation it asks for."""
-    _count(obj.get("input"), limits, "input")
+    _count(obj.get("input"), d.limits, "input")
     req: ResponseRequest = _validate(ResponseRequest, obj)
     check_neutral(obj, set(NEUTRAL))
-    check_model(req.model, settings.model_name())
-    b = Builder(limits, settings, fetcher, video, control)
+    check_model(req.model, d.settings.model_name())
+    b = Builder(d)
     if req.instructions is not None:
         b.text(b.message("system", "instructions"), req.instructions, "instructions")
     if isinstance(req.input, str):
@@ -394,17 +344,7 @@ def check_response(
             _input_message(b, m, f"input[{i}]")
     if not b.messages:
         raise ValidationError("request.schema", "input holds no message", field="input")
-    sampling = sampling_of(
-        limits,
-        max_tokens=req.max_output_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        seed=req.seed,
-        stop=req.stop,
-        ignore_eos=req.ignore_eos,
-        max_tokens_field="max_output_tokens",
-    )
+    sampling = sampling_of(d.limits, req, req.max_output_tokens, "max_output_tokens")
     return Conversation(
         b.messages,
         b.media,
@@ -414,7 +354,7 @@ def check_response(
         metadata=req.metadata,
         fingerprint=fingerprint(obj),
         background=bool(req.background),
-        model=settings.model_name(),
+        model=d.settings.model_name(),
         root="input",
     )
 
@@ -443,3 +383,11 @@ def with_media(conv: Conversation, settings: Settings) -> Conversation:
         if m.url is not None and m.url.startswith("data:"):
             m.data, m.url = decode_part(m.url, m.ref, settings), None
     return conv
+
+
+def parse_conversation(
+    check: Callable[[dict[str, Any], Deployment], Conversation], body: bytes, d: Deployment
+) -> Conversation:
+    """A body parsed, checked by ``check`` (:func:`check_chat`, :func:`check_response`) and
+    its media decoded, as the door reads one (in one call: for tests)."""
+    return with_media(check(json_object(body, d.limits), d), d.settings)

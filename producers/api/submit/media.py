@@ -83,40 +83,30 @@ def check_image_bytes(
     they are known; returns its MIME type (413/415 otherwise). The renderer counts the
     structure again before it decodes (images that reach it another way)."""
     if len(data) > limit:
-        raise ApiError(
-            413,
-            "too_large",
-            f"image is {len(data)} bytes; the limit is {limit}",
-            rule="image.size",
-            field="images",
-            item=index,
-            modality="image",
-        )
+        message = f"image is {len(data)} bytes; the limit is {limit}"
+        raise refused(413, message, "image.size", index, "images", "image")
     if not data:
         raise bad_request("image is empty", rule="image.empty", field="images", item=index)
     mime = sniff_image_type(data)
     if mime is None:
-        raise ApiError(
-            415,
-            "unsupported_media_type",
-            f"image is not one of {sorted(IMAGE_TYPES)} (checked by its leading bytes)",
-            rule="image.type",
-            field="images",
-            item=index,
-            modality="image",
-        )
+        message = f"image is not one of {sorted(IMAGE_TYPES)} (checked by its leading bytes)"
+        raise refused(415, message, "image.type", index, "images", "image")
     why = None if structure is None else too_complex(data, structure)
     if why is not None:
-        raise ApiError(
-            413,
-            "too_large",
-            why,
-            rule="render.image_too_complex",
-            field="images",
-            item=index,
-            modality="image",
-        )
+        raise refused(413, why, "render.image_too_complex", index, "images", "image")
     return mime
+
+
+CODES = {413: "too_large", 415: "unsupported_media_type"}
+
+
+def refused(
+    status: int, message: str, rule: str, index: int, field: str, modality: str
+) -> ApiError:
+    """A media item refused for its size (413) or its type (415), naming its field and index."""
+    return ApiError(
+        status, CODES[status], message, rule=rule, field=field, item=index, modality=modality
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,26 +148,12 @@ def decode_data_string(
             )
         mime = header[5:].split(";", 1)[0].strip().lower()
         if mime not in types:
-            raise ApiError(
-                415,
-                "unsupported_media_type",
-                f"data: URL type {mime!r} is not one of {sorted(types)}",
-                rule=f"{where.rule}.type",
-                field=where.field,
-                item=index,
-                modality=where.modality,
-            )
+            message = f"data: URL type {mime!r} is not one of {sorted(types)}"
+            raise refused(415, message, f"{where.rule}.type", index, where.field, where.modality)
     # Upper bound of the decoded size, known without decoding anything.
     if len(payload) // 4 * 3 > limit + 3:
-        raise ApiError(
-            413,
-            "too_large",
-            f"{where.noun} is about {len(payload) // 4 * 3} bytes; the limit is {limit}",
-            rule=f"{where.rule}.size",
-            field=where.field,
-            item=index,
-            modality=where.modality,
-        )
+        message = f"{where.noun} is about {len(payload) // 4 * 3} bytes; the limit is {limit}"
+        raise refused(413, message, f"{where.rule}.size", index, where.field, where.modality)
     compact = "".join(payload.split()) if any(c.isspace() for c in payload[:4096]) else payload
     try:
         return base64.b64decode(compact, validate=True)
@@ -226,15 +202,7 @@ NOT_A_VIDEO = "video is not MP4/MOV, WebM/MKV, GIF or WebP (checked by its leadi
 
 
 def _unsupported(msg: str, index: int) -> ApiError:
-    return ApiError(
-        415,
-        "unsupported_media_type",
-        msg,
-        rule="video.type",
-        field="videos",
-        item=index,
-        modality="video",
-    )
+    return refused(415, msg, "video.type", index, "videos", "video")
 
 
 def decode_videos(raw: list[Any], settings: Any) -> list[bytes | list[bytes]]:
@@ -252,16 +220,11 @@ def decode_videos(raw: list[Any], settings: Any) -> list[bytes | list[bytes]]:
             out.append(data)
             continue
         if len(item) > settings.video_max_source_frames:
-            raise ApiError(
-                413,
-                "too_large",
+            message = (
                 f"the frame list has {len(item)} frames; the limit is "
-                f"{settings.video_max_source_frames} (EPD_VIDEO_MAX_SOURCE_FRAMES)",
-                rule="video.frames",
-                field="videos",
-                item=i,
-                modality="video",
+                f"{settings.video_max_source_frames} (EPD_VIDEO_MAX_SOURCE_FRAMES)"
             )
+            raise refused(413, message, "video.frames", i, "videos", "video")
         frames: list[bytes] = []
         left = limit
         for text in item:

@@ -39,59 +39,37 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class SubmitInput:
-    """A parsed submission, images as bytes (sniffed, size-checked, not yet decoded)."""
+    """A checked submission, its media as bytes (sniffed, size-checked, not yet decoded)."""
 
-    prompt: str | None
-    token_ids: list[int] | None
+    request: SubmitRequest
+    """The body's fields (its ``images`` and ``videos`` strings are the bytes below now)."""
     images: list[bytes]
-    max_tokens: int
-    temperature: float
-    ignore_eos: bool
-    cache_salt: str | None
-    deadline_s: float | None
-    metadata: dict[str, str] | None
     image_types: list[str] = field(default_factory=list)
     videos: list[bytes | list[bytes]] = field(default_factory=list)
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
+
+    @property
+    def stop(self) -> list[str]:
+        stop = self.request.stop
+        return [stop] if isinstance(stop, str) else list(stop or [])
 
     def sampling(self) -> SamplingParams:
         """The request's sampling parameters (``top_k`` -1 means off, as in vLLM)."""
+        r = self.request
         return SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            ignore_eos=self.ignore_eos,
-            top_p=self.top_p,
-            top_k=pipeline_top_k(self.top_k),
-            seed=self.seed,
-            stop=list(self.stop),
+            max_tokens=r.max_tokens,
+            temperature=r.temperature,
+            ignore_eos=r.ignore_eos,
+            top_p=r.top_p,
+            top_k=pipeline_top_k(r.top_k),
+            seed=r.seed,
+            stop=self.stop,
         )
 
     def fingerprint(self) -> str:
         """A digest of the request's meaning (not its bytes: multipart boundaries and base64
         line breaks differ between identical requests). Used by Idempotency-Key."""
-        h = hashlib.sha256()
-        h.update(
-            json.dumps(
-                {
-                    "prompt": self.prompt,
-                    "token_ids": self.token_ids,
-                    "max_tokens": self.max_tokens,
-                    "temperature": self.temperature,
-                    "ignore_eos": self.ignore_eos,
-                    "top_p": self.top_p,
-                    "top_k": self.top_k,
-                    "seed": self.seed,
-                    "stop": self.stop,
-                    "cache_salt": self.cache_salt,
-                    "deadline_s": self.deadline_s,
-                    "metadata": self.metadata,
-                },
-                sort_keys=True,
-            ).encode()
-        )
+        fields = self.request.model_dump(exclude={"images", "videos"})
+        h = hashlib.sha256(json.dumps({**fields, "stop": self.stop}, sort_keys=True).encode())
         for img in self.images:
             h.update(hashlib.sha256(img).digest())
         for k, video in enumerate(self.videos):
@@ -99,25 +77,6 @@ class SubmitInput:
             for part in [video] if isinstance(video, bytes) else video:
                 h.update(hashlib.sha256(part).digest())
         return h.hexdigest()
-
-
-def _from_model(req: SubmitRequest, images: list[bytes], types: list[str]) -> SubmitInput:
-    return SubmitInput(
-        prompt=req.prompt,
-        token_ids=req.token_ids,
-        images=images,
-        max_tokens=req.max_tokens,
-        temperature=req.temperature,
-        ignore_eos=req.ignore_eos,
-        cache_salt=req.cache_salt,
-        deadline_s=req.deadline_s,
-        metadata=req.metadata,
-        image_types=types,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        seed=req.seed,
-        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-    )
 
 
 def _checked(req: SubmitRequest, limits: RequestLimits) -> None:
@@ -238,7 +197,7 @@ def with_media(body: CheckedBody, settings: Any) -> SubmitInput:
         data = image if isinstance(image, bytes) else decode_image_string(image, i, limit)
         types.append(check_image_bytes(data, i, limit, structure))
         datas.append(data)
-    inp = _from_model(body.request, datas, types)
+    inp = SubmitInput(body.request, datas, types)
     if body.request.videos:
         inp.videos = decode_videos(body.request.videos, settings)
     return inp
@@ -285,13 +244,14 @@ def native_submission(
     st: ApiState, inp: SubmitInput, tenant: str | None, headers: SubmitHeaders
 ) -> Submission:
     """A parsed ``/v1/requests`` body as the intake's :class:`Submission`."""
+    req = inp.request
 
     async def render(ctx: RenderContext) -> RenderEvent:
         return await st.renderer.render_async(
             ctx.request_id,
             timeout_s=st.settings.api_render_timeout_s,
-            prompt=inp.prompt,
-            token_ids=inp.token_ids,
+            prompt=req.prompt,
+            token_ids=req.token_ids,
             images=inp.images,
             videos=inp.videos,
             sampling=ctx.sampling,
@@ -299,14 +259,14 @@ def native_submission(
             deadline_ms=ctx.deadline_ms,
         )
 
-    deadline = None if inp.deadline_s is None else now_ms() + int(inp.deadline_s * 1000)
+    deadline = None if req.deadline_s is None else now_ms() + int(req.deadline_s * 1000)
     return Submission(
         render=render,
         sampling=inp.sampling(),
         tenant=tenant,
-        cache_salt=inp.cache_salt,
+        cache_salt=req.cache_salt,
         deadline_ms=deadline,
-        metadata=inp.metadata,
+        metadata=req.metadata,
         traceparent=headers.traceparent,
         idempotency_key=headers.idempotency_key,
         fingerprint=inp.fingerprint(),

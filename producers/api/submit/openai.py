@@ -20,7 +20,13 @@ from starlette.requests import Request
 
 from producers.api.errors import ApiError
 from producers.api.submit import SubmitHeaders
-from producers.api.submit.conversation import Conversation, Media, json_object, with_media
+from producers.api.submit.conversation import (
+    Conversation,
+    Deployment,
+    Media,
+    json_object,
+    with_media,
+)
 from producers.api.submit.media import sniff_image_type, sniff_video_type
 from producers.api.submit.media_urls import FetchTotal
 from producers.api.submit.reading import JSON, off_the_loop
@@ -32,7 +38,7 @@ from schemas.types import RenderEvent, now_ms
 if TYPE_CHECKING:
     from producers.api.state import ApiState
 
-Check = Callable[..., Conversation]
+Check = Callable[[dict[str, Any], Deployment], Conversation]
 """``check_chat`` or ``check_response``."""
 
 
@@ -156,9 +162,8 @@ class ConversationDoor:
 
     def check(self, obj: dict[str, Any]) -> Conversation:
         st = self.st
-        return self.checker(
-            obj, st.limits, st.settings, st.media, takes_video(st), st.chat.control_tokens
-        )
+        d = Deployment(st.limits, st.settings, st.media, takes_video(st), st.chat.control_tokens)
+        return self.checker(obj, d)
 
     def media(self, conv: Conversation) -> Conversation:
         return with_media(conv, self.st.settings)
