@@ -22,9 +22,14 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from producers.api.checks import pydantic_error
 from producers.api.docs import mount_docs
-from producers.api.errors import ApiError, from_refusal, from_validation, unavailable
+from producers.api.errors import (
+    ApiError,
+    from_refusal,
+    from_validation,
+    pydantic_error,
+    unavailable,
+)
 from producers.api.metrics import Metrics
 from producers.api.openai_compat.errors import is_openai_path, openai_body
 from producers.api.openapi import install_openapi
@@ -118,33 +123,38 @@ def _answer(request: Request, exc: ApiError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
-def add_error_handlers(app: FastAPI, settings: Settings) -> None:
-    """Every error, raised anywhere in a route, as one JSON shape with a code (and a rule);
-    a client gone before its body was read as what it is (499, logged at INFO, counted by
-    ``epd_api_client_disconnects``), never a server error."""
-    retry_after = settings.api_retry_after_s
-    metrics: Metrics = app.state.metrics
+async def _api_error(r: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return _answer(r, exc)
 
-    async def api_error(r: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, ApiError)
-        return _answer(r, exc)
 
-    async def refused(r: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, Refused)
-        return _answer(r, from_refusal(exc))
+async def _refused(r: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, Refused)
+    return _answer(r, from_refusal(exc))
 
-    async def rejected(r: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, ValidationError)
-        return _answer(r, from_validation(exc))
 
-    async def schema(r: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, RequestValidationError)
-        return _answer(r, pydantic_error(exc))
+async def _rejected(r: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ValidationError)
+    return _answer(r, from_validation(exc))
 
-    async def http(r: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, StarletteHTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return _answer(r, ApiError(exc.status_code, code, str(exc.detail)))
+
+async def _schema(r: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return _answer(r, pydantic_error(exc))
+
+
+async def _http(r: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return _answer(r, ApiError(exc.status_code, code, str(exc.detail)))
+
+
+Handler = Callable[[Request, Exception], Awaitable[Response]]
+
+
+def _outage_handlers(retry_after: int, metrics: Metrics) -> list[tuple[type[Exception], Handler]]:
+    """The answers to a dependency that failed (503 with ``Retry-After``), to a client gone
+    before its body was read (499), and to anything else (500, logged)."""
 
     async def redis_down(r: Request, exc: Exception) -> JSONResponse:
         log.warning("Redis error: %s", exc)
@@ -167,17 +177,27 @@ def add_error_handlers(app: FastAPI, settings: Settings) -> None:
         log.exception("unhandled error", exc_info=exc)
         return _answer(r, ApiError(500, "internal", "internal error; see the API log"))
 
-    for kind, handler in (
-        (ApiError, api_error),
-        (Refused, refused),
-        (ValidationError, rejected),
-        (RequestValidationError, schema),
-        (StarletteHTTPException, http),
+    return [
         (ClientDisconnect, disconnected),
         (RedisError, redis_down),
         (KafkaError, kafka_down),
         (Exception, internal),
-    ):
+    ]
+
+
+def add_error_handlers(app: FastAPI, settings: Settings) -> None:
+    """Every error, raised anywhere in a route, as one JSON shape with a code (and a rule);
+    a client gone before its body was read as what it is (499, logged at INFO, counted by
+    ``epd_api_client_disconnects``), never a server error."""
+    handlers: list[tuple[type[Exception], Handler]] = [
+        (ApiError, _api_error),
+        (Refused, _refused),
+        (ValidationError, _rejected),
+        (RequestValidationError, _schema),
+        (StarletteHTTPException, _http),
+        *_outage_handlers(settings.api_retry_after_s, app.state.metrics),
+    ]
+    for kind, handler in handlers:
         app.add_exception_handler(kind, handler)
 
 

@@ -6,6 +6,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from pydantic import ValidationError as PydanticValidationError
+
 from producers.refusal import Refused
 from runtime.request_limits import SIZE_RULES
 from schemas.errors import ValidationError
@@ -148,3 +150,23 @@ def answered() -> Iterator[None]:
         yield
     except ValidationError as e:
         raise from_validation(e) from None
+
+
+def pydantic_error(exc: PydanticValidationError | Any, *, prefix: str = "") -> ApiError:
+    """The first error of a pydantic (or FastAPI request) validation as a 422 naming the field
+    and, for a list element, its index."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": str(exc)}
+    loc = [str(x) for x in first.get("loc", ())]
+    if loc[:1] in (["body"], ["query"], ["header"], ["path"]) and len(loc) > 1:
+        loc = loc[1:]  # FastAPI prefixes where the value came from
+    item = next((int(x) for x in loc[1:] if x.isdigit()), None)
+    where = ".".join([prefix, *loc] if prefix else loc) or "body"
+    return ApiError(
+        422,
+        "validation_failed",
+        f"{where}: {first.get('msg', 'invalid')}",
+        rule="request.schema",
+        field=(f"{prefix}.{loc[0]}" if prefix and loc else (loc[0] if loc else prefix or None)),
+        item=item,
+    )

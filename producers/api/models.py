@@ -6,6 +6,22 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
+from producers.api.schema_bounds import (
+    CACHE_SALT,
+    LIMIT,
+    MAX_TOKENS,
+    METADATA,
+    PROMPT_TOKEN_IDS,
+    SEED,
+    STOP,
+    STOP_TOKEN_IDS,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    Bounds,
+    Ref,
+)
+from runtime.request_limits import MIN_TEMPERATURE
 from schemas.statuses import Status
 
 # A 28x28 red PNG (the smallest the Qwen2-VL processor takes): an example that actually runs.
@@ -21,6 +37,19 @@ def _not_bool(value: Any) -> Any:
         raise ValueError("must be a number, not a boolean")
     return value
 
+
+TEMPERATURE_NOTE = (
+    f"0: greedy; else at least {MIN_TEMPERATURE:g}: sampled (temperature, then top_k, then "
+    "top_p, as transformers' warpers)"
+)
+METADATA_NOTE = Bounds(
+    description=Ref(
+        lambda ctx: (
+            "opaque labels returned with the status; keys and values together at most "
+            f"{ctx.limits.max_metadata_bytes} bytes (UTF-8)"
+        )
+    )
+)
 
 Integer = Annotated[int, BeforeValidator(_not_bool)]
 Number = Annotated[float, BeforeValidator(_not_bool), Field(allow_inf_nan=False)]
@@ -53,12 +82,16 @@ class SubmitRequest(BaseModel):
         },
     )
 
-    prompt: str | None = Field(None, description="text; <image> per image, <video> per video")
-    token_ids: list[Annotated[int, Strict()]] | None = Field(
+    prompt: Annotated[str | None, Bounds(maxLength=LIMIT.max_prompt_chars)] = Field(
+        None, description="text; <image> per image, <video> per video"
+    )
+    token_ids: Annotated[list[Annotated[int, Strict()]] | None, PROMPT_TOKEN_IDS] = Field(
         None, description="prompt token ids; one <|image_pad|> per image"
     )
-    images: list[str] = Field(default_factory=list, description="base64 or data: URL per image")
-    videos: list[str | list[str]] = Field(
+    images: Annotated[list[str], Bounds(maxItems=LIMIT.max_images)] = Field(
+        default_factory=list, description="base64 or data: URL per image"
+    )
+    videos: Annotated[list[str | list[str]], Bounds(maxItems=LIMIT.max_videos)] = Field(
         default_factory=list,
         description="per video (<video> in the prompt, one <|video_pad|> in token_ids): a "
         "base64 or data: URL of an MP4/MOV, WebM/MKV, animated GIF or WebP file, or a list of "
@@ -66,26 +99,98 @@ class SubmitRequest(BaseModel):
         "sampled at EPD_VIDEO_FPS (at most EPD_VIDEO_MAX_FRAMES); duration, frame count and "
         "frame size are checked from the file's headers before decoding",
     )
-    max_tokens: Integer = Field(16, description="tokens to generate")
-    temperature: Number = Field(
-        0.0, description="0: greedy; above 0: sampled (temperature, then top_k, then top_p)"
+    max_tokens: Annotated[Integer, MAX_TOKENS] = Field(16, description="tokens to generate")
+    temperature: Annotated[Number, TEMPERATURE] = Field(0.0, description=TEMPERATURE_NOTE)
+    top_p: Annotated[Number, TOP_P] = Field(
+        1.0, description="nucleus sampling: the most likely tokens up to p"
     )
-    top_p: Number = Field(1.0, description="nucleus sampling: the most likely tokens up to p")
-    top_k: Integer = Field(0, description="the k most likely tokens; 0 (or -1): all")
-    seed: Integer | None = Field(
+    top_k: Annotated[Integer, TOP_K] = Field(
+        0, description="the k most likely tokens; 0 (or -1): all"
+    )
+    seed: Annotated[Integer | None, SEED] = Field(
         None, description="seeds the request's own generator (same seed, same tokens)"
     )
-    stop: str | list[str] | None = Field(
+    stop: Annotated[str | list[str] | None, STOP] = Field(
         None, description="stop strings: generation ends at the first, which is not returned"
     )
     ignore_eos: bool = Field(False, description="keep decoding past the end-of-sequence token")
-    cache_salt: str | None = Field(None, description="encoder-cache isolation")
-    deadline_s: Number | None = Field(
-        None, description="seconds from now after which work is not started"
+    cache_salt: Annotated[str | None, CACHE_SALT] = Field(
+        None, description="encoder-cache isolation"
     )
-    metadata: dict[str, str] | None = Field(
+    deadline_s: Annotated[
+        Number | None, Bounds(exclusiveMinimum=0, maximum=LIMIT.max_deadline_s)
+    ] = Field(None, description="seconds from now after which work is not started")
+    metadata: Annotated[dict[str, str] | None, METADATA, METADATA_NOTE] = Field(
         None, description="opaque labels returned with the status"
     )
+
+
+FORM_AS_JSON = {"token_ids": "JSON list of token ids", "metadata": "JSON object of string labels"}
+"""The form fields that carry JSON text (everything else is a plain value)."""
+
+
+def form_schema(body: dict[str, Any]) -> dict[str, Any]:
+    """The ``multipart/form-data`` shape of a (bounded) :class:`SubmitRequest` schema: a value
+    per field, ``images`` as files, ``stop`` repeated per string, ``token_ids`` and
+    ``metadata`` as JSON text; no ``videos`` (JSON bodies only)."""
+    props: dict[str, Any] = {}
+    for name, prop in body["properties"].items():
+        branches = [b for b in prop.get("anyOf", [prop]) if b.get("type") != "null"]
+        if name in FORM_AS_JSON:
+            props[name] = {"type": "string", "description": FORM_AS_JSON[name]}
+        elif name == "images":
+            props[name] = {**prop, "items": {"type": "string", "format": "binary"}}
+        elif name == "stop":
+            many = next(b for b in branches if b.get("type") == "array")
+            props[name] = {**many, "description": "repeat per string"}
+        elif name != "videos":
+            props[name] = {k: v for k, v in branches[0].items() if k != "title"}
+    return {"type": "object", "properties": props}
+
+
+def _no_default(schema: dict[str, Any]) -> None:
+    schema.pop("default", None)
+
+
+def absent() -> Any:
+    """A documented field a body may leave out (no default is documented: the route's parser
+    says what an absent field means)."""
+    return Field(None, json_schema_extra=_no_default)
+
+
+class VllmFeatures(BaseModel):
+    """A render response's features (``schemas.vllm_wire``)."""
+
+    mm_hashes: dict[str, Any] = absent()
+    mm_placeholders: dict[str, Any] = absent()
+    kwargs_data: dict[str, Any] | None = absent()
+    mm_metadata: dict[str, Any] | None = absent()
+
+
+class VllmSamplingParams(BaseModel):
+    """vLLM's SamplingParams (its defaults: temperature 1, max_tokens 16); fields that would
+    change the tokens and are not supported (n > 1, penalties, logprobs...) are refused."""
+
+    max_tokens: Annotated[int, MAX_TOKENS] = absent()
+    temperature: Annotated[float, TEMPERATURE] = absent()
+    top_p: Annotated[float, TOP_P] = absent()
+    top_k: Annotated[int, TOP_K] = absent()
+    seed: Annotated[int | None, SEED] = absent()
+    stop: Annotated[str | list[str], STOP] = absent()
+    stop_token_ids: Annotated[list[int], STOP_TOKEN_IDS] = absent()
+    ignore_eos: bool = absent()
+
+
+class VllmGenerateRequest(BaseModel):
+    """A vLLM render response or GenerateRequest; every item brings its kwargs_data (the
+    fan-out signs the embedding entries). Documentation only: the route parses the body with
+    :func:`schemas.vllm_wire.parse_generate_request`."""
+
+    request_id: Annotated[str, Bounds(minLength=1, maxLength=LIMIT.max_id_chars)] = absent()
+    token_ids: Annotated[list[int], PROMPT_TOKEN_IDS, Bounds(minItems=1)]
+    features: VllmFeatures
+    sampling_params: VllmSamplingParams = absent()
+    cache_salt: Annotated[str | None, CACHE_SALT] = absent()
 
 
 class Accepted(BaseModel):

@@ -1,10 +1,14 @@
 """What ``/openapi.json`` says beyond the routes' own signatures.
 
-Request bodies the routes parse themselves (JSON or multipart, read and counted by
-``read_body``), the ``Idempotency-Key`` header and the error responses, and every bound written
-from the same :class:`runtime.request_limits.RequestLimits` the routes check: the documented
-limits are the server's, whatever the settings say. The bearer security scheme comes from the
-routes' tenant dependency (``producers.api.deps.bearer``), so Swagger UI can send a token.
+Derived: the request bodies the routes read themselves (:mod:`producers.api.submit`) come from
+their pydantic models, with the bounds their fields declare written from the same
+:class:`runtime.request_limits.RequestLimits` the routes check
+(:func:`producers.api.schema_bounds.bounded_schema`), so the documented limits are the
+server's, whatever the settings say; the ``multipart/form-data`` body of ``/v1/requests`` is
+derived from its JSON body (:func:`producers.api.models.form_schema`). Written here: the
+``Idempotency-Key`` header, the error responses and the two query/header bounds no model
+holds. The bearer security scheme comes from the routes' tenant dependency
+(``producers.api.deps.bearer``), so Swagger UI can send a token.
 """
 
 from __future__ import annotations
@@ -14,14 +18,20 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
 
-from producers.api.models import ERROR_RESPONSES, Accepted, SubmitRequest
-from producers.api.openai_compat.openapi import document_openai_limits, hoist_defs
-from producers.api.schema_bounds import bound, sampling_bounds
+from producers.api.models import (
+    ERROR_RESPONSES,
+    Accepted,
+    SubmitRequest,
+    VllmGenerateRequest,
+    form_schema,
+)
+from producers.api.openai_compat.models import ChatCompletionRequest, ResponseRequest
+from producers.api.schema_bounds import DocContext, bounded_schema, hoist_defs, json_body
+from producers.api.submit.reading import JSON, MULTIPART
 from runtime.request_limits import RequestLimits
 
-SUBMIT_PATH = "/v1/requests"
-VLLM_PATH = "/v1/vllm/generate"
 STATUS_PATH = "/v1/requests/{request_id}"
 
 IDEMPOTENCY_PARAM: dict[str, Any] = {
@@ -32,81 +42,15 @@ IDEMPOTENCY_PARAM: dict[str, Any] = {
     "description": "same key + same body: the same request; same key + other body: 409",
 }
 
-_MULTIPART_FIELDS: dict[str, Any] = {
-    "prompt": {"type": "string"},
-    "token_ids": {"type": "string", "description": "JSON list of token ids"},
-    "images": {"type": "array", "items": {"type": "string", "format": "binary"}},
-    "max_tokens": {"type": "integer"},
-    "temperature": {"type": "number"},
-    "top_p": {"type": "number"},
-    "top_k": {"type": "integer"},
-    "seed": {"type": "integer"},
-    "stop": {"type": "array", "items": {"type": "string"}, "description": "repeat per string"},
-    "ignore_eos": {"type": "boolean"},
-    "cache_salt": {"type": "string"},
-    "deadline_s": {"type": "number"},
-    "metadata": {"type": "string", "description": "JSON object of string labels"},
-}
+SUBMIT_BODY = json_body(SubmitRequest)
+SUBMIT_BODY["content"][MULTIPART] = {"schema": form_schema(SubmitRequest.model_json_schema())}
+VLLM_BODY = json_body(VllmGenerateRequest)
 
-SUBMIT_BODY: dict[str, Any] = {
-    "required": True,
-    "content": {
-        "application/json": {
-            "schema": SubmitRequest.model_json_schema(),
-            "example": SubmitRequest.model_config["json_schema_extra"]["examples"][0],  # type: ignore[index]
-        },
-        "multipart/form-data": {"schema": {"type": "object", "properties": _MULTIPART_FIELDS}},
-    },
+REQUEST_MODELS: dict[str, type[BaseModel]] = {
+    m.__name__: m
+    for m in (SubmitRequest, VllmGenerateRequest, ChatCompletionRequest, ResponseRequest)
 }
-
-VLLM_BODY: dict[str, Any] = {
-    "required": True,
-    "content": {
-        "application/json": {
-            "schema": {
-                "type": "object",
-                "description": "a vLLM render response or GenerateRequest; every item brings "
-                "its kwargs_data (the fan-out signs the embedding entries)",
-                "required": ["token_ids", "features"],
-                "properties": {
-                    "request_id": {"type": "string"},
-                    "token_ids": {"type": "array", "items": {"type": "integer"}},
-                    "features": {
-                        "type": "object",
-                        "properties": {
-                            "mm_hashes": {"type": "object"},
-                            "mm_placeholders": {"type": "object"},
-                            "kwargs_data": {"type": ["object", "null"]},
-                            "mm_metadata": {"type": ["object", "null"]},
-                        },
-                    },
-                    "sampling_params": {
-                        "type": "object",
-                        "description": "vLLM's SamplingParams (its defaults: temperature 1, "
-                        "max_tokens 16); fields that would change the tokens and are not "
-                        "supported (n > 1, penalties, logprobs...) are refused",
-                        "properties": {
-                            "max_tokens": {"type": "integer"},
-                            "temperature": {"type": "number"},
-                            "top_p": {"type": "number"},
-                            "top_k": {"type": "integer"},
-                            "seed": {"type": ["integer", "null"]},
-                            "stop": {
-                                "anyOf": [
-                                    {"type": "string"},
-                                    {"type": "array", "items": {"type": "string"}},
-                                ]
-                            },
-                            "stop_token_ids": {"type": "array", "items": {"type": "integer"}},
-                            "ignore_eos": {"type": "boolean"},
-                        },
-                    },
-                    "cache_salt": {"type": ["string", "null"]},
-                },
-            }
-        }
-    },
-}
+"""The models of the bodies the routes read themselves, by their schema's title."""
 
 
 def with_errors(responses: dict[int | str, dict[str, Any]]) -> dict[int | str, dict[str, Any]]:
@@ -117,6 +61,17 @@ def with_errors(responses: dict[int | str, dict[str, Any]]) -> dict[int | str, d
 SUBMIT_RESPONSES = with_errors(
     {200: {"model": Accepted, "description": "seen before (Idempotency-Key)"}}
 )
+
+
+def submit_operation(body: dict[str, Any]) -> dict[str, Any]:
+    """The route arguments of a submit route that reads ``body`` itself and answers
+    ``202 Accepted`` (``200`` for a request found again by its ``Idempotency-Key``)."""
+    return {
+        "status_code": 202,
+        "response_model": Accepted,
+        "responses": SUBMIT_RESPONSES,
+        "openapi_extra": {"requestBody": body, "parameters": [IDEMPOTENCY_PARAM]},
+    }
 
 
 def install_openapi(app: FastAPI, limits_of: Any, model: str | None = None) -> None:
@@ -131,6 +86,8 @@ def install_openapi(app: FastAPI, limits_of: Any, model: str | None = None) -> N
                 description=app.description,
                 routes=app.routes,
             )
+            # The operations share the routes' module constants: bound a copy.
+            schema = copy.deepcopy(schema)
             document_limits(schema, limits_of(), model=model)
             app.openapi_schema = schema
         return app.openapi_schema
@@ -141,73 +98,32 @@ def install_openapi(app: FastAPI, limits_of: Any, model: str | None = None) -> N
 def document_limits(
     schema: dict[str, Any], limits: RequestLimits, *, model: str | None = None
 ) -> None:
-    """Write the limits into the submit, vLLM, status and OpenAI-compatible operations of
-    ``schema`` (``model``: the served model's name)."""
+    """Write the limits (and ``model``, the served model's name) into every request body of
+    ``schema`` a model of :data:`REQUEST_MODELS` describes, the ``Idempotency-Key`` headers
+    and the status long-poll's ``wait``."""
+    ctx = DocContext(limits, model)
+    for path, item in schema.get("paths", {}).items():
+        for method, op in item.items():
+            content = op.get("requestBody", {}).get("content", {})
+            body = content.get(JSON, {})
+            request_model = REQUEST_MODELS.get(body.get("schema", {}).get("title"))
+            if request_model is not None:
+                body["schema"] = _without_nulls(bounded_schema(request_model, ctx))
+                if MULTIPART in content:
+                    content[MULTIPART]["schema"] = form_schema(body["schema"])
+            for param in op.get("parameters", []):
+                if param.get("name") == "Idempotency-Key":
+                    param["schema"] = {**param["schema"], "maxLength": limits.max_id_chars}
+                if (path, method, param.get("name")) == (STATUS_PATH, "get", "wait"):
+                    param["schema"]["maximum"] = limits.max_wait_s
     hoist_defs(schema)
-    document_openai_limits(schema, limits, model=model)
-    paths = schema.get("paths", {})
-    submit = paths.get(SUBMIT_PATH, {}).get("post")
-    if submit is not None:
-        content = submit["requestBody"]["content"]
-        body = content["application/json"]["schema"] = copy.deepcopy(
-            content["application/json"]["schema"]
-        )
-        _submit_bounds(body["properties"], limits)
-        form = content["multipart/form-data"]["schema"] = copy.deepcopy(
-            content["multipart/form-data"]["schema"]
-        )
-        _submit_bounds(form["properties"], limits, form=True)
-    vllm = paths.get(VLLM_PATH, {}).get("post")
-    if vllm is not None:
-        body = vllm["requestBody"]["content"]["application/json"]["schema"] = copy.deepcopy(
-            vllm["requestBody"]["content"]["application/json"]["schema"]
-        )
-        _vllm_bounds(body["properties"], limits)
-    for op in (submit, vllm):
-        for param in (op or {}).get("parameters", []):
-            if param.get("name") == "Idempotency-Key":
-                param["schema"] = {**param["schema"], "maxLength": limits.max_id_chars}
-    status = paths.get(STATUS_PATH, {}).get("get")
-    for param in (status or {}).get("parameters", []):
-        if param.get("name") == "wait":
-            bound(param["schema"], maximum=limits.max_wait_s)
 
 
-def _submit_bounds(props: dict[str, Any], limits: RequestLimits, *, form: bool = False) -> None:
-    bound(props["prompt"], maxLength=limits.max_prompt_chars)
-    if not form:
-        bound(
-            props["token_ids"],
-            maxItems=limits.context_tokens - 1,
-            items={"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1},
-        )
-        bound(props["videos"], maxItems=limits.max_videos)
-        bound(
-            props["metadata"],
-            maxProperties=limits.max_metadata_keys,
-            propertyNames={"maxLength": limits.max_metadata_chars},
-            additionalProperties={"type": "string", "maxLength": limits.max_metadata_chars},
-            description=f"opaque labels returned with the status; keys and values together at "
-            f"most {limits.max_metadata_bytes} bytes (UTF-8)",
-        )
-    bound(props["images"], maxItems=limits.max_images)
-    sampling_bounds(props, limits, stop_form=form)
-    bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
-    bound(props["deadline_s"], exclusiveMinimum=0, maximum=limits.max_deadline_s)
-
-
-def _vllm_bounds(props: dict[str, Any], limits: RequestLimits) -> None:
-    bound(props["request_id"], minLength=1, maxLength=limits.max_id_chars)
-    bound(
-        props["token_ids"],
-        minItems=1,
-        maxItems=limits.context_tokens - 1,
-        items={"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1},
-    )
-    bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
-    sampling = props["sampling_params"]["properties"]
-    sampling_bounds(sampling, limits)
-    bound(
-        sampling["stop_token_ids"],
-        items={"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1},
-    )
+def _without_nulls(node: Any) -> Any:
+    """``node`` without the keywords whose value is null (``"default": null``), as FastAPI
+    writes the rest of the document."""
+    if isinstance(node, dict):
+        return {k: _without_nulls(v) for k, v in node.items() if v is not None}
+    if isinstance(node, list):
+        return [_without_nulls(v) for v in node]
+    return node

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 from aiokafka.admin import AIOKafkaAdminClient
 
 from producers.api.admission import ApiAdmission, LagMonitor
-from producers.api.bodies import BodyRules
-from producers.api.media_urls import MediaFetcher
 from producers.api.metrics import Metrics
+from producers.api.submit.media_urls import MediaFetcher
+from producers.api.submit.reading import BodyRules
 from producers.api.tenants import Tenants
 from producers.chat import ChatTemplate
 from producers.fanout import build_fanout
@@ -109,12 +109,7 @@ class ApiState:
             build_fanout(settings, store, info, publisher, record=status.apply),
             status,
             limits=limits,
-            idempotency=IdempotencyStore(
-                client,
-                settings.topic_prefix,
-                settings.api_idempotency_ttl_s,
-                max_key_chars=limits.max_id_chars,
-            ),
+            idempotency=_idempotency(client, settings, limits),
             admission=ApiAdmission(settings, status, lag, ready),
             salts=tenants.salt,
             render_concurrency=settings.api_render_concurrency,
@@ -122,11 +117,6 @@ class ApiState:
             span="api",
             retry_after_s=settings.api_retry_after_s,
         )
-        renderer = Renderer.for_settings(
-            info, settings, max_video_bytes=settings.api_max_video_bytes
-        )
-        # Client images decode in processes a timeout kills, one per render slot.
-        renderer.decoder = ImageDecoder(renderer.image_limits, settings.api_render_concurrency)
         return cls(
             settings=settings,
             topics=topics,
@@ -138,7 +128,7 @@ class ApiState:
             store=store,
             info=info,
             limits=limits,
-            renderer=renderer,
+            renderer=_renderer(info, settings),
             publisher=publisher,
             intake=intake,
             tokens=TokenStreams.from_settings(client, settings),
@@ -203,3 +193,23 @@ class ApiState:
                 self.intake.fanout.publisher = self.publisher
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
+
+
+def _renderer(info: RenderInfo, settings: Settings) -> Renderer:
+    """The API's renderer: client images decode in processes a timeout kills, one per render
+    slot."""
+    renderer = Renderer.for_settings(info, settings, max_video_bytes=settings.api_max_video_bytes)
+    renderer.decoder = ImageDecoder(renderer.image_limits, settings.api_render_concurrency)
+    return renderer
+
+
+def _idempotency(
+    client: RedisClient, settings: Settings, limits: RequestLimits
+) -> IdempotencyStore:
+    """The Idempotency-Key claims, keys held to the id limit."""
+    return IdempotencyStore(
+        client,
+        settings.topic_prefix,
+        settings.api_idempotency_ttl_s,
+        max_key_chars=limits.max_id_chars,
+    )

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from aiokafka import TopicPartition
 
-from producers.api import bodies
 from producers.api.admission import consumer_lag
-from producers.api.data_strings import check_image_bytes, decode_image_string, sniff_image_type
 from producers.api.errors import ApiError
+from producers.api.submit import native
+from producers.api.submit.media import check_image_bytes, decode_image_string, sniff_image_type
 from producers.api.tenants import Tenants
 from producers.api.views import iso, status_view
 from producers.sample_images import png_bytes, synthetic_image
@@ -41,7 +41,7 @@ def _tiny_info() -> Any:
 
 def parse_json_submit(body: bytes, s: Settings) -> Any:
     """The JSON body parser with the request limits of ``s``."""
-    return bodies.parse_json_submit(body, limits_of(s), s)
+    return native.parse_json_submit(body, limits_of(s), s)
 
 
 def _code(exc: pytest.ExceptionInfo[ApiError]) -> tuple[int, str | None]:

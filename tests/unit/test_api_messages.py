@@ -13,11 +13,11 @@ import pytest
 from PIL import Image
 from pydantic import ValidationError as PydanticValidationError
 
-from producers.api.bodies import parse_json
-from producers.api.data_strings import IMAGE_TYPES, decode_image_string, sniff_image_type
 from producers.api.errors import ApiError
 from producers.api.models import SubmitRequest
 from producers.api.routes.ops import failure
+from producers.api.submit.json_text import parse_json
+from producers.api.submit.media import IMAGE_TYPES, decode_image_string, sniff_image_type
 from producers.pictures import IMAGE_FORMATS
 from producers.render import QWEN_IMAGE_BLOCK, Renderer
 from producers.sample_images import png_bytes, synthetic_image

@@ -14,9 +14,7 @@ import pytest
 
 from producers.api.errors import ApiError
 from producers.api.follow import Position, StatusChange, _in_order
-from producers.api.media_urls import MediaFetcher, MediaRef
 from producers.api.openai_compat.errors import openai_body, schema_error
-from producers.api.openai_compat.inputs import parse_chat, parse_response
 from producers.api.openai_compat.models import ChatCompletionRequest
 from producers.api.openai_compat.views import (
     chat_completion,
@@ -24,6 +22,14 @@ from producers.api.openai_compat.views import (
     not_completed,
     response_object,
 )
+from producers.api.submit.conversation import (
+    Conversation,
+    Deployment,
+    check_chat,
+    check_response,
+    parse_conversation,
+)
+from producers.api.submit.media_urls import MediaFetcher, MediaRef
 from producers.chat import ChatMessage, ChatPart, ChatTemplate
 from producers.sample_images import png_bytes, synthetic_image
 from runtime.model import load_render_info
@@ -37,6 +43,16 @@ from schemas.types import SamplingParams
 
 PNG = png_bytes(synthetic_image(28, 28, seed=5))
 REF = MediaRef("messages[0].content[1].image_url.url", 0, "image")
+
+
+def parse_chat(body: bytes, *args: Any) -> Conversation:
+    """A chat body through the door's phases (``args``: :class:`Deployment`'s fields)."""
+    return parse_conversation(check_chat, body, Deployment(*args))
+
+
+def parse_response(body: bytes, *args: Any) -> Conversation:
+    """A responses body through the door's phases."""
+    return parse_conversation(check_response, body, Deployment(*args))
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from producers.api import bodies
 from producers.api.errors import ApiError
+from producers.api.submit import native
 from producers.render import Renderer
 from producers.sample_images import png_bytes
 from producers.sample_videos import encode_animation, synthetic_frames, synthetic_mp4
@@ -37,7 +37,7 @@ def _tiny_info() -> Any:
 
 def parse_json_submit(body: bytes, s: Settings) -> Any:
     """The JSON body parser with the request limits of ``s``."""
-    return bodies.parse_json_submit(body, limits_of(s), s)
+    return native.parse_json_submit(body, limits_of(s), s)
 
 
 def url(mime: str, data: bytes) -> str:
@@ -68,7 +68,7 @@ def test_file_and_frame_list_parse_and_render() -> None:
     )
     assert inp.videos == [mp4, frames, gif]
     ev = Renderer(load_render_info("tiny"), max_image_pixels=1 << 24).render(
-        "r", prompt=inp.prompt, videos=inp.videos
+        "r", prompt=inp.request.prompt, videos=inp.videos
     )
     assert len(ev.features.mm_hashes["video"]) == 3
     # the fingerprint (Idempotency-Key) sees the videos

@@ -15,6 +15,22 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from producers.api.models import EXAMPLE_PNG_B64, Integer, Number
+from producers.api.schema_bounds import (
+    CACHE_SALT,
+    LIMIT,
+    MAX_TOKENS,
+    METADATA,
+    SEED,
+    SERVED_MODEL,
+    STOP,
+    STOP_TOKEN_IDS,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    Bounds,
+    NeutralOnly,
+)
+from runtime.request_limits import MIN_TEMPERATURE
 from schemas.vllm_sampling import NEUTRAL as SAMPLING_NEUTRAL
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -49,9 +65,16 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 
 _FORBID = ConfigDict(extra="forbid")
 
-Neutral = Annotated[Any, Field(description="accepted at its neutral value only (unset, off)")]
+Neutral = Annotated[
+    Any,
+    Field(description="accepted at its neutral value only (unset, off)"),
+    NeutralOnly(NEUTRAL),
+]
 """A field accepted at its neutral value only (:data:`NEUTRAL`, checked by the route)."""
 Ignored = Annotated[Any, Field(description="accepted; does not change the tokens")]
+Served = Bounds(enum=SERVED_MODEL)
+"""The one model name this server takes."""
+Messages = Bounds(maxItems=LIMIT.max_messages)
 
 
 # ------------------------------------------------------------------- chat completions: request
@@ -174,24 +197,40 @@ class ChatCompletionRequest(BaseModel):
         },
     )
 
-    model: str | None = Field(None, description="the served model (GET /v1/models)")
-    messages: list[ChatMessageIn] = Field(min_length=1)
-    max_tokens: Integer | None = Field(
+    model: Annotated[str | None, Served] = Field(
+        None, description="the served model (GET /v1/models)"
+    )
+    messages: Annotated[list[ChatMessageIn], Messages] = Field(min_length=1)
+    max_tokens: Annotated[Integer | None, MAX_TOKENS] = Field(
         None, description="tokens to generate (unset: up to the context, EPD_MAX_TOKENS_LIMIT)"
     )
-    max_completion_tokens: Integer | None = Field(None, description="the same as max_tokens")
-    temperature: Number | None = Field(None, description="0: greedy; unset: 1 (OpenAI's)")
-    top_p: Number | None = None
-    top_k: Integer | None = Field(None, description="vLLM's: the k most likely tokens; -1, 0: all")
-    seed: Integer | None = Field(None, description="same seed, same tokens")
-    stop: str | list[str] | None = Field(None, description="stop strings (not returned)")
-    stop_token_ids: list[Integer] | None = Field(None, description="vLLM's")
+    max_completion_tokens: Annotated[Integer | None, MAX_TOKENS] = Field(
+        None, description="the same as max_tokens"
+    )
+    temperature: Annotated[Number | None, TEMPERATURE] = Field(
+        None, description=f"0: greedy; else at least {MIN_TEMPERATURE:g}; unset: 1 (OpenAI's)"
+    )
+    top_p: Annotated[Number | None, TOP_P] = None
+    top_k: Annotated[Integer | None, TOP_K] = Field(
+        None, description="vLLM's: the k most likely tokens; -1, 0: all"
+    )
+    seed: Annotated[Integer | None, SEED] = Field(None, description="same seed, same tokens")
+    stop: Annotated[str | list[str] | None, STOP] = Field(
+        None, description="stop strings (not returned)"
+    )
+    stop_token_ids: Annotated[list[Integer] | None, STOP_TOKEN_IDS] = Field(
+        None, description="vLLM's"
+    )
     ignore_eos: bool | None = Field(None, description="vLLM's: decode past end-of-sequence")
-    cache_salt: str | None = Field(None, description="vLLM's: encoder-cache isolation")
-    n: Integer | None = Field(None, description="only 1")
+    cache_salt: Annotated[str | None, CACHE_SALT] = Field(
+        None, description="vLLM's: encoder-cache isolation"
+    )
+    n: Annotated[Integer | None, NeutralOnly(NEUTRAL)] = Field(None, description="only 1")
     stream: bool | None = Field(None, description="server-sent chat.completion.chunk events")
     stream_options: StreamOptions | None = None
-    metadata: dict[str, str] | None = Field(None, description="labels kept on the record")
+    metadata: Annotated[dict[str, str] | None, METADATA] = Field(
+        None, description="labels kept on the record"
+    )
     user: Ignored = None
     store: Ignored = None
     service_tier: Ignored = None
@@ -347,19 +386,25 @@ class ResponseRequest(BaseModel):
         },
     )
 
-    model: str | None = None
-    input: str | list[InputMessage]
+    model: Annotated[str | None, Served] = None
+    input: Annotated[str | list[InputMessage], Messages]
     instructions: str | None = Field(None, description="a system message before the input")
-    max_output_tokens: Integer | None = None
-    temperature: Number | None = None
-    top_p: Number | None = None
-    top_k: Integer | None = Field(None, description="vLLM's")
-    seed: Integer | None = Field(None, description="this API's: same seed, same tokens")
-    stop: str | list[str] | None = Field(None, description="this API's: stop strings")
+    max_output_tokens: Annotated[Integer | None, MAX_TOKENS] = None
+    temperature: Annotated[Number | None, TEMPERATURE] = Field(
+        None, description=f"0: greedy; else at least {MIN_TEMPERATURE:g}; unset: 1 (OpenAI's)"
+    )
+    top_p: Annotated[Number | None, TOP_P] = None
+    top_k: Annotated[Integer | None, TOP_K] = Field(None, description="vLLM's")
+    seed: Annotated[Integer | None, SEED] = Field(
+        None, description="this API's: same seed, same tokens"
+    )
+    stop: Annotated[str | list[str] | None, STOP] = Field(
+        None, description="this API's: stop strings"
+    )
     ignore_eos: bool | None = Field(None, description="vLLM's")
-    cache_salt: str | None = Field(None, description="vLLM's")
+    cache_salt: Annotated[str | None, CACHE_SALT] = Field(None, description="vLLM's")
     background: bool | None = Field(None, description="answer queued at once; poll by id")
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[str, str] | None, METADATA] = None
     store: Ignored = None
     user: Ignored = None
     service_tier: Ignored = None

@@ -1,14 +1,13 @@
 """What ``/openapi.json`` says of the OpenAI-compatible routes: their bodies (parsed by the
-routes themselves), answers (JSON, or server-sent chunks), OpenAI-shaped errors, and the
-bounds of :class:`runtime.request_limits.RequestLimits` written into the request schemas."""
+routes themselves; derived from the request models, bounds included, by
+:mod:`producers.api.openapi`), answers (JSON, or server-sent chunks) and OpenAI-shaped
+errors."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from producers.api.openai_compat.models import (
-    NEUTRAL,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -16,8 +15,7 @@ from producers.api.openai_compat.models import (
     ResponseObject,
     ResponseRequest,
 )
-from producers.api.schema_bounds import bound, sampling_bounds
-from runtime.request_limits import RequestLimits
+from producers.api.schema_bounds import REF_TEMPLATE, json_body
 
 CHAT_PATH = "/v1/chat/completions"
 RESPONSES_PATH = "/v1/responses"
@@ -51,20 +49,8 @@ IDEMPOTENCY_NOTE = (
 )
 
 
-def _body(model: Any) -> dict[str, Any]:
-    return {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": model.model_json_schema(ref_template="#/components/schemas/{model}"),
-                "example": model.model_config["json_schema_extra"]["examples"][0],
-            }
-        },
-    }
-
-
-CHAT_BODY = _body(ChatCompletionRequest)
-RESPONSE_BODY = _body(ResponseRequest)
+CHAT_BODY = json_body(ChatCompletionRequest)
+RESPONSE_BODY = json_body(ResponseRequest)
 
 CHAT_RESPONSES = with_openai_errors(
     {
@@ -78,7 +64,7 @@ CHAT_RESPONSES = with_openai_errors(
                         "type": "string",
                         "description": "data: <chat.completion.chunk JSON> events",
                         "contentSchema": ChatCompletionChunk.model_json_schema(
-                            ref_template="#/components/schemas/{model}"
+                            ref_template=REF_TEMPLATE
                         ),
                     }
                 }
@@ -95,62 +81,3 @@ RESPONSE_RESPONSES = with_openai_errors(
         }
     }
 )
-
-
-def document_openai_limits(
-    schema: dict[str, Any], limits: RequestLimits, *, model: str | None = None
-) -> None:
-    """Write the limits (and ``model``, the served model's name) into the chat and responses
-    request bodies of ``schema``."""
-    paths = schema.get("paths", {})
-    for path, tokens, items, free in (
-        (CHAT_PATH, ("max_tokens", "max_completion_tokens"), "messages", {"stream"}),
-        (RESPONSES_PATH, ("max_output_tokens",), "input", set()),
-    ):
-        op = paths.get(path, {}).get("post")
-        if op is None:
-            continue
-        content = op["requestBody"]["content"]["application/json"]
-        body = content["schema"] = copy.deepcopy(content["schema"])
-        props = body["properties"]
-        sampling_bounds(props, limits, max_tokens=tokens)
-        if model is not None:
-            bound(props["model"], enum=[model])
-        for branch in props[items].get("anyOf", [props[items]]):
-            if branch.get("type") == "array":
-                branch["maxItems"] = limits.max_messages
-        bound(props["cache_salt"], maxLength=limits.max_cache_salt_chars)
-        bound(
-            props["metadata"],
-            maxProperties=limits.max_metadata_keys,
-            propertyNames={"maxLength": limits.max_metadata_chars},
-            additionalProperties={"type": "string", "maxLength": limits.max_metadata_chars},
-        )
-        for name, neutral in NEUTRAL.items():
-            if name in props and name not in free:  # documented: the neutral values only
-                props[name] = {
-                    "enum": list(neutral),
-                    "description": "accepted at its neutral value only (not supported)",
-                }
-        if "stop_token_ids" in props:
-            bound(
-                props["stop_token_ids"],
-                items={"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1},
-            )
-
-
-def hoist_defs(schema: dict[str, Any]) -> None:
-    """Copy the ``$defs`` of schemas written inside operations (request bodies, event-stream
-    chunks) into ``components/schemas``, where their ``$ref``s point (copied, not moved: the
-    operations' schemas are module constants)."""
-    components = schema.setdefault("components", {}).setdefault("schemas", {})
-    stack: list[Any] = [schema.get("paths", {})]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            for name, sub in (node.get("$defs") or {}).items():
-                if name not in components:
-                    components[name] = copy.deepcopy(sub)
-            stack.extend(v for k, v in node.items() if k != "$defs")
-        elif isinstance(node, list):
-            stack.extend(node)

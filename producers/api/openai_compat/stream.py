@@ -22,7 +22,7 @@ from typing import Any
 from producers.api.errors import ApiError
 from producers.api.follow import RecordGone, StatusChange, follow
 from producers.api.openai_compat.errors import openai_body
-from producers.api.openai_compat.submit import cancel_if_abandoned
+from producers.api.openai_compat.outcome import cancel_if_abandoned
 from producers.api.openai_compat.views import (
     CHAT_PREFIX,
     finish_reason,
@@ -32,6 +32,7 @@ from producers.api.openai_compat.views import (
 )
 from producers.api.state import ApiState
 from runtime.token_stream import TokenChunk
+from schemas.status_record import StatusRecord
 
 DONE = b"data: [DONE]\n\n"
 
@@ -78,6 +79,32 @@ async def _prompt_tokens(st: ApiState, request_id: str, known: int | None) -> in
     return 0 if rec is None else rec.prompt_tokens
 
 
+def _ending(
+    w: ChunkWriter,
+    rec: StatusRecord | None,
+    streamed: str,
+    include_usage: bool,
+    name_part: Callable[[ApiError], None] | None,
+) -> list[bytes]:
+    """The events after the terminal status: the text not streamed yet, the finish and the
+    usage of a completed request; else the error it ended with (the stream then ends)."""
+    if rec is None:  # it went right after its terminal status
+        return [_event(openai_body(record_gone_503()))]
+    if rec.status != "completed":
+        err = not_completed(rec)
+        if name_part is not None and rec.status == "rejected":
+            name_part(err)
+        return [_event(openai_body(err))]
+    text, made = rec.text or "", len(rec.token_ids or [])
+    out = []
+    if text.startswith(streamed) and len(text) > len(streamed):
+        out.append(w.chunk({"content": text[len(streamed) :]}, made=made))
+    out.append(w.chunk({}, finish_reason(rec), made=made))
+    if include_usage:
+        out.append(w.usage(usage(rec)))
+    return out
+
+
 async def chat_chunks(
     st: ApiState,
     request_id: str,
@@ -113,22 +140,10 @@ async def chat_chunks(
             elif isinstance(item, StatusChange) and item.terminal:
                 ended = True
                 rec = await st.status.get(request_id)
-                if rec is None:  # it went right after its terminal status
-                    yield _event(openai_body(record_gone_503()))
+                for event in _ending(w, rec, "".join(sent), include_usage, name_part):
+                    yield event
+                if rec is None or rec.status != "completed":
                     break
-                if rec.status != "completed":
-                    err = not_completed(rec)
-                    if name_part is not None and rec.status == "rejected":
-                        name_part(err)
-                    yield _event(openai_body(err))
-                    break
-                text, streamed = rec.text or "", "".join(sent)
-                made = len(rec.token_ids or [])
-                if text.startswith(streamed) and len(text) > len(streamed):
-                    yield w.chunk({"content": text[len(streamed) :]}, made=made)
-                yield w.chunk({}, finish_reason(rec), made=made)
-                if include_usage:
-                    yield w.usage(usage(rec))
             elif isinstance(item, RecordGone):
                 # No outcome will come this way, and a stream that just stopped would read as
                 # a whole answer.

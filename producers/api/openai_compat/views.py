@@ -3,6 +3,7 @@ error a request that did not complete is answered with."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from producers.api.errors import ApiError
@@ -107,67 +108,83 @@ def chat_completion(rec: StatusRecord) -> dict[str, Any]:
     }
 
 
+def _response_output(rec: StatusRecord) -> list[dict[str, Any]]:
+    """A completed response's one assistant message (nothing before it completes)."""
+    if rec.status != "completed":
+        return []
+    content = [{"type": "output_text", "text": rec.text or "", "annotations": []}]
+    return [
+        {
+            "type": "message",
+            "id": MESSAGE_PREFIX + rec.request_id,
+            "status": "completed",
+            "role": "assistant",
+            "content": content,
+        }
+    ]
+
+
+def _response_usage(rec: StatusRecord) -> dict[str, Any] | None:
+    """A completed response's usage in the Responses API's names."""
+    if rec.status != "completed":
+        return None
+    u = usage(rec)
+    return {
+        "input_tokens": u["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": u["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u["total_tokens"],
+    }
+
+
+def _response_error(rec: StatusRecord, status: str) -> dict[str, str] | None:
+    """A failed response's error (its rule as the code)."""
+    if status != "failed":
+        return None
+    err = rec.error or {}
+    return {
+        "code": str(err.get("rule") or err.get("code") or rec.status),
+        "message": str(err.get("message") or f"the request ended {rec.status}"),
+    }
+
+
+RESPONSE_FIXED: dict[str, Any] = {
+    "instructions": None,
+    "parallel_tool_calls": False,
+    "tool_choice": "none",
+    "tools": [],
+    "text": {"format": {"type": "text"}},
+    "truncation": "disabled",
+    "reasoning": None,
+    "previous_response_id": None,
+    "store": True,
+    "user": None,
+}
+"""The fields of a response this pipeline always answers the same (no tools, plain text)."""
+
+
 def response_object(rec: StatusRecord) -> dict[str, Any]:
     """The ``response`` of a record the Responses API made, as it stands."""
     front = rec.front
-    rid = rec.request_id
     status = RESPONSE_STATUS.get(rec.status, "in_progress")
-    output: list[dict[str, Any]] = []
-    text = None
-    incomplete = None
-    use = None
-    if rec.status == "completed":
-        text = rec.text or ""
-        output.append(
-            {
-                "type": "message",
-                "id": MESSAGE_PREFIX + rid,
-                "status": "completed",
-                "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": []}],
-            }
-        )
-        if finish_reason(rec) == "length":
-            incomplete = {"reason": "max_output_tokens"}
-        u = usage(rec)
-        use = {
-            "input_tokens": u["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": u["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": u["total_tokens"],
-        }
-    error = None
-    if status == "failed":
-        err = rec.error or {}
-        error = {
-            "code": str(err.get("rule") or err.get("code") or rec.status),
-            "message": str(err.get("message") or f"the request ended {rec.status}"),
-        }
+    completed = rec.status == "completed"
+    length = completed and finish_reason(rec) == "length"
     return {
-        "id": RESPONSE_PREFIX + rid,
+        "id": RESPONSE_PREFIX + rec.request_id,
         "object": "response",
         "created_at": int(front.get("created_s") or rec.created_ms // 1000),
         "status": status,
         "background": bool(front.get("background")),
         "model": front.get("model", ""),
-        "output": output,
-        "output_text": text,
-        "error": error,
-        "incomplete_details": incomplete,
-        "instructions": None,
+        "output": _response_output(rec),
+        "output_text": (rec.text or "") if completed else None,
+        "error": _response_error(rec, status),
+        "incomplete_details": {"reason": "max_output_tokens"} if length else None,
         "max_output_tokens": front.get("max_tokens"),
         "temperature": front.get("temperature"),
         "top_p": front.get("top_p"),
-        "parallel_tool_calls": False,
-        "tool_choice": "none",
-        "tools": [],
-        "text": {"format": {"type": "text"}},
-        "truncation": "disabled",
-        "reasoning": None,
-        "previous_response_id": None,
-        "store": True,
-        "usage": use,
-        "user": None,
+        "usage": _response_usage(rec),
         "metadata": rec.metadata or {},
+        **copy.deepcopy(RESPONSE_FIXED),
     }

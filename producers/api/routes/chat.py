@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from producers.api.deps import State, Tenant
 from producers.api.metrics import client_gone
-from producers.api.openai_compat.inputs import parse_chat
 from producers.api.openai_compat.openapi import CHAT_BODY, CHAT_RESPONSES
+from producers.api.openai_compat.outcome import outcome
 from producers.api.openai_compat.stream import chat_chunks
-from producers.api.openai_compat.submit import front_of, outcome, read_conversation, submit
 from producers.api.openai_compat.views import chat_completion, not_completed
+from producers.api.submit import submit_body
+from producers.api.submit.conversation import Conversation, check_chat
+from producers.api.submit.openai import ConversationDoor, front_of
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def chat_front(conv: Conversation) -> dict[str, Any]:
+    """What a chat completion's record keeps for its views."""
+    return front_of(conv, "chat.completions", max_tokens=conv.sampling.max_tokens)
 
 
 @router.post(
@@ -25,9 +34,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     summary="OpenAI chat completions: text, image_url and video_url parts; stream as SSE",
 )
 async def chat_completions(request: Request, st: State, tenant: Tenant) -> Response:
-    async with read_conversation(request, st, parse_chat) as conv:
-        front = front_of(conv, "chat.completions", max_tokens=conv.sampling.max_tokens)
-        accepted = await submit(st, request, conv, tenant, front)
+    door = ConversationDoor(st, check_chat, chat_front)
+    done = await submit_body(request, st, tenant, door)
+    accepted, conv = done.accepted, done.input
     keyed = request.headers.get("idempotency-key") is not None
     if conv.stream:
         return StreamingResponse(
@@ -35,7 +44,7 @@ async def chat_completions(request: Request, st: State, tenant: Tenant) -> Respo
                 st,
                 accepted.request_id,
                 model=conv.model,
-                created_s=front["created_s"],
+                created_s=conv.front["created_s"],
                 include_usage=conv.include_usage,
                 keyed=keyed,
                 continuous_usage=conv.continuous_usage,

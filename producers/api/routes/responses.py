@@ -3,24 +3,25 @@ intake: create, retrieve, cancel."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from producers.api.checks import refuse_finished
+from producers.api.cancels import cancel_owned
 from producers.api.deps import State, Tenant
 from producers.api.errors import not_found
-from producers.api.events import record_gone
 from producers.api.metrics import client_gone
-from producers.api.openai_compat.inputs import parse_response
 from producers.api.openai_compat.openapi import (
     RESPONSE_BODY,
     RESPONSE_RESPONSES,
     with_openai_errors,
 )
-from producers.api.openai_compat.submit import front_of, outcome, read_conversation, submit
+from producers.api.openai_compat.outcome import outcome
 from producers.api.openai_compat.views import RESPONSE_PREFIX, response_object
+from producers.api.submit import submit_body
+from producers.api.submit.conversation import Conversation, check_response
+from producers.api.submit.openai import ConversationDoor, front_of
 from schemas.status_record import StatusRecord
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -35,17 +36,8 @@ RESPONSES_API = "responses"
     summary="OpenAI responses: background answers queued at once (poll by id), else when done",
 )
 async def create_response(request: Request, st: State, tenant: Tenant) -> Response:
-    async with read_conversation(request, st, parse_response) as conv:
-        s = conv.sampling
-        front = front_of(
-            conv,
-            RESPONSES_API,
-            background=conv.background,
-            max_tokens=s.max_tokens if conv.max_tokens_given else None,
-            temperature=s.temperature,
-            top_p=s.top_p,
-        )
-        accepted = await submit(st, request, conv, tenant, front)
+    done = await submit_body(request, st, tenant, ConversationDoor(st, check_response, _front))
+    accepted, conv = done.accepted, done.input
     rid = accepted.request_id
     if conv.background:
         rec = await st.status.get(rid)
@@ -61,6 +53,19 @@ async def create_response(request: Request, st: State, tenant: Tenant) -> Respon
         client_gone(request, "wait")
         return Response(status_code=499)  # the client closed the connection
     return JSONResponse(response_object(rec))
+
+
+def _front(conv: Conversation) -> dict[str, Any]:
+    """What a response's record keeps for its views."""
+    s = conv.sampling
+    return front_of(
+        conv,
+        RESPONSES_API,
+        background=conv.background,
+        max_tokens=s.max_tokens if conv.max_tokens_given else None,
+        temperature=s.temperature,
+        top_p=s.top_p,
+    )
 
 
 async def owned_response(response_id: str, st: State, tenant: Tenant) -> StatusRecord:
@@ -93,12 +98,4 @@ async def get_response(response_id: str, rec: OwnedResponse) -> JSONResponse:
     summary="Cancel a response: cancelled at once; the workers skip its remaining work",
 )
 async def cancel_response(response_id: str, st: State, rec: OwnedResponse) -> JSONResponse:
-    refuse_finished(rec)
-    rid = rec.request_id
-    await st.status.cancel(rid)
-    after = await st.status.get(rid)
-    if after is None:
-        raise record_gone(response_id)  # it went between the read and the cancel
-    refuse_finished(after)  # it finished between the read and the cancel
-    rec = after
-    return JSONResponse(response_object(rec))
+    return JSONResponse(response_object(await cancel_owned(st.status, rec, response_id)))

@@ -1,36 +1,28 @@
-"""An OpenAI request body -> what the intake needs: the conversation, its media, sampling.
+"""An OpenAI request body -> the conversation it asks for, its media and its sampling.
 
-Checked here, before the intake sees anything (nothing is stored, nothing fetched): the body's
-size and JSON (by the route), message and part counts (``EPD_API_MAX_MESSAGES`` /
+Parse (:func:`json_object`): the JSON text, texts far over ``EPD_API_MAX_PROMPT_CHARS``
+refused from the raw bytes. Check (:func:`check_chat`, :func:`check_response`; nothing is
+stored, nothing fetched): message and part counts (``EPD_API_MAX_MESSAGES`` /
 ``EPD_API_MAX_MESSAGE_PARTS``) and image and video counts before pydantic copies the body,
 its schema, the parameters this pipeline cannot honour (:data:`models.NEUTRAL`), the model
 name, every text part (no vision tokens, no special tokens, alone or joined to the text parts
-before it; all of it within ``EPD_API_MAX_PROMPT_CHARS``), every
-``data:`` URL (size before decoding, type from the bytes) and every ``http(s)`` URL against the
-allow-list (:class:`producers.api.media_urls.MediaFetcher`), and the sampling parameters
-against the request limits. Allowed URLs are fetched later, in the request's render.
+before it; all of it within ``EPD_API_MAX_PROMPT_CHARS``), every ``http(s)`` URL against the
+allow-list (:class:`producers.api.submit.media_urls.MediaFetcher`), and the sampling
+parameters against the request limits. Media (:func:`with_media`): every ``data:`` URL (size
+before decoding, type from the bytes). Allowed URLs are fetched later, in the request's render.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 
-from producers.api.bodies import parse_json, refuse_long_text
-from producers.api.data_strings import (
-    IMAGE_FIELD,
-    IMAGE_TYPES,
-    check_image_bytes,
-    decode_data_string,
-)
 from producers.api.errors import ApiError
-from producers.api.media_urls import MediaFetcher, MediaRef
 from producers.api.openai_compat.errors import schema_error
 from producers.api.openai_compat.models import (
     NEUTRAL,
@@ -39,9 +31,10 @@ from producers.api.openai_compat.models import (
     InputMessage,
     ResponseRequest,
 )
-from producers.api.videos import VIDEO_FIELD, VIDEO_TYPES, sniff_video_type
+from producers.api.submit.json_text import fingerprint, parse_json, refuse_long_text
+from producers.api.submit.media import decode_part
+from producers.api.submit.media_urls import MediaFetcher, MediaRef
 from producers.chat import ChatMessage, ChatPart, check_run
-from producers.image_structure import StructureLimits
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
 from schemas.errors import ValidationError
@@ -57,7 +50,8 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 @dataclass(slots=True)
 class Media:
-    """One image or video of a conversation: its bytes, or the allowed URL to fetch them from."""
+    """One image or video of a conversation: the URL it came as, then its bytes (a ``data:``
+    URL decoded by :func:`with_media`), or the allowed URL the render fetches them from."""
 
     kind: Literal["image", "video"]
     ref: MediaRef
@@ -85,6 +79,8 @@ class Conversation:
     """The field that holds the conversation (``messages``, or ``input`` for a response)."""
     continuous_usage: bool = False
     """``stream_options.continuous_usage_stats``: every chunk carries the usage so far."""
+    front: dict[str, Any] = field(default_factory=dict)
+    """What the record keeps for the route's views (set with the submission)."""
 
     def name_part(self, exc: ValidationError | ApiError) -> None:
         """Point ``exc.field`` at what the client wrote (``param`` of OpenAI's errors): the part
@@ -110,9 +106,10 @@ NATIVE_FIELDS = frozenset({"prompt", "token_ids", "images", "videos", "features.
 conversation has none of them."""
 
 
-@dataclass(slots=True)
-class Builder:
-    """Collects messages and media, holding them to the limits as it goes."""
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """What a conversation is checked against: this server's limits and settings, its media
+    URL allow-list, and what the served model takes."""
 
     limits: RequestLimits
     settings: Settings
@@ -121,6 +118,13 @@ class Builder:
     """The family takes video."""
     control: Sequence[str] = ()
     """The tokenizer's special tokens no message text may hold (:func:`control_tokens`)."""
+
+
+@dataclass(slots=True)
+class Builder:
+    """Collects messages and media, holding them to the limits as it goes."""
+
+    d: Deployment
     messages: list[ChatMessage] = field(default_factory=list)
     media: list[Media] = field(default_factory=list)
     chars: int = 0
@@ -137,12 +141,12 @@ class Builder:
         return msg
 
     def text(self, msg: ChatMessage, text: str, where: str) -> None:
-        self.run = check_run(self.run, text, where, self.control)
+        self.run = check_run(self.run, text, where, self.d.control)
         self.chars += len(text)
-        if self.chars > self.limits.max_prompt_chars:
+        if self.chars > self.d.limits.max_prompt_chars:
             raise ValidationError(
                 "request.prompt",
-                f"the messages hold more than {self.limits.max_prompt_chars} characters "
+                f"the messages hold more than {self.d.limits.max_prompt_chars} characters "
                 "(EPD_API_MAX_PROMPT_CHARS)",
                 field=where,
             )
@@ -151,44 +155,13 @@ class Builder:
     def item(self, msg: ChatMessage, kind: Literal["image", "video"], url: str, where: str) -> None:
         index = sum(m.kind == kind for m in self.media)
         ref = MediaRef(where, index, kind)
-        if kind == "video" and not self.video:
+        if kind == "video" and not self.d.video:
             raise unsupported(where, "video (this model family takes none)")
-        if url.startswith("data:"):
-            data = _decode(url, ref, self.settings)
-            self.media.append(Media(kind, ref, data=data))
-        else:
-            self.fetcher.check(url, ref)  # refused here, before anything connects
-            self.media.append(Media(kind, ref, url=url))
+        if not url.startswith("data:"):
+            self.d.fetcher.check(url, ref)  # refused here, before anything connects
+        self.media.append(Media(kind, ref, url=url))  # a data: URL is decoded by with_media
         msg.parts.append(ChatPart(kind, where=where))
         self.run = ""  # the template writes the item's vision block after the text
-
-
-def _decode(url: str, ref: MediaRef, settings: Settings) -> bytes:
-    """A ``data:`` URL's bytes, size and type checked, errors naming the part."""
-    try:
-        if ref.modality == "image":
-            where = replace(IMAGE_FIELD, field=ref.field)
-            data = decode_data_string(
-                url, ref.item, settings.api_max_image_bytes, IMAGE_TYPES, where
-            )
-            structure = StructureLimits.from_settings(settings)
-            check_image_bytes(data, ref.item, settings.api_max_image_bytes, structure)
-            return data
-        where = replace(VIDEO_FIELD, field=ref.field)
-        data = decode_data_string(url, ref.item, settings.api_max_video_bytes, VIDEO_TYPES, where)
-        if not data or sniff_video_type(data) is None:
-            raise ApiError(
-                415,
-                "unsupported_media_type",
-                "the video is not MP4/MOV, WebM/MKV, GIF or WebP (checked by its leading bytes)",
-                rule="video.type",
-                item=ref.item,
-                modality="video",
-            )
-        return data
-    except ApiError as exc:
-        exc.field = ref.field  # the part, not the native API's field name
-        raise
 
 
 def unsupported(where: str, what: str) -> ValidationError:
@@ -209,12 +182,6 @@ def check_neutral(obj: dict[str, Any], names: set[str]) -> None:
             )
 
 
-def fingerprint(obj: Any) -> str:
-    """The body's meaning (key order and whitespace do not matter): for ``Idempotency-Key``."""
-    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(canonical).hexdigest()
-
-
 def _validate(model: type[BaseModel], obj: Any) -> Any:
     try:
         return model.model_validate(obj)
@@ -226,7 +193,8 @@ TEXT_KEYS = ("content", "text", "refusal", "input", "instructions")
 """Keys whose string values are message text (held to ``EPD_API_MAX_PROMPT_CHARS``)."""
 
 
-def _object(body: bytes, limits: RequestLimits) -> dict[str, Any]:
+def json_object(body: bytes, limits: RequestLimits) -> dict[str, Any]:
+    """Parse: the body's JSON object, long texts refused from the raw bytes first."""
     refuse_long_text(body, TEXT_KEYS, limits.max_prompt_chars)  # before the parse
     obj = parse_json(body, limits.max_json_depth)
     if not isinstance(obj, dict):
@@ -249,31 +217,24 @@ def _count(items: Any, limits: RequestLimits, where: str) -> None:
 
 def sampling_of(
     limits: RequestLimits,
-    *,
+    req: ChatCompletionRequest | ResponseRequest,
     max_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
-    stop: str | list[str] | None,
-    stop_token_ids: list[int] | None = None,
-    ignore_eos: bool | None = None,
-    max_tokens_field: str = "max_tokens",
+    max_tokens_field: str,
 ) -> SamplingParams:
     """The request's ``SamplingParams``, held to the limits (OpenAI's defaults: temperature 1,
-    ``max_tokens`` up to the context)."""
+    ``max_tokens`` up to the context; ``max_tokens``: the value of ``max_tokens_field``)."""
     if max_tokens is not None:
         limits.check_max_tokens(max_tokens, field=max_tokens_field)
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     s = SamplingParams(
         max_tokens=limits.max_tokens if max_tokens is None else max_tokens,
-        temperature=OPENAI_TEMPERATURE if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=pipeline_top_k(top_k),
-        seed=seed,
+        temperature=OPENAI_TEMPERATURE if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=pipeline_top_k(req.top_k),
+        seed=req.seed,
         stop=stops,
-        stop_token_ids=list(stop_token_ids or []),
-        ignore_eos=bool(ignore_eos),
+        stop_token_ids=list(getattr(req, "stop_token_ids", None) or []),  # chat's only
+        ignore_eos=bool(req.ignore_eos),
     )
     limits.check_sampling_params(s)
     return s
@@ -294,22 +255,13 @@ def check_model(name: str | None, served: str) -> None:
 # ------------------------------------------------------------------------- chat completions
 
 
-def parse_chat(
-    body: bytes,
-    limits: RequestLimits,
-    settings: Settings,
-    fetcher: MediaFetcher,
-    video: bool,
-    control: Sequence[str] = (),
-) -> Conversation:
-    """A ``/v1/chat/completions`` body, checked (CPU-bound for a large body: run it in a
-    worker thread)."""
-    obj = _object(body, limits)
-    _count(obj.get("messages"), limits, "messages")
+def check_chat(obj: dict[str, Any], d: Deployment) -> Conversation:
+    """Check: a ``/v1/chat/completions`` body as the conversation it asks for."""
+    _count(obj.get("messages"), d.limits, "messages")
     req: ChatCompletionRequest = _validate(ChatCompletionRequest, obj)
     check_neutral(obj, set(NEUTRAL) - {"stream"})
-    check_model(req.model, settings.model_name())
-    b = Builder(limits, settings, fetcher, video, control)
+    check_model(req.model, d.settings.model_name())
+    b = Builder(d)
     for i, m in enumerate(req.messages):
         _chat_message(b, m, f"messages[{i}]")
     if req.max_tokens is not None and req.max_completion_tokens not in (None, req.max_tokens):
@@ -319,18 +271,8 @@ def parse_chat(
             field="max_completion_tokens",
         )
     given = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-    sampling = sampling_of(
-        limits,
-        max_tokens=given,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        seed=req.seed,
-        stop=req.stop,
-        stop_token_ids=req.stop_token_ids,
-        ignore_eos=req.ignore_eos,
-        max_tokens_field="max_tokens" if req.max_tokens is not None else "max_completion_tokens",
-    )
+    named = "max_tokens" if req.max_tokens is not None else "max_completion_tokens"
+    sampling = sampling_of(d.limits, req, given, named)
     options = req.stream_options
     if options is not None and not req.stream:
         raise ValidationError(
@@ -348,7 +290,7 @@ def parse_chat(
         fingerprint=fingerprint(obj),
         stream=bool(req.stream),
         include_usage=bool(options and options.include_usage),
-        model=settings.model_name(),
+        model=d.settings.model_name(),
         continuous_usage=bool(options and options.continuous_usage_stats),
     )
 
@@ -386,21 +328,13 @@ def _chat_message(b: Builder, m: ChatMessageIn, where: str) -> None:
 # ------------------------------------------------------------------------------- responses
 
 
-def parse_response(
-    body: bytes,
-    limits: RequestLimits,
-    settings: Settings,
-    fetcher: MediaFetcher,
-    video: bool,
-    control: Sequence[str] = (),
-) -> Conversation:
-    """A ``/v1/responses`` body, checked (see :func:`parse_chat`)."""
-    obj = _object(body, limits)
-    _count(obj.get("input"), limits, "input")
+def check_response(obj: dict[str, Any], d: Deployment) -> Conversation:
+    """Check: a ``/v1/responses`` body as the conversation it asks for."""
+    _count(obj.get("input"), d.limits, "input")
     req: ResponseRequest = _validate(ResponseRequest, obj)
     check_neutral(obj, set(NEUTRAL))
-    check_model(req.model, settings.model_name())
-    b = Builder(limits, settings, fetcher, video, control)
+    check_model(req.model, d.settings.model_name())
+    b = Builder(d)
     if req.instructions is not None:
         b.text(b.message("system", "instructions"), req.instructions, "instructions")
     if isinstance(req.input, str):
@@ -410,17 +344,7 @@ def parse_response(
             _input_message(b, m, f"input[{i}]")
     if not b.messages:
         raise ValidationError("request.schema", "input holds no message", field="input")
-    sampling = sampling_of(
-        limits,
-        max_tokens=req.max_output_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        seed=req.seed,
-        stop=req.stop,
-        ignore_eos=req.ignore_eos,
-        max_tokens_field="max_output_tokens",
-    )
+    sampling = sampling_of(d.limits, req, req.max_output_tokens, "max_output_tokens")
     return Conversation(
         b.messages,
         b.media,
@@ -430,7 +354,7 @@ def parse_response(
         metadata=req.metadata,
         fingerprint=fingerprint(obj),
         background=bool(req.background),
-        model=settings.model_name(),
+        model=d.settings.model_name(),
         root="input",
     )
 
@@ -450,3 +374,20 @@ def _input_message(b: Builder, m: InputMessage, where: str) -> None:
             b.item(msg, "image", part.image_url, f"{at}.image_url")  # type: ignore[union-attr]
         else:
             raise unsupported(at, f"a content part of type {part.type!r}")
+
+
+def with_media(conv: Conversation, settings: Settings) -> Conversation:
+    """Media: every ``data:`` URL of the conversation decoded, sized and sniffed (errors name
+    its part); allowed ``http(s)`` URLs stay for the render to fetch."""
+    for m in conv.media:
+        if m.url is not None and m.url.startswith("data:"):
+            m.data, m.url = decode_part(m.url, m.ref, settings), None
+    return conv
+
+
+def parse_conversation(
+    check: Callable[[dict[str, Any], Deployment], Conversation], body: bytes, d: Deployment
+) -> Conversation:
+    """A body parsed, checked by ``check`` (:func:`check_chat`, :func:`check_response`) and
+    its media decoded, as the door reads one (in one call: for tests)."""
+    return with_media(check(json_object(body, d.limits), d), d.settings)

@@ -1,9 +1,13 @@
 """Image and video strings of a request body: base64 or ``data:`` URLs, sized before decoding.
 
-Shared by the image fields (:mod:`producers.api.bodies`) and the video fields
-(:mod:`producers.api.videos`). An image's encoded size is checked before it is base64-decoded
-and its type is sniffed from magic bytes before any decoder sees it. Strings are data only:
-nothing here opens a file or fetches a URL.
+An image's encoded size is checked before it is base64-decoded and its type is sniffed from
+magic bytes before any decoder sees it; pixel counts are checked by the renderer from the
+header before pixels are decompressed. The ``videos`` field of a JSON submission holds, per
+video, one base64 / ``data:`` URL string (an MP4/MOV, WebM/MKV, animated GIF or WebP file) or
+a list of such strings for its frames (PNG, JPEG, WebP, GIF or BMP images); the renderer then
+checks duration, frame count and pixels from the headers before decoding anything. Strings
+are data only: nothing here opens a file or fetches a URL (allowed ``http(s)`` URLs are
+:mod:`producers.api.submit.media_urls`'s).
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from producers.api.errors import ApiError, bad_request
+from producers.api.submit.media_urls import MediaRef
 from producers.image_structure import StructureLimits, too_complex
 
 # Magic bytes of the image formats the renderer decodes (producers.pictures.IMAGE_FORMATS:
@@ -77,40 +83,30 @@ def check_image_bytes(
     they are known; returns its MIME type (413/415 otherwise). The renderer counts the
     structure again before it decodes (images that reach it another way)."""
     if len(data) > limit:
-        raise ApiError(
-            413,
-            "too_large",
-            f"image is {len(data)} bytes; the limit is {limit}",
-            rule="image.size",
-            field="images",
-            item=index,
-            modality="image",
-        )
+        message = f"image is {len(data)} bytes; the limit is {limit}"
+        raise refused(413, message, "image.size", index, "images", "image")
     if not data:
         raise bad_request("image is empty", rule="image.empty", field="images", item=index)
     mime = sniff_image_type(data)
     if mime is None:
-        raise ApiError(
-            415,
-            "unsupported_media_type",
-            f"image is not one of {sorted(IMAGE_TYPES)} (checked by its leading bytes)",
-            rule="image.type",
-            field="images",
-            item=index,
-            modality="image",
-        )
+        message = f"image is not one of {sorted(IMAGE_TYPES)} (checked by its leading bytes)"
+        raise refused(415, message, "image.type", index, "images", "image")
     why = None if structure is None else too_complex(data, structure)
     if why is not None:
-        raise ApiError(
-            413,
-            "too_large",
-            why,
-            rule="render.image_too_complex",
-            field="images",
-            item=index,
-            modality="image",
-        )
+        raise refused(413, why, "render.image_too_complex", index, "images", "image")
     return mime
+
+
+CODES = {413: "too_large", 415: "unsupported_media_type"}
+
+
+def refused(
+    status: int, message: str, rule: str, index: int, field: str, modality: str
+) -> ApiError:
+    """A media item refused for its size (413) or its type (415), naming its field and index."""
+    return ApiError(
+        status, CODES[status], message, rule=rule, field=field, item=index, modality=modality
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,26 +148,12 @@ def decode_data_string(
             )
         mime = header[5:].split(";", 1)[0].strip().lower()
         if mime not in types:
-            raise ApiError(
-                415,
-                "unsupported_media_type",
-                f"data: URL type {mime!r} is not one of {sorted(types)}",
-                rule=f"{where.rule}.type",
-                field=where.field,
-                item=index,
-                modality=where.modality,
-            )
+            message = f"data: URL type {mime!r} is not one of {sorted(types)}"
+            raise refused(415, message, f"{where.rule}.type", index, where.field, where.modality)
     # Upper bound of the decoded size, known without decoding anything.
     if len(payload) // 4 * 3 > limit + 3:
-        raise ApiError(
-            413,
-            "too_large",
-            f"{where.noun} is about {len(payload) // 4 * 3} bytes; the limit is {limit}",
-            rule=f"{where.rule}.size",
-            field=where.field,
-            item=index,
-            modality=where.modality,
-        )
+        message = f"{where.noun} is about {len(payload) // 4 * 3} bytes; the limit is {limit}"
+        raise refused(413, message, f"{where.rule}.size", index, where.field, where.modality)
     compact = "".join(payload.split()) if any(c.isspace() for c in payload[:4096]) else payload
     try:
         return base64.b64decode(compact, validate=True)
@@ -187,3 +169,91 @@ def decode_data_string(
 def decode_image_string(text: str, index: int, limit: int) -> bytes:
     """Bytes of one ``images`` string (:func:`decode_data_string`)."""
     return decode_data_string(text, index, limit, IMAGE_TYPES, IMAGE_FIELD)
+
+
+VIDEO_TYPES = frozenset(
+    {"video/mp4", "video/quicktime", "video/webm", "video/x-matroska", "image/gif", "image/webp"}
+)
+
+
+def sniff_video_type(data: bytes) -> str | None:
+    """The video container from magic bytes (MP4/MOV ``ftyp``, Matroska/WebM EBML, animated
+    GIF/WebP), or None."""
+    if data[4:8] == b"ftyp":
+        return "video/mp4"
+    if data[:4] == b"\x1a\x45\xdf\xa3":
+        return "video/webm"
+    mime = sniff_image_type(data)
+    return mime if mime in ("image/gif", "image/webp") else None
+
+
+VIDEO_FIELD = DataField(
+    "videos",
+    "video",
+    "video",
+    "video/mp4",
+    "videos must be base64 or data: URLs, or lists of them",
+    "video",
+)
+FRAMES_FIELD = replace(VIDEO_FIELD, noun="video frames")
+
+
+NOT_A_VIDEO = "video is not MP4/MOV, WebM/MKV, GIF or WebP (checked by its leading bytes)"
+
+
+def _unsupported(msg: str, index: int) -> ApiError:
+    return refused(415, msg, "video.type", index, "videos", "video")
+
+
+def decode_videos(raw: list[Any], settings: Any) -> list[bytes | list[bytes]]:
+    """Every video of a submission as file bytes or a list of frame bytes (not yet decoded;
+    their number was checked against the request limits already)."""
+    limit = settings.api_max_video_bytes
+    out: list[bytes | list[bytes]] = []
+    for i, item in enumerate(raw):
+        if isinstance(item, str):
+            data = decode_data_string(item, i, limit, VIDEO_TYPES, VIDEO_FIELD)
+            if not data:
+                raise bad_request("video is empty", rule="video.empty", field="videos", item=i)
+            if sniff_video_type(data) is None:
+                raise _unsupported(NOT_A_VIDEO, i)
+            out.append(data)
+            continue
+        if len(item) > settings.video_max_source_frames:
+            message = (
+                f"the frame list has {len(item)} frames; the limit is "
+                f"{settings.video_max_source_frames} (EPD_VIDEO_MAX_SOURCE_FRAMES)"
+            )
+            raise refused(413, message, "video.frames", i, "videos", "video")
+        frames: list[bytes] = []
+        left = limit
+        for text in item:
+            data = decode_data_string(text, i, left, IMAGE_TYPES, FRAMES_FIELD)
+            if sniff_image_type(data) is None:
+                raise _unsupported(f"frame {len(frames)} is not an accepted image type", i)
+            left -= len(data)
+            frames.append(data)
+        out.append(frames)
+    return out
+
+
+def decode_part(url: str, ref: MediaRef, settings: Any) -> bytes:
+    """A conversation part's ``data:`` URL as bytes, size and type checked, errors naming the
+    part (``ref.field``)."""
+    try:
+        if ref.modality == "image":
+            where = replace(IMAGE_FIELD, field=ref.field)
+            data = decode_data_string(
+                url, ref.item, settings.api_max_image_bytes, IMAGE_TYPES, where
+            )
+            structure = StructureLimits.from_settings(settings)
+            check_image_bytes(data, ref.item, settings.api_max_image_bytes, structure)
+            return data
+        where = replace(VIDEO_FIELD, field=ref.field)
+        data = decode_data_string(url, ref.item, settings.api_max_video_bytes, VIDEO_TYPES, where)
+        if not data or sniff_video_type(data) is None:
+            raise _unsupported(NOT_A_VIDEO, ref.item)
+        return data
+    except ApiError as exc:
+        exc.field = ref.field  # the part, not the native API's field name
+        raise
