@@ -231,12 +231,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def parity_case(bundle: Any, sides: tuple[int, int], steps: int) -> dict[str, Any]:
-    from gpu_workers.compute import (
-        ItemEmbedding,
-        encode_images,
-        generate_from_embeddings,
-        generate_monolithic,
-    )
+    from gpu_workers.compute import ItemEmbedding, encode_images, generate_from_embeddings
+    from gpu_workers.oracle import generate_monolithic
 
     grids = [grid_of(s) for s in sides]
     pvs = [pixels(g, seed=i) for i, g in enumerate(grids)]

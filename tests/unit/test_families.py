@@ -32,15 +32,15 @@ from gpu_workers.compute import (
     encode_images,
     encode_items,
     generate_from_embeddings,
-    generate_monolithic,
     item_embedding,
     mrope_positions,
 )
 from gpu_workers.context import WorkerContext
 from gpu_workers.encode import EncodeWorker
+from gpu_workers.oracle import generate_monolithic, monolithic_inputs
 from gpu_workers.prefill import PrefillWorker
 from producers.fanout import build_fanout
-from producers.render import Renderer, monolithic_inputs
+from producers.render import Renderer
 from runtime.model import (
     FAMILY_CLASSES,
     ModelBundle,

@@ -20,11 +20,11 @@ from gpu_workers.compute import (
     ItemEmbedding,
     encode_images,
     generate_from_embeddings,
-    generate_monolithic,
     greedy_decode,
     prefill,
 )
-from producers.render import Renderer, monolithic_inputs
+from gpu_workers.oracle import generate_monolithic, monolithic_inputs
+from producers.render import Renderer
 from runtime.model import ModelBundle, load_model
 from schemas.types import RenderEvent
 
