@@ -1,10 +1,16 @@
-"""The reference path: ``model.generate`` on raw pixels in one process, the oracle every split
-path is checked against (the tests, ``epd verify``, ``bench/gpu.py``).
+"""The reference path: ``model.generate`` on raw pixels in one process, the oracle the split path
+is checked against (the tests, ``epd verify``, ``bench/gpu.py``).
+
+Parity contract: the split path (encoder outputs from ``encode_items``, encoded in any grouping,
+-> :func:`gpu_workers.compute.prefill` -> :class:`gpu_workers.engine.DecodeEngine`, batched or
+alone as :func:`gpu_workers.engine.generate_from_embeddings`) yields exactly the tokens of
+:func:`generate_monolithic` for the same prompt and pixels, for every family of
+:mod:`schemas.families`; what it must reproduce for that is listed in :mod:`gpu_workers.compute`.
 
 :func:`monolithic_inputs` / :func:`monolithic_video_inputs` turn a ``RenderEvent`` (with inline
 tensors) into ``generate``'s arguments, :func:`mm_token_type_ids` marks the pad tokens as the
-processor would, and :func:`generate_monolithic` runs it. Nothing here serves requests: the
-workers never import this module.
+processor does, and :func:`generate_monolithic` runs it. Nothing here serves requests: no
+worker imports this module.
 """
 
 from __future__ import annotations

@@ -189,7 +189,7 @@ async def test_the_batch_holds_at_most_max_batch_sequences(
 
 
 def _job(rid: str, prompt: list[int], max_tokens: int, **kw: Any) -> DecodeJob:
-    from gpu_workers.compute import new_sequence
+    from gpu_workers.engine import new_sequence
 
     bundle = bundle_of("tiny")
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from gpu_workers.compute import generate_from_embeddings
+from gpu_workers.engine import generate_from_embeddings
 from gpu_workers.oracle import generate_monolithic, monolithic_inputs
 from gpu_workers.sampling import request_seed
 from runtime.settings import Settings

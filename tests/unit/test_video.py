@@ -15,7 +15,8 @@ import pytest
 import torch
 from PIL import Image
 
-from gpu_workers.compute import encode_items, generate_from_embeddings, item_embedding
+from gpu_workers.compute import encode_items, item_embedding
+from gpu_workers.engine import generate_from_embeddings
 from gpu_workers.oracle import generate_monolithic, monolithic_inputs, monolithic_video_inputs
 from producers.fanout import FanOut
 from producers.render import Renderer
