@@ -60,8 +60,8 @@ def _stats(samples: list[float]) -> dict[str, float]:
 
 
 async def _engine_cell(bundle: Any, max_batch: int, concurrent: int, max_tokens: int) -> dict:
-    from gpu_workers.compute import new_sequence, prefill
-    from gpu_workers.engine import DecodeEngine, DecodeJob
+    from gpu_workers.compute import prefill
+    from gpu_workers.engine import DecodeEngine, DecodeJob, new_sequence
     from schemas.types import SamplingParams
 
     engine = DecodeEngine(bundle, max_batch=max_batch, kv_budget_bytes=1 << 32)

@@ -8,10 +8,11 @@ a config with random weights.
 Sections, each wrapped so a failure is reported in its block and the rest still run:
 
 - ``parity`` (first): tokens of the split path (vision tower -> embeddings -> prefill with
-  embeddings -> greedy decode; :mod:`gpu_workers.compute`) vs ``model.generate`` in bf16, for
-  the repo's tiny Qwen2-VL and a Qwen2-VL-2B-sized one, with two images encoded in one batched
-  call and one per call. Reports exact match or the first divergent step, never hides one:
-  ``mismatches`` names each failed comparison, its case, the step and the two tokens there.
+  embeddings -> greedy decode; :mod:`gpu_workers.compute`, the decode engine with a batch of
+  one) vs ``model.generate`` (:mod:`gpu_workers.oracle`) in bf16, for the repo's tiny Qwen2-VL
+  and a Qwen2-VL-2B-sized one, with two images encoded in one batched call and one per call.
+  Reports exact match or the first divergent step, never hides one: ``mismatches`` names each
+  failed comparison, its case, the step and the two tokens there.
 - ``encode``: images/s of a Qwen2-VL-2B-sized vision tower (embed 1280, depth 32, 16 heads,
   out 1536, patch 14, merge 2), bf16, at 448² and 1024², batched vs one image per call, with
   each size's own allocation peak (the peak is reset before each).
@@ -231,12 +232,9 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def parity_case(bundle: Any, sides: tuple[int, int], steps: int) -> dict[str, Any]:
-    from gpu_workers.compute import (
-        ItemEmbedding,
-        encode_images,
-        generate_from_embeddings,
-        generate_monolithic,
-    )
+    from gpu_workers.compute import ItemEmbedding, encode_images
+    from gpu_workers.engine import generate_from_embeddings
+    from gpu_workers.oracle import generate_monolithic
 
     grids = [grid_of(s) for s in sides]
     pvs = [pixels(g, seed=i) for i, g in enumerate(grids)]
@@ -407,7 +405,9 @@ def section_encode(prof: Profile) -> dict[str, Any]:
 
 def section_overhead(prof: Profile, doc: dict[str, Any], overhead_ms: float) -> dict[str, Any]:
     """GPU compute of one 1024² request on the 2B-sized model vs the pipeline's own costs."""
-    from gpu_workers.compute import ItemEmbedding, encode_images, greedy_decode, prefill
+    from gpu_workers.compute import ItemEmbedding, encode_images, prefill
+    from gpu_workers.engine import decode_alone
+    from schemas.types import SamplingParams
 
     bundle = big_bundle(prof) if prof.big_model else tiny_bundle(prof)
     side = prof.sides[-1]
@@ -423,9 +423,11 @@ def section_overhead(prof: Profile, doc: dict[str, Any], overhead_ms: float) -> 
         item = ItemEmbedding("image", offsets[0], holder["e"].shape[0], holder["e"], g)
         holder["state"] = prefill(bundle, ids, [item])
 
+    steps = SamplingParams(max_tokens=prof.decode_steps, ignore_eos=True)
+
     def decode() -> None:
         run_prefill()
-        greedy_decode(bundle, holder["state"], prof.decode_steps, ignore_eos=True)
+        decode_alone(bundle, lambda: holder["state"], steps)
 
     enc = p50_ms(timed(encode, prof.device, prof.repeat))
     pre = p50_ms(timed(run_prefill, prof.device, prof.repeat))

@@ -174,7 +174,8 @@ check_imports() {
     PYTHONPATH="$site:$REPO" "$py" - "$dry" <<'EOF'
 import importlib, sys
 needed = ["torch", "transformers", "numpy", "PIL", "blake3", "bench.gpu", "bench.gpu_stores",
-          "gpu_workers.compute", "runtime.model", "runtime.tokenizer", "runtime.stores.cuda",
+          "gpu_workers.compute", "gpu_workers.engine", "gpu_workers.oracle", "runtime.model",
+          "runtime.tokenizer", "runtime.stores.cuda",
           "transformers.models.qwen2_vl.modeling_qwen2_vl"]
 missing = {}
 for name in needed:

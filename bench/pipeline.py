@@ -18,7 +18,8 @@ under one ``bench-...`` prefix, deleted afterwards):
    long-poll and event stream wait; not ``Submitter.wait``'s 20-250 ms back-off, which would add
    up to 250 ms of detection delay, nor a 1 ms polling loop, which would load the cores the
    pipeline runs on). Model compute is (a) ``prefill_decode``, which the prefill worker times
-   around ``generate_from_embeddings`` alone, plus (b) the vision tower: the encode worker's
+   around its prefill and decode alone (the request's run in the decode engine), plus (b) the
+   vision tower: the encode worker's
    ``encode.image0`` also covers the claim-check fetch, digest and value checks, the
    micro-batcher and the store put, so it is NOT subtracted; instead this process runs
    ``encode_images`` on the same pixels with the same tiny model right after each request

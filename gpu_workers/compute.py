@@ -1,38 +1,34 @@
-"""Encode and prefill/decode compute: pure torch over a ``ModelBundle``, no I/O.
+"""The compute layer: encode, splice, M-RoPE and prefill, pure torch over a ``ModelBundle``, no
+I/O. Decoding is :mod:`gpu_workers.engine`'s (one loop, batched); the reference it is all
+checked against is :mod:`gpu_workers.oracle`.
 
 These functions are synchronous and hold no locks; callers run them in worker threads. They use
 ``torch.inference_mode`` so no autograd state is kept.
 
-Parity contract: ``generate_from_embeddings`` over encoder outputs from ``encode_items`` (encoded
-in any grouping) yields exactly the tokens of ``generate_monolithic`` (``model.generate``) for the
-same prompt and pixels, for every family of :mod:`schemas.families`. What must match the
-monolithic path: the M-RoPE positions (``get_rope_index`` with ``mm_token_type_ids`` and the
-family's extra arguments, e.g. Qwen2.5-VL's ``second_per_grid_ts``), the decode-step position
-(the prompt's last position + 1 + step on each axis, as ``generate`` continues), and for
-Qwen3-VL the deepstack features
-added to the first LLM layers at the visual positions (``visual_pos_masks``).
+What the split path must reproduce for its tokens to equal ``model.generate``'s (the parity
+contract, :mod:`gpu_workers.oracle`): the M-RoPE positions (``get_rope_index`` with
+``mm_token_type_ids`` and the family's extra arguments, e.g. Qwen2.5-VL's
+``second_per_grid_ts``), the decode-step position (:meth:`Prefilled.position`: the prompt's last
+position + 1 + step on each axis, as ``generate`` continues), and for Qwen3-VL the deepstack
+features added to the first LLM layers at the visual positions (``visual_pos_masks``).
 """
 
 from __future__ import annotations
 
 import inspect
-import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from gpu_workers.sequence import DecodeState
 from runtime.model import ModelBundle, placeholder_ids, text_config, vision_config
 from runtime.request_limits import context_overflow, outside_vocabulary
 from schemas.errors import ComputeError
 from schemas.families import DEEPSTACK, EMBEDS
 from schemas.modalities import GRID_FIELDS, MODALITIES
-from schemas.types import SamplingParams, now_ms
-from schemas.values import deadline_passed
 
 # mm_token_type_ids values understood by every family's get_rope_index (0 is text).
 TOKEN_TYPE = {"text": 0} | {
@@ -184,14 +180,6 @@ def item_embedding(
 # bounds
 
 
-class DeadlineExceeded(Exception):
-    """Decoding stopped because the request's deadline passed; ``tokens`` were generated first."""
-
-    def __init__(self, tokens: list[int]) -> None:
-        super().__init__(f"deadline passed after {len(tokens)} generated token(s)")
-        self.tokens = tokens
-
-
 def vocab_size(bundle: ModelBundle) -> int:
     """Rows of the model's token embedding table: every id fed to it must be below this."""
     return int(text_config(bundle.config).vocab_size)
@@ -219,18 +207,14 @@ def check_token_range(bundle: ModelBundle, token_ids: Sequence[int]) -> None:
         raise ComputeError(outside[1])
 
 
-def _past(deadline_ms: int | None) -> bool:
-    return deadline_passed(deadline_ms, now_ms())
-
-
 # ---------------------------------------------------------------------------------------------
-# prefill + decode
+# prefill
 
 
 def cache_kwarg(module: torch.nn.Module) -> str:
     """transformers renamed ``past_key_values`` to ``cache``; use whichever this version has.
 
-    Looked up once per prefill/decode call (not per step), so no memo is needed.
+    Looked up once per prefill and once per decode engine (not per step), so no memo is needed.
     """
     params = inspect.signature(type(module).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -416,14 +400,6 @@ class Prefilled:
         return (t + step, h + step, w + step)
 
 
-class DecodeStopped(Exception):
-    """Decoding was stopped between steps by ``should_stop``; ``tokens`` were made so far."""
-
-    def __init__(self, tokens: list[int]) -> None:
-        super().__init__(f"stopped after {len(tokens)} tokens")
-        self.tokens = tokens
-
-
 def prefill(
     bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]
 ) -> Prefilled:
@@ -451,221 +427,3 @@ def prefill(
         logits = bundle.model.lm_head(out.last_hidden_state[:, -1, :])[0].float()
     t, h, w = (int(x) + 1 for x in position_ids[:, 0, -1].tolist())
     return Prefilled(cache=kv, logits=logits, prompt_len=len(token_ids), next_position=(t, h, w))
-
-
-def decode(
-    bundle: ModelBundle,
-    state: Prefilled,
-    seq: DecodeState,
-    *,
-    deadline_ms: int | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    on_token: Callable[[DecodeState], None] | None = None,
-) -> list[int]:
-    """Decode one sequence from its prefilled state until it finishes (its
-    :class:`DecodeState` says when: eos or a stop token, a stop string, ``max_tokens``); its
-    tokens.
-
-    Step ``s`` (0-based) feeds the token generated at step ``s`` at
-    ``state.position(s)``: the prompt's last position + 1 + ``s`` on each M-RoPE axis, as
-    ``generate`` continues. The deadline is checked before
-    every step's forward pass; past it, ``DeadlineExceeded`` carries the tokens so far.
-    ``should_stop`` is asked before every step after the first; when it says yes,
-    :class:`DecodeStopped` is raised (a cancelled request stops between steps instead of
-    running to ``max_tokens``). ``on_token`` is called after each token is accepted.
-    """
-    lm = bundle.model.model.language_model
-    kw = cache_kwarg(lm)
-    logits = state.logits
-    with torch.inference_mode():
-        for step in itertools.count():
-            tok = seq.choose(logits)
-            done = seq.accept(tok)
-            if on_token is not None:
-                on_token(seq)
-            if done:
-                break
-            if _past(deadline_ms):
-                raise DeadlineExceeded(seq.tokens)
-            if should_stop is not None and should_stop():
-                raise DecodeStopped(seq.tokens)
-            position_ids = torch.tensor(
-                state.position(step), dtype=torch.long, device=bundle.device
-            ).view(3, 1, 1)
-            emb = lm.embed_tokens(torch.tensor([[tok]], device=bundle.device))
-            out = lm(
-                inputs_embeds=emb, position_ids=position_ids, use_cache=True, **{kw: state.cache}
-            )
-            logits = bundle.model.lm_head(out.last_hidden_state[:, -1, :])[0].float()
-    return seq.tokens
-
-
-def new_sequence(
-    bundle: ModelBundle, sampling: SamplingParams, request_id: str = ""
-) -> DecodeState:
-    """A :class:`DecodeState` for ``sampling`` on ``bundle`` (its tokenizer, eos and device)."""
-    return DecodeState.start(
-        request_id, sampling, bundle.tokenizer, bundle.eos_token_id, bundle.device
-    )
-
-
-def greedy_decode(
-    bundle: ModelBundle,
-    state: Prefilled,
-    max_tokens: int,
-    *,
-    stop_token_ids: Sequence[int] = (),
-    ignore_eos: bool = False,
-    deadline_ms: int | None = None,
-    should_stop: Callable[[], bool] | None = None,
-) -> list[int]:
-    """Greedy :func:`decode` to ``max_tokens``; the stop/eos token, when hit, is included."""
-    if max_tokens <= 0:
-        return []
-    sampling = SamplingParams(
-        max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos
-    )
-    return decode(
-        bundle,
-        state,
-        new_sequence(bundle, sampling),
-        deadline_ms=deadline_ms,
-        should_stop=should_stop,
-    )
-
-
-def generate_from_embeddings(
-    bundle: ModelBundle,
-    token_ids: Sequence[int],
-    items: Sequence[ItemEmbedding],
-    max_tokens: int,
-    stop_token_ids: Sequence[int] = (),
-    ignore_eos: bool = False,
-    deadline_ms: int | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    *,
-    sampling: SamplingParams | None = None,
-    request_id: str = "",
-) -> list[int]:
-    """The disaggregated path: precomputed embeddings -> prefill -> decode -> token ids.
-
-    Greedy unless ``sampling`` is given (then its own ``max_tokens`` and stops apply, and the
-    arguments above them are ignored). ``deadline_ms``: checked before the prefill and before
-    every decode step (``DeadlineExceeded``); ``should_stop`` is asked at the same points
-    (``DecodeStopped``)."""
-    if _past(deadline_ms):
-        raise DeadlineExceeded([])
-    if should_stop is not None and should_stop():
-        raise DecodeStopped([])
-    if sampling is None:
-        if max_tokens <= 0:
-            return []
-        sampling = SamplingParams(
-            max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos
-        )
-    state = prefill(bundle, token_ids, items)
-    return decode(
-        bundle,
-        state,
-        new_sequence(bundle, sampling, request_id),
-        deadline_ms=deadline_ms,
-        should_stop=should_stop,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# oracle
-
-
-def mm_token_type_ids(bundle: ModelBundle, input_ids: torch.Tensor) -> torch.Tensor:
-    """0 for text, 1 for image pad tokens, 2 for video pad tokens (what the processor returns)."""
-    types = torch.zeros_like(input_ids, dtype=torch.int32)
-    for modality, pad_id in placeholder_ids(bundle).items():
-        types[input_ids == pad_id] = TOKEN_TYPE[modality]
-    return types
-
-
-def _oracle_sampling(bundle: ModelBundle, sampling: SamplingParams) -> dict[str, Any]:
-    """``generate`` arguments for ``sampling``'s stop strings and (seeding the global
-    generator, as a caller of ``generate`` would) its sampling."""
-    kwargs: dict[str, Any] = {}
-    if sampling.stop:
-        kwargs["stop_strings"] = list(sampling.stop)
-        kwargs["tokenizer"] = bundle.tokenizer
-    if not sampling.greedy:
-        if sampling.seed is None:
-            raise ComputeError("the oracle samples only with an explicit seed")
-        kwargs.update(
-            do_sample=True,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-        )
-        torch.manual_seed(sampling.seed)
-    return kwargs
-
-
-def generate_monolithic(
-    bundle: ModelBundle,
-    token_ids: Sequence[int],
-    pixel_values: torch.Tensor | None,
-    image_grid_thw: torch.Tensor | None,
-    max_tokens: int,
-    stop_token_ids: Sequence[int] = (),
-    ignore_eos: bool = False,
-    *,
-    pixel_values_videos: torch.Tensor | None = None,
-    video_grid_thw: torch.Tensor | None = None,
-    second_per_grid_ts: torch.Tensor | None = None,
-    sampling: SamplingParams | None = None,
-) -> list[int]:
-    """The oracle: ``model.generate`` on raw pixels in one process, greedy; new tokens only.
-
-    ``sampling`` (when it samples): ``generate(do_sample=True)`` with its temperature, top-k
-    and top-p spelled out (``generate`` would otherwise apply its own default top-k of 50), the
-    global generator seeded with its ``seed`` first, and its stop strings as ``stop_strings``;
-    its ``max_tokens`` and stops replace the arguments above.
-
-    Video items (all of them, concatenated in offset order) go in ``pixel_values_videos`` /
-    ``video_grid_thw``, with Qwen2.5-VL's ``second_per_grid_ts`` (one per video) when given.
-
-    Not for concurrent use on one bundle: ``generate`` caches ``rope_deltas`` on the model.
-
-    ``mm_token_type_ids`` is always passed: transformers 5.x computes M-RoPE from it, and
-    generate without it yields different tokens after a few steps.
-    """
-    if sampling is not None:
-        max_tokens = sampling.max_tokens
-        stop_token_ids, ignore_eos = sampling.stop_token_ids, sampling.ignore_eos
-    if max_tokens <= 0:
-        return []
-    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=bundle.device)
-    stops = [int(t) for t in stop_token_ids]
-    if not ignore_eos:
-        stops.append(bundle.eos_token_id)
-    kwargs: dict[str, Any] = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "mm_token_type_ids": mm_token_type_ids(bundle, ids),
-        "do_sample": False,
-        "max_new_tokens": max_tokens,
-        # An id outside the vocabulary never matches: "no stop token" without generate falling
-        # back to the model's default eos.
-        "eos_token_id": stops or [text_config(bundle.config).vocab_size + 1],
-        "pad_token_id": bundle.eos_token_id,
-    }
-    if pixel_values is not None:
-        kwargs["pixel_values"] = pixel_values.to(bundle.device)
-        kwargs["image_grid_thw"] = torch.as_tensor(image_grid_thw).reshape(-1, 3).to(bundle.device)
-    if pixel_values_videos is not None:
-        kwargs["pixel_values_videos"] = pixel_values_videos.to(bundle.device)
-        grid = torch.as_tensor(video_grid_thw).reshape(-1, 3).to(bundle.device)
-        kwargs["video_grid_thw"] = grid
-        if second_per_grid_ts is not None:
-            kwargs["second_per_grid_ts"] = torch.as_tensor(second_per_grid_ts).reshape(-1)
-    if sampling is not None:
-        kwargs.update(_oracle_sampling(bundle, sampling))
-    with torch.inference_mode():
-        out = bundle.model.generate(**kwargs)
-    new = out[0, ids.shape[1] :].tolist()
-    return [int(t) for t in new]

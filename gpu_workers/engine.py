@@ -21,6 +21,11 @@ Bounds (one home: ``EPD_DECODE_MAX_BATCH``, ``EPD_DECODE_KV_BUDGET_BYTES``): at 
 A request that does not fit waits in :meth:`DecodeEngine.run` (its handler holds its consume
 loop slot, so a full engine pauses the loop's partitions: backpressure, never an unbounded
 queue); one that could never fit alone is refused (rule ``kv-budget``).
+
+One request alone (:func:`decode_alone`, :func:`generate_from_embeddings`) runs the same steps
+with a batch of one on the calling thread: the token-exact comparisons with the reference
+(:mod:`gpu_workers.oracle`) in the tests and ``bench/gpu.py`` decode through this loop, the
+only one there is.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -38,12 +44,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from transformers import DynamicCache
 
-from gpu_workers.compute import Prefilled, cache_kwarg, kv_bytes_per_token
+from gpu_workers.compute import ItemEmbedding, Prefilled, cache_kwarg, kv_bytes_per_token, prefill
 from gpu_workers.sequence import DecodeState
 from runtime.model import text_config
 from schemas.errors import ValidationError
 from schemas.statuses import TerminalStatus
-from schemas.types import now_ms
+from schemas.types import SamplingParams, now_ms
 from schemas.values import deadline_passed
 
 if TYPE_CHECKING:
@@ -57,6 +63,15 @@ COMPLETED: TerminalStatus = "completed"
 CANCELLED: TerminalStatus = "cancelled"
 EXPIRED: TerminalStatus = "expired"
 T = TypeVar("T")
+
+
+def new_sequence(
+    bundle: ModelBundle, sampling: SamplingParams, request_id: str = ""
+) -> DecodeState:
+    """A :class:`DecodeState` for ``sampling`` on ``bundle`` (its tokenizer, eos and device)."""
+    return DecodeState.start(
+        request_id, sampling, bundle.tokenizer, bundle.eos_token_id, bundle.device
+    )
 
 
 @dataclass(eq=False)
@@ -258,18 +273,32 @@ class DecodeEngine:
             self._deliver(report)
 
     def _deliver(self, report: _StepReport) -> None:
-        for job in report.started:
-            if job.on_started is not None:
-                _in_context(job, job.on_started)
-        for job, tokens, text in report.tokens:
-            if job.on_tokens is not None and (tokens or text):
-                _in_context(job, job.on_tokens, tokens, text)
+        _call_back(report)
         for job, done in report.finished:
             if job._future is not None and not job._future.done():
                 job._future.set_result(done)
         for job, exc in report.failed:
             if job._future is not None and not job._future.done():
                 job._future.set_exception(exc)
+
+    def run_alone(self, job: DecodeJob) -> Finished:
+        """Decode ``job`` to its end on the calling thread, as the only sequence of an idle
+        engine: the steps :meth:`run` takes for it (its start, then a forward per token, the
+        deadline and ``should_stop`` asked before the start and before each step), with no
+        event loop. What its start raises propagates; its callbacks run on this thread."""
+        if self._rows or self._joining or (self._task is not None and not self._task.done()):
+            raise RuntimeError("run_alone needs an idle engine")
+        joining = [job]
+        while True:
+            report = self._step(joining)
+            joining = []
+            _call_back(report)
+            for _, exc in report.failed:
+                raise exc
+            for _, done in report.finished:
+                return done
+            if not self._rows:
+                raise RuntimeError(f"{job.request_id}: left the engine without an outcome")
 
     # --------------------------------------------------------------- the compute thread
 
@@ -408,6 +437,65 @@ class DecodeEngine:
                 job._future.cancel()
         self._rows, self._cache, self._joining = [], None, []
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _call_back(report: _StepReport) -> None:
+    """The jobs' ``on_started`` and ``on_tokens`` for one step, each in its job's context."""
+    for job in report.started:
+        if job.on_started is not None:
+            _in_context(job, job.on_started)
+    for job, tokens, text in report.tokens:
+        if job.on_tokens is not None and (tokens or text):
+            _in_context(job, job.on_tokens, tokens, text)
+
+
+def decode_alone(
+    bundle: ModelBundle,
+    start: Callable[[], Prefilled],
+    sampling: SamplingParams,
+    *,
+    request_id: str = "",
+    deadline_ms: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> tuple[Finished, DecodeState]:
+    """One request decoded alone on the calling thread, through a :class:`DecodeEngine` with
+    a batch of one (:meth:`DecodeEngine.run_alone`): ``start`` (its prefill, or a state made
+    before), then a step per token. How it ended, and its sequence (tokens, text, finish
+    reason)."""
+    seq = new_sequence(bundle, sampling, request_id)
+    job = DecodeJob(
+        request_id, seq, start, kv_tokens=0, deadline_ms=deadline_ms, should_stop=should_stop
+    )
+    engine = DecodeEngine(bundle, max_batch=1, kv_budget_bytes=sys.maxsize)
+    return engine.run_alone(job), seq
+
+
+def generate_from_embeddings(
+    bundle: ModelBundle,
+    token_ids: Sequence[int],
+    items: Sequence[ItemEmbedding],
+    max_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    *,
+    sampling: SamplingParams | None = None,
+    request_id: str = "",
+) -> list[int]:
+    """The split path for one request: precomputed embeddings -> prefill -> decode (a batch of
+    one, :func:`decode_alone`) -> its token ids; what :mod:`gpu_workers.oracle` checks.
+
+    Greedy unless ``sampling`` is given (then its own ``max_tokens`` and stops apply, and the
+    arguments above them are ignored)."""
+    if sampling is None:
+        if max_tokens <= 0:
+            return []
+        sampling = SamplingParams(
+            max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos
+        )
+    _, seq = decode_alone(
+        bundle, lambda: prefill(bundle, token_ids, items), sampling, request_id=request_id
+    )
+    return seq.tokens
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -14,8 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpu_workers.compute import new_sequence
-from gpu_workers.engine import CANCELLED, COMPLETED, DecodeJob
+from gpu_workers.engine import CANCELLED, COMPLETED, DecodeJob, new_sequence
 
 if TYPE_CHECKING:
     from gpu_workers.compute import Prefilled

@@ -141,8 +141,7 @@ async def verify_cases(
     timeout_s: float,
 ) -> list[CaseResult]:
     """Submit every case (sequentially, so repeats hit the cache) and compare with the oracle."""
-    from gpu_workers.compute import generate_monolithic
-    from producers.render import monolithic_inputs, monolithic_video_inputs
+    from gpu_workers.oracle import generate_monolithic, monolithic_inputs, monolithic_video_inputs
     from schemas.types import SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

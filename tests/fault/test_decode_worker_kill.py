@@ -22,8 +22,7 @@ import pytest
 from aiokafka.partitioner import DefaultPartitioner
 
 from epd.local_pipeline import LocalRun, local_pipeline
-from gpu_workers.compute import generate_monolithic
-from producers.render import monolithic_inputs
+from gpu_workers.oracle import generate_monolithic, monolithic_inputs
 from producers.sample_images import synthetic_image
 from runtime.kafka import read_topic
 from runtime.model import ModelBundle, load_model

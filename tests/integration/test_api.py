@@ -49,8 +49,8 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 
 def oracle(bundle: Any, prompt: str, images: list[bytes], max_tokens: int) -> list[int]:
     """``model.generate`` in this process on the same prompt and images (the parity oracle)."""
-    from gpu_workers.compute import generate_monolithic
-    from producers.render import Renderer, monolithic_inputs
+    from gpu_workers.oracle import generate_monolithic, monolithic_inputs
+    from producers.render import Renderer
 
     ev = Renderer(bundle, max_image_pixels=4096 * 4096).render(
         "oracle", prompt=prompt, images=images
@@ -399,8 +399,8 @@ async def test_tenants_do_not_see_each_other_or_share_cache_entries(
 async def test_vllm_generate_fans_out_a_render_response(
     stack: ApiStack, http: httpx.AsyncClient, bundle: Any
 ) -> None:
-    from gpu_workers.compute import generate_monolithic
-    from producers.render import Renderer, monolithic_inputs
+    from gpu_workers.oracle import generate_monolithic, monolithic_inputs
+    from producers.render import Renderer
     from schemas.vllm_wire import GenerateRequest, generate_request_to_json
 
     ev = Renderer(bundle, max_image_pixels=4096 * 4096).render(

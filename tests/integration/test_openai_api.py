@@ -191,8 +191,8 @@ def oracle(
 ) -> list[int]:
     """``model.generate`` in this process on the prompt transformers' ``apply_chat_template``
     writes for the same conversation, tokenized whole (the parity oracle)."""
-    from gpu_workers.compute import generate_monolithic
-    from producers.render import Renderer, monolithic_inputs
+    from gpu_workers.oracle import generate_monolithic, monolithic_inputs
+    from producers.render import Renderer
 
     prompt = bundle.tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
@@ -394,8 +394,8 @@ async def test_stop_strings_end_generation_and_are_not_returned(
 async def test_a_video_part_is_laid_out_by_the_template_and_equals_generate(
     aclient: openai.AsyncOpenAI, http: httpx.AsyncClient, bundle: Any
 ) -> None:
-    from gpu_workers.compute import generate_monolithic
-    from producers.render import Renderer, monolithic_inputs, monolithic_video_inputs
+    from gpu_workers.oracle import generate_monolithic, monolithic_inputs, monolithic_video_inputs
+    from producers.render import Renderer
     from producers.sample_videos import synthetic_mp4
 
     mp4 = synthetic_mp4(n=8, seed=61)

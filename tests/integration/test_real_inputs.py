@@ -28,12 +28,12 @@ from PIL import Image
 from pydantic import SecretStr
 from transformers import Qwen2VLImageProcessorPil
 
-from gpu_workers.compute import generate_monolithic
 from gpu_workers.context import WorkerContext
 from gpu_workers.encode import EncodeWorker
+from gpu_workers.oracle import generate_monolithic, monolithic_inputs
 from gpu_workers.prefill import PrefillWorker
 from producers.fanout import build_fanout
-from producers.render import Renderer, monolithic_inputs
+from producers.render import Renderer
 from producers.sample_images import synthetic_image
 from runtime.kafka import KafkaPublisher, make_producer, read_topic
 from runtime.model import ModelBundle, load_model

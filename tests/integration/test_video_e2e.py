@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from epd.local_pipeline import LocalRun, local_pipeline
-from producers.render import monolithic_inputs, monolithic_video_inputs
+from gpu_workers.oracle import monolithic_inputs, monolithic_video_inputs
 from producers.sample_images import synthetic_image
 from producers.sample_videos import synthetic_mp4
 from runtime.kafka import read_topic
@@ -36,7 +36,7 @@ async def pipeline(
 
 
 async def test_video_and_image_split_across_topics_with_parity(pipeline: LocalRun) -> None:
-    from gpu_workers.compute import generate_monolithic
+    from gpu_workers.oracle import generate_monolithic
     from runtime.model import load_model
 
     run = pipeline

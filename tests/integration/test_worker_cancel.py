@@ -15,12 +15,14 @@ import pytest
 import redis.asyncio as aioredis
 from pydantic import SecretStr
 
-from gpu_workers.compute import DecodeStopped, generate_monolithic, greedy_decode, prefill
+from gpu_workers.compute import prefill
 from gpu_workers.context import WorkerContext
 from gpu_workers.encode import EncodeWorker
+from gpu_workers.engine import CANCELLED, decode_alone, generate_from_embeddings
+from gpu_workers.oracle import generate_monolithic, monolithic_inputs
 from gpu_workers.prefill import PrefillWorker
 from producers.fanout import FanOut
-from producers.render import Renderer, monolithic_inputs
+from producers.render import Renderer
 from producers.sample_images import synthetic_image
 from runtime.kafka import KafkaPublisher, make_producer, read_topic
 from runtime.model import ModelBundle, load_model
@@ -235,10 +237,12 @@ def test_decode_loop_stops_between_steps(bundle: ModelBundle) -> None:
 
     def stop() -> bool:
         asked.append(1)
-        return len(asked) >= 3
+        return len(asked) >= 4
 
-    with pytest.raises(DecodeStopped) as exc:
-        greedy_decode(bundle, state, 50, ignore_eos=True, should_stop=stop)
-    assert len(exc.value.tokens) == 3  # three tokens made, stopped before the fourth step
-    full = greedy_decode(bundle, prefill(bundle, [5, 6, 7, 8], []), 3, ignore_eos=True)
-    assert exc.value.tokens == full  # what was made is exactly the uncancelled prefix
+    # Asked before the start and before each step: the fourth ask comes after three tokens.
+    sampling = SamplingParams(max_tokens=50, ignore_eos=True)
+    done, seq = decode_alone(bundle, lambda: state, sampling, should_stop=stop)
+    assert done.outcome == CANCELLED
+    assert len(seq.tokens) == 3  # three tokens made, stopped before the fourth step
+    full = generate_from_embeddings(bundle, [5, 6, 7, 8], [], 3, ignore_eos=True)
+    assert seq.tokens == full  # what was made is exactly the uncancelled prefix

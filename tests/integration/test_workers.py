@@ -18,12 +18,13 @@ import pytest
 import torch
 from pydantic import SecretStr
 
-from gpu_workers.compute import encode_images, generate_monolithic
+from gpu_workers.compute import encode_images
 from gpu_workers.context import WorkerContext
 from gpu_workers.encode import EncodeWorker
+from gpu_workers.oracle import generate_monolithic, monolithic_inputs
 from gpu_workers.prefill import PrefillWorker
 from producers.fanout import FanOut, FanoutPlan
-from producers.render import Renderer, monolithic_inputs
+from producers.render import Renderer
 from producers.sample_images import synthetic_image
 from runtime.kafka import KafkaPublisher, make_producer, read_topic
 from runtime.model import ModelBundle, load_model

@@ -13,13 +13,14 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
-from gpu_workers.compute import generate_monolithic, prefill
+from gpu_workers.compute import prefill
 from gpu_workers.context import WorkerContext
 from gpu_workers.encode import EncodeWorker
 from gpu_workers.engine import COMPLETED, DecodeEngine, DecodeJob
+from gpu_workers.oracle import generate_monolithic, monolithic_inputs, monolithic_video_inputs
 from gpu_workers.prefill import PrefillWorker
 from producers.fanout import build_fanout
-from producers.render import RenderEvent, monolithic_inputs, monolithic_video_inputs
+from producers.render import RenderEvent
 from producers.sample_videos import synthetic_frames
 from runtime.publisher import InMemoryPublisher
 from runtime.settings import Settings
@@ -188,7 +189,7 @@ async def test_the_batch_holds_at_most_max_batch_sequences(
 
 
 def _job(rid: str, prompt: list[int], max_tokens: int, **kw: Any) -> DecodeJob:
-    from gpu_workers.compute import new_sequence
+    from gpu_workers.engine import new_sequence
 
     bundle = bundle_of("tiny")
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

@@ -31,16 +31,16 @@ from gpu_workers.compute import (
     ItemEmbedding,
     encode_images,
     encode_items,
-    generate_from_embeddings,
-    generate_monolithic,
     item_embedding,
     mrope_positions,
 )
 from gpu_workers.context import WorkerContext
 from gpu_workers.encode import EncodeWorker
+from gpu_workers.engine import generate_from_embeddings
+from gpu_workers.oracle import generate_monolithic, monolithic_inputs
 from gpu_workers.prefill import PrefillWorker
 from producers.fanout import build_fanout
-from producers.render import Renderer, monolithic_inputs
+from producers.render import Renderer
 from runtime.model import (
     FAMILY_CLASSES,
     ModelBundle,

@@ -16,8 +16,8 @@ import pytest
 from pydantic import SecretStr
 
 from epd.stages import STAGES, StageContext
-from gpu_workers.compute import generate_monolithic
-from producers.render import Renderer, monolithic_inputs
+from gpu_workers.oracle import generate_monolithic, monolithic_inputs
+from producers.render import Renderer
 from producers.sample_images import synthetic_image
 from runtime.memory_broker import InMemoryBroker
 from runtime.model import load_model

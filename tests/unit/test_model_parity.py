@@ -15,18 +15,12 @@ import pytest
 import torch
 from PIL import Image
 
-from gpu_workers.compute import (
-    ComputeError,
-    ItemEmbedding,
-    encode_images,
-    generate_from_embeddings,
-    generate_monolithic,
-    greedy_decode,
-    prefill,
-)
-from producers.render import Renderer, monolithic_inputs
+from gpu_workers.compute import ComputeError, ItemEmbedding, encode_images, prefill
+from gpu_workers.engine import decode_alone, generate_from_embeddings
+from gpu_workers.oracle import generate_monolithic, monolithic_inputs
+from producers.render import Renderer
 from runtime.model import ModelBundle, load_model
-from schemas.types import RenderEvent
+from schemas.types import RenderEvent, SamplingParams
 
 MAX_TOKENS = 10
 REPO = Path(__file__).resolve().parents[2]
@@ -143,7 +137,10 @@ def test_negative_controls_show_the_oracle_can_fail(
     plain = (state.prompt_len,) * 3
     assert state.next_position != plain  # the images moved the positions
     state.next_position = plain
-    assert greedy_decode(bundle, state, MAX_TOKENS, ignore_eos=True) != want
+    _, seq = decode_alone(
+        bundle, lambda: state, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    )
+    assert seq.tokens != want
 
     # Same-size images so the swap is shape-valid; different pixels.
     ev2 = renderer.render(

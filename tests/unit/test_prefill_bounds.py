@@ -13,15 +13,9 @@ import itertools
 import pytest
 import torch
 
-from gpu_workers import compute
-from gpu_workers.compute import (
-    ComputeError,
-    DeadlineExceeded,
-    check_token_range,
-    context_length,
-    generate_from_embeddings,
-    vocab_size,
-)
+from gpu_workers import compute, engine
+from gpu_workers.compute import ComputeError, check_token_range, context_length, prefill, vocab_size
+from gpu_workers.engine import EXPIRED, decode_alone, generate_from_embeddings
 from gpu_workers.lifecycle.admission import worker_limits
 from runtime.model import ModelBundle, load_model, text_config
 from runtime.request_limits import RequestLimits
@@ -168,15 +162,20 @@ def test_deadline_is_checked_between_decode_steps(
     prompt = [5, 6, 7, 8]
     full = generate_from_embeddings(bundle, prompt, [], 6, ignore_eos=True)
     assert len(full) == 6
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    def start() -> compute.Prefilled:
+        return prefill(bundle, prompt, [])
+
     # The clock reads 0 at the pre-prefill check and the first two step checks, then 1000.
     ticks = itertools.chain([0, 0, 0], itertools.repeat(1000))
-    monkeypatch.setattr(compute, "now_ms", lambda: next(ticks))
-    with pytest.raises(DeadlineExceeded) as err:
-        generate_from_embeddings(bundle, prompt, [], 6, ignore_eos=True, deadline_ms=500)
-    assert err.value.tokens == full[:3]  # stopped before the 4th token's forward pass
+    monkeypatch.setattr(engine, "now_ms", lambda: next(ticks))
+    done, seq = decode_alone(bundle, start, sampling, deadline_ms=500)
+    assert done.outcome == EXPIRED
+    assert seq.tokens == full[:3]  # stopped before the 4th token's forward pass
     # Already past before prefill: nothing runs.
-    monkeypatch.setattr(compute, "now_ms", lambda: 1000)
-    with pytest.raises(DeadlineExceeded) as err:
-        generate_from_embeddings(bundle, prompt, [], 6, deadline_ms=500)
-    assert err.value.tokens == []
+    monkeypatch.setattr(engine, "now_ms", lambda: 1000)
+    done, seq = decode_alone(bundle, lambda: pytest.fail("prefill ran"), sampling, deadline_ms=500)
+    assert done.outcome == EXPIRED
+    assert seq.tokens == []
     assert torch.is_grad_enabled()  # inference_mode was left cleanly

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from gpu_workers.compute import generate_from_embeddings, generate_monolithic
+from gpu_workers.engine import generate_from_embeddings
+from gpu_workers.oracle import generate_monolithic, monolithic_inputs
 from gpu_workers.sampling import request_seed
-from producers.render import monolithic_inputs
 from runtime.settings import Settings
 from runtime.stores.redis import RedisStore
 from runtime.token_stream import TokenStreams

@@ -15,14 +15,11 @@ import pytest
 import torch
 from PIL import Image
 
-from gpu_workers.compute import (
-    encode_items,
-    generate_from_embeddings,
-    generate_monolithic,
-    item_embedding,
-)
+from gpu_workers.compute import encode_items, item_embedding
+from gpu_workers.engine import generate_from_embeddings
+from gpu_workers.oracle import generate_monolithic, monolithic_inputs, monolithic_video_inputs
 from producers.fanout import FanOut
-from producers.render import Renderer, monolithic_inputs, monolithic_video_inputs
+from producers.render import Renderer
 from producers.sample_images import png_bytes, synthetic_image
 from producers.sample_videos import (
     encode_animation,

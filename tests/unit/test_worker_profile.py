@@ -9,7 +9,7 @@ from bench.worker_profile import cpu_seconds, idle_cpu, summarize
 RAW = "\n".join(
     [
         "<module> (/x/epd/cli.py:10);run (/x/consumers/loop.py:300);"
-        "handle (/x/gpu_workers/prefill.py:200);greedy_decode (/x/gpu_workers/compute.py:50);"
+        "handle (/x/gpu_workers/prefill.py:200);prefill (/x/gpu_workers/compute.py:50);"
         "linear (/site/torch/nn.py:1) 6",
         "<module> (/x/epd/cli.py:10);run (/x/consumers/loop.py:300);"
         "_fetch (/x/consumers/loop.py:420);recv (/usr/lib/socket.py:5) 3",
