@@ -13,13 +13,8 @@ import pytest
 import torch
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from consumers.dlq import (
-    LetterFilter,
-    Replayer,
-    ReplayLedger,
-    fetch_dead_letter,
-    read_dead_letters,
-)
+from consumers.dead_letters.reader import LetterFilter, fetch_dead_letter, read_dead_letters
+from consumers.dead_letters.replay import Replayer, ReplayLedger
 from consumers.loop import ConsumedEvent, ConsumeLoop, ConsumerConfig
 from epd.cli import build_parser
 from epd.commands import dlq as dlq_cmd
