@@ -22,16 +22,14 @@ import time
 from collections import deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
+from consumers.config import ConsumerConfig
 from runtime.kafka import make_producer
 from runtime.settings import Settings
-
-if TYPE_CHECKING:
-    from consumers.config import ConsumerConfig
 
 log = logging.getLogger(__name__)
 
