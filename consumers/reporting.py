@@ -9,7 +9,7 @@ from schemas.topics import Topics
 from schemas.types import ErrorInfo
 
 if TYPE_CHECKING:
-    from consumers.loop import ConsumedEvent, DeadLetterHook
+    from consumers.records import ConsumedEvent, DeadLetterHook
     from runtime.publisher import Publisher
 
 # Codes that mean "this input is bad" (rejected) rather than "we failed to process it".

@@ -349,7 +349,8 @@ async def _consume_loop(stage: Stage, ctx: StageContext, handler: Handler) -> Co
     """The stage's consume loop around ``handler``, with its dead letters reported."""
     from prometheus_client import REGISTRY
 
-    from consumers.loop import ConsumeLoop, ConsumerConfig
+    from consumers.config import ConsumerConfig
+    from consumers.loop import ConsumeLoop
     from consumers.reporting import dead_letter_reporter
 
     async def on_event(ce: Any) -> None:
@@ -381,6 +382,8 @@ async def _consume_loop(stage: Stage, ctx: StageContext, handler: Handler) -> Co
         producer=ctx.publisher.producer,
         on_dead_letter=reporter,
         registry=REGISTRY,  # served by --metrics-port
+        # A memory broker (Tansu) that restarts loses its logs; such brokers do no transactions.
+        rewind_lost_logs=not settings.kafka_transactions,
     )
 
 

@@ -1,8 +1,8 @@
 """``epd dlq list|show|replay``: inspect the dead-letter topic and replay what can be replayed.
 
-The logic lives in :mod:`consumers.dlq`; this module parses flags, connects, and prints (a table
-or, with ``--json``, JSON). Exit codes: 0 done, 1 nothing at that position, 2 bad arguments or a
-broker/Redis that cannot be reached.
+The logic lives in :mod:`consumers.dead_letters` (its reader and replay); this module parses
+flags, connects, and prints (a table or, with ``--json``, JSON). Exit codes: 0 done, 1 nothing at
+that position, 2 bad arguments or a broker/Redis that cannot be reached.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from runtime.settings import Settings, get_settings
 
 if TYPE_CHECKING:
-    from consumers.dlq import DeadLetterRecord, LetterFilter
+    from consumers.dead_letters.reader import DeadLetterRecord, LetterFilter
 
 MESSAGE_WIDTH = 80
 
@@ -32,7 +32,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _filter(args: argparse.Namespace) -> LetterFilter:
-    from consumers.dlq import LetterFilter, parse_since
+    from consumers.dead_letters.reader import LetterFilter, parse_since
 
     since = parse_since(args.since) if args.since else None
     return LetterFilter(since_ms=since, rule=args.rule, code=args.code)
@@ -43,7 +43,7 @@ def _json(obj: Any) -> None:
 
 
 async def _with_ledger(settings: Settings, body: Callable[[Any], Awaitable[int]]) -> int:
-    from consumers.dlq import ReplayLedger
+    from consumers.dead_letters.replay import ReplayLedger
     from runtime.redis_client import redis_client
 
     client = redis_client(settings)
@@ -66,7 +66,7 @@ async def _annotate(ledger: Any, records: list[DeadLetterRecord]) -> None:
 
 
 def _row(r: DeadLetterRecord) -> str:
-    from consumers.dlq import describe
+    from consumers.dead_letters.reader import describe
 
     d = describe(r)
     if r.letter is None:
@@ -89,7 +89,7 @@ def _row(r: DeadLetterRecord) -> str:
 
 async def list_letters(settings: Settings, args: argparse.Namespace) -> int:
     """Print the dead letters that match the filters, oldest first."""
-    from consumers.dlq import describe, read_dead_letters
+    from consumers.dead_letters.reader import describe, read_dead_letters
     from schemas.topics import Topics
 
     records = await read_dead_letters(settings, Topics(settings.topic_prefix).dlq, _filter(args))
@@ -113,7 +113,12 @@ async def list_letters(settings: Settings, args: argparse.Namespace) -> int:
 
 async def show_letter(settings: Settings, args: argparse.Namespace) -> int:
     """Print one dead letter in full (headers and the original event's identity, no tensors)."""
-    from consumers.dlq import NotFound, describe, fetch_dead_letter, parse_position
+    from consumers.dead_letters.reader import (
+        NotFound,
+        describe,
+        fetch_dead_letter,
+        parse_position,
+    )
     from schemas.topics import Topics
 
     partition, offset = parse_position(args.position)
@@ -144,7 +149,8 @@ async def show_letter(settings: Settings, args: argparse.Namespace) -> int:
 
 async def replay_letters(settings: Settings, args: argparse.Namespace) -> int:
     """Re-validate and republish the matching dead letters; print one line per dead letter."""
-    from consumers.dlq import Replayer, outcome_line, read_dead_letters
+    from consumers.dead_letters.reader import read_dead_letters
+    from consumers.dead_letters.replay import Replayer, outcome_line
     from runtime.kafka import make_producer
     from runtime.limits import deployment_tensor_limit
     from runtime.stores import open_store

@@ -13,14 +13,11 @@ import pytest
 import torch
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from consumers.dlq import (
-    LetterFilter,
-    Replayer,
-    ReplayLedger,
-    fetch_dead_letter,
-    read_dead_letters,
-)
-from consumers.loop import ConsumedEvent, ConsumeLoop, ConsumerConfig
+from consumers.config import ConsumerConfig
+from consumers.dead_letters.reader import LetterFilter, fetch_dead_letter, read_dead_letters
+from consumers.dead_letters.replay import Replayer, ReplayLedger
+from consumers.loop import ConsumeLoop
+from consumers.records import ConsumedEvent
 from epd.cli import build_parser
 from epd.commands import dlq as dlq_cmd
 from runtime.kafka import KafkaPublisher, make_producer, topic_partitions

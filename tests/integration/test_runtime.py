@@ -12,7 +12,10 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from prometheus_client import CollectorRegistry
 
-from consumers.loop import ConsumedEvent, ConsumeLoop, ConsumerConfig, Poison
+from consumers.config import ConsumerConfig
+from consumers.loop import ConsumeLoop
+from consumers.records import ConsumedEvent
+from consumers.retry import Poison
 from runtime.kafka import KafkaPublisher, ensure_topics, make_producer
 from runtime.settings import Settings
 from runtime.stores import StoreUnavailable
@@ -468,7 +471,7 @@ async def test_rebalance_hands_over_partitions_without_loss(settings: Settings) 
     async def spy(tps: set[TopicPartition]) -> None:
         await real_revoked(tps)
         # once a partition is revoked nothing of it may still be running
-        assert not [t for t, tp in a._tasks.items() if tp in tps]
+        assert not a._in_flight.of(tps)
         revoked.append(tps)
 
     a._on_revoked = spy  # type: ignore[method-assign]

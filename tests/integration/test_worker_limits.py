@@ -22,7 +22,7 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from consumers.dlq import read_dead_letters
+from consumers.dead_letters.reader import read_dead_letters
 from epd.stages import run_worker
 from producers.api import create_app
 from runtime.kafka import KafkaPublisher, ensure_topics, make_producer, read_topic

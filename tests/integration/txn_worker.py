@@ -16,7 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from consumers.loop import ConsumedEvent, ConsumeLoop, ConsumerConfig
+from consumers.config import ConsumerConfig
+from consumers.loop import ConsumeLoop
+from consumers.records import ConsumedEvent
 from runtime.kafka import make_transactional_producer, start_producer, transactional_id
 from runtime.settings import Settings
 

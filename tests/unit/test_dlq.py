@@ -8,14 +8,16 @@ from datetime import UTC, datetime
 import pytest
 import torch
 
-from consumers.dlq import (
+from consumers.dead_letters.reader import (
     DeadLetterRecord,
     LetterFilter,
+    parse_position,
+    parse_since,
+)
+from consumers.dead_letters.replay import (
     ReplayLedger,
     check_claims,
     check_replayable,
-    parse_position,
-    parse_since,
     replay_headers,
 )
 from runtime.stores.local import LocalStore

@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 from aiokafka import TopicPartition
 
-from consumers.loop import ConsumedEvent, ConsumeLoop, ConsumerConfig
+from consumers.config import ConsumerConfig
+from consumers.loop import ConsumeLoop
+from consumers.records import ConsumedEvent
 from runtime.settings import Settings
 
 TP = TopicPartition("in", 0)
@@ -103,8 +105,7 @@ def _loop(handler: Any, consumer: FakeConsumer, producer: FakeProducer) -> Consu
         topics=["in"], group_id="g", dlq_topic="dlq", poll_timeout_ms=10, shutdown_timeout_s=0.2
     )
     loop = ConsumeLoop(settings, config, handler, decode=lambda b: b, producer=producer)  # type: ignore[arg-type]
-    loop._consumer = consumer  # type: ignore[assignment]
-    loop._started = True
+    loop._attach(consumer)  # type: ignore[arg-type]  # as start() does with a started consumer
     return loop
 
 
