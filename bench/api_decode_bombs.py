@@ -4,7 +4,7 @@ requests wait during an attack (issue 27, defect 1).
 ``python -m bench.api_decode_bombs`` starts two ``epd api`` processes (no workers: every request
 here is refused or only accepted) against ``EPD_KAFKA_BOOTSTRAP`` / ``EPD_REDIS_URL`` or services
 of its own, and sends progressive JPEGs whose last scan repeats thousands of times
-(:func:`producers.sample_images.repeated_scan_jpeg`, 4096x4096, ~200 KB):
+(:func:`media.sample_images.repeated_scan_jpeg`, 4096x4096, ~200 KB):
 
 - ``lifted``: the structure guard lifted (``EPD_MAX_IMAGE_SCANS`` huge), renders cut at
   ``--render-timeout`` seconds, so the bomb reaches the decoder: the answer to one bomb and the
@@ -41,7 +41,7 @@ from bench.common import machine_facts
 
 
 def bomb_body(scans: int) -> dict[str, Any]:
-    from producers.sample_images import repeated_scan_jpeg
+    from media.sample_images import repeated_scan_jpeg
 
     data = repeated_scan_jpeg(4096, scans)
     return {"prompt": "<image>", "images": [base64.b64encode(data).decode()], "max_tokens": 1}

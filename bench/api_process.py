@@ -18,7 +18,7 @@ import httpx
 
 def image_b64(seed: int) -> str:
     """A small synthetic PNG, base64 (one per request: each is a new image to the encoder)."""
-    from producers.sample_images import png_bytes, synthetic_image
+    from media.sample_images import png_bytes, synthetic_image
 
     return base64.b64encode(png_bytes(synthetic_image(56, 56, seed=seed))).decode()
 

@@ -58,7 +58,7 @@ class Traffic:
     """One request of the mix at a time (seeded: the same run sends the same requests)."""
 
     def __init__(self, seed: int = 0) -> None:
-        from producers.sample_images import png_bytes, synthetic_image
+        from media.sample_images import png_bytes, synthetic_image
 
         self.rng = random.Random(seed)
         self._png = lambda s, side=56: png_bytes(synthetic_image(side, side, seed=s))
@@ -158,8 +158,8 @@ async def _refused(http: Any, traffic: Traffic) -> str:
 
 
 def _vllm_body() -> dict[str, Any]:
+    from media.sample_images import synthetic_image
     from producers.render import Renderer
-    from producers.sample_images import synthetic_image
     from runtime.model import load_render_info
     from schemas.vllm_wire import GenerateRequest, generate_request_to_json
 

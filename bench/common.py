@@ -198,8 +198,8 @@ def render_info() -> Any:
 @cache
 def rendered_1024() -> Any:
     """The ``RenderEvent`` of one 1024x1024 synthetic image with a short prompt (cached)."""
+    from media.sample_images import synthetic_image
     from producers.render import Renderer
-    from producers.sample_images import synthetic_image
 
     renderer = Renderer(render_info(), max_image_pixels=4096 * 4096)
     return renderer.render(

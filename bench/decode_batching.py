@@ -177,7 +177,7 @@ async def _api_cell(base: Any, log_dir: Path, tag: str, n: int, max_tokens: int,
     for the decode stage, each request's record (for its KV timings)."""
     from epd.local_pipeline import WorkerProcesses, worker_env, worker_kinds
     from runtime.kafka import ensure_topics
-    from runtime.redis_client import redis_client
+    from runtime.redis.client import redis_client
     from runtime.status import StatusStore
     from runtime.token_stream import TokenStreams
     from schemas.topics import Topics

@@ -274,7 +274,7 @@ class Arm:
         return await _one_request(self.run, self.notifier, self.bundle, image, self.salt)
 
     def new_image(self) -> Any:
-        from producers.sample_images import synthetic_image
+        from media.sample_images import synthetic_image
 
         return synthetic_image(IMAGE_SIDE, IMAGE_SIDE, next(self.seeds))
 
@@ -324,7 +324,7 @@ async def _interleaved_sets(arms: list[Arm], sizes: Sizes) -> dict[str, dict[str
 
 
 def _render(run: Any, side: int, seed: int = 3) -> Any:
-    from producers.sample_images import synthetic_image
+    from media.sample_images import synthetic_image
     from schemas.types import SamplingParams
 
     return run.submitter.renderer.render(

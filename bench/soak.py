@@ -171,7 +171,7 @@ class ImageMix:
     """New and repeated synthetic images, some above the inline limit (seeded: reproducible)."""
 
     def __init__(self, repeat_fraction: float, large_fraction: float, seed: int = 0) -> None:
-        from producers.sample_images import synthetic_image
+        from media.sample_images import synthetic_image
 
         self._make = synthetic_image
         self.rng = random.Random(seed)

@@ -261,7 +261,7 @@ def _scale_out(
     import tempfile
 
     from epd.services import start_redis_cluster
-    from epd.services.redis_cluster import stop_redis_cluster
+    from epd.services.local_redis_cluster import stop_redis_cluster
 
     root = Path(tempfile.mkdtemp(prefix="bench-clusters-"))
     clusters = {m: start_redis_cluster(root / f"m{m}", m) for m in (1, 3)}

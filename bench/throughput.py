@@ -127,7 +127,7 @@ def _vision_ms(bundle: Any, run: Any, side: int) -> tuple[float, list[int]]:
     """Vision-tower time (ms) on one rendered ``side``² image, the fastest of 5 (compute
     alone: a neighbour's burst on a shared machine only ever adds), and its grid."""
     from gpu_workers.compute import encode_images
-    from producers.sample_images import synthetic_image
+    from media.sample_images import synthetic_image
 
     ev = run.submitter.renderer.render(
         "vision-timing", prompt=PROMPT, images=[synthetic_image(side, side, 5)]
@@ -150,7 +150,7 @@ class _Seeds:
         self.next = 10_000
 
     def image(self, side: int) -> Any:
-        from producers.sample_images import synthetic_image
+        from media.sample_images import synthetic_image
 
         self.next += 1
         return synthetic_image(side, side, self.next)
@@ -274,7 +274,7 @@ async def _on_cluster(settings: Any, sizes: Sizes, log_dir: Path) -> dict[str, A
     """The 1-encode-worker cells again, with the embeddings and the status records on a
     3-master Redis Cluster this benchmark starts (processes on 127.0.0.1, no replicas)."""
     from epd.services import start_redis_cluster
-    from epd.services.redis_cluster import stop_redis_cluster
+    from epd.services.local_redis_cluster import stop_redis_cluster
 
     cluster = await asyncio.to_thread(
         start_redis_cluster, Path(tempfile.mkdtemp(prefix="bench-cluster-")), 3

@@ -22,7 +22,7 @@ from pydantic import SecretStr
 from runtime.settings import Settings, env_names
 
 if TYPE_CHECKING:
-    from producers.submit import Submitter
+    from producers.submitter import Submitter
     from runtime.kafka import KafkaPublisher
 
 DEFAULT_WORKERS = ("results", "encode", "prefill")
@@ -215,10 +215,10 @@ async def local_pipeline(
     ``isolate`` gives this run its own topic prefix, embedding namespace and EC secret, so
     reruns against a long-lived broker and Redis never see each other's events or embeddings.
     """
-    from producers.submit import Submitter
+    from producers.submitter import Submitter
     from runtime.kafka import KafkaPublisher, ensure_topics
     from runtime.model import load_render_info
-    from runtime.redis_client import redis_client
+    from runtime.redis.client import redis_client
     from runtime.status import StatusStore
     from runtime.stores import open_store
     from schemas.topics import Topics

@@ -57,7 +57,7 @@ class StageContext:
 
     async def cancel_watch(self) -> Any:
         """Cancels (``DELETE /v1/requests/{id}``), checked before compute and between steps."""
-        from runtime.redis_client import redis_client
+        from runtime.redis.client import redis_client
         from runtime.status import CancelWatch
 
         client = redis_client(self.settings)
@@ -74,7 +74,7 @@ class StageContext:
     def status_store(self) -> Any:
         """The requests' status records: one per worker (its Redis client is closed when the
         worker stops), so what one part of the worker wrote is what the next one starts from."""
-        from runtime.redis_client import redis_client
+        from runtime.redis.client import redis_client
         from runtime.status import StatusStore
 
         if self._status is None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from gpu_workers.compute import EncoderOutput, ItemEmbedding, item_embedding
-from runtime.limits import input_limits
+from runtime.processor_limits import input_limits
 from runtime.stores.base import StoreCorrupt
 from schemas.errors import ComputeError, ValidationError
 from schemas.families import EMBEDS, ModelFamily

@@ -12,7 +12,7 @@ label that differs is refused (rule ``mm-hash-mismatch``): it would otherwise le
 write to the render topic get signed entries, and cache hits, for another tenant's key. Each
 entry's signature also binds the request id, so it cannot be replayed into another request.
 
-Encoder inputs travel in ``EPD_PIXEL_DTYPE`` (:func:`runtime.limits.pixel_dtype`): a bf16
+Encoder inputs travel in ``EPD_PIXEL_DTYPE`` (:func:`runtime.processor_limits.pixel_dtype`): a bf16
 transport halves the bytes on the encode topic and in the store. The cast happens here, after
 hashing, so the store key names the processor's output whatever the transport; the encode
 worker casts to its model dtype anyway, so a bf16 model sees the same values either way.
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.limits import InputLimits, input_limits, pixel_dtype
+from runtime.processor_limits import InputLimits, input_limits, pixel_dtype
 from runtime.publisher import Publisher, publish
 from runtime.reporting import ResultReporter, StatusWriter
 from runtime.settings import Settings

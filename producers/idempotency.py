@@ -8,7 +8,7 @@ import hashlib
 import json
 
 from producers.refusal import Refused
-from runtime.redis_cluster import RedisClient
+from runtime.redis.cluster import RedisClient
 from schemas.keys import RedisKeys
 
 

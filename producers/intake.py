@@ -1,7 +1,7 @@
 """The one way into the pipeline: request id, trace, admission, record, render, fan-out.
 
 Every front hands its requests to an :class:`Intake`: the HTTP API's routes (native and vLLM),
-the in-process :class:`producers.submit.Submitter`, and any later front (OpenAI-compatible
+the in-process :class:`producers.submitter.Submitter`, and any later front (OpenAI-compatible
 routes) alike. A front only turns its own wire format into a :class:`Submission` (how to render
 the request, whose it is, its sampling and labels) and the intake's answer back into its own
 wire format. Idempotency, admission, request limits, tenant salts, the status record, the

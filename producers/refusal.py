@@ -4,7 +4,7 @@ The intake (:mod:`producers.intake`) is shared by the HTTP API, the in-process `
 and any later front (OpenAI-compatible routes), so it cannot speak HTTP. It raises
 ``schemas.errors.ValidationError`` for an input that breaks a rule, and :class:`Refused` for
 everything else it declines; each front maps the ``kind`` to its own answer (the native API:
-400/409/429/503 in ``producers.api.errors``).
+400/409/429/503 in ``frontend.api.errors``).
 """
 
 from __future__ import annotations

@@ -8,12 +8,12 @@ event's ``Features`` carry, per item: a content hash, the placeholder range, the
 output (``kwargs_data``) and the light metadata prefill needs (``mm_metadata``:
 ``image_grid_thw``).
 
-Videos (:mod:`producers.video_items`) are laid out the same way with ``<|video_pad|>``; images
+Videos (:mod:`media.video_items`) are laid out the same way with ``<|video_pad|>``; images
 and videos mix in one prompt in any order (``<image>`` / ``<video>`` markers).
 
 Processing is CPU-bound; async callers use ``render_async``, which runs it in a worker thread
 and, where the renderer has a :attr:`Renderer.decoder` (the API), decodes encoded images first in
-child processes that its timeout kills (:mod:`producers.image_decoder`).
+child processes that its timeout kills (:mod:`media.image_decoder`).
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from typing import Any
 import torch
 from PIL import Image
 
-from producers.image_decoder import DecodeTimedOut, ImageDecoder
-from producers.image_loading import ImageInput, ImageLimits, load_image
-from producers.image_structure import StructureLimits
-from producers.pictures import ErrorFactory
-from producers.pictures import to_rgb as to_rgb  # re-exported: part of this module's API
-from producers.video import VideoInput, VideoLimits
-from producers.video_items import VideoItems
-from runtime.limits import input_limits
+from media.image_decoder import DecodeTimedOut, ImageDecoder
+from media.image_loading import ImageInput, ImageLimits, load_image
+from media.image_structure import StructureLimits
+from media.pictures import ErrorFactory
+from media.pictures import to_rgb as to_rgb  # re-exported: part of this module's API
+from media.video import VideoInput, VideoLimits
+from media.video_items import VideoItems
 from runtime.model import ModelBundle, RenderInfo, placeholder_ids
+from runtime.processor_limits import input_limits
 from runtime.request_limits import outside_vocabulary
 from runtime.settings import Settings
 from schemas import defaults
@@ -179,7 +179,7 @@ class Renderer:
 
         ``video_limits``, ``max_tensor_bytes``, ``max_video_bytes``, ``video_pixels``
         (``min_pixels``, ``max_pixels``, ``max_total_pixels``): see
-        :class:`producers.video_items.VideoItems` (``VideoLimits.from_settings`` and
+        :class:`media.video_items.VideoItems` (``VideoLimits.from_settings`` and
         ``VideoItems.settings_kwargs`` give the ``EPD_VIDEO_*`` settings).
         """
         self.info = info.render_info() if isinstance(info, ModelBundle) else info
@@ -217,9 +217,10 @@ class Renderer:
         **kwargs: Any,
     ) -> Renderer:
         """A renderer with the deployment's limits: the pixel and tensor caps are the settings'
-        or, unset, derived from the model's processor (:func:`runtime.limits.input_limits`);
-        the video limits are the ``EPD_VIDEO_*`` settings. ``max_video_bytes``: cap on one
-        video file (the API's upload limit)."""
+        or, unset, derived from the model's processor
+        (:func:`runtime.processor_limits.input_limits`); the video limits are the
+        ``EPD_VIDEO_*`` settings. ``max_video_bytes``: cap on one video file (the API's upload
+        limit)."""
         ri = info.render_info() if isinstance(info, ModelBundle) else info
         limits = input_limits(settings, ri.image_processor)
         return cls(

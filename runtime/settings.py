@@ -39,7 +39,7 @@ class InsecureSettings(SystemExit):
 
 def _cluster_url_checked(url: str) -> str:
     """``url`` unchanged; a ``redis+cluster://`` one must name its seeds as HOST:PORT."""
-    from runtime.redis_cluster import ClusterURL, is_cluster_url
+    from runtime.redis.cluster import ClusterURL, is_cluster_url
 
     if url and is_cluster_url(url):
         ClusterURL.parse(url)  # ValueError says which seed or part is wrong

@@ -63,8 +63,8 @@ from typing import TYPE_CHECKING, Any
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from runtime.redis_cluster import RedisClient, is_cluster_client
-from runtime.sharded_pubsub import ShardedChannels
+from runtime.redis.cluster import RedisClient, is_cluster_client
+from runtime.redis.sharded_pubsub import ShardedChannels
 from runtime.status.listener import ChannelListener, forget
 from schemas.keys import RedisKeys
 

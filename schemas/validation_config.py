@@ -56,8 +56,9 @@ class ValidationConfig:
             "merge_size": settings.spatial_merge_size,
             "now_ms": wall_now_ms,
         }
-        # None: derived from the model's processor by whoever knows it (runtime.limits), passed
-        # in as an override; a gate that knows no processor keeps the class default.
+        # None: derived from the model's processor by whoever knows it
+        # (runtime.processor_limits), passed in as an override; a gate that knows no processor
+        # keeps the class default.
         if getattr(settings, "max_tensor_bytes", None) is not None:
             values["max_tensor_bytes"] = settings.max_tensor_bytes
         values.update({k: v for k, v in overrides.items() if v is not None})

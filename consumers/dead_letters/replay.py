@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from consumers.dead_letters.reader import DeadLetterRecord, iso_time
-from runtime.redis_cluster import read_many
+from runtime.redis.cluster import read_many
 from schemas import codec
 from schemas import dead_letters as envelope
 from schemas.errors import CodecError, ValidationError
@@ -51,7 +51,7 @@ from schemas.values import deadline_passed
 if TYPE_CHECKING:
     from aiokafka import AIOKafkaProducer
 
-    from runtime.redis_cluster import RedisClient
+    from runtime.redis.cluster import RedisClient
     from runtime.stores.base import EmbeddingStore
 
 

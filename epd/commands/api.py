@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     uvicorn.run(
-        "producers.api:app_factory",
+        "frontend.api:app_factory",
         factory=True,
         host=args.host,
         port=args.port,

@@ -53,8 +53,8 @@ class DemoRequest:
 def demo_requests(video: bool = True) -> list[DemoRequest]:
     """Several sizes, a non-square image, a repeated image, a two-image prompt and (``video``)
     a small MP4 made in memory with an image beside it."""
-    from producers.sample_images import synthetic_image
-    from producers.sample_videos import synthetic_mp4
+    from media.sample_images import synthetic_image
+    from media.sample_videos import synthetic_mp4
 
     cat = synthetic_image(112, 112, seed=1)
     return [

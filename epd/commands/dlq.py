@@ -44,7 +44,7 @@ def _json(obj: Any) -> None:
 
 async def _with_ledger(settings: Settings, body: Callable[[Any], Awaitable[int]]) -> int:
     from consumers.dead_letters.replay import ReplayLedger
-    from runtime.redis_client import redis_client
+    from runtime.redis.client import redis_client
 
     client = redis_client(settings)
     try:
@@ -152,7 +152,7 @@ async def replay_letters(settings: Settings, args: argparse.Namespace) -> int:
     from consumers.dead_letters.reader import read_dead_letters
     from consumers.dead_letters.replay import Replayer, outcome_line
     from runtime.kafka import make_producer
-    from runtime.limits import deployment_tensor_limit
+    from runtime.processor_limits import deployment_tensor_limit
     from runtime.stores import open_store
     from schemas.topics import Topics
     from schemas.validator import ValidationConfig

@@ -102,7 +102,7 @@ def _stack_settings(args: argparse.Namespace) -> Any:
 
 async def _serve(args: argparse.Namespace, settings: Any, log_dir: Path) -> int:
     from epd.local_pipeline import WorkerProcesses, worker_env
-    from producers.api import create_app
+    from frontend.api import create_app
     from runtime.kafka import ensure_topics
     from schemas.topics import Topics
 

@@ -110,7 +110,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from producers.client import SyncEPDClient
+    from frontend.client import SyncEPDClient
 
     return SyncEPDClient(args.url, token=args.token)
 
@@ -164,7 +164,7 @@ def _stream(client: Any, request_id: str, timeout_s: float) -> Any:
     """Print the request's text on stdout as its tokens arrive (``token`` events), its status
     changes on stderr; then the final status. Should a token write have been lost, the rest of
     the final text is printed at the end, so stdout always holds the whole text."""
-    from producers.client import TokenEvent
+    from frontend.client import TokenEvent
 
     t0 = time.monotonic()
     shown: list[str] = []
@@ -205,7 +205,7 @@ def _print_outcome(st: Any) -> None:
 def _run(args: argparse.Namespace, body: Any) -> int:
     import httpx
 
-    from producers.client import EPDError
+    from frontend.client import EPDError
 
     try:
         with _client(args) as client:

@@ -76,7 +76,7 @@ class CaseResult:
 def builtin_cases(video: bool = True) -> list[Case]:
     """Single, two sizes, repeated, non-square, image first and image last; then (``video``)
     the video cases."""
-    from producers.sample_images import synthetic_image
+    from media.sample_images import synthetic_image
 
     a = synthetic_image(112, 112, seed=11)
     return [
@@ -96,8 +96,8 @@ def builtin_cases(video: bool = True) -> list[Case]:
 
 def video_cases() -> list[Case]:
     """Video alone (an MP4 file), video + image (a frame list), two videos (MP4 and GIF)."""
-    from producers.sample_images import synthetic_image
-    from producers.sample_videos import encode_animation, synthetic_frames, synthetic_mp4
+    from media.sample_images import synthetic_image
+    from media.sample_videos import encode_animation, synthetic_frames, synthetic_mp4
 
     mp4 = synthetic_mp4(12, 96, 64, fps=6, seed=21)
     return [

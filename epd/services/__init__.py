@@ -27,6 +27,7 @@ from typing import Any
 from epd.services.brokers import BROKERS, TANSU_TRANSACTIONS, choose_broker, describe, start_broker
 from epd.services.config import LocalServices
 from epd.services.kafka import KafkaJarsUnavailable, start_apache_kafka
+from epd.services.local_redis_cluster import RedisClusterNodes, start_redis_cluster
 from epd.services.probes import kafka_answers, redis_answers
 from epd.services.processes import (
     free_port,
@@ -37,7 +38,6 @@ from epd.services.processes import (
     wait_until,
 )
 from epd.services.redis import DEFAULT_REDIS_URL, REDIS_INSTALL_HINT, start_redis
-from epd.services.redis_cluster import RedisClusterNodes, start_redis_cluster
 from epd.services.state import (
     ServiceError,
     ServiceRecord,
@@ -48,7 +48,7 @@ from epd.services.state import (
     state_dir,
 )
 from epd.services.tansu import TANSU_IDEMPOTENCE, start_tansu, tansu_binary
-from runtime.redis_cluster import is_cluster_url
+from runtime.redis.cluster import is_cluster_url
 from runtime.settings import Settings
 
 __all__ = [

@@ -75,7 +75,7 @@ def redis_answers(url: str, timeout_s: float = 1.0) -> bool:
     answers and says the cluster is ``ok``)."""
     import redis
 
-    from runtime.redis_cluster import ClusterURL, is_cluster_url
+    from runtime.redis.cluster import ClusterURL, is_cluster_url
 
     if is_cluster_url(url):
         return any(_cluster_ok(host, port, timeout_s) for host, port in ClusterURL.parse(url).seeds)

@@ -13,9 +13,9 @@ from collections import OrderedDict
 
 from redis.exceptions import RedisError
 
-from runtime.redis_cluster import RedisClient, is_cluster_client
+from runtime.redis.cluster import RedisClient, is_cluster_client
+from runtime.redis.waiters import KeyedWaiters
 from runtime.status.listener import ChannelListener
-from runtime.waiters import KeyedWaiters
 from schemas.keys import RedisKeys
 
 

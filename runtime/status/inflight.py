@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.redis_cluster import RedisClient, read_many
+from runtime.redis.cluster import RedisClient, read_many
 from schemas.keys import RedisKeys
 from schemas.status_record import StatusRecord
 from schemas.types import now_ms

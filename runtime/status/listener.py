@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from runtime.redis_cluster import RedisClient, node_client
+from runtime.redis.cluster import RedisClient, node_client
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@ process subscribes to once. On a Redis Cluster each request's changes go to its 
 channel (``RedisKeys.status_changes``, in the request's slot, published by the record's own
 update script), and a process subscribes to a request's channel only while someone waits on
 that request: a change costs its shard alone, not every node (see
-:mod:`runtime.sharded_pubsub`). Cancels stay on one classic channel (:mod:`runtime.status.cancel`).
+:mod:`runtime.redis.sharded_pubsub`). Cancels stay on one classic channel
+(:mod:`runtime.status.cancel`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from runtime.sharded_pubsub import ShardedChannels
+from runtime.redis.sharded_pubsub import ShardedChannels
 from runtime.status.listener import ChannelListener, forget
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from runtime.redis_cluster import RedisClient, is_cluster_client
+from runtime.redis.cluster import RedisClient, is_cluster_client
 from runtime.settings import Settings
 from runtime.status.cancel import announce_cancel
 from runtime.status.inflight import InFlight

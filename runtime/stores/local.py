@@ -20,8 +20,8 @@ from urllib.parse import urlsplit
 
 import torch
 
+from runtime.redis.waiters import KeyedWaiters, wait_present
 from runtime.stores.base import EmbeddingStore, StoreKeyMissing, StoreTimeout, expiry_ms
-from runtime.waiters import KeyedWaiters, wait_present
 
 
 @dataclass(slots=True)

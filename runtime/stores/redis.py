@@ -48,6 +48,7 @@ import torch
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from runtime.redis.waiters import KeyedWaiters, wait_present
 from runtime.stores import redis_wire as wire
 from runtime.stores.base import (
     Blob,
@@ -62,7 +63,6 @@ from runtime.stores.base import (
     tensor_from_blob,
     tensor_view,
 )
-from runtime.waiters import KeyedWaiters, wait_present
 from schemas.keys import store_ready_channel
 
 log = logging.getLogger(__name__)

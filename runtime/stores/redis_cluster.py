@@ -3,7 +3,7 @@
 Embeddings and claim-checked inputs spread over the masters by key (their keys carry no hash
 tag: each lands where its own hash puts it). Values use the blob layout of
 :mod:`runtime.stores.base`, exactly as on ``redis://``. Reads go to masters (see
-:mod:`runtime.redis_cluster`).
+:mod:`runtime.redis.cluster`).
 
 Data path: redis-py's asyncio ``RedisCluster`` keeps the slot map and is the way back whenever
 something is off (``MOVED``/``ASK`` while a slot moves, a master gone, ``CLUSTERDOWN``): it
@@ -15,9 +15,9 @@ a dead connection there falls back to redis-py for that call (``wire_io=False``:
 
 Readiness: a put is ``SET key blob PX ttl`` and ``SPUBLISH <slot channel> key`` in one
 ``MULTI``/``EXEC`` on the key's master. The slot channel is ``{channel}:{<tag>}`` where the tag
-hashes to the key's own slot (:func:`runtime.redis_cluster.slot_tags`), so the two commands are
+hashes to the key's own slot (:func:`runtime.redis.cluster.slot_tags`), so the two commands are
 one single-slot transaction and a reader who hears the key finds it. A waiter subscribes (sharded
-pub/sub, :mod:`runtime.sharded_pubsub`) to the channels of its keys' slots, confirmed, then
+pub/sub, :mod:`runtime.redis.sharded_pubsub`) to the channels of its keys' slots, confirmed, then
 registers and checks ``EXISTS``, exactly as the ``redis://`` store does; subscriptions are kept
 (at most one per slot) for the next wait. A subscription's connection that drops (a master died)
 fails the waits that relied on it with :class:`StoreUnavailable` (transient: the consume loop
@@ -39,8 +39,9 @@ from typing import Any
 import redis.exceptions as rexc
 import torch
 
-from runtime.redis_cluster import ClusterURL, cluster_client, read_many, slot_of, slot_tags
-from runtime.sharded_pubsub import ShardedChannels
+from runtime.redis.cluster import ClusterURL, cluster_client, read_many, slot_of, slot_tags
+from runtime.redis.sharded_pubsub import ShardedChannels
+from runtime.redis.waiters import KeyedWaiters, wait_present
 from runtime.stores import redis_wire as wire
 from runtime.stores.base import (
     Blob,
@@ -55,7 +56,6 @@ from runtime.stores.base import (
     tensor_from_blob,
     tensor_view,
 )
-from runtime.waiters import KeyedWaiters, wait_present
 from schemas.keys import store_ready_slot_channel
 
 log = logging.getLogger(__name__)

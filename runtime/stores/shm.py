@@ -66,6 +66,7 @@ from urllib.parse import parse_qsl, quote, urlsplit
 
 import torch
 
+from runtime.redis.waiters import KeyedWaiters, wait_present
 from runtime.stores.base import (
     EXPIRES,
     EXPIRES_OFFSET,
@@ -84,7 +85,6 @@ from runtime.stores.base import (
     tensor_from_blob,
     tensor_view,
 )
-from runtime.waiters import KeyedWaiters, wait_present
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _TMP_PREFIX = ".tmp-"

@@ -23,7 +23,7 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from epd.local_pipeline import LocalRun, local_pipeline
 from gpu_workers.oracle import generate_monolithic, monolithic_inputs
-from producers.sample_images import synthetic_image
+from media.sample_images import synthetic_image
 from runtime.kafka import read_topic
 from runtime.model import ModelBundle, load_model
 from runtime.settings import Settings

@@ -25,7 +25,7 @@ import pytest
 from redis.exceptions import RedisError
 
 from epd.local_pipeline import LocalRun, local_pipeline
-from producers.sample_images import synthetic_image
+from media.sample_images import synthetic_image
 from runtime.kafka import read_topic
 from runtime.settings import Settings
 from schemas.codec import decode

@@ -170,7 +170,7 @@ async def test_a_failover_that_lost_the_last_writes_ends_their_requests_as_embed
     import signal
     import uuid
 
-    from producers.sample_images import synthetic_image
+    from media.sample_images import synthetic_image
     from schemas.types import SamplingParams
 
     run, cluster = pipeline, failover_cluster

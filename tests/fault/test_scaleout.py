@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from epd.local_pipeline import LocalRun, local_pipeline
-from producers.sample_images import synthetic_image
+from media.sample_images import synthetic_image
 from runtime.kafka import read_topic
 from runtime.settings import Settings
 from schemas.codec import get_codec

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from bench.worker_profile import rss_mb
 from epd.local_pipeline import LocalRun
-from producers.sample_images import synthetic_image
+from media.sample_images import synthetic_image
 from runtime.kafka import KafkaPublisher, read_topic
 from schemas.codec import decode
 from schemas.status_record import StatusRecord

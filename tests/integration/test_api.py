@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from producers.sample_images import png_bytes, synthetic_image
+from media.sample_images import png_bytes, synthetic_image
 from runtime.settings import Settings
 from tests.integration.api_stack import ApiStack, api_stack, auth, isolated
 
@@ -114,7 +114,7 @@ async def test_submit_poll_completes_with_monolithic_tokens(
 async def test_client_async_and_sync_and_cli_give_the_monolithic_tokens(
     stack: ApiStack, bundle: Any, tmp_path: Path
 ) -> None:
-    from producers.client import EPDClient, SyncEPDClient
+    from frontend.client import EPDClient, SyncEPDClient
 
     img = png_bytes(synthetic_image(84, 84, seed=211))
     prompt = "What is <image>?"
@@ -261,7 +261,7 @@ async def test_long_poll_wakes_on_change_and_returns_terminal_at_once(
 async def test_events_stream_every_status_in_order_and_resume(
     stack: ApiStack, http: httpx.AsyncClient
 ) -> None:
-    from producers.client import EPDClient
+    from frontend.client import EPDClient
 
     r = await http.post(
         "/v1/requests",
@@ -712,7 +712,7 @@ async def test_burst_beyond_the_in_flight_bound_gets_429_and_accepted_ones_compl
                 body = (await c.get(f"/v1/requests/{rid}", params={"wait": 60})).json()
             assert body["status"] == "completed", body
         # the client honours Retry-After and gets through once slots free up
-        from producers.client import EPDClient
+        from frontend.client import EPDClient
 
         async with EPDClient(stack.replica.url, token="alice-token", retries=30) as client:
             rids = await asyncio.gather(

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from producers.api import create_app
+from frontend.api import create_app
 from runtime.settings import Settings
 from tests.integration.api_stack import free_port
 
@@ -88,7 +88,7 @@ async def test_kafka_down_is_503_until_it_connects(settings: Settings) -> None:
 async def test_encode_backlog_beyond_the_bound_is_429(topic_settings: Settings) -> None:
     from aiokafka.admin import AIOKafkaAdminClient
 
-    from producers.api.admission import LagMonitor
+    from frontend.api.admission import LagMonitor
     from runtime.kafka import make_consumer, make_producer
     from schemas.topics import Topics
 
@@ -131,7 +131,7 @@ async def test_renders_are_bounded_and_never_stall_the_event_loop(
 
     import redis.asyncio as aioredis
 
-    from producers.sample_images import png_bytes, synthetic_image
+    from media.sample_images import png_bytes, synthetic_image
 
     cfg = topic_settings.model_copy(update={"api_render_concurrency": 1, "api_tokens": None})
     img = base64.b64encode(png_bytes(synthetic_image(512, 512, seed=5))).decode()

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from producers.sample_images import png_bytes, synthetic_image
+from media.sample_images import png_bytes, synthetic_image
 from runtime.settings import Settings
 from tests.integration.api_stack import (
     ApiProcess,
@@ -376,7 +376,7 @@ async def test_errors_name_their_cause(http: httpx.AsyncClient) -> None:
 def test_eighty_threads_against_a_small_in_flight_bound(stack: ApiStack) -> None:
     """80 threads with their own clients against EPD_API_MAX_IN_FLIGHT=2 (the replica): every
     one ends with a completed request or a Throttled after its retries, nothing else."""
-    from producers.client import RetryPolicy, SyncEPDClient, Throttled
+    from frontend.client import RetryPolicy, SyncEPDClient, Throttled
 
     outcomes: list[str] = []
     lock = threading.Lock()

@@ -11,9 +11,9 @@ import redis.asyncio as aioredis
 
 from gpu_workers.context import WorkerContext
 from gpu_workers.encode import EncodeWorker
+from media.sample_images import synthetic_image
 from producers.fanout import FanOut, claim_ttl_s
 from producers.render import Renderer
-from producers.sample_images import synthetic_image
 from runtime.model import ModelBundle, load_model
 from runtime.publisher import InMemoryPublisher
 from runtime.settings import Settings

@@ -18,7 +18,7 @@ import pytest
 
 from bench.api_decode_bombs import tree_cpu_s
 from epd.local_pipeline import worker_env
-from producers.sample_images import repeated_scan_jpeg
+from media.sample_images import repeated_scan_jpeg
 from runtime.settings import Settings
 from tests.integration.api_stack import ApiProcess, isolated, start_api
 
@@ -185,8 +185,8 @@ def _encoded_variants() -> dict[str, bytes]:
 
 
 async def test_the_decode_processes_give_exactly_what_the_renderer_thread_gives() -> None:
-    from producers.image_decoder import ImageDecoder
-    from producers.image_loading import ImageLimits, load_image
+    from media.image_decoder import ImageDecoder
+    from media.image_loading import ImageLimits, load_image
     from schemas.errors import ValidationError
 
     limits = ImageLimits(64 * 64)
@@ -215,9 +215,9 @@ async def test_the_decode_processes_give_exactly_what_the_renderer_thread_gives(
 
 
 async def test_a_decode_out_of_time_kills_its_process_and_the_next_image_decodes() -> None:
-    from producers.image_decoder import DecodeTimedOut, ImageDecoder
-    from producers.image_loading import ImageLimits
-    from producers.image_structure import StructureLimits
+    from media.image_decoder import DecodeTimedOut, ImageDecoder
+    from media.image_loading import ImageLimits
+    from media.image_structure import StructureLimits
     from schemas.errors import ValidationError
 
     decoder = ImageDecoder(

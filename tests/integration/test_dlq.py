@@ -21,7 +21,7 @@ from consumers.records import ConsumedEvent
 from epd.cli import build_parser
 from epd.commands import dlq as dlq_cmd
 from runtime.kafka import KafkaPublisher, make_producer, topic_partitions
-from runtime.redis_client import redis_client
+from runtime.redis.client import redis_client
 from runtime.settings import Settings
 from schemas.dead_letters import REPLAY_COUNT_HEADER, REPLAYED_FROM_HEADER
 from schemas.topics import Topics

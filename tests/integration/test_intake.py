@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from media.sample_images import synthetic_image
 from producers.fanout import FanOut
 from producers.intake import Intake, RenderContext, Submission
 from producers.render import Renderer
-from producers.sample_images import synthetic_image
 from runtime.model import RenderInfo, load_render_info
 from runtime.publisher import InMemoryPublisher
 from runtime.request_limits import RequestLimits
@@ -172,7 +172,7 @@ async def test_an_event_the_wire_cannot_carry_is_refused_before_anything_is_stor
 async def test_the_in_process_submitter_uses_the_same_intake(
     parts: dict[str, Any], info: RenderInfo
 ) -> None:
-    from producers.submit import Submitter
+    from producers.submitter import Submitter
 
     pub = InMemoryPublisher()
     sub = Submitter.for_pipeline(

@@ -28,7 +28,7 @@ import httpx
 import openai
 import pytest
 
-from producers.sample_images import png_bytes, synthetic_image
+from media.sample_images import png_bytes, synthetic_image
 from runtime.settings import Settings
 from schemas.types import SamplingParams
 from tests.integration.api_stack import TOKENS, ApiStack, api_stack, auth, isolated
@@ -395,8 +395,8 @@ async def test_a_video_part_is_laid_out_by_the_template_and_equals_generate(
     aclient: openai.AsyncOpenAI, http: httpx.AsyncClient, bundle: Any
 ) -> None:
     from gpu_workers.oracle import generate_monolithic, monolithic_inputs, monolithic_video_inputs
+    from media.sample_videos import synthetic_mp4
     from producers.render import Renderer
-    from producers.sample_videos import synthetic_mp4
 
     mp4 = synthetic_mp4(n=8, seed=61)
     part = {"type": "video_url", "video_url": {"url": data_url(mp4, "video/mp4")}}
@@ -703,7 +703,7 @@ async def test_a_native_event_stream_whose_record_goes_ends_with_an_error_event(
     record that is still there gets a stream that just ends."""
     import redis.asyncio as aioredis
 
-    from producers.client import EPDClient, NotFound, TokenEvent
+    from frontend.client import EPDClient, NotFound, TokenEvent
     from schemas.keys import RedisKeys
 
     keys = RedisKeys(stack.settings.topic_prefix)
@@ -1274,7 +1274,7 @@ async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(
 async def test_errors_past_the_parse_name_the_message_part(aclient: openai.AsyncOpenAI) -> None:
     """Issue 27 (7): an error of the render (an image's, a video's, the context's) names the
     message part the client wrote, never ``null`` or a field of the native event."""
-    from producers.sample_videos import synthetic_mp4
+    from media.sample_videos import synthetic_mp4
     from tests.unit.test_render import png_header_only
 
     image = {"type": "image_url", "image_url": {"url": data_url(IMG)}}

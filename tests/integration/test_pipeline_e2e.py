@@ -17,7 +17,7 @@ import pytest
 
 from epd.commands.verify import builtin_cases, verify_cases
 from epd.local_pipeline import LocalRun, local_pipeline
-from producers.sample_images import synthetic_image
+from media.sample_images import synthetic_image
 from runtime.kafka import KafkaPublisher, read_topic
 from runtime.settings import Settings
 from schemas.codec import get_codec

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from producers.sample_images import png_bytes, synthetic_image
+from media.sample_images import png_bytes, synthetic_image
 from tests.integration.api_stack import free_port
 
 pytestmark = pytest.mark.integration

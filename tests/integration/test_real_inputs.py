@@ -32,9 +32,9 @@ from gpu_workers.context import WorkerContext
 from gpu_workers.encode import EncodeWorker
 from gpu_workers.oracle import generate_monolithic, monolithic_inputs
 from gpu_workers.prefill import PrefillWorker
+from media.sample_images import synthetic_image
 from producers.fanout import build_fanout
 from producers.render import Renderer
-from producers.sample_images import synthetic_image
 from runtime.kafka import KafkaPublisher, make_producer, read_topic
 from runtime.model import ModelBundle, load_model
 from runtime.settings import Settings

@@ -1,4 +1,4 @@
-"""The shared Redis client (runtime/redis_client.py) under a burst, against a real Redis."""
+"""The shared Redis client (runtime/redis/client.py) under a burst, against a real Redis."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 import torch
 from redis.exceptions import MaxConnectionsError
 
-from runtime.redis_client import redis_client as make_redis_client
+from runtime.redis.client import redis_client as make_redis_client
 from runtime.settings import Settings
 from runtime.status import StatusStore
 from runtime.stores.redis import RedisStore

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from epd.services import free_port, pid_alive, redis_answers
-from runtime.redis_cluster import ClusterURL
+from runtime.redis.cluster import ClusterURL
 from runtime.settings import Settings
 
 pytestmark = pytest.mark.integration

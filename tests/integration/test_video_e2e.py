@@ -14,8 +14,8 @@ import pytest
 
 from epd.local_pipeline import LocalRun, local_pipeline
 from gpu_workers.oracle import monolithic_inputs, monolithic_video_inputs
-from producers.sample_images import synthetic_image
-from producers.sample_videos import synthetic_mp4
+from media.sample_images import synthetic_image
+from media.sample_videos import synthetic_mp4
 from runtime.kafka import read_topic
 from runtime.settings import Settings
 from schemas.codec import get_codec

@@ -24,7 +24,7 @@ from pydantic import SecretStr
 
 from consumers.dead_letters.reader import read_dead_letters
 from epd.stages import run_worker
-from producers.api import create_app
+from frontend.api import create_app
 from runtime.kafka import KafkaPublisher, ensure_topics, make_producer, read_topic
 from runtime.model import load_render_info
 from runtime.request_limits import RequestLimits
@@ -188,8 +188,8 @@ async def test_a_record_written_straight_to_the_topic_is_refused_as_the_door_ref
 
 def _vllm_body() -> dict[str, Any]:
     """A vLLM render response of one image, rendered by this pipeline's renderer."""
+    from media.sample_images import synthetic_image
     from producers.render import Renderer
-    from producers.sample_images import synthetic_image
     from schemas.vllm_wire import GenerateRequest, generate_request_to_json
 
     ev = Renderer(load_render_info("tiny"), max_image_pixels=4096 * 4096).render(

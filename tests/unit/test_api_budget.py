@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from producers.api.errors import from_validation
-from producers.api.submit.json_text import _may_hold_surrogate, _tree_problem, refuse_long_text
-from producers.api.submit.media_urls import FetchTotal, MediaRef
-from producers.api.submit.reading import ByteBudget, Reservation
+from frontend.api.errors import from_validation
+from frontend.api.submit.json_text import _may_hold_surrogate, _tree_problem, refuse_long_text
+from frontend.api.submit.media_urls import FetchTotal, MediaRef
+from frontend.api.submit.reading import ByteBudget, Reservation
 from schemas.errors import ValidationError
 
 

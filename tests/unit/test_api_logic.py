@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 from aiokafka import TopicPartition
 
-from producers.api.admission import consumer_lag
-from producers.api.errors import ApiError
-from producers.api.submit import native
-from producers.api.submit.media import check_image_bytes, decode_image_string, sniff_image_type
-from producers.api.tenants import Tenants
-from producers.api.views import iso, status_view
-from producers.sample_images import png_bytes, synthetic_image
+from frontend.api.admission import consumer_lag
+from frontend.api.errors import ApiError
+from frontend.api.submit import native
+from frontend.api.submit.media import check_image_bytes, decode_image_string, sniff_image_type
+from frontend.api.tenants import Tenants
+from frontend.api.views import iso, status_view
+from media.sample_images import png_bytes, synthetic_image
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
 
@@ -238,7 +238,7 @@ def test_api_statuses_are_the_pipelines_statuses() -> None:
     """The API's status literal and the event contract's status table name the same set."""
     from typing import get_args
 
-    from producers.api.models import Status
+    from frontend.api.models import Status
     from schemas.types import STATUSES
 
     assert set(get_args(Status)) == set(STATUSES)

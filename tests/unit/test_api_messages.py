@@ -13,14 +13,14 @@ import pytest
 from PIL import Image
 from pydantic import ValidationError as PydanticValidationError
 
-from producers.api.errors import ApiError
-from producers.api.models import SubmitRequest
-from producers.api.routes.ops import failure
-from producers.api.submit.json_text import parse_json
-from producers.api.submit.media import IMAGE_TYPES, decode_image_string, sniff_image_type
-from producers.pictures import IMAGE_FORMATS
+from frontend.api.errors import ApiError
+from frontend.api.models import SubmitRequest
+from frontend.api.routes.ops import failure
+from frontend.api.submit.json_text import parse_json
+from frontend.api.submit.media import IMAGE_TYPES, decode_image_string, sniff_image_type
+from media.pictures import IMAGE_FORMATS
+from media.sample_images import png_bytes, synthetic_image
 from producers.render import QWEN_IMAGE_BLOCK, Renderer
-from producers.sample_images import png_bytes, synthetic_image
 from runtime.model import load_render_info
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings

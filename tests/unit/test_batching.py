@@ -19,9 +19,9 @@ from gpu_workers.encode import EncodeWorker
 from gpu_workers.engine import COMPLETED, DecodeEngine, DecodeJob
 from gpu_workers.oracle import generate_monolithic, monolithic_inputs, monolithic_video_inputs
 from gpu_workers.prefill import PrefillWorker
+from media.sample_videos import synthetic_frames
 from producers.fanout import build_fanout
 from producers.render import RenderEvent
-from producers.sample_videos import synthetic_frames
 from runtime.publisher import InMemoryPublisher
 from runtime.settings import Settings
 from runtime.stores.redis import RedisStore

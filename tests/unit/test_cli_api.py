@@ -116,7 +116,7 @@ def test_a_bad_tokens_file_refuses_to_start_the_api(
 
 
 def test_a_missing_ec_secret_stops_the_api_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    from producers.api import create_app
+    from frontend.api import create_app
     from runtime.settings import InsecureSettings, Settings
 
     monkeypatch.delenv("EPD_EC_SECRET", raising=False)

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from producers import client as client_mod
-from producers.client import EPDClient, RetryPolicy, SyncEPDClient, Throttled
+from frontend import client as client_mod
+from frontend.client import EPDClient, RetryPolicy, SyncEPDClient, Throttled
 
 ACCEPTED = {"request_id": "r1", "status": "queued", "status_url": "/x", "events_url": "/x/e"}
 
@@ -130,7 +130,7 @@ def test_both_clients_stretch_a_long_polls_read_timeout_from_their_own(
 
 
 def test_the_event_reader_yields_what_was_asked_for() -> None:
-    from producers.client import StatusEvent, TokenEvent, _SseReader
+    from frontend.client import StatusEvent, TokenEvent, _SseReader
 
     lines = ["id: 1", "event: status", 'data: {"status": "decoding", "stage": "decode"}', ""]
     lines += ["id: 2", "event: token", 'data: {"token_ids": [5], "text": "a"}', ""]

@@ -10,9 +10,9 @@ import pytest
 
 from gpu_workers.context import WorkerContext
 from gpu_workers.encode import EncodeWorker
+from media.sample_images import synthetic_image
 from producers.fanout import FanOut
 from producers.render import Renderer
-from producers.sample_images import synthetic_image
 from runtime.model import ModelBundle, load_model
 from runtime.publisher import InMemoryPublisher
 from runtime.settings import Settings

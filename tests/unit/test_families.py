@@ -388,10 +388,12 @@ def test_unsupported_or_broken_checkpoints_are_refused(tmp_path: Path, capsys) -
 
 
 @pytest.fixture
-async def redis_store() -> AsyncIterator[tuple[RedisStore, str]]:
+async def redis_store(settings: Settings) -> AsyncIterator[tuple[RedisStore, str]]:
+    """A Redis store on the session's test Redis (the ``settings`` fixture starts it: a
+    ``Settings()`` read alone would point at localhost:6379 when this test runs first)."""
     import redis.asyncio as aioredis
 
-    url = Settings().redis_url
+    url = settings.redis_url
     namespace = f"ec-fam-{uuid.uuid4().hex[:10]}"
     store = RedisStore(url)
     try:

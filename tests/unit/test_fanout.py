@@ -16,9 +16,9 @@ import pytest
 import torch
 from pydantic import SecretStr
 
+from media.sample_images import synthetic_image
 from producers.fanout import FanOut, FanoutPlan
 from producers.render import Renderer
-from producers.sample_images import synthetic_image
 from runtime.model import RenderInfo, load_render_info
 from runtime.settings import Settings
 from runtime.stores.base import EmbeddingStore

@@ -22,8 +22,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from gpu_workers.compute import encode_items
 from producers.fanout import FanOut
 from producers.render import Renderer, RenderError, to_rgb
-from runtime.limits import input_limits, pixel_dtype
 from runtime.model import ModelBundle, RenderInfo, load_model, load_render_info
+from runtime.processor_limits import input_limits, pixel_dtype
 from runtime.settings import Settings
 from runtime.stores.local import LocalStore
 from schemas.codec import decode, encode
@@ -214,7 +214,9 @@ def test_pixel_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     # CUDA workers named by the deployment: bf16 even from a fan-out without a GPU
     assert pixel_dtype(Settings(device="cuda")) == torch.bfloat16
     assert pixel_dtype(Settings(device="cuda:1")) == torch.bfloat16
-    monkeypatch.setattr("runtime.limits.resolve_device", lambda spec: torch.device("cuda"))
+    monkeypatch.setattr(
+        "runtime.processor_limits.resolve_device", lambda spec: torch.device("cuda")
+    )
     assert pixel_dtype(Settings()) == torch.bfloat16
 
 

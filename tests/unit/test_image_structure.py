@@ -1,4 +1,4 @@
-"""Container structure counted before decoding (producers.image_structure): what each format's
+"""Container structure counted before decoding (media.image_structure): what each format's
 walker finds in files Pillow writes, and the decode bombs it refuses."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from producers.image_loading import ImageLimits, load_image
-from producers.image_structure import StructureLimits, measure, too_complex
-from producers.sample_images import repeated_scan_jpeg
+from media.image_loading import ImageLimits, load_image
+from media.image_structure import StructureLimits, measure, too_complex
+from media.sample_images import repeated_scan_jpeg
 from schemas.errors import ValidationError
 
 LIMITS = StructureLimits(max_scans=100, max_chunks=64)

@@ -7,9 +7,17 @@ cannot see). Function-level and ``TYPE_CHECKING`` imports count: a circle is a c
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
+
 import grimp
 
-PACKAGES = ("bench", "epd", "producers", "consumers", "gpu_workers", "runtime", "schemas")
+# Our top-level packages: the floors contract's list in pyproject.toml, the one home of it.
+PACKAGES = tuple(
+    tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["tool"][
+        "importlinter"
+    ]["root_packages"]
+)
 
 
 def import_cycles(graph: grimp.ImportGraph) -> list[list[str]]:

@@ -17,8 +17,8 @@ from pydantic import SecretStr
 
 from epd.stages import STAGES, StageContext
 from gpu_workers.oracle import generate_monolithic, monolithic_inputs
+from media.sample_images import synthetic_image
 from producers.render import Renderer
-from producers.sample_images import synthetic_image
 from runtime.memory_broker import InMemoryBroker
 from runtime.model import load_model
 from runtime.settings import Settings

@@ -12,26 +12,26 @@ from typing import Any
 import httpx
 import pytest
 
-from producers.api.errors import ApiError
-from producers.api.follow import Position, StatusChange, _in_order
-from producers.api.openai_compat.errors import openai_body, schema_error
-from producers.api.openai_compat.models import ChatCompletionRequest
-from producers.api.openai_compat.views import (
+from frontend.api.errors import ApiError
+from frontend.api.follow import Position, StatusChange, _in_order
+from frontend.api.openai_compat.errors import openai_body, schema_error
+from frontend.api.openai_compat.models import ChatCompletionRequest
+from frontend.api.openai_compat.views import (
     chat_completion,
     finish_reason,
     not_completed,
     response_object,
 )
-from producers.api.submit.conversation import (
+from frontend.api.submit.conversation import (
     Conversation,
     Deployment,
     check_chat,
     check_response,
     parse_conversation,
 )
-from producers.api.submit.media_urls import MediaFetcher, MediaRef
+from frontend.api.submit.media_urls import MediaFetcher, MediaRef
+from media.sample_images import png_bytes, synthetic_image
 from producers.chat import ChatMessage, ChatPart, ChatTemplate
-from producers.sample_images import png_bytes, synthetic_image
 from runtime.model import load_render_info
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
@@ -270,7 +270,7 @@ def test_chat_bodies_parse_with_openai_defaults_and_vllm_extensions() -> None:
 
 
 def test_the_openai_neutral_table_is_vllms_extended_and_differs_on_logprobs_alone() -> None:
-    from producers.api.openai_compat.models import NEUTRAL as OPENAI
+    from frontend.api.openai_compat.models import NEUTRAL as OPENAI
     from schemas.vllm_sampling import NEUTRAL as VLLM
 
     assert {name for name in VLLM if OPENAI[name] != VLLM[name]} == {"logprobs"}
@@ -666,7 +666,7 @@ def test_event_positions_cover_both_streams_and_order_by_redis_time() -> None:
 def test_an_error_past_the_parse_names_the_part_its_item_came_from() -> None:
     """Issue 27 (7), the mapping: a renderer's error names an item by modality and index (and
     the native event's fields); OpenAI's ``param`` names the part the client wrote."""
-    from producers.api.errors import from_validation
+    from frontend.api.errors import from_validation
 
     s = settings()
     video = "data:video/mp4;base64," + _b64(b"\0\0\0\x18ftypmp42" + b"\0" * 32)

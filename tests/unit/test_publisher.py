@@ -13,9 +13,9 @@ import uuid
 import pytest
 from pydantic import SecretStr
 
+from media.sample_images import synthetic_image
 from producers.fanout import build_fanout
 from producers.render import Renderer
-from producers.sample_images import synthetic_image
 from runtime.model import load_render_info
 from runtime.publisher import InMemoryPublisher, Publisher
 from runtime.reporting import RequestUpdates, ResultReporter

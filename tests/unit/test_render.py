@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from gpu_workers.oracle import monolithic_inputs
-from producers.pictures import IMAGE_FORMATS
+from media.pictures import IMAGE_FORMATS
 from producers.render import QWEN_IMAGE_BLOCK, Renderer, RenderError, _Item, build_features
 from runtime.model import RenderInfo, load_render_info
 from schemas.errors import ValidationError

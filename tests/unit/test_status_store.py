@@ -45,7 +45,7 @@ def test_rejection_keeps_rule_and_item() -> None:
 async def store(request: pytest.FixtureRequest):
     prefix = f"t-{uuid.uuid4().hex[:8]}"
     if request.param == "cluster":
-        from runtime.redis_cluster import cluster_client
+        from runtime.redis.cluster import cluster_client
 
         cluster = request.getfixturevalue("redis_cluster")
         client = cluster_client(cluster.url, max_connections=16)

@@ -7,12 +7,13 @@ import ast
 from pathlib import Path
 from typing import get_args
 
-from producers import client
-from producers.api.models import Accepted, RequestStatus
+from frontend import client
+from frontend.api.models import Accepted, RequestStatus
 from schemas.status_record import _rank
 from schemas.statuses import ACTIVE_STATUSES, STATUSES, TERMINAL_STATUSES, Status
+from tests.unit.test_import_graph import PACKAGES
 
-OURS = {"bench", "epd", "producers", "consumers", "gpu_workers", "runtime", "schemas", "tests"}
+OURS = {*PACKAGES, "tests"}
 
 
 def test_the_vocabulary_splits_into_active_and_terminal() -> None:
@@ -26,7 +27,7 @@ def test_the_client_copy_is_the_contracts() -> None:
 
 
 def test_the_client_imports_nothing_of_ours() -> None:
-    # Why it keeps a copy: users vendor producers/client.py alone.
+    # Why it keeps a copy: users vendor frontend/client.py alone.
     tree = ast.parse(Path(client.__file__).read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
@@ -45,6 +46,6 @@ def test_a_record_ranks_statuses_in_pipeline_order() -> None:
 
 
 def test_the_openai_response_status_table_maps_every_status() -> None:
-    from producers.api.openai_compat.views import RESPONSE_STATUS
+    from frontend.api.openai_compat.views import RESPONSE_STATUS
 
     assert set(RESPONSE_STATUS) == set(STATUSES)

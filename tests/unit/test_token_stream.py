@@ -36,7 +36,7 @@ async def streams(
     write, sharded notifications)."""
     prefix = f"ts-{uuid.uuid4().hex[:8]}"
     if request.param == "cluster":
-        from runtime.redis_cluster import cluster_client
+        from runtime.redis.cluster import cluster_client
 
         cluster = request.getfixturevalue("redis_cluster")
         on_cluster = cluster_client(cluster.url, max_connections=16)
@@ -149,7 +149,7 @@ async def test_on_a_cluster_a_stream_sits_in_its_requests_slot(
     so a write is one script on one shard; a reader's channel is let go after it leaves."""
     if not streams.cluster:
         pytest.skip("one Redis: no slots")
-    from runtime.redis_cluster import slot_of
+    from runtime.redis.cluster import slot_of
     from runtime.token_stream import LINGER_S
     from schemas.keys import RedisKeys
 

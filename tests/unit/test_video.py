@@ -18,23 +18,23 @@ from PIL import Image
 from gpu_workers.compute import encode_items, item_embedding
 from gpu_workers.engine import generate_from_embeddings
 from gpu_workers.oracle import generate_monolithic, monolithic_inputs, monolithic_video_inputs
-from producers.fanout import FanOut
-from producers.render import Renderer
-from producers.sample_images import png_bytes, synthetic_image
-from producers.sample_videos import (
+from media.sample_images import png_bytes, synthetic_image
+from media.sample_videos import (
     encode_animation,
     encode_video,
     synthetic_frames,
 )
-from producers.video import (
+from media.video import (
     VideoError,
     VideoFrames,
     VideoLimits,
     load_video,
     sample_indices,
 )
-from producers.video_file import VideoHeader, check_header
-from producers.video_processing import config_from_image_processor, process_video
+from media.video_file import VideoHeader, check_header
+from media.video_processing import config_from_image_processor, process_video
+from producers.fanout import FanOut
+from producers.render import Renderer
 from runtime.model import load_model, load_render_info
 from runtime.settings import Settings
 from runtime.stores.local import LocalStore
@@ -486,7 +486,7 @@ def test_gif_decode_cost_is_refused_from_its_headers() -> None:
 
 
 def test_gif_delays_from_block_headers_match_pillow() -> None:
-    from producers.animation_headers import gif_frame_delays
+    from media.animation_headers import gif_frame_delays
 
     frames = synthetic_frames(5, 32, 24)
     buf = io.BytesIO()
@@ -521,7 +521,7 @@ def test_only_gops_holding_sampled_frames_are_decoded() -> None:
     ones a full sequential decode gives at those indices."""
     import av
 
-    from producers.video import plan_video
+    from media.video import plan_video
 
     mp4 = _gop_mp4(120, 30, 5)
     plan = plan_video(mp4, LIMITS)
@@ -570,7 +570,7 @@ def test_oversize_video_is_refused_before_any_frame_decodes() -> None:
 
 
 def test_kept_frames_are_resized_as_they_decode() -> None:
-    from producers.video import plan_video
+    from media.video import plan_video
 
     plan = plan_video(encode_video(synthetic_frames(12, 96, 64), fps=6), LIMITS)
     clip = plan.clip((56, 28))
@@ -582,8 +582,8 @@ def _public_items(tmp_path=None, **kw):  # type: ignore[no-untyped-def]
         Qwen2VLImageProcessorPil,
     )
 
-    from producers.video_items import VideoItems
-    from runtime.limits import input_limits
+    from media.video_items import VideoItems
+    from runtime.processor_limits import input_limits
 
     proc = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056)  # the public config
     info = dataclasses.replace(
@@ -700,7 +700,7 @@ def test_portrait_phone_video_is_turned_upright() -> None:
 def test_frames_follow_the_image_rgb_and_orientation_rules() -> None:
     """A transparent frame is composited onto white (as an image is), not blackened; a JPEG
     frame with EXIF orientation 6 is turned upright."""
-    from producers.pictures import to_rgb
+    from media.pictures import to_rgb
 
     clear = Image.new("RGBA", (32, 32), (0, 0, 0, 0))
     half = Image.new("RGBA", (32, 32), (200, 10, 10, 128))

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from producers.api.errors import ApiError
-from producers.api.submit import native
+from frontend.api.errors import ApiError
+from frontend.api.submit import native
+from media.sample_images import png_bytes
+from media.sample_videos import encode_animation, synthetic_frames, synthetic_mp4
 from producers.render import Renderer
-from producers.sample_images import png_bytes
-from producers.sample_videos import encode_animation, synthetic_frames, synthetic_mp4
 from runtime.model import load_render_info
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings
@@ -130,8 +130,8 @@ def test_video_and_image_strings_share_one_decoder() -> None:
     ],
 )
 def test_render_refusals_map_to_statuses(rule: str, status: int) -> None:
-    from producers.api.errors import from_validation
-    from producers.video import VideoError
+    from frontend.api.errors import from_validation
+    from media.video import VideoError
 
     api = from_validation(VideoError(rule, "m", modality="video", item=1))
     assert (api.status, api.rule, api.item) == (status, rule, 1)

@@ -1,4 +1,4 @@
-"""The keyed-waiters primitive every store wait is built on (runtime.waiters), pure logic."""
+"""The keyed-waiters primitive every store wait is built on (runtime.redis.waiters), pure logic."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from runtime.waiters import KeyedWaiters, wait_present
+from runtime.redis.waiters import KeyedWaiters, wait_present
 
 
 class Missing(Exception):

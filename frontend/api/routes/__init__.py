@@ -1,0 +1,1 @@
+"""The API's routes, one ``APIRouter`` per resource; state comes through ``frontend.api.deps``."""

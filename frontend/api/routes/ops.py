@@ -1,0 +1,78 @@
+"""``/healthz``, ``/readyz`` and ``/metrics``: what operators and orchestrators ask."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from frontend.api.deps import State
+from frontend.api.models import Health
+from schemas.statuses import ACTIVE_STATUSES
+
+router = APIRouter(tags=["ops"])
+REDIS_PING_S = 2.0
+METADATA_S = 3.0
+
+
+def failure(exc: BaseException, timeout_s: float) -> str:
+    """A failed check in words: a timeout says so (its str() is empty), others name their type."""
+    if isinstance(exc, TimeoutError):
+        return f"error: no answer within {timeout_s:g} s"
+    text = str(exc)
+    return f"error: {type(exc).__name__}: {text}" if text else f"error: {type(exc).__name__}"
+
+
+@router.get("/healthz", response_model=Health, summary="process is up")
+async def healthz() -> dict[str, Any]:
+    return {"status": "ok", "checks": {}}
+
+
+@router.get(
+    "/readyz",
+    response_model=Health,
+    responses={503: {"model": Health, "description": "a dependency is not ready"}},
+    summary="Redis and the broker reachable, topics present",
+)
+async def readyz(st: State) -> JSONResponse:
+    checks: dict[str, Any] = {}
+    try:
+        await asyncio.wait_for(st.redis.ping(), REDIS_PING_S)
+        checks["redis"] = "ok"
+    except Exception as e:
+        checks["redis"] = failure(e, REDIS_PING_S)
+    checks["status_notifications"] = "ok" if st.notifier.healthy else "not subscribed"
+    if not st.kafka_ready.is_set() or st.admin is None:
+        checks["kafka"] = "not connected"
+    else:
+        try:
+            listed = await asyncio.wait_for(st.admin.list_topics(), METADATA_S)
+            missing = sorted(set(st.topics.all()) - set(listed))
+            checks["kafka"] = "ok" if not missing else f"missing topics: {missing}"
+        except Exception as e:
+            checks["kafka"] = failure(e, METADATA_S)
+    ok = all(v == "ok" for v in checks.values())
+    return JSONResponse(
+        {"status": "ready" if ok else "not ready", "checks": checks},
+        status_code=200 if ok else 503,
+    )
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+)
+async def prometheus(request: Request, st: State) -> Response:
+    metrics = request.app.state.metrics
+    with contextlib.suppress(Exception):
+        metrics.in_flight.set(await st.status.in_flight())
+        counts = await st.status.in_flight_by_status()
+        for status in ACTIVE_STATUSES:
+            metrics.by_status.labels(status).set(counts.get(status, 0))
+    return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

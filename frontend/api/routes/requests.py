@@ -1,0 +1,97 @@
+"""``/v1/requests``: submit (render + fan-out), poll and long-poll, events, cancel."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from frontend.api.cancels import cancel_owned
+from frontend.api.deps import OwnedRecord, State, Tenant, Wait
+from frontend.api.errors import bad_request
+from frontend.api.events import SSE_EVENT_SCHEMA, event_stream, is_stream_id, record_gone
+from frontend.api.models import ERROR_RESPONSES, RequestStatus
+from frontend.api.openapi import SUBMIT_BODY, submit_operation, with_errors
+from frontend.api.submit import accepted_response, submit_body
+from frontend.api.submit.native import NativeDoor
+from frontend.api.views import status_view
+from schemas.statuses import Status
+
+router = APIRouter(prefix="/v1", tags=["requests"])
+
+
+@router.post(
+    "/requests",
+    **submit_operation(SUBMIT_BODY),
+    summary="Submit a request (render + enqueue); answers 202 without waiting for a GPU",
+)
+async def submit(request: Request, st: State, tenant: Tenant) -> JSONResponse:
+    return accepted_response((await submit_body(request, st, tenant, NativeDoor(st))).accepted)
+
+
+@router.get(
+    "/requests/{request_id}",
+    response_model=RequestStatus,
+    responses=ERROR_RESPONSES,
+    summary="Status, stage timings and result; ?wait=SECONDS long-polls for a change",
+)
+async def get_status(
+    request_id: str,
+    st: State,
+    wait: Wait,
+    rec: OwnedRecord,
+    changed_from: Annotated[
+        Status | None,
+        Query(
+            description="with wait: answer as soon as the status differs from this one (pass "
+            "the last status you saw, so no change slips between two polls); without it, "
+            "the long-poll waits for a change from the status the call finds",
+        ),
+    ] = None,
+) -> JSONResponse:
+    if wait > 0 and not rec.terminal:
+        since = changed_from or rec.status
+        changed = await st.notifier.wait_change(request_id, since, wait)
+        if changed is None:
+            raise record_gone(request_id)  # it went during the wait (TTL, an operator)
+        rec = changed
+    return JSONResponse(status_view(rec))
+
+
+@router.get(
+    "/requests/{request_id}/events",
+    responses=with_errors(
+        {
+            200: {
+                "description": "Server-Sent Events: one `status` event per status change and, "
+                "while the request decodes, `token` events with its tokens and their text as "
+                "they are made; the stream closes after the terminal status (which follows "
+                "the last token). Resume with `Last-Event-ID` (it covers both kinds).",
+                "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+            }
+        }
+    ),
+    summary="Server-Sent Events of every status change and of the tokens as they come",
+)
+async def events(
+    request: Request, request_id: str, st: State, rec: OwnedRecord
+) -> StreamingResponse:
+    last = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
+    if last is not None and not is_stream_id(last):
+        raise bad_request("Last-Event-ID must be an id this API sent", rule="events.last_event_id")
+    return StreamingResponse(
+        event_stream(st, request_id, last or "0"),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@router.delete(
+    "/requests/{request_id}",
+    response_model=RequestStatus,
+    responses=ERROR_RESPONSES,
+    summary="Cancel: status 'cancelled' at once; workers skip the request's work",
+)
+async def cancel(request_id: str, st: State, rec: OwnedRecord) -> JSONResponse:
+    return JSONResponse(status_view(await cancel_owned(st.status, rec, request_id)))

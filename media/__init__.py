@@ -1,0 +1,1 @@
+"""Decoding what clients send, images and videos, bounded before any decoder runs."""
