@@ -46,7 +46,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "truncate_prompt_tokens": (None,),
 }
 """Fields honoured only at these values (what vLLM does by default). The OpenAI-compatible
-routes extend this table (``frontend/api/openai_compat/models.py``) and differ on ``logprobs``
+routes extend this table (``frontend/api/openai_compat/protocol.py``) and differ on ``logprobs``
 alone: OpenAI's is a flag (``false`` is off), vLLM's a count, where 0 (and so ``false``, which
 equals 0) asks for the sampled token's log-probability: only null is off."""
 

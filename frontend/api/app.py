@@ -33,7 +33,7 @@ from frontend.api.errors import (
 from frontend.api.metrics import Metrics
 from frontend.api.openai_compat.errors import is_openai_path, openai_body
 from frontend.api.openapi import install_openapi
-from frontend.api.routes import chat, models, ops, requests, responses, vllm
+from frontend.api.routes import chat, model_list, ops, requests, responses, vllm
 from frontend.api.state import ApiState
 from producers.refusal import Refused
 from runtime.request_limits import RequestLimits
@@ -109,7 +109,7 @@ def create_app(settings: Settings) -> FastAPI:
         vllm.router,
         chat.router,
         responses.router,
-        models.router,
+        model_list.router,
         ops.router,
     ):
         app.include_router(router)

@@ -5,7 +5,7 @@ their pydantic models, with the bounds their fields declare written from the sam
 :class:`runtime.request_limits.RequestLimits` the routes check
 (:func:`frontend.api.schema_bounds.bounded_schema`), so the documented limits are the
 server's, whatever the settings say; the ``multipart/form-data`` body of ``/v1/requests`` is
-derived from its JSON body (:func:`frontend.api.models.form_schema`). Written here: the
+derived from its JSON body (:func:`frontend.api.protocol.form_schema`). Written here: the
 ``Idempotency-Key`` header, the error responses and the two query/header bounds no model
 holds. The bearer security scheme comes from the routes' tenant dependency
 (``frontend.api.deps.bearer``), so Swagger UI can send a token.
@@ -20,14 +20,14 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from frontend.api.models import (
+from frontend.api.openai_compat.protocol import ChatCompletionRequest, ResponseRequest
+from frontend.api.protocol import (
     ERROR_RESPONSES,
     Accepted,
     SubmitRequest,
     VllmGenerateRequest,
     form_schema,
 )
-from frontend.api.openai_compat.models import ChatCompletionRequest, ResponseRequest
 from frontend.api.schema_bounds import DocContext, bounded_schema, hoist_defs, json_body
 from frontend.api.submit.reading import JSON, MULTIPART
 from runtime.request_limits import RequestLimits

@@ -238,7 +238,7 @@ def test_api_statuses_are_the_pipelines_statuses() -> None:
     """The API's status literal and the event contract's status table name the same set."""
     from typing import get_args
 
-    from frontend.api.models import Status
+    from frontend.api.protocol import Status
     from schemas.types import STATUSES
 
     assert set(get_args(Status)) == set(STATUSES)

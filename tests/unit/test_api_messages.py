@@ -14,7 +14,7 @@ from PIL import Image
 from pydantic import ValidationError as PydanticValidationError
 
 from frontend.api.errors import ApiError
-from frontend.api.models import SubmitRequest
+from frontend.api.protocol import SubmitRequest
 from frontend.api.routes.ops import failure
 from frontend.api.submit.json_text import parse_json
 from frontend.api.submit.media import IMAGE_TYPES, decode_image_string, sniff_image_type

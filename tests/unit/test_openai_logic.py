@@ -15,7 +15,7 @@ import pytest
 from frontend.api.errors import ApiError
 from frontend.api.follow import Position, StatusChange, _in_order
 from frontend.api.openai_compat.errors import openai_body, schema_error
-from frontend.api.openai_compat.models import ChatCompletionRequest
+from frontend.api.openai_compat.protocol import ChatCompletionRequest
 from frontend.api.openai_compat.views import (
     chat_completion,
     finish_reason,
@@ -270,7 +270,7 @@ def test_chat_bodies_parse_with_openai_defaults_and_vllm_extensions() -> None:
 
 
 def test_the_openai_neutral_table_is_vllms_extended_and_differs_on_logprobs_alone() -> None:
-    from frontend.api.openai_compat.models import NEUTRAL as OPENAI
+    from frontend.api.openai_compat.protocol import NEUTRAL as OPENAI
     from schemas.vllm_sampling import NEUTRAL as VLLM
 
     assert {name for name in VLLM if OPENAI[name] != VLLM[name]} == {"logprobs"}

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import get_args
 
 from frontend import client
-from frontend.api.models import Accepted, RequestStatus
+from frontend.api.protocol import Accepted, RequestStatus
 from schemas.status_record import _rank
 from schemas.statuses import ACTIVE_STATUSES, STATUSES, TERMINAL_STATUSES, Status
 from tests.unit.test_import_graph import PACKAGES

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from frontend.api.openai_compat.models import (
+from frontend.api.openai_compat.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,

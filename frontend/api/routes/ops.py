@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from frontend.api.deps import State
-from frontend.api.models import Health
+from frontend.api.protocol import Health
 from schemas.statuses import ACTIVE_STATUSES
 
 router = APIRouter(tags=["ops"])

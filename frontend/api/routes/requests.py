@@ -11,8 +11,8 @@ from frontend.api.cancels import cancel_owned
 from frontend.api.deps import OwnedRecord, State, Tenant, Wait
 from frontend.api.errors import bad_request
 from frontend.api.events import SSE_EVENT_SCHEMA, event_stream, is_stream_id, record_gone
-from frontend.api.models import ERROR_RESPONSES, RequestStatus
 from frontend.api.openapi import SUBMIT_BODY, submit_operation, with_errors
+from frontend.api.protocol import ERROR_RESPONSES, RequestStatus
 from frontend.api.submit import accepted_response, submit_body
 from frontend.api.submit.native import NativeDoor
 from frontend.api.views import status_view

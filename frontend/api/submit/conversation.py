@@ -24,7 +24,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from frontend.api.errors import ApiError
 from frontend.api.openai_compat.errors import schema_error
-from frontend.api.openai_compat.models import (
+from frontend.api.openai_compat.protocol import (
     NEUTRAL,
     ChatCompletionRequest,
     ChatMessageIn,

@@ -3,7 +3,7 @@
 Parse: the JSON text (:mod:`~frontend.api.submit.json_text`), or the form's fields and image
 parts (files read, at most the image limit each). Check: image and video counts before
 pydantic copies megabytes of image strings around, a prompt far over its limit before pydantic
-sees it, the schema (:class:`frontend.api.models.SubmitRequest`), then the bounds the body
+sees it, the schema (:class:`frontend.api.protocol.SubmitRequest`), then the bounds the body
 alone decides (:class:`runtime.request_limits.RequestLimits`; the intake checks the rest).
 Media: every image string decoded, sized and sniffed, every video likewise
 (:mod:`~frontend.api.submit.media`). The render (run by the intake) decodes them.
@@ -21,7 +21,7 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
 
 from frontend.api.errors import ApiError, answered, bad_request, pydantic_error
-from frontend.api.models import SubmitRequest
+from frontend.api.protocol import SubmitRequest
 from frontend.api.submit import SubmitHeaders
 from frontend.api.submit.json_text import parse_json, refuse_long_text
 from frontend.api.submit.media import check_image_bytes, decode_image_string, decode_videos

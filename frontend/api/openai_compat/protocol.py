@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from frontend.api.models import EXAMPLE_PNG_B64, Integer, Number
+from frontend.api.protocol import EXAMPLE_PNG_B64, Integer, Number
 from frontend.api.schema_bounds import (
     CACHE_SALT,
     LIMIT,

@@ -9,8 +9,8 @@ from fastapi.responses import JSONResponse
 
 from frontend.api.deps import State, Tenant
 from frontend.api.errors import ApiError
-from frontend.api.openai_compat.models import ModelCard, ModelList
 from frontend.api.openai_compat.openapi import with_openai_errors
+from frontend.api.openai_compat.protocol import ModelCard, ModelList
 from frontend.api.state import ApiState
 
 router = APIRouter(prefix="/v1", tags=["openai"])
