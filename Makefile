@@ -9,7 +9,8 @@
 #   make up/down   the production-like docker compose stack (Apache Kafka, Redis, services)
 #
 # Variables: PYTHON (>= 3.11, default python3), VENV (.venv), TORCH_SPEC (torch==2.13.0, the CPU
-# wheel on the dev machines; e.g. TORCH_SPEC='torch==2.14.1' for a CUDA build), PYTEST_ARGS.
+# wheel on the dev machines; e.g. TORCH_SPEC='torch==2.14.1' for a CUDA build), PYTEST_ARGS,
+# TEST_WORKERS (2: the pytest-xdist workers of make test / test-tansu / test-unit; 1 runs serially).
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -19,6 +20,12 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # Normal verbosity: the header says where the services come from (tests/services.py).
 PYTEST_ARGS ?= -ra --durations=10
+# Parallel tests (pytest-xdist): each worker is a pytest session with its own broker and Redis
+# (tests/services.py), so a fault test's kill or freeze reaches only its own worker; test files
+# go to the workers whole (module fixtures start once), the heaviest first (tests/scheduling.py:
+# the durations of the last run, from .pytest_cache). TEST_WORKERS=1 runs in one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 MINUTES ?= 5
@@ -74,17 +81,17 @@ host-deps:
 test: install imports host-deps
 	@docker/ensure-dockerd.sh --pidfile $(STATE_DIR)/dockerd.pid --log $(STATE_DIR)/dockerd.log || \
 		echo "make: no Docker daemon; tests run on embedded services (EPD_TEST_SERVICES=containers would fail)" >&2
-	@rc=0; $(VPY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
+	@rc=0; $(VPY) -m pytest $(XDIST) $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests" >&2; fi; exit $$rc
 
 # The tests marked `tansu` on the Tansu broker, as processes (what `epd up` runs without Java).
 test-tansu: install host-deps
 	@rc=0; EPD_TEST_BROKER=tansu EPD_TEST_SERVICES=$${EPD_TEST_TANSU_SERVICES:-embedded} \
-		$(VPY) -m pytest $(PYTEST_ARGS) -m tansu || rc=$$?; \
+		$(VPY) -m pytest $(XDIST) $(PYTEST_ARGS) -m tansu || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests" >&2; fi; exit $$rc
 
 test-unit: install
-	$(VPY) -m pytest $(PYTEST_ARGS) tests/unit
+	$(VPY) -m pytest $(XDIST) $(PYTEST_ARGS) tests/unit
 
 demo: install host-deps
 	$(EPD) services run -- $(EPD) demo $(DEMO_ARGS)

@@ -35,7 +35,9 @@ def _cpu_pct(pids: list[int], seconds: float) -> float:
     return 100 * (sum(cpu_seconds(p) for p in pids) - before) / seconds
 
 
-async def _idle_consumers(bootstrap: str, fetch_wait_ms: int, seconds: float) -> float:
+async def _idle_consumers(
+    bootstrap: str, fetch_wait_ms: int, seconds: float, settle_s: float = 2.0
+) -> float:
     """CPU % of this process while ``CONSUMERS`` consumers poll an empty topic each."""
     import os
 
@@ -61,7 +63,7 @@ async def _idle_consumers(bootstrap: str, fetch_wait_ms: int, seconds: float) ->
 
     tasks = [asyncio.create_task(poll(c, n)) for c, n in zip(consumers, names, strict=True)]
     try:
-        await asyncio.sleep(2.0)  # settled into idle fetches
+        await asyncio.sleep(settle_s)  # settled into idle fetches
         before = time.process_time()
         await asyncio.sleep(seconds)
         return 100 * (time.process_time() - before) / seconds
@@ -76,7 +78,9 @@ async def _idle_consumers(bootstrap: str, fetch_wait_ms: int, seconds: float) ->
         await admin.close()
 
 
-def _one_broker(kind: str, starts: int, idle_s: float, work: Path) -> dict[str, Any]:
+def _one_broker(
+    kind: str, starts: int, idle_s: float, work: Path, settle_s: float = 3.0
+) -> dict[str, Any]:
     from epd import services
 
     fetch_wait = int(
@@ -95,12 +99,13 @@ def _one_broker(kind: str, starts: int, idle_s: float, work: Path) -> dict[str, 
             services.stop_records([rec])
     assert rec is not None and rec.pid is not None
     try:
-        time.sleep(3.0)  # settled
+        time.sleep(settle_s)  # settled
         rss = rss_mb(rec.pid) or 0.0
         alone = _cpu_pct([rec.pid], idle_s)
         broker_before = cpu_seconds(rec.pid)
-        clients = asyncio.run(_idle_consumers(rec.address, fetch_wait, idle_s))
-        broker_with = 100 * (cpu_seconds(rec.pid) - broker_before) / (idle_s + 2.0)
+        consumers_settle_s = min(settle_s, 2.0)
+        clients = asyncio.run(_idle_consumers(rec.address, fetch_wait, idle_s, consumers_settle_s))
+        broker_with = 100 * (cpu_seconds(rec.pid) - broker_before) / (idle_s + consumers_settle_s)
     finally:
         services.stop_records([rec])
     return {
@@ -122,7 +127,8 @@ def run(*, quick: bool = False, out: Path | None = None, redis_url: str | None =
     from epd import services
     from epd.services import kafka
 
-    starts, idle_s = (1, 2.0) if quick else (3, 10.0)
+    # quick: one start, a second to settle and a second idle (a smoke run, the CPU shares round)
+    starts, idle_s, settle_s = (1, 1.0, 1.0) if quick else (3, 10.0, 3.0)
     brokers: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     reason = kafka.unavailable_reason()
@@ -133,7 +139,7 @@ def run(*, quick: bool = False, out: Path | None = None, redis_url: str | None =
             if kind == "apache" and reason is not None:
                 skipped[kind] = reason
                 continue
-            brokers[kind] = _one_broker(kind, starts, idle_s, Path(tmp))
+            brokers[kind] = _one_broker(kind, starts, idle_s, Path(tmp), settle_s)
     return {
         "what": "embedded brokers as epd up starts them: cold start to first metadata answer "
         "(fresh data directory), idle RSS, idle CPU (% of one core) alone and with the "

@@ -84,7 +84,7 @@ class Sizes:
     broker_warmup: int
 
 
-QUICK = Sizes(warmup=2, misses=6, hits=3, events=40, hops=5, idle_s=2.0, broker_warmup=20)
+QUICK = Sizes(warmup=2, misses=6, hits=3, events=40, hops=5, idle_s=1.0, broker_warmup=20)
 FULL = Sizes(warmup=4, misses=40, hits=15, events=200, hops=20, idle_s=10.0, broker_warmup=300)
 
 

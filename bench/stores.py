@@ -322,7 +322,7 @@ def run(
         prefix,
         [1 * MIB] if quick else [1 * MIB, 4 * MIB],
         4 if quick else 30,
-        [2] if quick else [1, 4],
+        [1] if quick else [1, 4],  # quick: one client process per target (the same legs)
     )
 
     has_rb = all("redis_benchmark" in r for r in redis_res.values())

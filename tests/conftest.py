@@ -9,6 +9,9 @@ Redis: tests use DB ``$EPD_TEST_REDIS_DB`` (default 15), never DB 0, and each te
 under its own prefix (``redis_prefix``) and are deleted afterwards. The DB is not flushed as a
 whole because several test runs may share one Redis at the same time (env mode). Tests on a
 Redis Cluster ask for ``redis_cluster``: three masters of this session's own.
+
+In a parallel run (``pytest -n N``, what ``make test`` runs) each xdist worker is a session:
+its own services, its own cluster; the files start heaviest first (``tests/scheduling.py``).
 """
 
 from __future__ import annotations
@@ -25,17 +28,24 @@ import pytest
 from epd import services
 from runtime.settings import Settings
 from schemas.topics import Topics
+from tests import scheduling
 from tests import services as test_services_mod
 
 TEST_REDIS_DB = int(os.environ.get("EPD_TEST_REDIS_DB", "15"))
 _INTEGRATION_DIRS = (Path(__file__).parent / "integration", Path(__file__).parent / "fault")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    scheduling.configure(config)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Everything under tests/integration and tests/fault is marked ``integration``."""
+    """Everything under tests/integration and tests/fault is marked ``integration``; in an
+    xdist worker, the heaviest files go first (``tests/scheduling.py``)."""
     for item in items:
         if any(d in Path(str(item.fspath)).parents for d in _INTEGRATION_DIRS):
             item.add_marker(pytest.mark.integration)
+    scheduling.order(config, items)
 
 
 def redis_url_with_db(url: str, db: int) -> str:

@@ -31,6 +31,12 @@ committed offsets), Tansu and Redis empty.
 Transaction tests need a broker with transactions: :func:`transactional_kafka` gives the
 session's broker when it is Apache Kafka, else starts one Apache Kafka node for the session (or
 says why it cannot).
+
+Parallel runs (``pytest -n N``, what ``make test`` runs): every xdist worker is a pytest session
+of its own, so each starts its own broker and Redis (and, when its tests ask, its own Redis
+Cluster and transactional broker) on free ports, and a fault a test does to them reaches no
+other worker's tests. What several processes would otherwise build or fetch at once (the
+scratch images, Apache Kafka's jars) is done under :func:`machine_lock`, by the first of them.
 """
 
 from __future__ import annotations
@@ -41,9 +47,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -69,6 +76,27 @@ os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
 
 class ServicesUnavailable(RuntimeError):
     """The requested (or forced) mode or broker cannot provide the services."""
+
+
+@contextlib.contextmanager
+def machine_lock(name: str = "prepare") -> Iterator[None]:
+    """Held by one process of this machine at a time (xdist workers, runs side by side): what
+    writes files that every run shares (images, the jar cache) runs under it, so that two
+    first runs do not build the same image or replace the jar directory under each other."""
+    import fcntl
+
+    with open(Path(tempfile.gettempdir()) / f"epd-tests-{name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _jars_ready() -> None:
+    """Apache Kafka's jars resolved (fetched by the first process that needs them)."""
+    with machine_lock():
+        apache.resolve_jars()
 
 
 # ----------------------------------------------------------------------------- choices
@@ -349,7 +377,8 @@ def _containers(forced: bool) -> TestServices:
         raise ServicesUnavailable("no Docker engine answers (docker/ensure-dockerd.sh starts one)")
     _remove_stale_containers(client)
     broker, how = choose_broker()
-    images = choose_images(client, broker, build=True)
+    with machine_lock():
+        images = choose_images(client, broker, build=True)
     closers: list[Callable[[], None]] = []
     try:
         kport = services.free_port()
@@ -437,6 +466,8 @@ def _embedded(forced: bool, log_dir: Path) -> TestServices:
     closers: list[Callable[[], None]] = []
     broker, how = choose_broker()
     try:
+        if broker == "apache":
+            _jars_ready()
         kafka_rec = services.start_broker(
             broker, log_dir, log_dir=log_dir, tie_to_parent=True, fresh=True
         )
@@ -557,6 +588,7 @@ def transactional_kafka(session: TestServices, log_dir: Path) -> TransactionalKa
         return TransactionalKafka(session.kafka.address, f"session broker ({session.mode})")
     t0 = time.monotonic()
     try:
+        _jars_ready()
         rec = services.start_apache_kafka(log_dir, log_dir=log_dir, tie_to_parent=True, fresh=True)
     except services.ServiceError as exc:
         raise ServicesUnavailable(f"no broker with transactions: {exc}") from exc

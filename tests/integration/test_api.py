@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import sys
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -842,10 +844,82 @@ async def test_docs_render_offline_in_headless_chromium(stack: ApiStack, tmp_pat
     assert near((73, 204, 144)) and near((97, 175, 254)) and near((249, 62, 62)), len(colors)
 
 
-async def test_schemathesis_finds_no_server_error_or_schema_violation(
+# ------------------------------------------------------------------------------ schemathesis
+
+DEEP_HOOKS = '''
+"""Schemathesis hooks: besides each generated body, the same body with one of its fields
+replaced by objects and arrays nested 40 to 900 levels deep (as deep as a JSON encoder
+writes); the raw 5,000-deep bodies are sent by test_deeply_nested_json_is_400_on_every_route
+(tests/integration/test_api_hardening.py). Each refusal's rule is written down by route."""
+import json
+import os
+
+import schemathesis
+from hypothesis import strategies as st
+
+
+def nested(depth, leaf):
+    node = leaf
+    for i in range(depth):
+        node = {"n": node} if i % 2 else [node]
+    return node
+
+
+@schemathesis.hook
+def flatmap_body(context, body):
+    if not isinstance(body, dict) or not body:
+        return st.just(body)
+    keys = sorted(body)
+    deep = st.builds(
+        lambda k, d: {**body, k: nested(d, body[k])},
+        st.sampled_from(keys),
+        st.sampled_from([40, 400, 900]),
+    )
+    return st.one_of(st.just(body), deep)
+
+
+@schemathesis.hook
+def after_call(context, case, response):
+    try:
+        rule = json.loads(response.content)["error"]["rule"]
+    except Exception:
+        return
+    with open(os.environ["EPD_ANSWERED_RULES"], "a") as out:
+        out.write(f"{case.operation.method.upper()} {case.operation.path} {rule}\\n")
+'''
+
+
+async def test_schemathesis_over_every_route_finds_no_server_error_or_schema_violation(
     stack: ApiStack, tmp_path: Path
 ) -> None:
-    # Last in the module: its accepted requests may keep the workers busy afterwards.
+    """One schemathesis pass over every operation of ``/openapi.json`` (the native routes, the
+    OpenAI-compatible ones, health and metrics): no 5xx, every status code, content type and
+    response body as documented, with generated bodies that also come nested 40-900 levels
+    deep (the hooks above), which both submit routes answer 400 ``body.json``.
+
+    Last in the module: its accepted requests may keep the workers busy afterwards. One pass,
+    where there were three (all routes, the OpenAI routes, the submit routes with nested
+    bodies), each with a time budget that schemathesis spends whole (it repeats its fuzzing
+    until ``--max-time`` is up): this one ends when each operation has had its examples."""
+    async with httpx.AsyncClient(base_url=stack.api.url) as c:
+        schema = (await c.get("/openapi.json")).json()
+    methods = {"get", "put", "post", "delete", "patch", "head", "options"}
+    operations = [(m, p) for p, item in schema["paths"].items() for m in item if m in methods]
+    for method, path in [
+        ("post", "/v1/requests"),
+        ("post", "/v1/vllm/generate"),
+        ("post", "/v1/chat/completions"),
+        ("post", "/v1/responses"),
+        ("get", "/v1/models"),
+    ]:
+        assert (method, path) in operations, (method, path)
+    (tmp_path / "epd_deep_hooks.py").write_text(DEEP_HOOKS)
+    env = {
+        **os.environ,
+        "SCHEMATHESIS_HOOKS": "epd_deep_hooks",
+        "EPD_ANSWERED_RULES": str(tmp_path / "rules.txt"),
+        "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -855,34 +929,43 @@ async def test_schemathesis_finds_no_server_error_or_schema_violation(
         "--checks",
         "not_a_server_error,status_code_conformance,content_type_conformance,"
         "response_schema_conformance",
+        # A count per operation, no --max-time: a time budget spent on a slow (shared) machine
+        # before the fuzzing phase reached every operation would leave routes untested.
         "--max-examples",
-        "10",
-        "--max-time",
-        "60",
+        "12",
         # one worker: Hypothesis' lambda-source cache is not thread-safe (a runtime error of the
         # tool, seen here with two workers)
         "--workers",
         "1",
         "--seed",
-        "1",
+        "7",
         "--no-shrink",
         "--phases",
         "examples,coverage,fuzzing",
         "--request-timeout",
-        "30",
+        "60",
         "--header",
         "Authorization: Bearer alice-token",
         "--generation-database",
         "none",
         "--no-color",
         cwd=tmp_path,
+        env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
-    out, _ = await asyncio.wait_for(proc.communicate(), 300)
+    out, _ = await asyncio.wait_for(proc.communicate(), 500)
     text = out.decode(errors="replace")
+    print(f"\nSCHEMATHESIS (every route, nested bodies too):\n{text[-2500:]}")
     assert proc.returncode == 0, text[-6000:]
     assert "No issues found" in text or "passed" in text.lower(), text[-3000:]
+    assert f"Tested: {len(operations)}" in text, text[-3000:]  # every operation, none left out
+    rules = Counter((tmp_path / "rules.txt").read_text().splitlines())
+    print(f"refusals by route and rule: {dict(rules.most_common(12))}")
+    for route in ("POST /v1/requests", "POST /v1/vllm/generate"):
+        assert rules[f"{route} body.json"] > 0, rules  # the nested bodies reached both
+    tail = stack.api.tail()
+    assert "Traceback" not in tail and "RecursionError" not in tail, tail
     assert (await _healthz(stack)) == 200
 
 
