@@ -131,7 +131,8 @@ async def test_index_holds_explicit_records(cpu_store: CudaStore) -> None:
 
 async def test_slots_are_freed_after_expiry_delete_and_overwrite(cpu_store: CudaStore) -> None:
     mib = torch.zeros(1 << 18, dtype=torch.float32)  # 1 MiB: one whole chunk
-    await cpu_store.put("a", mib, ttl_s=0.05)
+    # Long enough that "a" is still live at the "full" put below on a loaded machine.
+    await cpu_store.put("a", mib, ttl_s=0.5)
     await cpu_store.put("b", mib)
     assert cpu_store.stats()["chunks"] == 2
     with pytest.raises(StoreUnavailable, match="full"):  # max_mb=2, and both are live

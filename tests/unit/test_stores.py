@@ -423,7 +423,8 @@ async def test_shm_corrupt_file_and_sweep() -> None:
         with pytest.raises(StoreCorrupt, match="junk"):
             await s.get("junk")
         await s.delete("junk")
-        await s.put("old", torch.ones(1), ttl_s=0.01)
+        # Long enough that "keep"'s put (which may sweep) comes first on a loaded machine.
+        await s.put("old", torch.ones(1), ttl_s=0.5)
         await s.put("keep", torch.ones(1))
         for _ in range(400):
             if not await s.exists("old"):
