@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from runtime.request_limits import INT32_MAX, MAX_TEMPERATURE, MIN_TEMPERATURE, RequestLimits
+from runtime.request_limits import RequestLimits
+from runtime.sampling_limits import INT32_MAX, MAX_TEMPERATURE, MIN_TEMPERATURE
 
 
 def bound(prop: dict[str, Any], **bounds: Any) -> None:
