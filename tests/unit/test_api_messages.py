@@ -19,7 +19,8 @@ from producers.api.errors import ApiError
 from producers.api.models import SubmitRequest
 from producers.api.routes.ops import failure
 from producers.pictures import IMAGE_FORMATS
-from producers.render import QWEN_IMAGE_BLOCK, Renderer
+from producers.prompt_tokens import QWEN_IMAGE_BLOCK
+from producers.render import Renderer
 from producers.sample_images import png_bytes, synthetic_image
 from runtime.model import load_render_info
 from runtime.request_limits import RequestLimits

@@ -14,14 +14,14 @@ import torch
 from PIL import Image
 
 from producers.pictures import IMAGE_FORMATS
+from producers.prompt_tokens import QWEN_IMAGE_BLOCK
 from producers.render import (
-    QWEN_IMAGE_BLOCK,
     Renderer,
-    RenderError,
     _Item,
     build_features,
     monolithic_inputs,
 )
+from producers.render_errors import RenderError
 from runtime.model import RenderInfo, load_render_info
 from schemas.errors import ValidationError
 from schemas.types import SamplingParams
