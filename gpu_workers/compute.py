@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from runtime.bounds import context_overflow, outside_vocabulary
 from runtime.model import ModelBundle, placeholder_ids, text_config, vision_config
-from runtime.request_limits import context_overflow, outside_vocabulary
 from schemas.errors import ComputeError
 from schemas.families import DEEPSTACK, EMBEDS
 from schemas.modalities import GRID_FIELDS, MODALITIES

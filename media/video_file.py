@@ -300,10 +300,15 @@ def _decode(
         raise _unreadable(e, f"decode the video (frame {seen[0]})", index) from None
     if not got:
         raise video_error("render.video_empty", "the video stream decodes to no frames", index)
-    # A target the decoder did not emit (a broken reference) takes the nearest earlier frame.
+    check_count(seen[0], limits, index)
+    return _fill_targets(targets, got)
+
+
+def _fill_targets(targets: list[int], got: dict[int, Image.Image]) -> list[Image.Image]:
+    """One frame per target, in order: a target the decoder did not emit (a broken reference)
+    takes the nearest earlier frame (the first decoded one when none is earlier)."""
     out, last = [], None
     for t in targets:
         last = got.get(t, last)
         out.append(last if last is not None else next(iter(got.values())))
-    check_count(seen[0], limits, index)
     return out

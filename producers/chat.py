@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from producers.render import QWEN_IMAGE_BLOCK, QWEN_VIDEO_BLOCK, VISION_TOKENS
+from producers.prompt_tokens import QWEN_IMAGE_BLOCK, QWEN_VIDEO_BLOCK, VISION_TOKENS
 from runtime.model import RenderInfo
 from schemas.errors import ValidationError
 from schemas.families import TINY_SPECS

@@ -11,6 +11,12 @@ output (``kwargs_data``) and the light metadata prefill needs (``mm_metadata``:
 Videos (:mod:`media.video_items`) are laid out the same way with ``<|video_pad|>``; images
 and videos mix in one prompt in any order (``<image>`` / ``<video>`` markers).
 
+The phases, each a module of its own: the prompt split at its marks
+(:mod:`producers.prompt_tokens`), each item processed (images here, videos in
+:mod:`media.video_items`), its placeholder laid out (:mod:`producers.placeholders`), the
+items gathered into ``Features`` (:func:`build_features`); refusals are
+:mod:`producers.render_errors`.
+
 Processing is CPU-bound; async callers use ``render_async``, which runs it in a worker thread
 and, where the renderer has a :attr:`Renderer.decoder` (the API), decodes encoded images first in
 child processes that its timeout kills (:mod:`media.image_decoder`).
@@ -19,7 +25,6 @@ child processes that its timeout kills (:mod:`media.image_decoder`).
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,16 +36,16 @@ from PIL import Image
 from media.image_decoder import DecodeTimedOut, ImageDecoder
 from media.image_loading import ImageInput, ImageLimits, load_image
 from media.image_structure import StructureLimits
-from media.pictures import ErrorFactory
 from media.pictures import to_rgb as to_rgb  # re-exported: part of this module's API
 from media.video import VideoInput, VideoLimits
 from media.video_items import VideoItems
+from producers.placeholders import lay_out, lay_out_frames
+from producers.prompt_tokens import PromptTokens
+from producers.render_errors import RenderError, check_time, image_error, render_timeout
 from runtime.model import ModelBundle, RenderInfo, placeholder_ids
 from runtime.processor_limits import input_limits
-from runtime.request_limits import outside_vocabulary
 from runtime.settings import Settings
 from schemas import defaults
-from schemas.errors import ValidationError
 from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT
 from schemas.signing import ItemHasher
 from schemas.types import (
@@ -50,34 +55,6 @@ from schemas.types import (
     RenderEvent,
     SamplingParams,
 )
-
-IMAGE_MARKER = "<image>"
-# What the Qwen2-VL chat template emits for one image; accepted as an alias of the marker.
-QWEN_IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
-VIDEO_MARKER = "<video>"
-QWEN_VIDEO_BLOCK = "<|vision_start|><|video_pad|><|vision_end|>"
-_MARKERS = re.compile(f"({re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)})")
-
-VISION_TOKENS = (
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<|vision_pad|>",
-)
-
-
-class RenderError(ValidationError):
-    """A request the renderer cannot turn into an event; names the rule and the item."""
-
-
-def _image_error(index: int) -> ErrorFactory:
-    """Refusals of image ``index`` as ``RenderError``s naming it."""
-
-    def make(rule: str, msg: str) -> RenderError:
-        return RenderError(rule, msg, modality="image", item=index)
-
-    return make
 
 
 @dataclass(slots=True)
@@ -93,40 +70,6 @@ class _Item:
 
 TIMEOUT_GRACE_S = 2.0
 """How long ``render_async`` waits past its timeout for the render to stop itself."""
-
-
-def _timeout(modality: str | None, item: int | None) -> RenderError:
-    return RenderError(
-        "render.timeout",
-        "rendering ran past the render time limit (EPD_API_RENDER_TIMEOUT_S); send fewer, "
-        "shorter or smaller inputs",
-        modality=modality,
-        item=item,
-    )
-
-
-def _check_time(give_up_at: float | None, modality: str, item: int) -> None:
-    if give_up_at is not None and time.monotonic() > give_up_at:
-        raise _timeout(modality, item)
-
-
-def _marker_count_message(
-    prompt: str, kind: str, marker: str, block: str, found: int, given: int
-) -> str:
-    """Marks of one modality vs the items given, each spelling of a mark counted apart (the
-    chat template's block counts as a mark, which a prompt mixing both spellings trips on)."""
-    blocks = prompt.count(block)
-    spelled = f"{found - blocks} {marker!r}"
-    if blocks:
-        spelled += f" and {blocks} {block!r} (the chat template's {kind} block, also a mark)"
-    items = f"{given} {kind} was" if given == 1 else f"{given} {kind}s were"
-    marks = f"{found} {kind}" + ("" if found == 1 else "s")
-    return f"the prompt marks {marks} ({spelled}) but {items} given"
-
-
-def _placeholder_count(grid: torch.Tensor, merge_size: int) -> int:
-    t, h, w = (int(x) for x in grid.reshape(-1).tolist())
-    return t * h * w // (merge_size * merge_size)
 
 
 def build_features(items: Sequence[_Item]) -> Features:
@@ -200,12 +143,7 @@ class Renderer:
         self.hasher = ItemHasher.for_processor(
             self.info.fingerprint, self.info.image_processor.to_dict()
         )
-        tok = self.info.tokenizer
-        self._reserved = {
-            s: i
-            for s in VISION_TOKENS
-            if (i := tok.convert_tokens_to_ids(s)) is not None and i != tok.unk_token_id
-        }
+        self.tokens = PromptTokens(self.info)
 
     @classmethod
     def for_settings(
@@ -240,7 +178,7 @@ class Renderer:
         """Decode one image to upright RGB, refusing one whose structure or header size is
         over the limits before its pixels are decoded (``image_loading.load_image``)."""
         return load_image(
-            src, self.image_limits, _image_error(index), allow_file_paths=self.allow_file_paths
+            src, self.image_limits, image_error(index), allow_file_paths=self.allow_file_paths
         )
 
     def process_image(self, img: Image.Image, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,84 +197,6 @@ class Renderer:
         """The item's content hash (``ItemHasher``: encoder inputs, processor config, model,
         tenant salt): the same function the fan-out keys the embedding store by."""
         return self.hasher.item_hash(modality, data, cache_salt)
-
-    # ------------------------------------------------------------------ tokens
-
-    def _text_ids(self, text: str) -> list[int]:
-        return list(self.info.tokenizer.encode(text, add_special_tokens=False))
-
-    def _prompt_segments(
-        self, prompt: str, n_images: int, n_videos: int = 0
-    ) -> tuple[list[list[int]], list[str]]:
-        """Token ids of the text between markers (one more than the markers) and the modality of
-        each marker, in prompt order. Only the vision tokens are reserved: a native prompt is
-        the whole prompt, its turn markers written by its client (``token_ids`` may hold any
-        token too), unlike a chat message, whose text the chat template frames."""
-        text = prompt.replace(QWEN_IMAGE_BLOCK, IMAGE_MARKER).replace(
-            QWEN_VIDEO_BLOCK, VIDEO_MARKER
-        )
-        for s in self._reserved:
-            if s in text:
-                raise RenderError(
-                    "render.reserved_token",
-                    f"prompt contains the reserved token {s!r}; mark images with "
-                    f"{IMAGE_MARKER!r} and videos with {VIDEO_MARKER!r}",
-                    field="prompt",
-                )
-        parts = _MARKERS.split(text)
-        kinds = ["image" if m == IMAGE_MARKER else "video" for m in parts[1::2]]
-        for kind, marker, block, given in (
-            ("image", IMAGE_MARKER, QWEN_IMAGE_BLOCK, n_images),
-            ("video", VIDEO_MARKER, QWEN_VIDEO_BLOCK, n_videos),
-        ):
-            if kinds.count(kind) != given:
-                raise RenderError(
-                    "render.marker_count",
-                    _marker_count_message(prompt, kind, marker, block, kinds.count(kind), given),
-                    field="prompt",
-                )
-        return [self._text_ids(p) for p in parts[0::2]], kinds
-
-    def _token_segments(
-        self, token_ids: Sequence[int], n_images: int, n_videos: int = 0
-    ) -> tuple[list[list[int]], list[str]]:
-        """Split token ids at each single ``<|image_pad|>`` / ``<|video_pad|>``, dropping a
-        vision_start/end wrap; also the modality of each mark, in order."""
-        info = self.info
-        ids = [int(t) for t in token_ids]
-        outside = outside_vocabulary(ids, info.vocab_size)
-        if outside is not None:
-            raise RenderError("render.token_ids", outside[1], field="token_ids", item=outside[0])
-        pads = {pad: modality for modality, pad in placeholder_ids(info).items()}
-        marks = [i for i, t in enumerate(ids) if t in pads]
-        kinds = [pads[ids[i]] for i in marks]
-        for kind, given in (("image", n_images), ("video", n_videos)):
-            if kinds.count(kind) != given:
-                raise RenderError(
-                    "render.marker_count",
-                    f"token_ids have {kinds.count(kind)} {kind} pad tokens but {given} {kind}s "
-                    f"were given (mark each {kind} with one <|{kind}_pad|>)",
-                    field="token_ids",
-                )
-        segments: list[list[int]] = []
-        start = 0
-        for m in marks:
-            end = m
-            if end - 1 >= start and ids[end - 1] == info.vision_start_id:
-                end -= 1
-            segments.append(ids[start:end])
-            start = m + 1
-            if start < len(ids) and ids[start] == info.vision_end_id:
-                start += 1
-        segments.append(ids[start:])
-        for seg in segments:
-            if info.vision_start_id in seg or info.vision_end_id in seg:
-                raise RenderError(
-                    "render.token_ids",
-                    "vision start/end tokens must wrap an image or video pad token",
-                    field="token_ids",
-                )
-        return segments, kinds
 
     # ------------------------------------------------------------------ render
 
@@ -367,9 +227,9 @@ class Renderer:
         self._check_counts(sources)
         n_images, n_videos = len(sources["image"]), len(sources["video"])
         if prompt is not None:
-            segments, kinds = self._prompt_segments(prompt, n_images, n_videos)
+            segments, kinds = self.tokens.from_prompt(prompt, n_images, n_videos)
         else:
-            segments, kinds = self._token_segments(token_ids or [], n_images, n_videos)
+            segments, kinds = self.tokens.from_token_ids(token_ids or [], n_images, n_videos)
         ids, items = self._splice(segments, kinds, sources, cache_salt, give_up_at)
         if not ids:
             raise RenderError("render.prompt", "the rendered prompt has no tokens")
@@ -412,7 +272,7 @@ class Renderer:
         for k, kind in enumerate(kinds):
             i = seen[kind]
             seen[kind] += 1
-            _check_time(give_up_at, kind, i)
+            check_time(give_up_at, kind, i)
             items.append(self._item(ids, kind, i, sources[kind][i], cache_salt, give_up_at))
             ids.extend(segments[k + 1])
         return ids, items
@@ -433,14 +293,16 @@ class Renderer:
             pv, grid = self.process_image(self.load_image(src, index), index)
             data: ItemData = {MAIN_ENCODER_INPUT["image"]: pv, GRID_FIELDS["image"]: grid}
             meta: ItemData = {GRID_FIELDS["image"]: grid}
-            offset, length = self._lay_out(ids, pad, grid)
+            offset, length = lay_out(ids, self.info, pad, grid)
         else:
             video = self.videos.render(src, index, give_up_at=give_up_at)
             data, meta, grid = video.data, video.metadata, video.grid
             if self.info.family.video_timestamps:
-                offset, length, is_embed = self._lay_out_frames(ids, pad, grid, video.timestamps)
+                offset, length, is_embed = lay_out_frames(
+                    ids, self.info, pad, grid, video.timestamps, self.tokens.text_ids
+                )
             else:
-                offset, length = self._lay_out(ids, pad, grid)
+                offset, length = lay_out(ids, self.info, pad, grid)
         return _Item(
             modality=kind,
             mm_hash=self.mm_hash(kind, data, cache_salt),
@@ -450,38 +312,6 @@ class Renderer:
             metadata=meta,
             is_embed=is_embed,
         )
-
-    def _lay_out(self, ids: list[int], pad: int, grid: torch.Tensor) -> tuple[int, int]:
-        """``<|vision_start|>`` + N pads + ``<|vision_end|>`` onto ``ids``; the pads' range."""
-        n = _placeholder_count(grid, self.info.merge_size)
-        ids.append(self.info.vision_start_id)
-        offset = len(ids)
-        ids.extend([pad] * n)
-        ids.append(self.info.vision_end_id)
-        return offset, n
-
-    def _lay_out_frames(
-        self, ids: list[int], pad: int, grid: torch.Tensor, timestamps: list[float]
-    ) -> tuple[int, int, list[bool]]:
-        """A video frame by frame (Qwen3-VL): per temporal grid row, its timestamp text
-        ``<{t:.1f} seconds>`` then ``<|vision_start|>`` + its pads + ``<|vision_end|>``, as the
-        Qwen3-VL processor writes it in place of the video's block. The item's range is all of
-        it, ``is_embed`` marking the pads (vLLM's layout of the same item)."""
-        t, h, w = (int(x) for x in grid.reshape(-1).tolist())
-        if len(timestamps) != t:
-            raise RenderError(
-                "render.video_layout",
-                f"{len(timestamps)} frame timestamps for a grid of {t} temporal rows",
-                modality="video",
-            )
-        per_row = h * w // (self.info.merge_size**2)
-        offset = len(ids)
-        for seconds in timestamps:
-            ids.extend(self._text_ids(f"<{seconds:.1f} seconds>"))
-            ids.append(self.info.vision_start_id)
-            ids.extend([pad] * per_row)
-            ids.append(self.info.vision_end_id)
-        return offset, len(ids) - offset, [tok == pad for tok in ids[offset:]]
 
     async def render_async(
         self, request_id: str, *, timeout_s: float | None = None, **kwargs: Any
@@ -504,7 +334,7 @@ class Renderer:
                 work, max(0.0, give_up_at - time.monotonic()) + TIMEOUT_GRACE_S
             )
         except TimeoutError:
-            raise _timeout(None, None) from None
+            raise render_timeout(None, None) from None
 
     async def _decoded(self, images: list[ImageInput], give_up_at: float | None) -> list[Any]:
         """The encoded images among ``images`` decoded by :attr:`decoder`, one after another
@@ -517,7 +347,7 @@ class Renderer:
                 out.append(src)  # a PIL image or a path: the thread's render loads it
                 continue
             try:
-                out.append(await self.decoder.decode(src, _image_error(index), give_up_at))
+                out.append(await self.decoder.decode(src, image_error(index), give_up_at))
             except DecodeTimedOut:
-                raise _timeout("image", index) from None
+                raise render_timeout("image", index) from None
         return out

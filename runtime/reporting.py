@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from runtime.publisher import Publisher
 from runtime.status.store import StatusGone
@@ -25,6 +25,17 @@ log = logging.getLogger(__name__)
 
 StatusWriter = Callable[[ResultEvent], Awaitable[object]]
 """Folds one update into the request's status record (``StatusStore.apply``)."""
+
+
+class UpdateFields(TypedDict, total=False):
+    """What one status update carries besides its request and status
+    (:meth:`ResultReporter.update`)."""
+
+    token_ids: list[int] | None
+    text: str | None
+    error: ErrorInfo | None
+    timings: dict[str, float] | None
+    info: dict[str, str] | None
 
 
 class ResultReporter:
@@ -70,27 +81,10 @@ class ResultReporter:
         self.record = record
         self.on_gone = on_gone
 
-    async def __call__(
-        self,
-        request_id: str,
-        status: str,
-        *,
-        token_ids: list[int] | None = None,
-        text: str | None = None,
-        error: ErrorInfo | None = None,
-        timings: dict[str, float] | None = None,
-        info: dict[str, str] | None = None,
-    ) -> None:
-        """Publish one update for ``request_id`` (keyed by it, so a request stays ordered)."""
-        event = self.update(
-            request_id,
-            status,
-            token_ids=token_ids,
-            text=text,
-            error=error,
-            timings=timings,
-            info=info,
-        )
+    async def __call__(self, request_id: str, status: str, **fields: Unpack[UpdateFields]) -> None:
+        """Publish one update for ``request_id`` (keyed by it, so a request stays ordered);
+        ``fields`` as :meth:`update` takes them."""
+        event = self.update(request_id, status, **fields)
         if self.record is None:
             await self.send(event)
             return

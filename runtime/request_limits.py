@@ -5,10 +5,11 @@ read the same :class:`RequestLimits`, built once from the settings and the model
 info (vocabulary, context); the prefill and decode workers build it from the same settings and
 their model and call :meth:`RequestLimits.check_prefill` on every event, so what is
 documented, what is refused at the door and what the workers refuse (a record written straight
-to a topic included) agree, rule and message. The renderer's and the compute guard's
-vocabulary and context checks word themselves with :func:`outside_vocabulary` and
-:func:`context_overflow`. Each check raises ``schemas.errors.ValidationError`` naming its rule and
-field; rules that mean "send less" are answered 413 by the API, the others 422.
+to a topic included) agree, rule and message. The sampling checks are the
+:class:`~runtime.sampling_limits.SamplingLimits` part of it; every check is worded by
+:mod:`runtime.bounds`, as the renderer's and the compute guard's vocabulary and context checks
+are. Each check raises ``schemas.errors.ValidationError`` naming its rule and field; rules that
+mean "send less" are answered 413 by the API, the others 422.
 
 What the door cannot know (an embedding that never arrives, a deadline passing in a queue)
 stays the workers' to report.
@@ -16,24 +17,20 @@ stays the workers' to report.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from runtime.bounds import at_most, context_overflow, outside_vocabulary
+from runtime.sampling_limits import SamplingLimits
 from schemas import defaults
 from schemas.errors import ValidationError
-from schemas.values import is_int, is_number
+from schemas.values import is_finite
 
 if TYPE_CHECKING:
     from runtime.settings import Settings
     from schemas.types import PrefillEvent, RenderEvent, SamplingParams
 
-MAX_TEMPERATURE = 2.0
-MIN_TEMPERATURE = 1e-3
-"""Smallest temperature that samples: below it the logits over the temperature overflow (a
-temperature of 0 is greedy). The prefill workers hold requests to the same value."""
-INT32_MAX = 2**31 - 1
 MAX_DEADLINE_S = 86400.0
 
 SIZE_RULES = frozenset(
@@ -59,82 +56,14 @@ def context_limit(settings: Settings, model_context: int) -> int:
     return model_context
 
 
-def _at_most(
-    n: int, limit: int, setting: str, rule: str, counted: str, per: str = "", **where: Any
-) -> None:
-    """Every count and length bound, in one wording: ``counted`` (what was given, ``n`` said
-    in it) "; the limit is" ``limit`` ``per`` "(" ``setting`` ")", refused as ``rule`` at
-    ``where`` (field, item, modality) when ``n`` is above ``limit``."""
-    if n > limit:
-        raise ValidationError(rule, f"{counted}; the limit is {limit}{per} ({setting})", **where)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RequestLimits(SamplingLimits):
+    """What one deployment accepts per request; see the settings named on each field. The
+    sampling bounds (``max_tokens``, the vocabulary, the stop conditions) and their checks
+    are :class:`~runtime.sampling_limits.SamplingLimits`'."""
 
-
-def outside_vocabulary(
-    token_ids: Sequence[Any], vocab_size: int, name: str = "token_ids"
-) -> tuple[int, str] | None:
-    """The first token id that is not an integer in ``[0, vocab_size)``, as (its index, the
-    one wording of the vocabulary rules, ``name`` the list's field); None when every id is
-    inside. On CUDA an id
-    outside the embedding table is a device-side assert that kills the worker, so every front
-    (the door, the renderer, the prefill workers, the compute guard) asks this."""
-    for i, t in enumerate(token_ids):
-        if not _integer(t) or not 0 <= t < vocab_size:
-            return i, f"{name}[{i}] = {t!r} is outside the vocabulary [0, {vocab_size})"
-    return None
-
-
-def context_overflow(prompt_tokens: int, max_tokens: int, context: int) -> str | None:
-    """The wording of rule ``context-length`` when ``prompt_tokens`` + ``max_tokens`` exceed
-    ``context``; None when they fit."""
-    if prompt_tokens + max_tokens <= context:
-        return None
-    return (
-        f"{prompt_tokens} prompt tokens + max_tokens {max_tokens} exceed the context "
-        f"of {context} tokens"
-    )
-
-
-def _check_draw(top_p: Any, top_k: Any, seed: Any, prefix: str) -> None:
-    """``top_p`` in ``(0, 1]``, ``top_k`` an integer >= 0 (0: off), ``seed`` a 64-bit
-    integer; None leaves one at its default."""
-    if top_p is not None and (not _finite(top_p) or not 0.0 < top_p <= 1.0):
-        raise ValidationError(
-            "sampling.top_p", f"top_p is {top_p!r}; it must be in (0, 1]", field=f"{prefix}top_p"
-        )
-    if top_k is not None and (not _integer(top_k) or not 0 <= top_k <= INT32_MAX):
-        raise ValidationError(
-            "sampling.top_k",
-            f"top_k is {top_k!r}; it must be an integer, 0 (off) or positive",
-            field=f"{prefix}top_k",
-        )
-    if seed is not None and (not _integer(seed) or not -(2**63) <= seed < 2**63):
-        raise ValidationError(
-            "sampling.seed", f"seed is {seed!r}; it must be a 64-bit integer", field=f"{prefix}seed"
-        )
-
-
-def _number(value: Any) -> bool:
-    return is_number(value)
-
-
-def _finite(value: Any) -> bool:
-    return _number(value) and math.isfinite(value)
-
-
-def _integer(value: Any) -> bool:
-    return is_int(value)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestLimits:
-    """What one deployment accepts per request; see the settings named on each field."""
-
-    max_tokens: int
-    """``EPD_MAX_TOKENS_LIMIT``: largest ``max_tokens``."""
     context_tokens: int
     """Prompt tokens + ``max_tokens``: the model's context (``EPD_MAX_CONTEXT_TOKENS``)."""
-    vocab_size: int
-    """Every token id is below this (the model's vocabulary)."""
     max_images: int
     """``EPD_API_MAX_IMAGES``."""
     max_videos: int
@@ -155,12 +84,6 @@ class RequestLimits:
     """``EPD_API_MAX_JSON_DEPTH``: nesting of objects and arrays in a JSON body."""
     max_wait_s: float
     """``EPD_API_MAX_WAIT_S``: longest long-poll."""
-    max_stop_strings: int = defaults.MAX_STOP_STRINGS
-    """``EPD_MAX_STOP_STRINGS``: stop strings per request (the workers' bound too)."""
-    max_stop_string_chars: int = defaults.MAX_STOP_STRING_CHARS
-    """``EPD_MAX_STOP_STRING_CHARS``: characters of one stop string."""
-    max_stop_token_ids: int = defaults.MAX_STOP_TOKEN_IDS
-    """``EPD_MAX_STOP_TOKEN_IDS``: stop token ids per request (the workers' bound too)."""
     max_messages: int = defaults.API_MAX_MESSAGES
     """``EPD_API_MAX_MESSAGES``: messages of a chat request (input items of a response)."""
     max_message_parts: int = defaults.API_MAX_MESSAGE_PARTS
@@ -195,126 +118,11 @@ class RequestLimits:
 
     # ---------------------------------------------------------------- before anything runs
 
-    def check_sampling(
-        self,
-        max_tokens: Any,
-        temperature: Any,
-        *,
-        top_p: Any = None,
-        top_k: Any = None,
-        seed: Any = None,
-        stop: Any = None,
-        stop_token_ids: Any = None,
-        prefix: str = "",
-    ) -> None:
-        """The sampling parameters as the prefill workers will take them (the same settings,
-        the same bounds), each refused naming its field:
-
-        ``max_tokens`` an integer (not a boolean) in ``[1, EPD_MAX_TOKENS_LIMIT]``;
-        ``temperature`` a finite number in ``[0, 2]``, 0 (greedy) or at least
-        ``MIN_TEMPERATURE``; ``top_p`` in ``(0, 1]``; ``top_k`` an integer >= 0 (0: off);
-        ``seed`` a 64-bit integer; at most ``EPD_MAX_STOP_STRINGS`` ``stop`` strings of 1 to
-        ``EPD_MAX_STOP_STRING_CHARS`` characters; at most ``EPD_MAX_STOP_TOKEN_IDS``
-        ``stop_token_ids``, each inside the vocabulary.
-        None leaves a parameter at its default."""
-        self.check_max_tokens(max_tokens, field=f"{prefix}max_tokens")
-        if temperature is not None:
-            self._check_temperature(temperature, f"{prefix}temperature")
-        _check_draw(top_p, top_k, seed, prefix)
-        if stop is not None:
-            self.check_stop(stop, f"{prefix}stop")
-        if stop_token_ids is not None:
-            self.check_stop_token_ids(stop_token_ids, f"{prefix}stop_token_ids")
-
-    def check_stop_token_ids(self, stop_token_ids: Any, field: str = "stop_token_ids") -> None:
-        """A list of at most ``EPD_MAX_STOP_TOKEN_IDS`` ids, each inside the vocabulary."""
-        rule = "sampling.stop_token_ids"
-        if not isinstance(stop_token_ids, list):
-            raise ValidationError(rule, "stop_token_ids must be a list", field=field)
-        n = len(stop_token_ids)
-        _at_most(
-            n,
-            self.max_stop_token_ids,
-            "EPD_MAX_STOP_TOKEN_IDS",
-            rule,
-            f"stop_token_ids has {n} ids",
-            field=field,
-        )
-        outside = outside_vocabulary(stop_token_ids, self.vocab_size, "stop_token_ids")
-        if outside is not None:
-            index, detail = outside
-            raise ValidationError(rule, detail, field=field, item=index)
-
-    def check_sampling_params(self, s: SamplingParams, *, prefix: str = "") -> None:
-        """:meth:`check_sampling` over a ``SamplingParams``."""
-        self.check_sampling(
-            s.max_tokens,
-            s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=s.seed,
-            stop=list(s.stop),
-            stop_token_ids=list(s.stop_token_ids),
-            prefix=prefix,
-        )
-
-    def check_max_tokens(self, max_tokens: Any, field: str = "max_tokens") -> None:
-        """An integer (not a boolean) in ``[1, EPD_MAX_TOKENS_LIMIT]``, as the workers allow."""
-        if not _integer(max_tokens):
-            raise ValidationError("request.schema", "max_tokens must be an integer", field=field)
-        if not 1 <= max_tokens <= self.max_tokens:
-            raise ValidationError(
-                "max-tokens",
-                f"max_tokens is {max_tokens}; it must be between 1 and {self.max_tokens} "
-                "(EPD_MAX_TOKENS_LIMIT)",
-                field=field,
-            )
-
-    def _check_temperature(self, temperature: Any, field: str) -> None:
-        if not _finite(temperature):
-            raise ValidationError(
-                "sampling.temperature", "temperature must be a finite number", field=field
-            )
-        if not 0.0 <= temperature <= MAX_TEMPERATURE or 0 < temperature < MIN_TEMPERATURE:
-            raise ValidationError(
-                "sampling.temperature",
-                f"temperature is {temperature}; it must be 0 (greedy) or between "
-                f"{MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}",
-                field=field,
-            )
-
-    def check_stop(self, stop: Any, field: str = "stop") -> None:
-        """At most ``EPD_MAX_STOP_STRINGS`` strings, each 1 to ``EPD_MAX_STOP_STRING_CHARS``
-        characters (a single string counts as one)."""
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
-            raise ValidationError(
-                "sampling.stop", "stop must be a string or a list of strings", field=field
-            )
-        n = len(stops)
-        _at_most(
-            n,
-            self.max_stop_strings,
-            "EPD_MAX_STOP_STRINGS",
-            "sampling.stop",
-            f"stop has {n} strings",
-            field=field,
-        )
-        for i, text in enumerate(stops):
-            if not 1 <= len(text) <= self.max_stop_string_chars:
-                raise ValidationError(
-                    "sampling.stop",
-                    f"stop[{i}] has {len(text)} characters; it must have 1 to "
-                    f"{self.max_stop_string_chars} (EPD_MAX_STOP_STRING_CHARS)",
-                    field=field,
-                    item=i,
-                )
-
     def check_chat_counts(self, messages: int, parts: int, where: str = "messages") -> None:
         """At most ``EPD_API_MAX_MESSAGES`` messages and ``EPD_API_MAX_MESSAGE_PARTS``
         content parts in any one of them (counted before any is parsed)."""
         rule = "request.messages"
-        _at_most(
+        at_most(
             messages,
             self.max_messages,
             "EPD_API_MAX_MESSAGES",
@@ -322,7 +130,7 @@ class RequestLimits:
             f"{messages} messages",
             field=where,
         )
-        _at_most(
+        at_most(
             parts,
             self.max_message_parts,
             "EPD_API_MAX_MESSAGE_PARTS",
@@ -335,7 +143,7 @@ class RequestLimits:
         """A deadline in seconds from now: a finite number in ``(0, 86400]``."""
         if deadline_s is None:
             return
-        if not _number(deadline_s) or not math.isfinite(deadline_s):
+        if not is_finite(deadline_s):
             raise ValidationError(
                 "request.deadline", "deadline_s must be a finite number", field=field
             )
@@ -353,7 +161,7 @@ class RequestLimits:
             return
         if not isinstance(salt, str):
             raise ValidationError("request.schema", "cache_salt must be a string", field=field)
-        _at_most(
+        at_most(
             len(salt),
             self.max_cache_salt_chars,
             "EPD_API_MAX_CACHE_SALT_CHARS",
@@ -368,7 +176,7 @@ class RequestLimits:
             return
         if not isinstance(value, str) or not value:
             raise ValidationError("request.schema", f"{field} must be a string", field=field)
-        _at_most(
+        at_most(
             len(value),
             self.max_id_chars,
             "EPD_API_MAX_ID_CHARS",
@@ -383,7 +191,7 @@ class RequestLimits:
         if metadata is None:
             return
         rule, field = "request.metadata", "metadata"
-        _at_most(
+        at_most(
             len(metadata),
             self.max_metadata_keys,
             "EPD_API_MAX_METADATA_KEYS",
@@ -398,7 +206,7 @@ class RequestLimits:
                     "request.schema", "metadata keys and values must be strings", field="metadata"
                 )
             longest = max(len(key), len(value))
-            _at_most(
+            at_most(
                 longest,
                 self.max_metadata_chars,
                 "EPD_API_MAX_METADATA_CHARS",
@@ -408,7 +216,7 @@ class RequestLimits:
                 field=field,
             )
             total += len(key.encode()) + len(value.encode())
-        _at_most(
+        at_most(
             total,
             self.max_metadata_bytes,
             "EPD_API_MAX_METADATA_BYTES",
@@ -421,7 +229,7 @@ class RequestLimits:
         """A prompt of at most ``max_prompt_chars`` characters; at most ``context_tokens``
         token ids (the context holds no more, whatever ``max_tokens`` is)."""
         if prompt is not None:
-            _at_most(
+            at_most(
                 len(prompt),
                 self.max_prompt_chars,
                 "EPD_API_MAX_PROMPT_CHARS",
@@ -443,7 +251,7 @@ class RequestLimits:
             (images, self.max_images, "image", "EPD_API_MAX_IMAGES"),
             (videos, self.max_videos, "video", "EPD_API_MAX_VIDEOS"),
         ):
-            _at_most(
+            at_most(
                 n, most, setting, f"{what}.count", f"{n} {what}s", modality=what, field=f"{what}s"
             )
 
@@ -474,7 +282,7 @@ class RequestLimits:
             counts = {m: len(h) for m, h in ev.features.mm_hashes.items()}
             self.check_counts(counts.get("image", 0), counts.get("video", 0))
         for modality, index, label in ev.features.items():
-            _at_most(
+            at_most(
                 len(label),
                 self.max_id_chars,
                 "EPD_API_MAX_ID_CHARS",

@@ -65,7 +65,7 @@ from redis.exceptions import RedisError
 
 from runtime.redis.cluster import RedisClient, is_cluster_client
 from runtime.redis.sharded_pubsub import ShardedChannels
-from runtime.status.listener import ChannelListener, forget
+from runtime.status.listener import ChannelListener, RequestEvents
 from schemas.keys import RedisKeys
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ class TokenStreams:
         self.cluster = is_cluster_client(client)
         self.keys = RedisKeys(prefix, cluster=self.cluster)
         self.channel = self.keys.tokens_notify
-        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._waiters = RequestEvents()
         self._listener: ChannelListener | None = None
         self._sharded: ShardedChannels | None = None
         self._lingering: dict[str, asyncio.TimerHandle] = {}
@@ -194,7 +194,7 @@ class TokenStreams:
             return
         if self._listener is None:
             self._listener = ChannelListener(
-                self.client, self.channel, self._wake, on_gap=self._wake_all
+                self.client, self.channel, self._waiters.wake, on_gap=self._waiters.wake_all
             )
             await self._listener.start()
 
@@ -219,14 +219,14 @@ class TokenStreams:
         return self.keys.token_changes(request_id).encode()
 
     def _heard(self, channel: bytes, data: bytes) -> None:
-        self._wake(data.decode())
+        self._waiters.wake(data.decode())
 
     def _lost(self, channels: frozenset[bytes]) -> None:
         """Channels went deaf (their master died or their slot moved): their readers read
         again, and subscribe again where the slot lives now."""
-        for rid in list(self._waiters):
+        for rid in self._waiters.requests():
             if self._channel(rid) in channels:
-                self._wake(rid)
+                self._waiters.wake(rid)
 
     async def _follow(self, request_id: str) -> bool:
         """Cluster: make sure the request's channel is subscribed (confirmed) before a read;
@@ -267,15 +267,6 @@ class TokenStreams:
 
         self._lingering[request_id] = asyncio.get_running_loop().call_later(LINGER_S, leave)
 
-    def _wake(self, request_id: str) -> None:
-        for ev in self._waiters.get(request_id, ()):
-            ev.set()
-
-    def _wake_all(self) -> None:
-        for evs in self._waiters.values():
-            for ev in evs:
-                ev.set()
-
     async def append(
         self, request_id: str, fields: dict[str, str], *, guarded: bool = False
     ) -> bool:
@@ -311,10 +302,9 @@ class TokenStreams:
         await self.start()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        woke = asyncio.Event()
         # Registered (and on a cluster subscribed) before the read, so a write between the
         # read and the wait is not missed.
-        self._waiters.setdefault(request_id, set()).add(woke)
+        woke = self._waiters.add(request_id)
         try:
             while True:
                 woke.clear()
@@ -326,7 +316,7 @@ class TokenStreams:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(woke.wait(), left if heard else min(left, RESUBSCRIBE_S))
         finally:
-            forget(self._waiters, request_id, woke)
+            self._waiters.forget(request_id, woke)
             if request_id not in self._waiters:
                 self._linger(request_id)
 

@@ -15,14 +15,13 @@ applies its bounds (ranges, stop-string counts) to what comes through here.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from schemas import defaults
 from schemas.errors import ValidationError
 from schemas.types import SamplingParams
-from schemas.values import is_int, is_number
+from schemas.values import is_finite, is_int
 
 VLLM_DEFAULT_TEMPERATURE = 1.0
 """vLLM samples at temperature 1 when a request names none."""
@@ -70,7 +69,7 @@ def _number(params: Mapping[str, Any], name: str, default: float) -> float:
     v = params.get(name, default)
     if v is None:
         return default
-    if not is_number(v) or not math.isfinite(v):
+    if not is_finite(v):
         raise _bad(name, f"must be a finite number, got {v!r}")
     return float(v)
 

@@ -21,7 +21,7 @@ from frontend.api.schema_bounds import (
     Bounds,
     Ref,
 )
-from runtime.request_limits import MIN_TEMPERATURE
+from runtime.sampling_limits import MIN_TEMPERATURE
 from schemas.statuses import Status
 
 # A 28x28 red PNG (the smallest the Qwen2-VL processor takes): an example that actually runs.

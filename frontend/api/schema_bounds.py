@@ -23,7 +23,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from runtime.request_limits import INT32_MAX, MAX_TEMPERATURE, RequestLimits
+from runtime.request_limits import RequestLimits
+from runtime.sampling_limits import INT32_MAX, MAX_TEMPERATURE
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 

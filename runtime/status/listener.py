@@ -102,10 +102,41 @@ class ChannelListener:
         return node_client(self.client, random.choice(self.client.get_nodes()))
 
 
-def forget(waiters: dict[str, set[Any]], request_id: str, waiter: Any) -> None:
-    """Drop one waiter of ``request_id``, and the request's entry once it has none left."""
-    left = waiters.get(request_id)
-    if left is not None:
-        left.discard(waiter)
-        if not left:
-            del waiters[request_id]
+class RequestEvents:
+    """The events of the readers waiting on each request: set when the request changes (a
+    reader clears its own to re-arm). What status notifications and token streams wait with."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, set[asyncio.Event]] = {}
+
+    def add(self, request_id: str) -> asyncio.Event:
+        """A new event for one reader of ``request_id``; :meth:`forget` it when done."""
+        ev = asyncio.Event()
+        self._by_request.setdefault(request_id, set()).add(ev)
+        return ev
+
+    def forget(self, request_id: str, ev: asyncio.Event) -> None:
+        """Drop one reader's event, and the request's entry once it has none left."""
+        left = self._by_request.get(request_id)
+        if left is not None:
+            left.discard(ev)
+            if not left:
+                del self._by_request[request_id]
+
+    def wake(self, request_id: str) -> None:
+        """Set the events of ``request_id``'s readers."""
+        for ev in self._by_request.get(request_id, ()):
+            ev.set()
+
+    def wake_all(self) -> None:
+        """Set every reader's event (messages may have been missed: all read again)."""
+        for evs in self._by_request.values():
+            for ev in evs:
+                ev.set()
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._by_request
+
+    def requests(self) -> list[str]:
+        """The requests someone waits on now."""
+        return list(self._by_request)

@@ -22,7 +22,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from runtime.redis.sharded_pubsub import ShardedChannels
-from runtime.status.listener import ChannelListener, forget
+from runtime.status.listener import ChannelListener, RequestEvents
 
 if TYPE_CHECKING:
     from runtime.status.store import StatusStore
@@ -38,7 +38,7 @@ class StatusNotifier:
 
     def __init__(self, store: StatusStore) -> None:
         self.store = store
-        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._waiters = RequestEvents()
         self.listener: ChannelListener | None = None
         self._sharded: ShardedChannels | None = None
         self._deaf: set[str] = set()
@@ -46,8 +46,9 @@ class StatusNotifier:
         if isinstance(store.client, RedisCluster):
             self._sharded = ShardedChannels(store.client, self._heard, self._lost)
         else:
+            w = self._waiters
             self.listener = ChannelListener(
-                store.client, store.keys.status_notify, self._wake, on_gap=self._wake_all
+                store.client, store.keys.status_notify, w.wake, on_gap=w.wake_all
             )
 
     @property
@@ -72,37 +73,29 @@ class StatusNotifier:
         if self._sharded is not None:
             await self._sharded.close()
 
-    def _wake(self, request_id: str) -> None:
-        for ev in self._waiters.get(request_id, ()):
-            ev.set()
-
-    def _wake_all(self) -> None:
-        for evs in self._waiters.values():
-            for ev in evs:
-                ev.set()
-
     # ------------------------------------------------ cluster: one channel per watched request
 
     def _channel(self, request_id: str) -> bytes:
         return self.store.keys.status_changes(request_id).encode()
 
     def _heard(self, channel: bytes, data: bytes) -> None:
-        self._wake(data.decode())
+        self._waiters.wake(data.decode())
 
     def _lost(self, channels: frozenset[bytes]) -> None:
         """Channels went deaf (their master died): wake their waiters to re-read, and
         subscribe them again where their slots live now."""
-        for rid in list(self._waiters):
+        for rid in self._waiters.requests():
             if self._channel(rid) in channels:
                 self._deaf.add(rid)
-                self._wake(rid)
+                self._waiters.wake(rid)
         if self._deaf and (self._healing is None or self._healing.done()):
             self._healing = asyncio.get_running_loop().create_task(self._heal())
 
     async def _heal(self) -> None:
         delay = 0.1
         while self._deaf and self._sharded is not None:
-            self._deaf.intersection_update(self._waiters)  # nobody waits on the others now
+            # Nobody waits on the others now.
+            self._deaf.intersection_update(self._waiters.requests())
             rids = list(self._deaf)
             try:
                 await self._sharded.subscribe(self._channel(r) for r in rids)
@@ -113,7 +106,7 @@ class StatusNotifier:
                 continue
             self._deaf.difference_update(rids)
             for rid in rids:
-                self._wake(rid)  # a change may have come while they were deaf
+                self._waiters.wake(rid)  # a change may have come while they were deaf
 
     async def _follow(self, request_id: str) -> None:
         if self._sharded is None:
@@ -136,13 +129,12 @@ class StatusNotifier:
         """An event set on the next change of ``request_id``; register *before* reading the
         record, so a change between the read and the wait is never missed. Clear it to re-arm.
         On a cluster it is entered once the request's channel is subscribed."""
-        ev = asyncio.Event()
-        self._waiters.setdefault(request_id, set()).add(ev)
+        ev = self._waiters.add(request_id)
         try:
             await self._follow(request_id)  # every watcher: a second one waits for the first's
             yield ev
         finally:
-            forget(self._waiters, request_id, ev)
+            self._waiters.forget(request_id, ev)
             await self._unfollow(request_id)
 
     async def wait_change(

@@ -20,7 +20,8 @@ from frontend.api.submit.json_text import parse_json
 from frontend.api.submit.media import IMAGE_TYPES, decode_image_string, sniff_image_type
 from media.pictures import IMAGE_FORMATS
 from media.sample_images import png_bytes, synthetic_image
-from producers.render import QWEN_IMAGE_BLOCK, Renderer
+from producers.prompt_tokens import QWEN_IMAGE_BLOCK
+from producers.render import Renderer
 from runtime.model import load_render_info
 from runtime.request_limits import RequestLimits
 from runtime.settings import Settings

@@ -21,7 +21,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from gpu_workers.compute import encode_items
 from producers.fanout import FanOut
-from producers.render import Renderer, RenderError, to_rgb
+from producers.render import Renderer, to_rgb
+from producers.render_errors import RenderError
 from runtime.model import ModelBundle, RenderInfo, load_model, load_render_info
 from runtime.processor_limits import input_limits, pixel_dtype
 from runtime.settings import Settings

@@ -15,7 +15,9 @@ from PIL import Image
 
 from gpu_workers.oracle import monolithic_inputs
 from media.pictures import IMAGE_FORMATS
-from producers.render import QWEN_IMAGE_BLOCK, Renderer, RenderError, _Item, build_features
+from producers.prompt_tokens import QWEN_IMAGE_BLOCK
+from producers.render import Renderer, _Item, build_features
+from producers.render_errors import RenderError
 from runtime.model import RenderInfo, load_render_info
 from schemas.errors import ValidationError
 from schemas.types import SamplingParams

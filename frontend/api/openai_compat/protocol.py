@@ -30,7 +30,7 @@ from frontend.api.schema_bounds import (
     Bounds,
     NeutralOnly,
 )
-from runtime.request_limits import MIN_TEMPERATURE
+from runtime.sampling_limits import MIN_TEMPERATURE
 from schemas.vllm_sampling import NEUTRAL as SAMPLING_NEUTRAL
 
 NEUTRAL: dict[str, tuple[Any, ...]] = {
