@@ -10,7 +10,7 @@
 #
 # Variables: PYTHON (>= 3.11, default python3), VENV (.venv), TORCH_SPEC (torch==2.13.0, the CPU
 # wheel on the dev machines; e.g. TORCH_SPEC='torch==2.14.1' for a CUDA build), PYTEST_ARGS,
-# TEST_WORKERS (2: the pytest-xdist workers of make test / test-tansu / test-unit; 1 runs serially).
+# TEST_WORKERS (3: the pytest-xdist workers of make test / test-tansu / test-unit; 1 runs serially).
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -24,7 +24,8 @@ PYTEST_ARGS ?= -ra --durations=10
 # (tests/services.py), so a fault test's kill or freeze reaches only its own worker; test files
 # go to the workers whole (module fixtures start once), the heaviest first (tests/scheduling.py:
 # the durations of the last run, from .pytest_cache). TEST_WORKERS=1 runs in one process.
-TEST_WORKERS ?= 2
+# Three on two cores: much of the suite waits on brokers and processes (README, Development).
+TEST_WORKERS ?= 3
 XDIST := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 DEMO_ARGS ?=
 BENCH_ARGS ?=
