@@ -110,14 +110,7 @@ def encode_items(
         return []
     visual = bundle.model.model.visual
     grids = torch.stack([grid_row(g) for _, g in items])
-    for i, (pv, g) in enumerate(items):
-        patches = int(grid_row(g).prod())
-        if pv.ndim != 2 or pv.shape[0] != patches:
-            raise ComputeError(
-                f"item {i}: pixel_values shape {tuple(pv.shape)} does not match grid "
-                f"{grid_row(g).tolist()} ({patches} patches)"
-            )
-    splits = [tokens_for_grid(g, bundle.merge_size) for g in grids]
+    splits = encoder_rows(bundle, items)
     with torch.inference_mode():
         pixels = torch.cat([pv for pv, _ in items]).to(device=bundle.device, dtype=visual.dtype)
         out = visual(pixels, grid_thw=grids.to(bundle.device))
@@ -133,6 +126,21 @@ def encode_items(
             named[DEEPSTACK] = torch.split(stacked, splits, dim=1)
         move = (lambda t: t.to("cpu").clone()) if to_cpu else (lambda t: t.clone())
         return [{name: move(parts[i]) for name, parts in named.items()} for i in range(len(items))]
+
+
+def encoder_rows(
+    bundle: ModelBundle, items: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> list[int]:
+    """The merged rows the vision tower yields for each item, once each item's pixel rows are
+    checked against its grid."""
+    for i, (pv, g) in enumerate(items):
+        patches = int(grid_row(g).prod())
+        if pv.ndim != 2 or pv.shape[0] != patches:
+            raise ComputeError(
+                f"item {i}: pixel_values shape {tuple(pv.shape)} does not match grid "
+                f"{grid_row(g).tolist()} ({patches} patches)"
+            )
+    return [tokens_for_grid(g, bundle.merge_size) for _, g in items]
 
 
 def encode_images(
@@ -220,7 +228,23 @@ def cache_kwarg(module: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _check_items(bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]):
+def check_prompt(
+    bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]
+) -> list[ItemEmbedding]:
+    """What a prefill checks before it runs: the ids in the vocabulary, the prompt within the
+    context, each item's placeholder and embedding shapes. The items in prompt order."""
+    if not token_ids:
+        raise ComputeError("token_ids is empty")
+    check_token_range(bundle, token_ids)
+    overflow = context_overflow(len(token_ids), 0, context_length(bundle))
+    if overflow is not None:
+        raise ComputeError(overflow)
+    return _check_items(bundle, token_ids, items)
+
+
+def _check_items(
+    bundle: ModelBundle, token_ids: Sequence[int], items: Sequence[ItemEmbedding]
+) -> list[ItemEmbedding]:
     fam = bundle.family
     hidden = text_config(bundle.config).hidden_size
     pad_ids = placeholder_ids(bundle)
@@ -405,13 +429,7 @@ def prefill(
 ) -> Prefilled:
     """Splice the embeddings, compute M-RoPE positions and run the prompt through the LM (with
     the deepstack features at the visual positions, for Qwen3-VL)."""
-    if not token_ids:
-        raise ComputeError("token_ids is empty")
-    check_token_range(bundle, token_ids)
-    overflow = context_overflow(len(token_ids), 0, context_length(bundle))
-    if overflow is not None:
-        raise ComputeError(overflow)
-    ordered = _check_items(bundle, token_ids, items)
+    ordered = check_prompt(bundle, token_ids, items)
     lm = bundle.model.model.language_model
     with torch.inference_mode():
         embeds = splice_embeddings(bundle, token_ids, ordered)

@@ -24,8 +24,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from gpu_workers.compute import prefill
-from gpu_workers.engine import DecodeEngine
+from gpu_workers.instant import engine_for
 from gpu_workers.entries import items_from_features
 from gpu_workers.generation import Generator
 from gpu_workers.kv_handoff import fetch, kv_shape, restore
@@ -69,7 +68,7 @@ class DecodeWorker:
         )
         self.worker_id = self.life.worker_id
         self.tally = self.life.tally
-        self.engine = DecodeEngine.for_settings(ctx.settings, ctx.bundle)
+        self.engine = engine_for(ctx.settings, ctx.bundle)
         self.generator = Generator(ctx, self.engine, self.life.watch, streams=streams)
         self.kv_shape = kv_shape(ctx.bundle)
         self.flights: SingleFlight[str] = SingleFlight()
@@ -132,4 +131,4 @@ class DecodeWorker:
         if outputs is None:
             return None
         items = items_from_features(ev.features, dict(zip(admitted.keys, outputs, strict=True)))
-        return functools.partial(prefill, self.ctx.bundle, ev.token_ids, items)
+        return functools.partial(self.engine.prefill, ev.token_ids, items)

@@ -19,6 +19,7 @@ import torch
 
 from gpu_workers.batcher import MicroBatcher
 from gpu_workers.compute import EncoderOutput, encode_items
+from gpu_workers.instant import instant_encode
 from gpu_workers.encoder_inputs import EncoderInputs, InputLost, check_patch_width, encoder_fields
 from gpu_workers.entries import request_cancelled, store_outputs
 from gpu_workers.metrics import encode_metrics
@@ -96,7 +97,8 @@ class EncodeWorker:
         return self.inputs.deleted
 
     def _compute(self, jobs: Sequence[Job]) -> list[EncoderOutput]:
-        return encode_items(self.bundle, jobs)
+        encode = instant_encode if self.bundle.instant else encode_items
+        return encode(self.bundle, jobs)
 
     async def close(self) -> None:
         await self.batcher.close()

@@ -165,9 +165,8 @@ class DecodeEngine:
         self.kv_budget_bytes = kv_budget_bytes
         self.kv_per_token = kv_bytes_per_token(bundle)
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="epd-decode")
-        self._lm = bundle.model.model.language_model
-        self._cache_kw = cache_kwarg(self._lm)
         self._text_config = text_config(bundle.config)
+        self._bind_model()
         self._rows: list[_Row] = []
         self._cache: DynamicCache | None = None
         self._joining: list[DecodeJob] = []
@@ -178,6 +177,11 @@ class DecodeEngine:
         self.steps = 0
         """Batched decode forwards run so far."""
         self.largest_batch = 0
+
+    def _bind_model(self) -> None:
+        """The parts of the model each step calls."""
+        self._lm = self.bundle.model.model.language_model
+        self._cache_kw = cache_kwarg(self._lm)
 
     # ------------------------------------------------------------------------- admission
 
@@ -233,6 +237,10 @@ class DecodeEngine:
         async with self._room:
             if self._reserved.pop(job, None) is not None:
                 self._room.notify_all()
+
+    def prefill(self, token_ids: Sequence[int], items: Sequence[ItemEmbedding]) -> Prefilled:
+        """A prompt's start (for the compute thread): its prefill on this engine's model."""
+        return prefill(self.bundle, token_ids, items)
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the compute thread between two steps (a prefill that is handed off
@@ -335,13 +343,17 @@ class DecodeEngine:
             return
         start_ms = (time.perf_counter() - t0) * 1000
         report.started.append(job)
-        done = job.seq.accept(job.seq.choose(state.logits))
+        done = job.seq.accept(self._choose(job, state.logits))
         report.tokens.append((job, *job.seq.take_new()))
         if done:
             report.finished.append((job, Finished(COMPLETED, start_ms=start_ms)))
             return
         job._start_ms = start_ms
         self._merge(job, state)
+
+    def _choose(self, job: DecodeJob, logits: torch.Tensor) -> int:
+        """The job's next token from its row of logits (its own sampler)."""
+        return job.seq.choose(logits)
 
     def _merge(self, job: DecodeJob, state: Prefilled) -> None:
         """Add a started sequence's cache to the batch's, left-padding the shorter side."""
@@ -367,6 +379,16 @@ class DecodeEngine:
     def _drop(self, report: _StepReport, *, check_stops: bool) -> None:
         """Remove finished and abandoned sequences, and (``check_stops``) those past their
         deadline or cancelled; with them, the padding no sequence left needs."""
+        keep = self._survivors(report, check_stops=check_stops)
+        if len(keep) == len(self._rows):
+            return
+        if not keep:
+            self._rows, self._cache = [], None
+            return
+        self._keep_rows(keep)
+
+    def _survivors(self, report: _StepReport, *, check_stops: bool) -> list[int]:
+        """The rows that go on; the others' outcomes added to ``report``."""
         keep: list[int] = []
         for i, row in enumerate(self._rows):
             job = row.job
@@ -381,11 +403,10 @@ class DecodeEngine:
                 report.finished.append((job, stopped))
                 continue
             keep.append(i)
-        if len(keep) == len(self._rows):
-            return
-        if not keep:
-            self._rows, self._cache = [], None
-            return
+        return keep
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        """The batch narrowed to rows ``keep`` (their cache too)."""
         assert self._cache is not None
         rows = [self._rows[i] for i in keep]
         width = max(r.length for r in rows)
@@ -423,7 +444,7 @@ class DecodeEngine:
         self.steps += 1
         for i, r in enumerate(rows):
             r.length += 1
-            r.job.seq.accept(r.job.seq.choose(logits[i]))
+            r.job.seq.accept(self._choose(r.job, logits[i]))
             report.tokens.append((r.job, *r.job.seq.take_new()))
 
     async def close(self) -> None:

@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gpu_workers.compute import ItemEmbedding, Prefilled, prefill
-from gpu_workers.engine import CANCELLED, EXPIRED, DecodeEngine
+from gpu_workers.compute import ItemEmbedding, Prefilled
+from gpu_workers.engine import CANCELLED, EXPIRED
 from gpu_workers.entries import items_from_features
 from gpu_workers.generation import Generator
+from gpu_workers.instant import engine_for
 from gpu_workers.kv_handoff import kv_entry, kv_tensors, park
 from gpu_workers.lifecycle.parts import RequestLifecycle
 from runtime.publisher import publish
@@ -70,7 +71,7 @@ class PrefillWorker:
         self.worker_id = self.life.worker_id
         self.tally = self.life.tally
         # One compute thread runs the batch: requests decode together, one forward per step.
-        self.engine = DecodeEngine.for_settings(ctx.settings, ctx.bundle)
+        self.engine = engine_for(ctx.settings, ctx.bundle)
         self.generator = Generator(ctx, self.engine, self.life.watch, streams=streams)
 
     async def close(self) -> None:
@@ -103,8 +104,8 @@ class PrefillWorker:
         if self.ctx.settings.decode_stage:
             await self._hand_off(ev, items, timings, updates)
             return
-        bundle = self.ctx.bundle
-        result = await self.generator.run(ev, lambda: prefill(bundle, ev.token_ids, items), updates)
+        engine = self.engine
+        result = await self.generator.run(ev, lambda: engine.prefill(ev.token_ids, items), updates)
         await life.outcomes.finished(ev, result, timings, updates)
 
     # ------------------------------------------------------------------------- hand off
@@ -152,5 +153,5 @@ class PrefillWorker:
         if deadline_passed(ev.deadline_ms, now_ms()):
             return EXPIRED
         t0 = time.perf_counter()
-        state = prefill(self.ctx.bundle, ev.token_ids, items)
+        state = self.engine.prefill(ev.token_ids, items)
         return state, kv_tensors(state), (time.perf_counter() - t0) * 1000

@@ -46,6 +46,7 @@ from runtime.errors import ModelLoadError
 from runtime.tokenizer import BYTE_VOCAB, EOS_TOKEN, SPECIAL_TOKENS, build_tiny_tokenizer
 from schemas.families import (
     FAMILIES,
+    INSTANT_SPEC,
     TINY_SPECS,
     ModelFamily,
     UnsupportedModelType,
@@ -114,13 +115,18 @@ class RenderInfo:
     context_length: int
     """The text model's ``max_position_embeddings``: prompt + generated tokens fit in it."""
 
+    @property
+    def instant(self) -> bool:
+        """The instant engine (``EPD_MODEL=instant``): the tiny model's shapes, no compute."""
+        return self.model_name == INSTANT_SPEC
+
 
 @dataclass(frozen=True, slots=True)
 class ModelBundle(RenderInfo):
     """A loaded model of a supported family: its render info (identity, processor, tokenizer,
     special ids, limits), and the weights with where and how they run."""
 
-    model: Any  # the family's *ForConditionalGeneration (FAMILY_CLASSES)
+    model: Any  # the family's *ForConditionalGeneration (FAMILY_CLASSES); None: instant
     config: Any  # the family's config class
     device: torch.device
     dtype: torch.dtype
@@ -512,6 +518,8 @@ def _load(spec: str, *, weights: bool, dtype: torch.dtype) -> _Loaded:
     """The pieces of ``spec``; ``weights``: also the model (checkpoints: in ``dtype``)."""
     fam = model_family(spec)
     classes = FAMILY_CLASSES[fam.model_type]
+    if spec == INSTANT_SPEC:
+        return _instant()
     if spec in TINY_SPECS:
         # Rebuilt even for render info: the fingerprint is over the weights (cheap here).
         model, cfg = _build_tiny_model(fam.model_type)
@@ -544,6 +552,23 @@ def _load(spec: str, *, weights: bool, dtype: torch.dtype) -> _Loaded:
     return _Loaded(fam, str(path), cfg, tok, proc, checkpoint_fingerprint(path), model)
 
 
+def _instant() -> _Loaded:
+    """The instant engine's pieces: the tiny Qwen2-VL's config, tokenizer and processor, no
+    weights; a fingerprint of its own (over the config), so its zero embeddings never meet a
+    real model's in a shared store."""
+    cfg = tiny_config("qwen2_vl")
+    h = blake3.blake3(b"epd-instant-v1\0")
+    h.update(_config_bytes(cfg))
+    return _Loaded(
+        FAMILIES["qwen2_vl"],
+        INSTANT_SPEC,
+        cfg,
+        build_tiny_tokenizer(),
+        tiny_image_processor("qwen2_vl"),
+        h.hexdigest(),
+    )
+
+
 def load_render_info(spec: str = TINY) -> RenderInfo:
     """Processor, tokenizer, ids and fingerprint for ``spec`` without placing weights on a device.
 
@@ -565,6 +590,20 @@ def load_render_info(spec: str = TINY) -> RenderInfo:
     )
 
 
+def _placed(model: Any, spec: str, ids: dict[str, int], dev: torch.device, dt: torch.dtype) -> Any:
+    """The weights on ``dev`` in ``dt``, in eval mode, with generate()'s ids set."""
+    # transformers' decorated .to() confuses mypy; it returns the model itself.
+    model = model.to(device=dev, dtype=dt)
+    model.eval()
+    # generate() reads its defaults from here. A real checkpoint keeps its own eos list (the
+    # oracle passes stop ids explicitly anyway); pad must be set to silence generate's warning.
+    if spec in TINY_SPECS:
+        model.generation_config.eos_token_id = ids["eos_token_id"]
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = ids["eos_token_id"]
+    return model
+
+
 def load_model(
     spec: str = TINY, *, device: str | torch.device = "auto", dtype: torch.dtype | None = None
 ) -> ModelBundle:
@@ -577,17 +616,9 @@ def load_model(
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     dt = dtype or default_dtype(dev)
     ld = _load(spec, weights=True, dtype=dt)
-    # transformers' decorated .to() confuses mypy; it returns the model itself.
-    model = ld.model.to(device=dev, dtype=dt)
-    model.eval()
     ids = _special_ids(ld.tokenizer, ld.config)
     _check_placeholder_tokens(ld.family, ld.tokenizer, ids)
-    # generate() reads its defaults from here. A real checkpoint keeps its own eos list (the
-    # oracle passes stop ids explicitly anyway); pad must be set to silence generate's warning.
-    if spec in TINY_SPECS:
-        model.generation_config.eos_token_id = ids["eos_token_id"]
-    if model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = ids["eos_token_id"]
+    model = None if ld.model is None else _placed(ld.model, spec, ids, dev, dt)
     return ModelBundle(
         model_name=ld.name,
         family=ld.family,

@@ -146,12 +146,19 @@ FAMILIES: dict[str, ModelFamily] = {
 
 TINY_SPECS: dict[str, str] = {f.tiny_spec: k for k, f in FAMILIES.items()}
 TINY_SPECS["tiny-qwen2-vl"] = "qwen2_vl"  # the explicit name of the default tiny model
+INSTANT_SPEC = "instant"
+"""The instant engine: the tiny Qwen2-VL's processor, tokenizer, shapes and placeholder layout
+with no model compute (``gpu_workers/instant.py``), so a request runs the whole real path with
+the model's cost taken out. A bench and test aid for measuring the coordinator alone (what a
+proxy is benchmarked with), not a served model."""
+TINY_SPECS[INSTANT_SPEC] = "qwen2_vl"
 """``--model`` values that build a tiny model -> the family's ``model_type``."""
 
 MODEL_HELP = (
     "a tiny seeded model ("
     + ", ".join(f"{f.tiny_spec}: {f.display_name}" for f in FAMILIES.values())
-    + ") or a local checkpoint directory of a supported family"
+    + "), a local checkpoint directory of a supported family, or "
+    + f"{INSTANT_SPEC} (no model compute: for measuring the coordinator)"
 )
 """The ``--model`` help text of every command."""
 
