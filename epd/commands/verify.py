@@ -192,11 +192,20 @@ async def verify_cases(
 
 
 def _check_model(spec: str | None) -> None:
-    """Refuse an unsupported model (ModelLoadError: exit 2) before any service or worker starts."""
+    """Refuse an unsupported model (ModelLoadError: exit 2) before any service or worker starts,
+    and the instant engine, which has no model to compare with."""
+    from runtime.errors import ModelLoadError
     from runtime.model import model_family
     from runtime.settings import Settings
+    from schemas.families import INSTANT_SPEC
 
-    model_family(spec or Settings().model)
+    spec = spec or Settings().model
+    if spec == INSTANT_SPEC:
+        raise ModelLoadError(
+            f"{INSTANT_SPEC} runs no model, so there is nothing to verify; give a tiny spec or a "
+            "checkpoint"
+        )
+    model_family(spec)
 
 
 def run(args: argparse.Namespace) -> int:
