@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from gpu_workers.instant import engine_for
 from gpu_workers.entries import items_from_features
 from gpu_workers.generation import Generator
+from gpu_workers.instant import engine_for
 from gpu_workers.kv_handoff import fetch, kv_shape, restore
 from gpu_workers.lifecycle.parts import RequestLifecycle
 from gpu_workers.single_flight import SingleFlight

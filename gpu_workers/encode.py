@@ -19,9 +19,9 @@ import torch
 
 from gpu_workers.batcher import MicroBatcher
 from gpu_workers.compute import EncoderOutput, encode_items
-from gpu_workers.instant import instant_encode
 from gpu_workers.encoder_inputs import EncoderInputs, InputLost, check_patch_width, encoder_fields
 from gpu_workers.entries import request_cancelled, store_outputs
+from gpu_workers.instant import instant_encode
 from gpu_workers.metrics import encode_metrics
 from gpu_workers.single_flight import SingleFlight
 from runtime.publisher import publish

@@ -334,6 +334,12 @@ class Settings(BaseSettings):
     log_format: Literal["json", "text"] = Field(
         "json", description="worker log lines: JSON objects (with request_id and trace_id) or text"
     )
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto",
+        description="the event loop of workers and the API: uvloop (libuv, C: a fraction of "
+        "asyncio's cost per socket event and callback), asyncio, or auto (uvloop where it is "
+        "installed)",
+    )
 
     # Consumers
     max_in_flight: int = 64

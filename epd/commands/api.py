@@ -51,12 +51,14 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from runtime import event_loop
     from runtime.settings import Settings
 
     # Checked here, before uvicorn starts (or forks workers): a bad setting is one line, not a
     # traceback per worker. Settings() validates the tokens; the secret is checked as the
     # workers check theirs (InsecureSettings: the message, exit 1).
-    Settings().require_signing("api")
+    settings = Settings()
+    settings.require_signing("api")
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -64,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     uvicorn.run(
         "frontend.api:app_factory",
         factory=True,
+        loop=event_loop.loop_name(settings.event_loop),
         host=args.host,
         port=args.port,
         workers=args.workers,

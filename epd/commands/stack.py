@@ -63,6 +63,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from epd import services
+    from runtime import event_loop
     from runtime.settings import Settings
 
     Settings()  # a bad setting is one line and exit 2 (epd.cli), before anything starts
@@ -78,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
                 say(note)
             say(f"broker {state.kafka.address}, Redis {state.redis.address} (logs in {log_dir})")
             os.environ.update(state.env)  # the settings below and the workers read them
-            return asyncio.run(_serve(args, _stack_settings(args), log_dir))
+            settings = _stack_settings(args)
+            return event_loop.run(_serve(args, settings, log_dir), settings.event_loop)
     except services.ServiceError as exc:
         print(f"epd stack: error: {exc}", file=sys.stderr)
         return 1

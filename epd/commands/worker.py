@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
         # Refuse an unsupported model family before joining any group (ModelLoadError: exit 2).
         model_family(settings.model)
+    from runtime import event_loop
     from runtime.logs import configure_logging
 
     configure_logging(args.log_level, settings.log_format)
@@ -93,5 +94,5 @@ def run(args: argparse.Namespace) -> int:
         async def ready() -> None:
             await asyncio.to_thread(ready_file.write_text, f"{os.getpid()}\n")
 
-    asyncio.run(run_worker(args.kind, settings, ready=ready))
+    event_loop.run(run_worker(args.kind, settings, ready=ready), settings.event_loop)
     return 0

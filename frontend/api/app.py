@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiokafka.errors import KafkaError
@@ -31,6 +30,7 @@ from frontend.api.errors import (
     unavailable,
 )
 from frontend.api.metrics import Metrics
+from frontend.api.observation import Observation
 from frontend.api.openai_compat.errors import is_openai_path, openai_body
 from frontend.api.openapi import install_openapi
 from frontend.api.routes import chat, model_list, ops, requests, responses, vllm
@@ -202,23 +202,5 @@ def add_error_handlers(app: FastAPI, settings: Settings) -> None:
 
 
 def add_observation(app: FastAPI, metrics: Metrics) -> None:
-    """Latency by route and HTTP requests in flight."""
-
-    @app.middleware("http")
-    async def observe(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        t0 = time.perf_counter()
-        metrics.http_in_flight.inc()
-        code = 500
-        try:
-            response = await call_next(request)
-            code = response.status_code
-            return response
-        finally:
-            metrics.http_in_flight.dec()
-            route = request.scope.get("route")
-            path = getattr(route, "path", "unmatched")
-            metrics.latency.labels(request.method, path, str(code)).observe(
-                time.perf_counter() - t0
-            )
+    """Latency by route and HTTP requests in flight (:class:`Observation`)."""
+    app.add_middleware(Observation, metrics=metrics)
