@@ -178,8 +178,7 @@ class DecodeEngine:
         """Batched decode forwards run so far."""
         self.largest_batch = 0
 
-    def _bind_model(self) -> None:
-        """The parts of the model each step calls."""
+    def _bind_model(self) -> None:  # the parts of the model each step calls
         self._lm = self.bundle.model.model.language_model
         self._cache_kw = cache_kwarg(self._lm)
 
@@ -352,8 +351,7 @@ class DecodeEngine:
         self._merge(job, state)
 
     def _choose(self, job: DecodeJob, logits: torch.Tensor) -> int:
-        """The job's next token from its row of logits (its own sampler)."""
-        return job.seq.choose(logits)
+        return job.seq.choose(logits)  # its own sampler, on its own row of logits
 
     def _merge(self, job: DecodeJob, state: Prefilled) -> None:
         """Add a started sequence's cache to the batch's, left-padding the shorter side."""
@@ -408,15 +406,10 @@ class DecodeEngine:
     def _keep_rows(self, keep: list[int]) -> None:
         """The batch narrowed to rows ``keep`` (their cache too)."""
         assert self._cache is not None
-        rows = [self._rows[i] for i in keep]
-        width = max(r.length for r in rows)
+        self._rows = [self._rows[i] for i in keep]
+        width = max(r.length for r in self._rows)
         index = torch.tensor(keep, device=self.bundle.device)
-        layers = [
-            (k.index_select(0, index)[..., -width:, :], v.index_select(0, index)[..., -width:, :])
-            for k, v, *_ in self._cache
-        ]
-        self._cache = DynamicCache(ddp_cache_data=layers, config=self._text_config)
-        self._rows = rows
+        self._cache = _narrowed(self._cache, index, width, self._text_config)
 
     def _forward(self, report: _StepReport) -> None:
         """One decode step for every sequence in the batch."""
@@ -430,10 +423,7 @@ class DecodeEngine:
         ).T.unsqueeze(-1)
         kwargs: dict[str, Any] = {self._cache_kw: self._cache}
         if any(r.length != width for r in rows):
-            mask = torch.zeros((len(rows), width + 1), dtype=torch.long, device=dev)
-            for i, r in enumerate(rows):
-                mask[i, width - r.length :] = 1
-            kwargs["attention_mask"] = mask
+            kwargs["attention_mask"] = _padding_mask([r.length for r in rows], width, dev)
         out = self._lm(
             inputs_embeds=self._lm.embed_tokens(last),
             position_ids=pos,
@@ -517,6 +507,24 @@ def generate_from_embeddings(
         bundle, lambda: prefill(bundle, token_ids, items), sampling, request_id=request_id
     )
     return seq.tokens
+
+
+def _narrowed(cache: Any, index: torch.Tensor, width: int, config: Any) -> DynamicCache:
+    """The batch's cache with only the rows ``index``, cut to the last ``width`` positions."""
+    layers = [
+        (k.index_select(0, index)[..., -width:, :], v.index_select(0, index)[..., -width:, :])
+        for k, v, *_ in cache
+    ]
+    return DynamicCache(ddp_cache_data=layers, config=config)
+
+
+def _padding_mask(lengths: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """``(B, width + 1)``: 1 over each row's own positions (its last ``length``) and the step's
+    new one, 0 over its left padding."""
+    mask = torch.zeros((len(lengths), width + 1), dtype=torch.long, device=device)
+    for i, length in enumerate(lengths):
+        mask[i, width - length :] = 1
+    return mask
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

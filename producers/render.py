@@ -39,6 +39,13 @@ from media.image_structure import StructureLimits
 from media.pictures import to_rgb as to_rgb  # re-exported: part of this module's API
 from media.video import VideoInput, VideoLimits
 from media.video_items import VideoItems
+from producers.image_cache import (
+    INLINE_DIGEST_BYTES,
+    KeyedImage,
+    ProcessedImage,
+    ProcessedImages,
+    image_key,
+)
 from producers.placeholders import lay_out, lay_out_frames
 from producers.prompt_tokens import PromptTokens
 from producers.render_errors import RenderError, check_time, image_error, render_timeout
@@ -109,12 +116,15 @@ class Renderer:
         max_video_bytes: int | None = None,
         video_pixels: dict[str, int | None] | None = None,
         structure: StructureLimits | None = None,
+        cache_bytes: int = 0,
     ) -> None:
         """``info``: a ``RenderInfo`` (no weights) or a loaded ``ModelBundle``.
 
         ``max_image_pixels``: width*height cap checked from the image header before decoding
         (``settings.max_image_pixels``). ``structure``: scans and chunks an encoded image may
         have (``EPD_MAX_IMAGE_SCANS``, ``EPD_MAX_IMAGE_CHUNKS``), counted before decoding.
+        ``cache_bytes``: bound of the processed-image cache (:mod:`producers.image_cache`,
+        ``EPD_RENDER_CACHE_BYTES``) that ``render_async`` reads encoded images from; 0: none.
 
         ``allow_file_paths``: read a ``str`` image as a file path. Off by default, because
         strings often come from users (an HTTP body); a ``pathlib.Path`` is always read as a
@@ -144,6 +154,7 @@ class Renderer:
             self.info.fingerprint, self.info.image_processor.to_dict()
         )
         self.tokens = PromptTokens(self.info)
+        self.processed = ProcessedImages(cache_bytes)
 
     @classmethod
     def for_settings(
@@ -169,6 +180,7 @@ class Renderer:
             max_video_bytes=max_video_bytes,
             video_pixels=VideoItems.settings_kwargs(settings),
             structure=StructureLimits.from_settings(settings),
+            cache_bytes=settings.render_cache_bytes,
             **kwargs,
         )
 
@@ -191,6 +203,19 @@ class Renderer:
             ) from None
         pv = out["pixel_values"].contiguous()
         grid = out["image_grid_thw"].reshape(3).to(torch.int64).contiguous()
+        return pv, grid
+
+    def _image_outputs(self, src: Any, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An image's processor outputs: kept ones (a :class:`ProcessedImage`), or processed
+        now (and kept, for a :class:`KeyedImage`)."""
+        if isinstance(src, ProcessedImage):
+            return src.pixel_values, src.grid
+        keyed = src if isinstance(src, KeyedImage) else None
+        pv, grid = self.process_image(
+            self.load_image(src if keyed is None else keyed.image, index), index
+        )
+        if keyed is not None:
+            self.processed.put(keyed.key, ProcessedImage(pv, grid))
         return pv, grid
 
     def mm_hash(self, modality: str, data: ItemData, cache_salt: str | None) -> str:
@@ -290,7 +315,7 @@ class Renderer:
         pad = placeholder_ids(self.info)[kind]
         is_embed: list[bool] | None = None
         if kind == "image":
-            pv, grid = self.process_image(self.load_image(src, index), index)
+            pv, grid = self._image_outputs(src, index)
             data: ItemData = {MAIN_ENCODER_INPUT["image"]: pv, GRID_FIELDS["image"]: grid}
             meta: ItemData = {GRID_FIELDS["image"]: grid}
             offset, length = lay_out(ids, self.info, pad, grid)
@@ -346,8 +371,22 @@ class Renderer:
             if not isinstance(src, bytes | bytearray | memoryview):
                 out.append(src)  # a PIL image or a path: the thread's render loads it
                 continue
+            key = await self._key(src)
+            kept = None if key is None else self.processed.get(key)
+            if kept is not None:
+                out.append(kept)  # processed before: nothing to decode
+                continue
             try:
-                out.append(await self.decoder.decode(src, image_error(index), give_up_at))
+                image = await self.decoder.decode(src, image_error(index), give_up_at)
             except DecodeTimedOut:
                 raise render_timeout("image", index) from None
+            out.append(image if key is None else KeyedImage(image, key))
         return out
+
+    async def _key(self, data: bytes | bytearray | memoryview) -> bytes | None:
+        """The processed-image cache's key for ``data`` (None with the cache off)."""
+        if not self.processed.enabled:
+            return None
+        if len(data) <= INLINE_DIGEST_BYTES:
+            return image_key(data)
+        return await asyncio.to_thread(image_key, data)

@@ -394,6 +394,13 @@ class Settings(BaseSettings):
         10000, description="encode topic consumer lag (events) beyond which the API answers 429"
     )
     api_render_concurrency: int = Field(2, description="renders running at once per process")
+    render_cache_bytes: int = Field(
+        128 * 1024 * 1024,
+        ge=0,
+        description="the processor outputs of images a renderer processed, kept by the blake3 "
+        "of the file's bytes so an image sent again is not decoded and processed again "
+        "(least recently used out first); 0: off",
+    )
     api_render_timeout_s: float = Field(
         60.0,
         gt=0,
