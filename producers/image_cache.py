@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import blake3
 import torch
+from PIL import Image
 
 INLINE_DIGEST_BYTES = 1 << 20
 """Files up to this size are digested on the event loop (tens of microseconds); larger ones in
@@ -41,7 +42,7 @@ class ProcessedImage:
 class KeyedImage:
     """A decoded image and the digest of the bytes it came from (to keep its outputs under)."""
 
-    image: object
+    image: Image.Image
     key: bytes
 
 
