@@ -237,13 +237,18 @@ RETRYABLE_TRANSPORT = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.Read
 # ----------------------------------------------------------------------------- requests
 
 
-def _status_params(wait_s: float, changed_from: str | None) -> dict[str, Any] | None:
-    """Query of a status read: a long-poll when ``wait_s`` > 0, from ``changed_from`` if given."""
+def _status_params(
+    wait_s: float, changed_from: str | None, until_done: bool = False
+) -> dict[str, Any] | None:
+    """Query of a status read: a long-poll when ``wait_s`` > 0, from ``changed_from`` if given,
+    to the request's end with ``until_done``."""
     if wait_s <= 0:
         return None
     params: dict[str, Any] = {"wait": wait_s}
     if changed_from is not None:
         params["changed_from"] = changed_from
+    if until_done:
+        params["until_done"] = "true"
     return params
 
 
@@ -412,11 +417,15 @@ def _submit_vllm_call(
 
 
 def _status_call(
-    request_id: str, wait_s: float, changed_from: str | None, read_s: float | None
+    request_id: str,
+    wait_s: float,
+    changed_from: str | None,
+    read_s: float | None,
+    until_done: bool = False,
 ) -> _Call[RequestStatus]:
     # A long-poll answers after up to wait_s: the read timeout stretches by as much.
     timeout = httpx.Timeout((read_s or 30.0) + wait_s + 10)
-    kw = {"params": _status_params(wait_s, changed_from), "timeout": timeout}
+    kw = {"params": _status_params(wait_s, changed_from, until_done), "timeout": timeout}
     return _Call("GET", f"/v1/requests/{request_id}", kw, RequestStatus.from_json)
 
 
@@ -577,10 +586,12 @@ class EPDClient:
         return await self._send(_status_call(request_id, wait_s, changed_from, read_s))
 
     async def wait(self, request_id: str, timeout_s: float = 300.0) -> RequestStatus:
-        """Long-poll until the request is terminal; TimeoutError after ``timeout_s``."""
+        """Long-poll until the request is terminal (one call, however many stages it passes:
+        ``until_done``); TimeoutError after ``timeout_s``."""
         w = _Wait(request_id, timeout_s)
+        read_s = self._http.timeout.read
         while True:
-            st = await self.status(request_id, wait_s=w.poll_s(), changed_from=w.seen)
+            st = await self._send(_status_call(request_id, w.poll_s(), w.seen, read_s, True))
             if w.done(st):
                 return st
 
@@ -694,8 +705,9 @@ class SyncEPDClient:
     def wait(self, request_id: str, timeout_s: float = 300.0) -> RequestStatus:
         """See :meth:`EPDClient.wait`."""
         w = _Wait(request_id, timeout_s)
+        read_s = self._http.timeout.read
         while True:
-            st = self.status(request_id, wait_s=w.poll_s(), changed_from=w.seen)
+            st = self._send(_status_call(request_id, w.poll_s(), w.seen, read_s, True))
             if w.done(st):
                 return st
 

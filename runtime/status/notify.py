@@ -138,17 +138,18 @@ class StatusNotifier:
             await self._unfollow(request_id)
 
     async def wait_change(
-        self, request_id: str, status: str | None, timeout_s: float
+        self, request_id: str, status: str | None, timeout_s: float, *, until_done: bool = False
     ) -> StatusRecord | None:
-        """The record once its status differs from ``status`` or is terminal, or as it is
-        when ``timeout_s`` runs out."""
+        """The record once its status differs from ``status`` (with ``until_done``: once it is
+        terminal, whatever it passes on the way) or is terminal, or as it is when
+        ``timeout_s`` runs out."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         async with self.watch(request_id) as changed:
             while True:
                 changed.clear()
                 rec = await self.store.get(request_id)
-                if rec is None or rec.status != status or rec.terminal:
+                if rec is None or rec.terminal or (rec.status != status and not until_done):
                     return rec
                 left = deadline - loop.time()
                 if left <= 0:

@@ -344,6 +344,11 @@ async def test_cancel_stops_decoding_and_skips_queued_work(
     assert r.json()["status"] == "decoding" and asyncio.get_running_loop().time() - t0 < 10
     bad = await http.get(f"/v1/requests/{long_id}", params={"wait": 1, "changed_from": "nope"})
     assert bad.status_code == 422 and "changed_from" in bad.text
+    # until_done: the long-poll answers the end only (here the wait runs out while it decodes)
+    t0 = asyncio.get_running_loop().time()
+    done_params = {"wait": 1, "changed_from": "queued", "until_done": "true"}
+    r = await http.get(f"/v1/requests/{long_id}", params=done_params)
+    assert r.json()["status"] == "decoding" and asyncio.get_running_loop().time() - t0 >= 0.9
     # The second request's prefill joins the first one's decode batch between two steps.
     queued_id = (await http.post("/v1/requests", json=body(252))).json()["request_id"]
     await _until_stage(stack, queued_id, "prefill:prefilling")

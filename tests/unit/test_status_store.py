@@ -144,6 +144,31 @@ async def test_status_changes_are_streamed_and_announced(store: StatusStore) -> 
         await notifier.close()
 
 
+async def test_a_wait_until_done_sleeps_through_every_stage_to_the_end(
+    store: StatusStore,
+) -> None:
+    from runtime.status import StatusNotifier
+
+    notifier = StatusNotifier(store)
+    await notifier.start()
+    try:
+        assert await store.create("r3", {"tenant": "t"})
+        waiter = asyncio.create_task(notifier.wait_change("r3", "queued", 30, until_done=True))
+        for status in ("encoding", "prefilling", "decoding"):
+            await store.apply(ResultEvent("r3", "prefill", status))
+            await asyncio.sleep(0.05)
+            assert not waiter.done(), status  # a change that is not the end wakes nobody up
+        await store.apply(ResultEvent("r3", "prefill", "completed", token_ids=[1]))
+        rec = await asyncio.wait_for(waiter, 5)
+        assert rec is not None and rec.status == "completed"
+        # the wait still runs out as a plain one does, with the record as it is
+        assert await store.create("r4", {"tenant": "t"})
+        rec = await notifier.wait_change("r4", "queued", 0.2, until_done=True)
+        assert rec is not None and rec.status == "queued"
+    finally:
+        await notifier.close()
+
+
 async def test_in_flight_bound_is_shared_and_released_on_outcome(store: StatusStore) -> None:
     assert await store.admit("a", 2) and await store.admit("b", 2)
     assert not await store.admit("c", 2)

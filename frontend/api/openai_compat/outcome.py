@@ -40,7 +40,9 @@ async def outcome(
         seen: str | None = None
         while True:
             wait = asyncio.create_task(
-                st.notifier.wait_change(request_id, seen, st.settings.api_max_wait_s)
+                st.notifier.wait_change(
+                    request_id, seen, st.settings.api_max_wait_s, until_done=True
+                )
             )
             done, _ = await asyncio.wait({wait, gone}, return_when=asyncio.FIRST_COMPLETED)
             if gone in done:

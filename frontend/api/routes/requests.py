@@ -34,7 +34,8 @@ async def submit(request: Request, st: State, tenant: Tenant) -> JSONResponse:
     "/requests/{request_id}",
     response_model=RequestStatus,
     responses=ERROR_RESPONSES,
-    summary="Status, stage timings and result; ?wait=SECONDS long-polls for a change",
+    summary="Status, stage timings and result; ?wait=SECONDS long-polls for a change "
+    "(&until_done=true: for the end)",
 )
 async def get_status(
     request_id: str,
@@ -49,10 +50,18 @@ async def get_status(
             "the long-poll waits for a change from the status the call finds",
         ),
     ] = None,
+    until_done: Annotated[
+        bool,
+        Query(
+            description="with wait: answer only once the request has finished (or the wait "
+            "runs out), however many stages it passes meanwhile: one call where following "
+            "each change takes one per stage",
+        ),
+    ] = False,
 ) -> JSONResponse:
     if wait > 0 and not rec.terminal:
         since = changed_from or rec.status
-        changed = await st.notifier.wait_change(request_id, since, wait)
+        changed = await st.notifier.wait_change(request_id, since, wait, until_done=until_done)
         if changed is None:
             raise record_gone(request_id)  # it went during the wait (TTL, an operator)
         rec = changed
