@@ -255,6 +255,10 @@ class Stage:
     """The stage's own fetch wait, if it has one (None: ``EPD_KAFKA_FETCH_MAX_WAIT_MS``)."""
     fetch_min_bytes: Callable[[Settings], int | None] = lambda _: None
     """Bytes the broker gathers before answering this stage's fetch (None: one record)."""
+    skips_recorded: bool = False
+    """Records whose stage wrote them through to the status record already
+    (``runtime.reporting.RECORDED_HEADER``) are decoded (validated) but not handed on: the
+    results collector folds only what a stage could not write itself."""
 
 
 STAGES: dict[str, Stage] = {
@@ -288,6 +292,7 @@ STAGES: dict[str, Stage] = {
             uses_model=False,
             fetch_wait_ms=lambda s: s.results_fetch_max_wait_ms,
             fetch_min_bytes=lambda s: s.results_fetch_min_bytes,
+            skips_recorded=True,
         ),
         Stage(
             "router",
@@ -352,8 +357,13 @@ async def _consume_loop(stage: Stage, ctx: StageContext, handler: Handler) -> Co
     from consumers.config import ConsumerConfig
     from consumers.loop import ConsumeLoop
     from consumers.reporting import dead_letter_reporter
+    from runtime.reporting import was_recorded
+
+    skip_recorded = stage.skips_recorded
 
     async def on_event(ce: Any) -> None:
+        if skip_recorded and was_recorded(ce.headers):
+            return  # the record holds it already: nothing to fold
         await handler(ce.event)
 
     reporter = None

@@ -25,6 +25,7 @@ from gpu_workers.instant import instant_encode
 from gpu_workers.metrics import encode_metrics
 from gpu_workers.single_flight import SingleFlight
 from runtime.publisher import publish
+from runtime.reporting import recorded_headers
 from runtime.tracing import broker_hop_ms
 from schemas.families import EMBEDS
 from schemas.status_record import encoded_update
@@ -125,10 +126,11 @@ class EncodeWorker:
             encode_ms=ms,
         )
         # They mark the item encoded in its request's status: in the record at once (with a
-        # record writer), and through the results collector, which reads the topic.
-        await asyncio.gather(
-            self.report.write_through(encoded_update(encoded, hop_ms=hop_ms)),
-            publish(self.ctx.publisher, self.ctx.topics, encoded),
+        # record writer), and through the results collector, which reads the topic (and folds
+        # the mark only where the record did not take it).
+        recorded = await self.report.write_through(encoded_update(encoded, hop_ms=hop_ms))
+        await publish(
+            self.ctx.publisher, self.ctx.topics, encoded, headers=recorded_headers(recorded)
         )
 
     async def handle(self, ev: EncodeEvent) -> None:

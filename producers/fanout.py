@@ -429,11 +429,12 @@ class FanOut:
             recorded = asyncio.ensure_future(reporter.write_through(update))
             if plan.encode:
                 await recorded
-            _, _, encode_sizes, prefill_bytes = await asyncio.gather(
-                recorded,
-                reporter.send(update),
-                encodes,
-                publish(publisher, self.topics, plan.prefill),
+
+            async def send_update() -> None:
+                await reporter.send(update, recorded=await recorded)
+
+            _, encode_sizes, prefill_bytes = await asyncio.gather(
+                send_update(), encodes, publish(publisher, self.topics, plan.prefill)
             )
         else:
             # No record at hand: the results topic holds the order, so the update is

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypedDict, Unpack
 
 from runtime.publisher import Publisher
@@ -25,6 +25,22 @@ log = logging.getLogger(__name__)
 
 StatusWriter = Callable[[ResultEvent], Awaitable[object]]
 """Folds one update into the request's status record (``StatusStore.apply``)."""
+
+RECORDED_HEADER = "epd-recorded"
+"""Kafka header of an update its stage wrote through to the status record before sending it:
+the results collector has nothing to fold for it (it folds only what a stage could not
+write, Redis away or slow). Absent: fold it."""
+RECORDED: tuple[str, bytes] = (RECORDED_HEADER, b"1")
+
+
+def recorded_headers(recorded: bool) -> list[tuple[str, bytes]]:
+    """The headers that say whether a record's update is in the status record already."""
+    return [RECORDED] if recorded else []
+
+
+def was_recorded(headers: Mapping[str, bytes]) -> bool:
+    """Whether a consumed record's stage wrote its update through (:data:`RECORDED_HEADER`)."""
+    return headers.get(RECORDED_HEADER) == RECORDED[1]
 
 
 class UpdateFields(TypedDict, total=False):
@@ -47,13 +63,15 @@ class ResultReporter:
     It is the same pair the status record dedupes by: one id per stage outcome of a request,
     however many times that outcome is sent.
 
-    ``record`` (write-through, e.g. ``StatusStore.apply``): each update is also folded into the
-    request's status record directly, beside the send, so a client polling the record sees it
-    without waiting for the results collector's hop. The topic stays the durable record: the
-    collector folds the same update later as a duplicate, and a failed direct write (Redis
-    away) is only logged. A record that is gone (:class:`~runtime.status.StatusGone`: the
-    record store never makes one on an update) is logged at INFO and told to ``on_gone``, so
-    the stage can stop working for a request nobody can read the outcome of.
+    ``record`` (write-through, e.g. ``StatusStore.apply``): each update is folded into the
+    request's status record directly, then sent, so a client polling the record sees it
+    without waiting for the results collector's hop. The topic stays the durable record; an
+    update the record took is sent with :data:`RECORDED_HEADER`, which tells the collector
+    there is nothing left to fold, and one whose direct write failed (Redis away) is only
+    logged here and folded by the collector. A record that is gone
+    (:class:`~runtime.status.StatusGone`: the record store never makes one on an update) is
+    logged at INFO and told to ``on_gone``, so the stage can stop working for a request nobody
+    can read the outcome of.
     """
 
     RESULT_ID_HEADER = "epd-result-id"
@@ -85,13 +103,10 @@ class ResultReporter:
         """Publish one update for ``request_id`` (keyed by it, so a request stays ordered);
         ``fields`` as :meth:`update` takes them."""
         event = self.update(request_id, status, **fields)
-        if self.record is None:
-            await self.send(event)
-            return
         # Both must be done before the caller goes on: the caller's next update (or the event
         # it publishes next) must not overtake this one in the record. The record first: it is
-        # what a waiting client sees.
-        await asyncio.gather(self.write_through(event), self.send(event))
+        # what a waiting client sees, and the send says whether it took the update.
+        await self.send(event, recorded=await self.write_through(event))
 
     def update(
         self,
@@ -123,21 +138,23 @@ class ResultReporter:
             worker=self.worker,
         )
 
-    async def send(self, event: ResultEvent) -> None:
-        """Publish ``event`` to the results topic, keyed by its request, with its result id."""
+    async def send(self, event: ResultEvent, *, recorded: bool = False) -> None:
+        """Publish ``event`` to the results topic, keyed by its request, with its result id
+        (and :data:`RECORDED_HEADER` when ``recorded``: the status record has it already)."""
         rid = self.result_id(event.request_id, self.stage, event.status)
-        await self.publisher.send(
-            self.topic, event.request_id, event, headers=[(self.RESULT_ID_HEADER, rid.encode())]
-        )
+        headers = [(self.RESULT_ID_HEADER, rid.encode()), *recorded_headers(recorded)]
+        await self.publisher.send(self.topic, event.request_id, event, headers=headers)
 
-    async def write_through(self, event: ResultEvent) -> None:
-        """Fold ``event`` into the status record now (nothing without a ``record`` writer); a
-        failure is only logged: the results topic still carries the update."""
+    async def write_through(self, event: ResultEvent) -> bool:
+        """Fold ``event`` into the status record now; True once the record holds it (a
+        duplicate too). Without a ``record`` writer, or on a failure (only logged: the results
+        topic still carries the update), False."""
         if self.record is None:
-            return
+            return False
         try:
             # Bounded: a frozen Redis must not hold the stage up; the topic carries the update.
             await asyncio.wait_for(self.record(event), self.WRITE_THROUGH_TIMEOUT_S)
+            return True
         except StatusGone:
             # Not made again (it would lack its tenant and front); the topic still has it.
             log.info(
@@ -155,6 +172,7 @@ class ResultReporter:
                 event.status,
                 exc,
             )
+        return False
 
 
 class RequestUpdates:
