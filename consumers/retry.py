@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import redis.exceptions as redis_errors
 from aiokafka.errors import KafkaError, KafkaTimeoutError
 
-from runtime.stores.base import StoreTimeout, StoreUnavailable
+from runtime.stores.errors import StoreTimeout, StoreUnavailable
 from schemas.errors import CodecError, ComputeError, ValidationError
 from schemas.types import ErrorInfo
 

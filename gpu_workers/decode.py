@@ -30,7 +30,7 @@ from gpu_workers.instant import engine_for
 from gpu_workers.kv_handoff import fetch, kv_shape, restore
 from gpu_workers.lifecycle.parts import RequestLifecycle
 from gpu_workers.single_flight import SingleFlight
-from runtime.stores.base import StoreError
+from runtime.stores.errors import StoreError
 from schemas.types import DecodeEvent, now_ms
 
 if TYPE_CHECKING:

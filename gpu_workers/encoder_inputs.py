@@ -17,7 +17,7 @@ import blake3
 import torch
 
 from runtime.model import vision_config
-from runtime.stores.base import StoreError, StoreKeyMissing
+from runtime.stores.errors import StoreError, StoreKeyMissing
 from schemas.errors import ValidationError
 from schemas.keys import claim_key
 from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT

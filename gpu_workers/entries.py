@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from gpu_workers.compute import EncoderOutput, ItemEmbedding, item_embedding
 from runtime.processor_limits import input_limits
-from runtime.stores.base import StoreCorrupt
+from runtime.stores.errors import StoreCorrupt
 from schemas.errors import ComputeError, ValidationError
 from schemas.families import EMBEDS, ModelFamily
 from schemas.modalities import GRID_FIELDS

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from gpu_workers.compute import Prefilled, kv_bytes_per_token
 from runtime.model import text_config
-from runtime.stores.base import StoreCorrupt, StoreKeyMissing
+from runtime.stores.errors import StoreCorrupt, StoreKeyMissing
 from schemas.keys import kv_key
 from schemas.kv_entries import KVShape
 from schemas.signing import sign_kv

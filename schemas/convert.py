@@ -15,8 +15,13 @@ costs (field access, comprehensions, one call per nested record), with no per-ca
 Supported pairs (type hint <-> Avro type): ``str`` <-> string or enum, ``int`` <-> int or long,
 ``float`` <-> float or double, ``bool`` <-> boolean, ``bytes`` <-> bytes, ``list[X]`` <-> array,
 ``dict[str, X]`` <-> map, ``X | None`` <-> ``["null", X]``, a dataclass ``C`` <-> record
-``epd.C``, and the tensor leaves from ``schemas.tensors``: ``torch.Tensor`` <-> ``epd.Tensor``
-and ``torch.Tensor | TensorRef`` <-> ``[epd.Tensor, epd.TensorRef]``.
+``epd.C``, and the tensor leaves from ``schemas.tensors``: ``Tensor`` <-> ``epd.Tensor`` and
+``Tensor | TensorRef`` <-> ``[epd.Tensor, epd.TensorRef]`` (``schemas.types.Tensor``: the hints'
+name for ``torch.Tensor``).
+
+Building the converters imports no torch: a tensor leaf imports :mod:`schemas.tensors` when it
+converts its first value (a tensor or a claim check), so a process whose events carry none (the
+results collector, dead letters) never loads torch, and one whose events do pays for it once.
 """
 
 from __future__ import annotations
@@ -29,10 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from schemas.tensors import tensor_from_record, tensor_to_record, value_from_avro, value_to_avro
-from schemas.types import TensorRef
+from schemas.types import Tensor, TensorRef
 
 NAMESPACE = "epd"
 
@@ -140,6 +142,22 @@ class _Generator:
         name = self._ref(fn, stem)
         return lambda src: f"{name}({src})"
 
+    def _tensor_leaf(self, attr: str) -> Expr:
+        """A call of ``schemas.tensors.<attr>``, bound on its first call: the generated code
+        reads the name from this namespace, so after the first value it calls the function
+        itself (no indirection), and a process that never converts one never imports torch."""
+        namespace = self.namespace
+        name = self._ref(None, attr)
+
+        def first_call(value: Any) -> Any:
+            from schemas import tensors  # torch: only the tensor union's values need it
+
+            fn = namespace[name] = getattr(tensors, attr)
+            return fn(value)
+
+        namespace[name] = first_call
+        return lambda src: f"{name}({src})"
+
     def _resolve(self, schema: Any) -> Any:
         if isinstance(schema, str) and schema not in _PRIMITIVES and schema != "null":
             try:
@@ -203,9 +221,9 @@ class _Generator:
     def _union(self, branches: list[Any], hint: Any, where: str) -> tuple[Expr, Expr]:
         names = {self._branch_name(b) for b in branches}
         hint_args = set(typing.get_args(hint)) if _is_union(hint) else {hint}
-        if names == _TENSOR_UNION and hint_args == {torch.Tensor, TensorRef}:
+        if names == _TENSOR_UNION and hint_args == {Tensor, TensorRef}:
             # value_to_avro names the branch explicitly, so fastavro never has to guess it.
-            return self._call(value_to_avro, "value_to"), self._call(value_from_avro, "value_from")
+            return self._tensor_leaf("value_to_avro"), self._tensor_leaf("value_from_avro")
         if "null" in names and len(branches) == 2:
             if type(None) not in hint_args or len(hint_args) != 2:
                 raise SchemaMismatch(f"{where}: Avro {branches} is nullable, the hint {hint} not")
@@ -215,7 +233,7 @@ class _Generator:
             return self._optional(to), self._optional(frm)
         raise SchemaMismatch(
             f"{where}: no conversion for union {sorted(names)} with hint {hint}; supported: "
-            "[null, X] as X | None, and [epd.Tensor, epd.TensorRef] as torch.Tensor | TensorRef"
+            "[null, X] as X | None, and [epd.Tensor, epd.TensorRef] as Tensor | TensorRef"
         )
 
     @staticmethod
@@ -232,10 +250,8 @@ class _Generator:
         return str(resolved)
 
     def _nested_record(self, schema: dict[str, Any], hint: Any, where: str) -> tuple[Expr, Expr]:
-        if hint is torch.Tensor and schema["name"] == f"{NAMESPACE}.Tensor":
-            return self._call(tensor_to_record, "tensor_to"), self._call(
-                tensor_from_record, "tensor_from"
-            )
+        if hint is Tensor and schema["name"] == f"{NAMESPACE}.Tensor":
+            return self._tensor_leaf("tensor_to_record"), self._tensor_leaf("tensor_from_record")
         if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
             raise SchemaMismatch(f"{where}: Avro record {schema['name']} needs a dataclass hint")
         to_fn, from_fn = self.record(schema, hint, where)

@@ -30,7 +30,7 @@ from schemas.ec_entries import without_credentials
 from schemas.errors import ValidationError
 from schemas.keys import kv_key
 from schemas.signing import verify_kv
-from schemas.types import DTYPES, KVTransfer
+from schemas.types import DTYPE_SIZES, KVTransfer
 
 if TYPE_CHECKING:
     from schemas.validation_config import ValidationConfig
@@ -48,7 +48,7 @@ class KVShape:
     @property
     def bytes_per_position(self) -> int:
         """Keys and values of every layer for one position."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * DTYPES[self.dtype].itemsize
+        return 2 * self.layers * self.kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
 
 
 def check_kv_transfer_params(text: str | None) -> None:
@@ -103,7 +103,7 @@ def check_kv_entry(
             f"the KV entry names store {without_credentials(kv.store)!r}, this worker reads "
             f"{without_credentials(config.store)!r}",
         )
-    if kv.dtype not in DTYPES:
+    if kv.dtype not in DTYPE_SIZES:
         raise bad("kv-shape", f"unknown KV dtype {kv.dtype!r}")
     got = KVShape(kv.layers, kv.kv_heads, kv.head_dim, kv.dtype)
     if shape is not None and got != shape:

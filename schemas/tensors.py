@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from schemas.errors import CodecError
-from schemas.types import DTYPE_NAMES, DTYPES, TensorLike, TensorRef
+from schemas.types import DTYPE_SIZES, TensorLike, TensorRef
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("epd-pipeline's tensor wire format assumes a little-endian host")
@@ -18,6 +18,12 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
 # torch.frombuffer warns once per process that a read-only buffer backs the tensor. Decoded
 # tensors are inputs we never write into, so the warning is noise.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES}
+"""The wire's dtypes (``schemas.types.DTYPE_SIZES``, named as torch names them) as torch's."""
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+if any(DTYPES[name].itemsize != size for name, size in DTYPE_SIZES.items()):
+    raise AssertionError("schemas.types.DTYPE_SIZES disagrees with torch's element sizes")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

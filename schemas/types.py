@@ -1,15 +1,17 @@
 """In-process event types: plain dataclasses mirroring the Avro records in ``schemas/avro``.
 
 Tensors are ``torch.Tensor`` objects; the codec turns them into ``Tensor`` records (raw
-little-endian bytes) and back without copying on decode.
+little-endian bytes) and back without copying on decode (:mod:`schemas.tensors`).
+
+Reading this module imports no torch: processes that never hold a tensor (the results
+collector and its sweep) read these events too, and torch alone costs them hundreds of MB.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from schemas import defaults
 
@@ -17,19 +19,36 @@ from schemas import defaults
 from schemas.statuses import STATUSES as STATUSES
 from schemas.statuses import TERMINAL_STATUSES as TERMINAL_STATUSES
 
-DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
+DTYPE_SIZES: dict[str, int] = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
 }
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+"""The wire's tensor dtypes (the ``epd.DType`` enum; torch's names) and the bytes of one
+element of each. Their torch dtypes: ``schemas.tensors.DTYPES``."""
+
+if TYPE_CHECKING:
+    from torch import Tensor
+else:
+
+    class _HintOnly(type):
+        def __instancecheck__(cls, obj: Any) -> bool:
+            raise TypeError("schemas.types.Tensor is a type hint only: test against torch.Tensor")
+
+    class Tensor(metaclass=_HintOnly):
+        """``torch.Tensor`` as the type hints below name it when the program runs.
+
+        Type checkers see torch's class. At run time only the codec reads this name (its
+        converters map it to the ``epd.Tensor`` record, whose values are ``torch.Tensor``s:
+        :mod:`schemas.tensors`), so reading the contract imports no torch. A value is never
+        tested against it (``isinstance`` raises): test against ``torch.Tensor``."""
 
 
 def now_ms() -> int:
@@ -49,7 +68,7 @@ class TensorRef:
     digest: str
 
 
-TensorLike = torch.Tensor | TensorRef
+TensorLike = Tensor | TensorRef
 ItemData = dict[str, TensorLike]
 """One item's fields (``pixel_values``, ``image_grid_thw``, ...)."""
 

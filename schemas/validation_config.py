@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from schemas import defaults
 from schemas.modalities import METADATA_FIELDS, REQUIRED_METADATA
-from schemas.types import DTYPES
+from schemas.types import DTYPE_SIZES
 from schemas.types import now_ms as wall_now_ms
 
 Mode = Literal["strict", "vllm"]
@@ -36,7 +36,7 @@ class ValidationConfig:
     metadata_fields: frozenset[str] = DEFAULT_METADATA_FIELDS
     required_metadata: Mapping[str, tuple[str, ...]] = field(default_factory=_default_required)
     max_tensor_bytes: int = defaults.MAX_TENSOR_BYTES
-    allowed_dtypes: frozenset[str] = frozenset(DTYPES)
+    allowed_dtypes: frozenset[str] = frozenset(DTYPE_SIZES)
     now_ms: Callable[[], int] | None = None
     model_fingerprint: str | None = None
     """When set, entry keys must be exactly ``{namespace}:{model_fingerprint}:{mm_hash}``."""

@@ -83,7 +83,7 @@ from schemas.errors import ValidationError
 from schemas.kv_entries import KVShape, check_kv_entry, check_kv_transfer_params
 from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT
 from schemas.types import (
-    DTYPES,
+    DTYPE_SIZES,
     DecodeEvent,
     EncodeEvent,
     Features,
@@ -256,11 +256,11 @@ def check_tensor(
     """Rules ``tensor`` and ``tensor-nonfinite`` for one value (tensor or claim check)."""
     where: dict[str, Any] = {"modality": modality, "item": item, "field": name}
     if isinstance(v, TensorRef):
-        if v.dtype not in DTYPES:
+        if v.dtype not in DTYPE_SIZES:
             raise ValidationError("tensor", f"unknown dtype {v.dtype!r}", **where)
         if any(not is_int(d) or d < 0 for d in v.shape):
             raise ValidationError("tensor", f"invalid shape {v.shape!r}", **where)
-        expected = math.prod(v.shape) * DTYPES[v.dtype].itemsize
+        expected = math.prod(v.shape) * DTYPE_SIZES[v.dtype]
         if v.nbytes != expected:
             raise ValidationError(
                 "tensor",

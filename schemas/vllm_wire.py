@@ -43,8 +43,8 @@ import torch
 
 from schemas.errors import CodecError, ValidationError
 from schemas.modalities import ENCODER_INPUT_FIELDS, METADATA_FIELDS
-from schemas.tensors import tensor_bytes, tensor_from_bytes
-from schemas.types import DTYPE_NAMES, DTYPES, Features, ItemData, PlaceholderRange
+from schemas.tensors import DTYPE_NAMES, DTYPES, tensor_bytes, tensor_from_bytes
+from schemas.types import Features, ItemData, PlaceholderRange
 from schemas.validator import (
     ValidationConfig,
     validate_features,

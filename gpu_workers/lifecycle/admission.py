@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from gpu_workers.compute import context_length, vocab_size
 from gpu_workers.entries import fetch_outputs, request_cancelled
 from runtime.request_limits import RequestLimits
-from runtime.stores.base import StoreError
+from runtime.stores.errors import StoreError
 from runtime.tracing import broker_hop_ms
 from schemas.errors import ValidationError
 from schemas.types import now_ms

@@ -14,7 +14,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from gpu_workers.entries import fetch_outputs, request_cancelled
-from runtime.stores.base import StoreTimeout, StoreUnavailable
+from runtime.stores.errors import StoreTimeout, StoreUnavailable
 from schemas.status_record import short_hash
 from schemas.types import PrefillEvent, now_ms
 

@@ -2,15 +2,19 @@
 ``cuda://``.
 
 ``open_store(url)`` returns a fresh handle the caller owns (``await store.close()`` when done, or
-``async with open_store(url) as store``).
+``async with open_store(url) as store``); the interface every backend implements is
+:class:`runtime.stores.base.EmbeddingStore`.
+
+Importing this package (for the errors: :mod:`runtime.stores.errors`) imports no torch; a
+backend, which parks tensors, is imported when a store is opened.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from runtime.stores.base import (
-    EmbeddingStore,
+from runtime.stores.errors import (
     StoreCorrupt,
     StoreError,
     StoreKeyMissing,
@@ -18,6 +22,9 @@ from runtime.stores.base import (
     StoreUnavailable,
 )
 from schemas.defaults import STORE_SCHEMES
+
+if TYPE_CHECKING:
+    from runtime.stores.base import EmbeddingStore
 
 SUPPORTED_SCHEMES = STORE_SCHEMES
 
@@ -56,7 +63,6 @@ def open_store(url: str) -> EmbeddingStore:
 
 __all__ = [
     "SUPPORTED_SCHEMES",
-    "EmbeddingStore",
     "StoreCorrupt",
     "StoreError",
     "StoreKeyMissing",

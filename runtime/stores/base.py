@@ -1,4 +1,5 @@
-"""The embedding-store interface, its typed errors, and the value layout shared by byte stores.
+"""The embedding-store interface and the value layout shared by byte stores (the typed errors:
+:mod:`runtime.stores.errors`).
 
 A store parks tensors (encoder outputs, claim-checked encoder inputs) under string keys. Every
 backend speaks the same async interface, so workers pick one by URI and never branch on it.
@@ -31,44 +32,9 @@ from dataclasses import dataclass
 import blake3
 import torch
 
+from runtime.stores.errors import StoreCorrupt, StoreKeyMissing
 from schemas.errors import CodecError
 from schemas.tensors import dtype_name, nbytes_of, torch_dtype
-
-
-class StoreError(Exception):
-    """Base class of every embedding-store error."""
-
-
-class StoreKeyMissing(StoreError, KeyError):
-    """A key (or several) is absent or expired. ``keys`` lists the missing ones."""
-
-    def __init__(self, keys: str | Sequence[str]) -> None:
-        self.keys: list[str] = [keys] if isinstance(keys, str) else list(keys)
-        self.key = self.keys[0] if self.keys else ""
-        super().__init__(f"missing from the store: {', '.join(self.keys)}")
-
-    def __str__(self) -> str:  # KeyError would otherwise repr() the message
-        return str(self.args[0])
-
-
-class StoreTimeout(StoreError, TimeoutError):
-    """``wait`` ran out of time. ``missing`` names the keys that never became ready."""
-
-    def __init__(self, missing: Sequence[str], timeout_s: float) -> None:
-        self.missing = list(missing)
-        self.timeout_s = timeout_s
-        super().__init__(
-            f"timed out after {timeout_s:g}s waiting for {len(self.missing)} key(s): "
-            f"{', '.join(self.missing)}"
-        )
-
-
-class StoreUnavailable(StoreError, ConnectionError):
-    """The backend cannot be reached right now (transient: the consume loop retries it)."""
-
-
-class StoreCorrupt(StoreError, ValueError):
-    """A stored value does not follow the blob layout (foreign writer, truncated file)."""
 
 
 class EmbeddingStore(abc.ABC):

@@ -91,16 +91,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import torch
 
-from runtime.stores.base import (
-    EmbeddingStore,
-    StoreCorrupt,
-    StoreError,
-    StoreKeyMissing,
-    StoreUnavailable,
-    expiry_ms,
-    tensor_view,
-)
+from runtime.stores.base import EmbeddingStore, expiry_ms, tensor_view
 from runtime.stores.cuda_ipc import ChunkShare, FreeList, IndexRecord, decode_record, encode_record
+from runtime.stores.errors import StoreCorrupt, StoreError, StoreKeyMissing, StoreUnavailable
 from runtime.stores.shm import ShmStore
 from schemas.tensors import dtype_name, torch_dtype
 

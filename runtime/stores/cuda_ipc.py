@@ -27,7 +27,7 @@ import bisect
 import struct
 from dataclasses import dataclass
 
-from runtime.stores.base import StoreCorrupt
+from runtime.stores.errors import StoreCorrupt
 from schemas.errors import CodecError
 from schemas.tensors import nbytes_of
 

@@ -21,7 +21,8 @@ from urllib.parse import urlsplit
 import torch
 
 from runtime.redis.waiters import KeyedWaiters, wait_present
-from runtime.stores.base import EmbeddingStore, StoreKeyMissing, StoreTimeout, expiry_ms
+from runtime.stores.base import EmbeddingStore, expiry_ms
+from runtime.stores.errors import StoreKeyMissing, StoreTimeout
 
 
 @dataclass(slots=True)

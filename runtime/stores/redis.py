@@ -53,16 +53,13 @@ from runtime.stores import redis_wire as wire
 from runtime.stores.base import (
     Blob,
     EmbeddingStore,
-    StoreError,
-    StoreKeyMissing,
-    StoreTimeout,
-    StoreUnavailable,
     decode_header,
     encode_header,
     expiry_ms,
     tensor_from_blob,
     tensor_view,
 )
+from runtime.stores.errors import StoreError, StoreKeyMissing, StoreTimeout, StoreUnavailable
 from schemas.keys import store_ready_channel
 
 log = logging.getLogger(__name__)

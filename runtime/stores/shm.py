@@ -75,16 +75,13 @@ from runtime.stores.base import (
     VERSION,
     BlobHeader,
     EmbeddingStore,
-    StoreCorrupt,
-    StoreError,
-    StoreKeyMissing,
-    StoreTimeout,
     decode_header,
     encode_header,
     expiry_ms,
     tensor_from_blob,
     tensor_view,
 )
+from runtime.stores.errors import StoreCorrupt, StoreError, StoreKeyMissing, StoreTimeout
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _TMP_PREFIX = ".tmp-"

@@ -29,7 +29,8 @@ from producers.render import Renderer
 from runtime.kafka import KafkaPublisher, make_producer, read_topic
 from runtime.model import ModelBundle, load_model
 from runtime.settings import Settings
-from runtime.stores.base import EmbeddingStore, StoreUnavailable
+from runtime.stores.base import EmbeddingStore
+from runtime.stores.errors import StoreUnavailable
 from runtime.stores.local import LocalStore
 from runtime.stores.redis import RedisStore
 from schemas.codec import decode, encode

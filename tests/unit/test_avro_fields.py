@@ -27,8 +27,8 @@ from fastavro import parse_schema
 import schemas.types as types_module
 from schemas.codec import AVRO_DIR, EVENT_SCHEMAS, Codec, get_codec, load_event_schema
 from schemas.convert import SchemaMismatch, avro_name, build_converter
-from schemas.tensors import tensor_to_record
-from schemas.types import DTYPES, EVENT_TYPES, STATUSES, TensorRef
+from schemas.tensors import DTYPES, tensor_to_record
+from schemas.types import EVENT_TYPES, STATUSES, TensorRef
 
 GOLDEN = Path(__file__).parent / "golden" / "avro_events.json"
 TENSOR_DTYPES = sorted(DTYPES)

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from schemas.codec import EVENT_SCHEMAS, MAGIC, fingerprint, get_codec
 from schemas.errors import CodecError
+from schemas.tensors import DTYPES
 from schemas.types import (
-    DTYPES,
     DeadLetter,
     ECTransfer,
     EncodedEvent,

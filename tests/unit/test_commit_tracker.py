@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from consumers.commits import CommitTracker
 from consumers.retry import Poison, backoff_delay, default_is_transient, error_info
-from runtime.stores.base import StoreUnavailable
+from runtime.stores.errors import StoreUnavailable
 from schemas.errors import CodecError, ValidationError
 
 A, B = ("t", 0), ("t", 1)

@@ -18,7 +18,7 @@ from consumers.retry import (
     default_is_transient,
     error_info,
 )
-from runtime.stores.base import StoreTimeout, StoreUnavailable
+from runtime.stores.errors import StoreTimeout, StoreUnavailable
 from schemas.errors import CodecError, ComputeError, ValidationError
 
 

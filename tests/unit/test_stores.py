@@ -28,7 +28,6 @@ import torch
 from redis.exceptions import AuthenticationWrongNumberOfArgsError as AuthWrongArgs
 
 from runtime.stores import (
-    EmbeddingStore,
     StoreCorrupt,
     StoreError,
     StoreKeyMissing,
@@ -37,7 +36,7 @@ from runtime.stores import (
     open_store,
 )
 from runtime.stores import redis_wire as wire
-from runtime.stores.base import pack_tensors, unpack_tensors
+from runtime.stores.base import EmbeddingStore, pack_tensors, unpack_tensors
 from runtime.stores.cuda import CudaStore
 from runtime.stores.redis import RedisStore
 from runtime.stores.shm import ShmStore, key_filename

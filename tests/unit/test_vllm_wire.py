@@ -15,7 +15,8 @@ import torch
 
 from schemas.errors import ValidationError
 from schemas.signing import verify_ec
-from schemas.types import DTYPES, ECTransfer
+from schemas.tensors import DTYPES
+from schemas.types import ECTransfer
 from schemas.validator import ValidationConfig, validate_features
 from schemas.vllm_split import split_render
 from schemas.vllm_wire import (
