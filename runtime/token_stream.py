@@ -359,6 +359,9 @@ class TokenStreamWriter:
         self._skip_chars = 0
         self._last_write = float("-inf")
         self._task: asyncio.Task[None] | None = None
+        self._writing = False
+        """The drain task is writing an entry now (else it waits, or has not started)."""
+        self._closing = False
         self._closed = False
         self.writes = 0
         """Entries written so far (the end entry included)."""
@@ -401,11 +404,15 @@ class TokenStreamWriter:
 
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
-        while self._tokens or self._text:
+        while (self._tokens or self._text) and not self._closing:
             due = self._last_write + self.streams.interval_s - loop.time()
             if due > 0:
-                await asyncio.sleep(due)
-            await self._write()
+                await asyncio.sleep(due)  # what close cancels
+            self._writing = True
+            try:
+                await self._write()
+            finally:
+                self._writing = False
 
     async def _write(self, end: str | None = None, finish_reason: str | None = None) -> None:
         tokens, text = self._tokens, "".join(self._text)
@@ -444,11 +451,25 @@ class TokenStreamWriter:
         self._closed = True
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
-                if self._task is not None:
-                    await self._task
+                await self._stop_draining()
                 await self._write(end=status, finish_reason=finish_reason)
         except TimeoutError:
             log.warning("token stream %s: the end entry timed out", self.key)
+
+    async def _stop_draining(self) -> None:
+        """End the background writes: a write under way finishes, a wait for the interval is
+        cut short. What is still buffered then goes out with the end entry (one write where
+        two would be)."""
+        self._closing = True
+        task = self._task
+        if task is None or task.cancelled():
+            return
+        if task.done():
+            await task  # its failure, if it failed, is the close's
+            return
+        if not self._writing:
+            task.cancel()
+        await asyncio.wait({task})
 
     async def abandon(self) -> None:
         """Stop writing without an end entry (the request will be retried: its next attempt

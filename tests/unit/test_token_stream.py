@@ -80,6 +80,24 @@ async def test_a_fast_decode_is_written_in_few_batches_that_join_to_everything(
     assert 0 < ttl <= 30
 
 
+async def test_tokens_waiting_for_their_interval_go_out_with_the_end_entry(
+    streams: TokenStreams,
+) -> None:
+    """A short answer: its first token at once, the rest (still inside the interval when it
+    ends) in the end entry itself, not an entry of their own before it."""
+    w = streams.writer("short")
+    w.push([72], "H")
+    await asyncio.sleep(0.01)  # the first write is out; the drain now waits for the interval
+    w.push([105, 33], "i!")
+    await w.close("completed", STOP)
+    chunks = await streams.read("short")
+    assert [(c.token_ids, c.text, c.end) for c in chunks] == [
+        ([72], "H", None),
+        ([105, 33], "i!", "completed"),
+    ]
+    assert w.writes == 2 and chunks[-1].tokens_total == 3 and chunks[-1].finish_reason == "stop"
+
+
 async def test_a_waiting_reader_wakes_on_the_write_not_its_timeout(
     streams: TokenStreams,
 ) -> None:
@@ -99,7 +117,8 @@ async def test_a_waiting_reader_wakes_on_the_write_not_its_timeout(
     w.push([7, 8, 9], "hi!")
     await w.close("completed", STOP)
     later = await streams.wait("r2", chunk.id, timeout_s=5)
-    assert [c.token_ids for c in later] == [[9], []] and later[0].text == "!"
+    # (closed at once: the new token rides in the end entry)
+    assert [(c.token_ids, c.text, c.end) for c in later] == [([9], "!", "completed")]
     assert [c async for c in streams.follow("r2", chunk.id, idle_timeout_s=1)][-1].end == (
         "completed"
     )
@@ -192,7 +211,10 @@ async def test_a_guarded_writer_writes_nothing_once_the_record_went(
     free = streams.writer(f"u-{uuid.uuid4().hex[:8]}")
     free.push([4], "d")
     await free.close("completed", LENGTH)
-    assert free.writes == 2 and not free.gone
+    assert free.writes == 1 and not free.gone  # the token and the end in one entry
+    assert [(c.token_ids, c.end) for c in await streams.read(free.request_id)] == [
+        ([4], "completed")
+    ]
 
 
 async def test_a_failed_write_never_reaches_the_decode_loop() -> None:
