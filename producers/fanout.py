@@ -71,6 +71,12 @@ class FanoutPlan:
     """mm_hashes whose embeddings were already in the store (no encode event)."""
     claim_bytes: int = 0
     """Encoder-input bytes parked in the store as claim checks for the encode events."""
+    values: dict[int, bytes] = field(default_factory=dict)
+    """Each event's encoding (by the event's ``id``), made when it was checked: what is sent."""
+
+    def value_of(self, event: EncodeEvent | PrefillEvent) -> bytes | None:
+        """``event``'s encoding, made by the plan (None for an event it did not make)."""
+        return self.values.get(id(event))
 
 
 @dataclass(slots=True)
@@ -317,11 +323,10 @@ class FanOut:
             for it in hashed
         }
         prefill = self._prefill_event(ev, params)
-        _encodable(prefill)
+        values = {id(prefill): _encoded(prefill)}
         encode, cached, claim_bytes = await self._encode_events(ev, items, params)
-        for enc in encode:
-            _encodable(enc)
-        return FanoutPlan(encode=encode, prefill=prefill, cached=cached, claim_bytes=claim_bytes)
+        values.update((id(enc), _encoded(enc)) for enc in encode)
+        return FanoutPlan(encode, prefill, cached, claim_bytes, values)
 
     def _prefill_event(self, ev: RenderEvent, params: dict[str, ECTransfer]) -> PrefillEvent:
         f = ev.features
@@ -417,7 +422,9 @@ class FanOut:
         )
         # The encode events go at once: the encoder's marks carry "encoding" too, so one that
         # reaches the record before this update costs a client streaming the statuses nothing.
-        encodes = asyncio.gather(*(publish(publisher, self.topics, enc) for enc in plan.encode))
+        encodes = asyncio.gather(
+            *(publish(publisher, self.topics, e, value=plan.value_of(e)) for e in plan.encode)
+        )
         if self.record is not None:
             # The request's "encoding" status must be recorded before any prefill worker can
             # record "prefilling", or a client streaming the statuses never sees it; a prefill
@@ -434,14 +441,20 @@ class FanOut:
                 await reporter.send(update, recorded=await recorded)
 
             _, encode_sizes, prefill_bytes = await asyncio.gather(
-                send_update(), encodes, publish(publisher, self.topics, plan.prefill)
+                send_update(), encodes, self._send_prefill(plan)
             )
         else:
             # No record at hand: the results topic holds the order, so the update is
             # acknowledged (with the encode events, all in flight) before the prefill event.
             _, encode_sizes = await asyncio.gather(reporter.send(update), encodes)
-            prefill_bytes = await publish(publisher, self.topics, plan.prefill)
+            prefill_bytes = await self._send_prefill(plan)
         return _stats(ev, plan, sum(encode_sizes), prefill_bytes)
+
+    async def _send_prefill(self, plan: FanoutPlan) -> int:
+        assert self.publisher is not None
+        return await publish(
+            self.publisher, self.topics, plan.prefill, value=plan.value_of(plan.prefill)
+        )
 
 
 def _stats(ev: RenderEvent, plan: FanoutPlan, encode_bytes: int, prefill_bytes: int) -> FanoutStats:
@@ -456,13 +469,12 @@ def _stats(ev: RenderEvent, plan: FanoutPlan, encode_bytes: int, prefill_bytes: 
     )
 
 
-def _encodable(event: EncodeEvent | PrefillEvent) -> None:
+def _encoded(event: EncodeEvent | PrefillEvent) -> bytes:
     """Rule ``event-encoding``: the event encodes (Avro longs are int64: a larger token id or
-    offset cannot travel). Checked by encoding it, so no other limit can drift from the wire's.
-    The encode is repeated when the event is sent; the events are small, or carry at most
-    ``EPD_INLINE_LIMIT_BYTES`` of pixels (larger ones are claim checks)."""
+    offset cannot travel). Checked by encoding it, so no other limit can drift from the wire's;
+    the bytes are what is sent (one encode per event)."""
     try:
-        get_codec().encode(event)
+        return get_codec().encode(event)
     except (CodecError, ValueError, OverflowError, TypeError) as exc:
         raise ValidationError(
             "event-encoding", f"the {type(event).__name__} cannot be encoded: {exc}"

@@ -220,8 +220,9 @@ class KafkaPublisher:
         event: Event,
         *,
         headers: Sequence[tuple[str, bytes]] = (),
+        value: bytes | None = None,
     ) -> int:
-        record = frame(event, key, headers=headers)
+        record = frame(event, key, headers=headers, value=value)
         await self.routes.get(topic, self.producer).send_and_wait(
             topic, value=record.value, key=record.key, headers=record.headers
         )

@@ -42,8 +42,9 @@ class InMemoryBroker(InMemoryPublisher):
         event: Event,
         *,
         headers: Sequence[tuple[str, bytes]] = (),
+        value: bytes | None = None,
     ) -> int:
-        size = await super().send(topic, key, event, headers=headers)
+        size = await super().send(topic, key, event, headers=headers, value=value)
         record = self.records[-1]
         for handler in self.handlers.get(topic, ()):
             task = asyncio.create_task(self._deliver(handler, record))

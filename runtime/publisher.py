@@ -36,16 +36,22 @@ class Frame:
 
 
 def frame(
-    event: Event, key: str | bytes | None, *, headers: Sequence[tuple[str, bytes]] = ()
+    event: Event,
+    key: str | bytes | None,
+    *,
+    headers: Sequence[tuple[str, bytes]] = (),
+    value: bytes | None = None,
 ) -> Frame:
     """The one framing of every event a process sends: the Avro single-object value, the schema
     name header, the active trace context as W3C headers (beside the event's own trace map),
     then ``headers``. Every publisher, real or in memory, and the DLQ frame through this. A
-    ``bytes`` key is sent as it is (a dead letter keeps its original record's key)."""
+    ``bytes`` key is sent as it is (a dead letter keeps its original record's key). ``value``:
+    the event's encoding when the caller made it already (the fan-out encodes each event once,
+    to check it before anything is sent, and sends those bytes)."""
     trace = [(k, v.encode()) for k, v in current_carrier().items()]
     return Frame(
         key.encode() if isinstance(key, str) else key,
-        get_codec().encode(event),
+        get_codec().encode(event) if value is None else value,
         [*event_headers(event), *trace, *headers],
     )
 
@@ -61,8 +67,10 @@ class Publisher(Protocol):
         event: Event,
         *,
         headers: Sequence[tuple[str, bytes]] = (),
+        value: bytes | None = None,
     ) -> int:
-        """Encode ``event``, send it keyed by ``key`` and return the encoded value's size."""
+        """Encode ``event`` (or take ``value``, its encoding made before), send it keyed by
+        ``key`` and return the encoded value's size."""
         ...
 
 
@@ -72,11 +80,15 @@ async def publish(
     event: Event,
     *,
     headers: Sequence[tuple[str, bytes]] = (),
+    value: bytes | None = None,
 ) -> int:
     """Send ``event`` to the topic its type goes to, keyed as the channel table says
-    (:meth:`schemas.topics.Topics.route`): no send site picks a key of its own."""
+    (:meth:`schemas.topics.Topics.route`): no send site picks a key of its own. ``value``: its
+    encoding, when made before."""
     topic, key = topics.route(event)
-    return await publisher.send(topic, key, event, headers=headers)
+    if value is None:
+        return await publisher.send(topic, key, event, headers=headers)
+    return await publisher.send(topic, key, event, headers=headers, value=value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +118,9 @@ class InMemoryPublisher:
         event: Event,
         *,
         headers: Sequence[tuple[str, bytes]] = (),
+        value: bytes | None = None,
     ) -> int:
-        record = frame(event, key, headers=headers)
+        record = frame(event, key, headers=headers, value=value)
         self.records.append(SentRecord(topic, key, record.value, record.headers))
         return len(record.value)
 

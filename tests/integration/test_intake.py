@@ -52,11 +52,17 @@ class FailingPublisher(InMemoryPublisher):
         self.fail_on = fail_on
 
     async def send(
-        self, topic: str, key: str | None, event: Event, *, headers: Sequence[Any] = ()
+        self,
+        topic: str,
+        key: str | None,
+        event: Event,
+        *,
+        headers: Sequence[Any] = (),
+        value: bytes | None = None,
     ) -> int:
         if topic.endswith(self.fail_on):
             raise ConnectionError("broker went away")
-        return await super().send(topic, key, event, headers=headers)
+        return await super().send(topic, key, event, headers=headers, value=value)
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from schemas.codec import get_codec
 from schemas.errors import ValidationError
 from schemas.signing import verify_ec
 from schemas.tensors import tensor_bytes, tensor_from_bytes
-from schemas.types import ItemData, RenderEvent, TensorRef, now_ms
+from schemas.types import EncodeEvent, ItemData, PrefillEvent, RenderEvent, TensorRef, now_ms
 from schemas.validator import ValidationConfig, validate_encode_event, validate_prefill_event
 from tests.conftest import redis_url_with_db
 
@@ -589,3 +589,35 @@ async def test_publish_orders_the_record_before_prefill_only_when_something_is_e
     assert (stats.encode_events, stats.cache_hits) == (0, 1)
     assert prefill_sent_at_record == [False, True]
     assert len(publisher.on(topics.prefill)) == 1
+
+
+async def test_each_event_is_encoded_once_and_those_bytes_are_sent(
+    renderer: Renderer, info: RenderInfo, local_store: LocalStore, namespace: str
+) -> None:
+    # The plan encodes every event to check it (rule event-encoding); publishing sends those
+    # very bytes instead of encoding again.
+    from runtime.publisher import InMemoryPublisher
+    from schemas.codec import Codec, get_codec
+    from schemas.topics import Topics
+
+    settings = make_settings(namespace, secret=SECRET)
+    topics = Topics(settings.topic_prefix)
+    publisher = InMemoryPublisher()
+    fanout = FanOut(settings, local_store, info, publisher=publisher, topics=topics)
+    encodes: list[str] = []
+    codec = get_codec()
+    real = Codec.encode
+
+    def counting(self: Codec, event: object) -> bytes:
+        encodes.append(type(event).__name__)
+        return real(self, event)  # type: ignore[arg-type]
+
+    codec.encode = counting.__get__(codec)  # type: ignore[method-assign]
+    try:
+        await fanout.publish(render(renderer, (6,)))
+    finally:
+        del codec.encode  # type: ignore[attr-defined]
+    assert sorted(encodes) == ["EncodeEvent", "PrefillEvent", "ResultEvent"]
+    (enc,) = publisher.on(topics.encode)
+    (pre,) = publisher.on(topics.prefill)
+    assert isinstance(enc.event(), EncodeEvent) and isinstance(pre.event(), PrefillEvent)
