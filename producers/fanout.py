@@ -433,7 +433,10 @@ class FanOut:
             # worker's first is: the two may land in either order and the prefill event goes at
             # once. (Only a worker whose first word is an outcome, a cancel or a passed deadline
             # could beat this write; the status then goes from queued to that outcome.)
-            recorded = asyncio.ensure_future(reporter.write_through(update))
+            # One write: the status update and which items were cache hits (for the view).
+            recorded = asyncio.ensure_future(
+                reporter.write_through(update, fields={"cached": list(plan.cached)})
+            )
             if plan.encode:
                 await recorded
 

@@ -284,7 +284,8 @@ class Intake:
                         retry_after_s=self.retry_after_s,
                     ) from None
                 raise
-            await self._note_cached(rid, stats)
+            if self.fanout.record is None:
+                await self._note_cached(rid, stats)  # else the fan-out's write held them
             return ev, stats
 
     async def _create_record(

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypedDict, Unpack
+from typing import Any, Protocol, TypedDict, Unpack
 
 from runtime.publisher import Publisher
 from runtime.status.store import StatusGone
@@ -23,8 +23,16 @@ from schemas.types import ErrorInfo, ResultEvent
 
 log = logging.getLogger(__name__)
 
-StatusWriter = Callable[[ResultEvent], Awaitable[object]]
-"""Folds one update into the request's status record (``StatusStore.apply``)."""
+
+class StatusWriter(Protocol):
+    """Folds one update into the request's status record (``StatusStore.apply``); ``fields``
+    (top-level record fields, such as the items the fan-out found cached) are set in the same
+    write. Writers that are never given ``fields`` may leave the keyword out."""
+
+    def __call__(
+        self, ev: ResultEvent, /, *, fields: dict[str, Any] | None = None
+    ) -> Awaitable[object]: ...
+
 
 RECORDED_HEADER = "epd-recorded"
 """Kafka header of an update its stage wrote through to the status record before sending it:
@@ -145,15 +153,18 @@ class ResultReporter:
         headers = [(self.RESULT_ID_HEADER, rid.encode()), *recorded_headers(recorded)]
         await self.publisher.send(self.topic, event.request_id, event, headers=headers)
 
-    async def write_through(self, event: ResultEvent) -> bool:
-        """Fold ``event`` into the status record now; True once the record holds it (a
-        duplicate too). Without a ``record`` writer, or on a failure (only logged: the results
-        topic still carries the update), False."""
+    async def write_through(
+        self, event: ResultEvent, *, fields: dict[str, Any] | None = None
+    ) -> bool:
+        """Fold ``event`` into the status record now (with record ``fields`` in the same
+        write); True once the record holds it (a duplicate too). Without a ``record`` writer,
+        or on a failure (only logged: the results topic still carries the update), False."""
         if self.record is None:
             return False
+        write = self.record(event) if fields is None else self.record(event, fields=fields)
         try:
             # Bounded: a frozen Redis must not hold the stage up; the topic carries the update.
-            await asyncio.wait_for(self.record(event), self.WRITE_THROUGH_TIMEOUT_S)
+            await asyncio.wait_for(write, self.WRITE_THROUGH_TIMEOUT_S)
             return True
         except StatusGone:
             # Not made again (it would lack its tenant and front); the topic still has it.

@@ -86,6 +86,22 @@ return {1}
 """
 
 
+def _also_setting(change: RecordChange, fields: dict[str, Any]) -> RecordChange:
+    """``change``, then ``fields`` set on the record (a change of its own where ``change``
+    had none and the record lacks them)."""
+
+    def both(rec: StatusRecord | None) -> StatusRecord | None:
+        changed = change(rec)
+        base = changed if changed is not None else rec
+        if base is None:
+            return None
+        if changed is None and all(base.fields.get(k) == v for k, v in fields.items()):
+            return None
+        return base.with_fields(fields)
+
+    return both
+
+
 def _text(raw: Any) -> str | None:
     """A record's text as the client returned it (bytes or str), or None."""
     if raw is None:
@@ -157,14 +173,16 @@ class StatusStore:
         await self.client.delete(self.keys.status(request_id), self.keys.status_events(request_id))
         await self.client.zrem(self.keys.inflight, request_id)
 
-    async def apply(self, ev: ResultEvent) -> bool:
-        """Fold one ResultEvent into its existing record atomically; False when it was a
-        duplicate. Raises :class:`StatusGone` when there is no record: an update never makes
-        one (see the module docstring), but for the render router's fan-out update
+    async def apply(self, ev: ResultEvent, *, fields: dict[str, Any] | None = None) -> bool:
+        """Fold one ResultEvent into its existing record atomically, with top-level ``fields``
+        set in the same write; False when it changed nothing (a duplicate). Raises
+        :class:`StatusGone` when there is no record: an update never makes one (see the module
+        docstring), but for the render router's fan-out update
         (:func:`~schemas.status_record.makes_record`)."""
-        return await self._modify(
-            ev.request_id, lambda rec: fold(rec, ev), stage=ev.stage, creates=makes_record(ev)
-        )
+        change: RecordChange = lambda rec: fold(rec, ev)  # noqa: E731
+        if fields:
+            change = _also_setting(change, fields)
+        return await self._modify(ev.request_id, change, stage=ev.stage, creates=makes_record(ev))
 
     async def start(self, ev: ResultEvent) -> bool:
         """:meth:`apply`, making the record when there is none: only for a word of a request's

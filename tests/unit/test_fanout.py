@@ -569,7 +569,7 @@ async def test_publish_orders_the_record_before_prefill_only_when_something_is_e
     publisher = InMemoryPublisher()
     prefill_sent_at_record: list[bool] = []
 
-    async def record(update: object) -> None:
+    async def record(update: object, *, fields: object = None) -> None:
         # Give a concurrent send its turn first, then note whether the prefill event is out.
         for _ in range(5):
             await asyncio.sleep(0)

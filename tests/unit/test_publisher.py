@@ -187,7 +187,7 @@ async def test_fanout_records_its_status_before_the_prefill_event_goes(renderer:
     pub = InMemoryPublisher()
     sent_when_recorded: list[list[str]] = []
 
-    async def record(ev: ResultEvent) -> bool:
+    async def record(ev: ResultEvent, *, fields: object = None) -> bool:
         sent_when_recorded.append([r.topic for r in pub.records])
         return True
 

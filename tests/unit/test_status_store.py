@@ -169,6 +169,23 @@ async def test_a_wait_until_done_sleeps_through_every_stage_to_the_end(
         await notifier.close()
 
 
+async def test_an_update_sets_record_fields_in_the_same_write(store: StatusStore) -> None:
+    # The fan-out's update carries which items were cache hits: one script run, not two.
+    assert await store.create("f1", {"tenant": "t"})
+    assert await store.apply(ResultEvent("f1", "fanout", "prefilling"), fields={"cached": ["h"]})
+    rec = await store.get("f1")
+    assert rec is not None and rec.status == "prefilling" and rec.cached == ["h"]
+    events = await store.events("f1")
+    assert [e["status"] for _, e in events] == ["queued", "prefilling"]
+    # The same update again with the same fields changes nothing; with new fields, only them.
+    dup = ResultEvent("f1", "fanout", "prefilling")
+    assert not await store.apply(dup, fields={"cached": ["h"]})
+    assert await store.apply(dup, fields={"cached": []})
+    rec = await store.get("f1")
+    assert rec is not None and rec.cached == [] and rec.status == "prefilling"
+    assert len(await store.events("f1")) == 2  # no status change, no event
+
+
 async def test_in_flight_bound_is_shared_and_released_on_outcome(store: StatusStore) -> None:
     assert await store.admit("a", 2) and await store.admit("b", 2)
     assert not await store.admit("c", 2)
