@@ -269,7 +269,8 @@ def native_submission(
         metadata=req.metadata,
         traceparent=headers.traceparent,
         idempotency_key=headers.idempotency_key,
-        fingerprint=inp.fingerprint(),
+        # Only a keyed request is compared by meaning: no digest of the images otherwise.
+        fingerprint=inp.fingerprint() if headers.idempotency_key is not None else "",
         decodes_media=bool(inp.images or inp.videos),
         door_checked=True,  # checked(): sampling and counts
     )
