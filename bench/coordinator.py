@@ -214,7 +214,7 @@ def short_profile(summary: Mapping[str, Any], top: int = TOP_FRAMES) -> dict[str
         else:
             out[name] = {
                 "samples": s["samples"],
-                **({"waiting_pct": s["waiting_pct"]} if "waiting_pct" in s else {}),
+                **{k: s[k] for k in ("waiting_pct", "event_loop_c_pct") if k in s},
                 "self_pct": s["self_pct"][:top],
                 "inclusive_pct": s["inclusive_pct"][:top],
             }
@@ -298,6 +298,8 @@ class Stack:
     pids: dict[str, int]
     """api, each worker, broker, redis (where visible)."""
     offsets: Any
+    partitions: list[Any]
+    """Every partition of the run's topics (``TopicPartition``)."""
     redis: Any
 
     def check_alive(self) -> None:
@@ -307,18 +309,8 @@ class Stack:
 
     async def end_offsets(self) -> dict[str, int]:
         """Each of the run's topics' end offsets, summed over its partitions."""
-        from aiokafka import TopicPartition
-
-        from schemas.topics import Topics
-
-        topics = Topics(self.settings.topic_prefix).all()
-        tps = [
-            TopicPartition(t, p)
-            for t in topics
-            for p in sorted(self.offsets.partitions_for_topic(t) or ())
-        ]
-        ends = await self.offsets.end_offsets(tps)
-        out = dict.fromkeys(topics, 0)
+        ends = await self.offsets.end_offsets(self.partitions)
+        out = dict.fromkeys(sorted({tp.topic for tp in self.partitions}), 0)
         for tp, end in ends.items():
             out[tp.topic] += int(end)
         return out
@@ -334,12 +326,13 @@ async def running_stack(
     """The topics, ``epd stack``'s workers and ``epd api`` as processes, with ``EPD_MODEL``
     ``model``, under a topic prefix, EC namespace and secret of their own."""
     import redis.asyncio as aioredis
+    from aiokafka import TopicPartition
 
     from bench.api_process import ApiProcess
     from bench.pipeline import _delete_topics, _service_pids
     from epd.commands.stack import STACK_WORKERS
     from epd.local_pipeline import WorkerProcesses, child_env, worker_env
-    from runtime.kafka import ensure_topics, make_consumer
+    from runtime.kafka import ensure_topics, make_consumer, topic_partitions
     from schemas.topics import Topics
 
     tag = f"{base.topic_prefix}-{model}"
@@ -362,9 +355,13 @@ async def running_stack(
     try:
         await asyncio.gather(workers.wait_ready(), api.ready())
         await offsets.start()
-        await offsets.topics()  # the run's topics' partitions, for end_offsets
+        parts = await topic_partitions(settings, topics)
+        if set(parts) != set(topics):
+            raise RuntimeError(f"topics without partitions: {set(topics) - set(parts)}")
+        tps = [TopicPartition(t, p) for t, ps in parts.items() for p in ps]
         pids = {"api": api.proc.pid, **{k: p.pid for k, p, _ in workers.procs}}
-        yield Stack(settings, workers, api, {**pids, **_service_pids(settings)}, offsets, client)
+        pids |= _service_pids(settings)
+        yield Stack(settings, workers, api, pids, offsets, tps, client)
     finally:
         await offsets.stop()
         await client.aclose()
@@ -604,10 +601,11 @@ async def broker_block(
     await _warm_broker(settings, sizes.broker_warmup)
     images = Images(start=1000)
     t0 = time.perf_counter()
-    block: dict[str, Any] = {}
+    block: dict[str, Any] = {"load_avg_1m": {"start": sig(os.getloadavg()[0])}}
     async with running_stack(settings, "instant", log_dir / "instant", code_dir) as stack:
         block["startup_s"] = sig(time.perf_counter() - t0)
         block["fetch_max_wait_ms"] = stack.settings.kafka_fetch_max_wait_ms
+        block["event_loop"] = getattr(stack.settings, "event_loop", "asyncio")
         block["cells"], profiles = await run_cells(
             stack, images, sizes.requests, sizes.warmup, log_dir / "profiles"
         )
@@ -617,6 +615,7 @@ async def broker_block(
             **await idle(stack, sizes.idle_s),
         }
         block["floor"] = await floor(stack, sizes)
+    block["load_avg_1m"]["instant_done"] = sig(os.getloadavg()[0])  # a busy host: noisy figures
     block["overhead_vs_floor_ms"] = overhead_vs_floor(block["cells"], block["floor"]["floor_ms"])
     block["profile"] = profiles
     if sizes.tiny_requests:

@@ -32,8 +32,8 @@ OWN_FRAME = re.compile(
 )
 """A frame of the project's own code: py-spy names files relative to sys.path or in full."""
 ENTRY_FRAME = re.compile(
-    r"\((?:.*/)?(?:epd/(?:cli|stages|commands/worker|commands/api)|consumers/(?:dispatch|runner))"
-    r"\.py:"
+    r"\((?:.*/)?(?:epd/(?:cli|stages|commands/worker|commands/api)|consumers/(?:dispatch|runner)"
+    r"|runtime/event_loop)\.py:"
 )
 """The process's entry point, or the consume loop's plumbing around every handler: on (almost)
 every stack, so not worth a line of the summary (the handler's own frame says as much)."""
@@ -45,6 +45,10 @@ WAIT_LEAF = re.compile(
 """A sample's last frame that is a thread waiting (an idle pool thread, an event loop in
 ``select``), which py-spy's idle detection lets through: ``summarize(skip_waits=True)`` counts
 them apart."""
+C_LOOP_LEAF = re.compile(r"^Runner\.run \((?:.*/)?asyncio/runners\.py:")
+"""A sample whose last Python frame is ``asyncio.Runner.run``: the thread is inside uvloop's C
+loop (libuv's I/O and callbacks, or its epoll wait; py-spy cannot tell which), so
+``summarize(skip_waits=True)`` counts it apart too (``event_loop_c_pct``)."""
 
 
 def py_spy() -> str | None:
@@ -132,11 +136,12 @@ def _frame_name(frame: str) -> str:
 
 def summarize(raw: str, *, skip_waits: bool = False) -> dict[str, Any]:
     """Self and inclusive shares (% of samples) from py-spy's raw collapsed-stack output;
-    ``skip_waits``: samples of a waiting thread (:data:`WAIT_LEAF`) are left out of the shares
-    and counted as ``waiting_pct`` of all samples instead."""
+    ``skip_waits``: samples of a waiting thread (:data:`WAIT_LEAF`) and of uvloop's C loop
+    (:data:`C_LOOP_LEAF`) are left out of the shares, counted as ``waiting_pct`` and
+    ``event_loop_c_pct`` of all samples instead (``samples`` is then the rest: Python code)."""
     own_self: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
-    total = waiting = 0
+    total = waiting = c_loop = 0
     for line in raw.splitlines():
         stack, _, count_s = line.rpartition(" ")
         if not stack or not count_s.isdigit():
@@ -145,6 +150,9 @@ def summarize(raw: str, *, skip_waits: bool = False) -> dict[str, Any]:
         frames = stack.split(";")
         if skip_waits and WAIT_LEAF.search(frames[-1]):
             waiting += n
+            continue
+        if skip_waits and C_LOOP_LEAF.search(frames[-1]):
+            c_loop += n
             continue
         total += n
         own_self[_frame_name(frames[-1])] += n
@@ -157,7 +165,9 @@ def summarize(raw: str, *, skip_waits: bool = False) -> dict[str, Any]:
 
     out: dict[str, Any] = {"samples": total}
     if skip_waits:
-        out["waiting_pct"] = sig(100 * waiting / (total + waiting)) if total + waiting else 0.0
+        every = total + waiting + c_loop
+        out["waiting_pct"] = sig(100 * waiting / every) if every else 0.0
+        out["event_loop_c_pct"] = sig(100 * c_loop / every) if every else 0.0
     return {**out, "self_pct": top(own_self), "inclusive_pct": top(inclusive)}
 
 

@@ -112,12 +112,14 @@ def test_summarize_can_leave_waiting_threads_out() -> None:
             "Runner.run (asyncio/runners.py:118);EpollSelector.select (selectors.py:468) 1",
             "_bootstrap (threading.py:1);_worker (concurrent/futures/thread.py:81) 2",
             "submit (frontend/api/routes/requests.py:30);render (producers/render.py:5) 4",
+            "main (a.py:1);run (runtime/event_loop.py:37);Runner.run (asyncio/runners.py:118) 4",
         ]
     )
     everything = summarize(raw)
-    assert everything["samples"] == 16 and "waiting_pct" not in everything
+    assert everything["samples"] == 20 and "waiting_pct" not in everything
     busy = summarize(raw, skip_waits=True)
-    assert busy["samples"] == 10 and busy["waiting_pct"] == pytest.approx(37.5)
+    assert busy["samples"] == 10
+    assert busy["waiting_pct"] == 30.0 and busy["event_loop_c_pct"] == 20.0  # of all 20
     assert busy["self_pct"][0] == ["hash (y.py)", 60.0]
     inclusive = dict(busy["inclusive_pct"])
     assert inclusive["submit (requests.py)"] == 40.0  # the front's frames are the project's

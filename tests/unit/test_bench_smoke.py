@@ -28,7 +28,7 @@ from runtime.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 # Numbers that may legitimately be zero (counts of things that did not happen).
-ZERO_OK = frozenset({"ours_encode_events", "waiting_pct", "server_usec"})
+ZERO_OK = frozenset({"ours_encode_events", "waiting_pct", "event_loop_c_pct", "server_usec"})
 CPU_SHARES = frozenset(
     {
         "worker_cpu",
