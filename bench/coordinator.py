@@ -499,6 +499,87 @@ async def run_cells(
 
 
 # ---------------------------------------------------------------------------------------------
+# Which process sends which Redis commands
+
+
+def tally_monitor(lines: list[Mapping[str, Any]], owners: Mapping[str, str]) -> dict[str, Any]:
+    """Redis ``MONITOR`` lines (redis-py's ``{"client_type", "client_port", "command"}``) as
+    commands per process: ``owners`` names a client port's process; a script's own commands
+    (client ``lua``) count for the client whose ``EVALSHA`` ran it, as ``lua:CMD``."""
+    by: dict[str, dict[str, int]] = {}
+    last = "unknown"
+    for line in lines:
+        name = (line["command"].split(" ", 1)[0] or "?").strip('"').upper()
+        if line["client_type"] == "lua":
+            who, name = last, f"lua:{name}"
+        else:
+            who = last = owners.get(str(line["client_port"]), "other")
+        counts = by.setdefault(who, {})
+        counts[name] = counts.get(name, 0) + 1
+    return {
+        who: {
+            "total": sum(c.values()),
+            "commands": dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))),
+        }
+        for who, c in sorted(by.items())
+    }
+
+
+def port_owners(pids: Mapping[str, int]) -> dict[str, str]:
+    """Each local TCP port a stack process holds, named by the process."""
+    import psutil
+
+    names = {pid: name for name, pid in pids.items()}
+    out = {}
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.pid in names and conn.laddr:
+            out[str(conn.laddr.port)] = names[conn.pid]
+    return out
+
+
+async def monitored(stack: Stack, client: Any, images: list[bytes], settle_s: float) -> list[Any]:
+    """The ``MONITOR`` lines of Redis while ``images`` are sent one at a time, and ``settle_s``
+    after."""
+    import redis.asyncio as aioredis
+
+    lines: list[Any] = []
+    watcher = aioredis.Redis.from_url(stack.settings.redis_url)
+    try:
+        async with watcher.monitor() as monitor:
+
+            async def collect() -> None:
+                async for line in monitor.listen():
+                    lines.append(line)
+
+            task = asyncio.create_task(collect())
+            await asyncio.sleep(0.1)  # MONITOR is on
+            try:
+                await guarded(stack, drive(client, images, 1))
+                await asyncio.sleep(settle_s)
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+    finally:
+        await watcher.aclose()
+    return lines
+
+
+async def redis_trace(stack: Stack, images: Images, settle_s: float = 0.5) -> dict[str, Any]:
+    """One request of each case, alone, with ``MONITOR`` on: its Redis commands by process
+    (over the request and ``settle_s`` after it, so the collector's folds are in)."""
+    from frontend.client import EPDClient
+
+    out: dict[str, Any] = {"window": f"one request, from its submit to {settle_s:g} s after it"}
+    async with EPDClient(stack.api.url, timeout_s=60, retries=0) as client:
+        for case in CASES:
+            lines = await monitored(stack, client, images.of(case, 1), settle_s)
+            owners = await asyncio.to_thread(port_owners, stack.pids)
+            out[case] = tally_monitor(lines, owners)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # The floor, idle CPU, RSS
 
 
@@ -609,6 +690,7 @@ async def broker_block(
         block["cells"], profiles = await run_cells(
             stack, images, sizes.requests, sizes.warmup, log_dir / "profiles"
         )
+        block["redis_by_process"] = await redis_trace(stack, images)
         block["rss_mb"] = rss(stack)
         block["idle_cpu_pct"] = {
             "what": f"% of one core over {sizes.idle_s:g} s with no traffic",

@@ -146,3 +146,24 @@ def test_coordinator_options_reach_it_only(tmp_path: Path) -> None:
 def test_a_code_dir_without_the_stack_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"epd/cli\.py"):
         c.run(quick=True, code_dir=tmp_path)
+
+
+def test_tally_monitor_names_each_command_by_its_process() -> None:
+    def line(kind: str, port: str, command: str) -> dict[str, Any]:
+        return {"client_type": kind, "client_port": port, "command": command}
+
+    lines = [
+        line("tcp", "5001", '"GET" "k"'),
+        line("tcp", "5001", 'get "k2"'),
+        line("tcp", "6001", '"EVALSHA" "abc" "1" "k"'),
+        line("lua", "", '"hget" "k" "f"'),  # the script's own, for whoever ran it
+        line("lua", "", '"HSET" "k" "f" "v"'),
+        line("tcp", "7777", '"PING"'),  # a port no stack process holds
+    ]
+    got = c.tally_monitor(lines, {"5001": "api", "6001": "prefill"})
+    assert got["api"] == {"total": 2, "commands": {"GET": 2}}
+    assert got["prefill"] == {
+        "total": 3,
+        "commands": {"EVALSHA": 1, "lua:HGET": 1, "lua:HSET": 1},
+    }
+    assert got["other"]["commands"] == {"PING": 1}
