@@ -668,6 +668,15 @@ def rss(stack: Stack) -> dict[str, float]:
     return {name: sig(v) for name, pid in stack.pids.items() if (v := rss_mb(pid)) is not None}
 
 
+def pss(stack: Stack) -> dict[str, float]:
+    """Each process's share of the memory it maps (the libraries all workers load, torch's
+    first, count once across them): what the stack's processes hold together."""
+    from bench.worker_profile import pss_mb
+
+    out = {name: sig(v) for name, pid in stack.pids.items() if (v := pss_mb(pid)) is not None}
+    return {**out, "total": sig(sum(out.values()))} if out else out
+
+
 # ---------------------------------------------------------------------------------------------
 # One broker
 
@@ -692,6 +701,7 @@ async def broker_block(
         )
         block["redis_by_process"] = await redis_trace(stack, images)
         block["rss_mb"] = rss(stack)
+        block["pss_mb"] = pss(stack)
         block["idle_cpu_pct"] = {
             "what": f"% of one core over {sizes.idle_s:g} s with no traffic",
             **await idle(stack, sizes.idle_s),

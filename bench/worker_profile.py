@@ -79,6 +79,21 @@ def rss_mb(pid: int | None) -> float | None:
     return None
 
 
+def pss_mb(pid: int | None) -> float | None:
+    """Proportional set size of ``pid`` in MiB (``/proc/<pid>/smaps_rollup``: shared pages, such
+    as the libraries every worker maps, split among the processes that map them); None if
+    unreadable."""
+    if not pid:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def listener_pid(port: int) -> int | None:
     """The process listening on TCP ``port`` on this host (the broker, Redis), if it can be
     seen from here (not in another network namespace, permissions allowing)."""
