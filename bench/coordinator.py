@@ -68,7 +68,7 @@ import secrets
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -502,7 +502,7 @@ async def run_cells(
 # Which process sends which Redis commands
 
 
-def tally_monitor(lines: list[Mapping[str, Any]], owners: Mapping[str, str]) -> dict[str, Any]:
+def tally_monitor(lines: Sequence[Mapping[str, Any]], owners: Mapping[str, str]) -> dict[str, Any]:
     """Redis ``MONITOR`` lines (redis-py's ``{"client_type", "client_port", "command"}``) as
     commands per process: ``owners`` names a client port's process; a script's own commands
     (client ``lua``) count for the client whose ``EVALSHA`` ran it, as ``lua:CMD``."""
