@@ -23,8 +23,9 @@ terminal status), stack CPU ms per request by process (``/proc/<pid>/stat`` of t
 worker, the broker and Redis, over the cell), the benchmark client's own CPU apart, Kafka
 records per request (end-offset deltas summed over the run's topics, by topic; offset commits
 are not counted), Redis commands per request (``INFO commandstats`` deltas; the top commands by
-count with their server-side microseconds). Per stack: RSS per process after the cells, idle
-stack CPU (% of one core, together and per process) over ``idle_s`` with no traffic, and py-spy
+count with their server-side microseconds). Per stack: RSS (judged) and PSS per process after
+the cells, idle stack CPU (% of one core, together and per process) over ``idle_s`` with no
+traffic, each process's Redis commands for one request of each case (``MONITOR``), and py-spy
 profiles of the API and the workers during a second, profiled run of each concurrency-16 cell
 (the measured cells run without py-spy, which would take CPU from the two cores they share).
 
@@ -491,10 +492,9 @@ async def run_cells(
                 finally:
                     summary = await asyncio.to_thread(profiler.stop)
                 profiles[f"{case}_c{top}"] = short_profile(summary)
-    for case in ("cached",):
-        for name, cell in cells[case].items():
-            if "encode" in cell["kafka_records_per_request"]["by_topic"]:
-                cell["warning"] = f"{case} {name}: encode events were sent (cache misses)"
+    for name, cell in cells["cached"].items():
+        if "encode" in cell["kafka_records_per_request"]["by_topic"]:
+            cell["warning"] = f"cached {name}: encode events were sent (cache misses)"
     return cells, profiles
 
 
