@@ -654,12 +654,15 @@ async def floor(stack: Stack, sizes: Sizes) -> dict[str, Any]:
 
 
 async def idle(stack: Stack, seconds: float) -> dict[str, float]:
-    """% of one core each stack process (and all together) used with no traffic."""
+    """% of one core each stack process used with no traffic, all together (``total``, the
+    judged one) and the API's and workers' alone (``api_and_workers``: without the broker and
+    Redis)."""
     from bench.worker_profile import idle_cpu
 
     await asyncio.sleep(1.0)  # the last cell's tail: commits, the collector's folds
     pct = await asyncio.to_thread(idle_cpu, stack.pids, seconds)
-    return {**pct, "total": sig(sum(pct.values()))}
+    ours = sum(v for k, v in pct.items() if k not in ("broker", "redis"))
+    return {**pct, "total": sig(sum(pct.values())), "api_and_workers": sig(ours)}
 
 
 def rss(stack: Stack) -> dict[str, float]:
