@@ -42,6 +42,7 @@ BENCHMARKS: dict[str, str] = {
     "throughput": "bench.throughput",
     "decode": "bench.decode_batching",
     "openai": "bench.openai_stream",
+    "coordinator": "bench.coordinator",
     "gpu": "bench.gpu",
 }
 """Benchmark name -> module exposing ``run(*, quick, out, ...) -> dict``, in run order."""
@@ -49,7 +50,11 @@ FIGURES_ONLY = frozenset({"brokers", "openai"})
 """Benchmarks that report figures without a docs/design.md budget (no ``meets_budget``)."""
 OPT_IN = frozenset({"gpu"})
 """Run only when named: ``gpu`` needs CUDA (without it, it reports ``skipped: no CUDA``)."""
-NEEDS_REDIS = frozenset({"stores", "encoder_cache", "pipeline", "throughput", "decode", "openai"})
+NEEDS_REDIS = frozenset(
+    {"stores", "encoder_cache", "pipeline", "throughput", "decode", "openai", "coordinator"}
+)
+OPTIONS: dict[str, tuple[str, ...]] = {"coordinator": ("code_dir", "requests")}
+"""Options only some benchmarks take (passed to their ``run`` when given)."""
 DEFAULT_OUT = Path(__file__).parent / "out"
 
 
@@ -77,6 +82,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Redis to benchmark against (default: EPD_REDIS_URL; DB 11 is used)",
     )
     p.add_argument("--check", action="store_true", help="exit 1 when a budget is missed")
+    p.add_argument(
+        "--code-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="coordinator: run the stack's processes (API, workers) from the checkout in DIR "
+        "(default: EPD_BENCH_CODE_DIR, else this one), to measure a before and an after",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="coordinator: requests per cell (default 96; 8 with --quick)",
+    )
 
 
 def unknown_names(names: Sequence[str]) -> list[str]:
@@ -103,6 +123,9 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"quick": args.quick, "out": args.out}
     if name in NEEDS_REDIS and args.redis_url:
         kwargs["redis_url"] = args.redis_url
+    for option in OPTIONS.get(name, ()):
+        if getattr(args, option, None) is not None:
+            kwargs[option] = getattr(args, option)
     t0 = time.perf_counter()
     try:
         result = dict(module.run(**kwargs))

@@ -27,11 +27,28 @@ from bench.common import sig
 SAMPLE_RATE_HZ = 200
 TOP = 12
 OWN_FRAME = re.compile(
-    r"\((?:.*/)?(?:runtime|producers|consumers|gpu_workers|schemas|epd)/[^/]+\.py:"
+    r"\((?:.*/)?(?:runtime|producers|consumers|gpu_workers|schemas|epd|frontend|media)/"
+    r"(?:[^/]+/)*[^/]+\.py:"
 )
 """A frame of the project's own code: py-spy names files relative to sys.path or in full."""
-ENTRY_FRAME = re.compile(r"\((?:.*/)?epd/(?:cli|stages|commands/worker)\.py:")
-"""The process's entry point, on every stack: not worth a line of the summary."""
+ENTRY_FRAME = re.compile(
+    r"\((?:.*/)?(?:epd/(?:cli|stages|commands/worker|commands/api)|consumers/(?:dispatch|runner)"
+    r"|runtime/event_loop)\.py:"
+)
+"""The process's entry point, or the consume loop's plumbing around every handler: on (almost)
+every stack, so not worth a line of the summary (the handler's own frame says as much)."""
+WAIT_LEAF = re.compile(
+    r"^(?:Condition\.wait|Event\.wait) \((?:.*/)?threading\.py:"
+    r"|^_worker \((?:.*/)?concurrent/futures/thread\.py:"
+    r"|^\w*Selector\.select \((?:.*/)?selectors\.py:"
+)
+"""A sample's last frame that is a thread waiting (an idle pool thread, an event loop in
+``select``), which py-spy's idle detection lets through: ``summarize(skip_waits=True)`` counts
+them apart."""
+C_LOOP_LEAF = re.compile(r"^Runner\.run \((?:.*/)?asyncio/runners\.py:")
+"""A sample whose last Python frame is ``asyncio.Runner.run``: the thread is inside uvloop's C
+loop (libuv's I/O and callbacks, or its epoll wait; py-spy cannot tell which), so
+``summarize(skip_waits=True)`` counts it apart too (``event_loop_c_pct``)."""
 
 
 def py_spy() -> str | None:
@@ -56,6 +73,21 @@ def rss_mb(pid: int | None) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def pss_mb(pid: int | None) -> float | None:
+    """Proportional set size of ``pid`` in MiB (``/proc/<pid>/smaps_rollup``: shared pages, such
+    as the libraries every worker maps, split among the processes that map them); None if
+    unreadable."""
+    if not pid:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
                 return int(line.split()[1]) / 1024  # kB
     except (OSError, ValueError, IndexError):
         return None
@@ -117,17 +149,26 @@ def _frame_name(frame: str) -> str:
     return f"{func} ({Path(path).name})" if path else func
 
 
-def summarize(raw: str) -> dict[str, Any]:
-    """Self and inclusive shares (% of samples) from py-spy's raw collapsed-stack output."""
+def summarize(raw: str, *, skip_waits: bool = False) -> dict[str, Any]:
+    """Self and inclusive shares (% of samples) from py-spy's raw collapsed-stack output;
+    ``skip_waits``: samples of a waiting thread (:data:`WAIT_LEAF`) and of uvloop's C loop
+    (:data:`C_LOOP_LEAF`) are left out of the shares, counted as ``waiting_pct`` and
+    ``event_loop_c_pct`` of all samples instead (``samples`` is then the rest: Python code)."""
     own_self: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
-    total = 0
+    total = waiting = c_loop = 0
     for line in raw.splitlines():
         stack, _, count_s = line.rpartition(" ")
         if not stack or not count_s.isdigit():
             continue
         n = int(count_s)
         frames = stack.split(";")
+        if skip_waits and WAIT_LEAF.search(frames[-1]):
+            waiting += n
+            continue
+        if skip_waits and C_LOOP_LEAF.search(frames[-1]):
+            c_loop += n
+            continue
         total += n
         own_self[_frame_name(frames[-1])] += n
         own = {_frame_name(f) for f in frames if OWN_FRAME.search(f) and not ENTRY_FRAME.search(f)}
@@ -137,7 +178,12 @@ def summarize(raw: str) -> dict[str, Any]:
     def top(c: Counter[str]) -> list[list[Any]]:
         return [[name, sig(100 * n / total)] for name, n in c.most_common(TOP)] if total else []
 
-    return {"samples": total, "self_pct": top(own_self), "inclusive_pct": top(inclusive)}
+    out: dict[str, Any] = {"samples": total}
+    if skip_waits:
+        every = total + waiting + c_loop
+        out["waiting_pct"] = sig(100 * waiting / every) if every else 0.0
+        out["event_loop_c_pct"] = sig(100 * c_loop / every) if every else 0.0
+    return {**out, "self_pct": top(own_self), "inclusive_pct": top(inclusive)}
 
 
 @dataclass
@@ -146,6 +192,8 @@ class WorkerProfiler:
 
     pids: dict[str, int]
     out_dir: Path
+    skip_waits: bool = False
+    """Summaries leave waiting threads' samples out (:func:`summarize`)."""
     _procs: dict[str, tuple[subprocess.Popen[bytes], Path]] = field(default_factory=dict)
     skipped: str | None = None
 
@@ -176,7 +224,8 @@ class WorkerProfiler:
                 proc.kill()
                 _, err = proc.communicate()
             if path.exists():
-                out[name] = {**summarize(path.read_text()), "raw": str(path)}
+                summary = summarize(path.read_text(), skip_waits=self.skip_waits)
+                out[name] = {**summary, "raw": str(path)}
             else:
                 out[name] = {"error": err.decode(errors="replace").strip()[-300:]}
         return out

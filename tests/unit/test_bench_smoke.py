@@ -28,11 +28,12 @@ from runtime.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 # Numbers that may legitimately be zero (counts of things that did not happen).
-ZERO_OK = frozenset({"ours_encode_events"})
+ZERO_OK = frozenset({"ours_encode_events", "waiting_pct", "event_loop_c_pct", "server_usec"})
 CPU_SHARES = frozenset(
     {
         "worker_cpu",
         "worker_idle_cpu_pct",
+        "idle_cpu_pct",
         "cpu_ms_per_request",
         "idle_cpu_pct_no_clients",
         "idle_cpu_pct_with_pipeline_consumers",
@@ -42,9 +43,10 @@ DEFAULT = [n for n in BENCHMARKS if n not in OPT_IN]  # what a run without names
 
 
 PIPELINE_BROKERS = "tansu"
-"""The broker the smoke's ``pipeline`` block runs on (``EPD_BENCH_BROKERS``): one, not both as in
-``make bench``, so its four worker processes start once; the code is the same on either broker,
-and the ``brokers`` block still starts both. Tansu: the one that starts in a second."""
+"""The broker the smoke's ``pipeline`` and ``coordinator`` blocks run on (``EPD_BENCH_BROKERS``):
+one, not both as in ``make bench``, so their worker processes start once; the code is the same on
+either broker, and the ``brokers`` block still starts both. Tansu: the one that starts in a
+second."""
 
 
 @pytest.fixture(scope="module")
@@ -281,3 +283,34 @@ def test_brokers_block(quick_run: tuple[dict[str, Any], Path]) -> None:
         assert block["brokers"]["apache"]["version"] == "Apache Kafka 4.4.0"
         assert block["brokers"]["apache"]["fetch_max_wait_ms"] == 500
     assert block["brokers"]["tansu"]["fetch_max_wait_ms"] == 10
+
+
+@pytest.mark.slow
+def test_coordinator_block(quick_run: tuple[dict[str, Any], Path]) -> None:
+    from bench.coordinator import CASES, CONCURRENCY, QUICK
+    from bench.pipeline import bench_brokers
+
+    block = quick_run[0]["coordinator"]
+    wanted, skipped = bench_brokers()
+    assert set(block["brokers"]) == set(wanted) and block["skipped_brokers"] == skipped
+    for name, per in block["brokers"].items():
+        for case in CASES:
+            for concurrency in CONCURRENCY:
+                cell = per["cells"][case][f"c{concurrency}"]
+                assert cell["requests"] == QUICK.requests, name
+                assert {"api", "encode", "prefill", "results", "router"} <= set(
+                    cell["cpu_ms_per_request"]
+                )
+                # one prefill event per request; the encode stage only for new images
+                assert cell["kafka_records_per_request"]["by_topic"]["prefill"] > 0
+                has_encode = "encode" in cell["kafka_records_per_request"]["by_topic"]
+                assert has_encode == (case == "new"), (name, case, concurrency)
+                assert cell["redis_commands_per_request"]["top"]
+        floor = per["floor"]
+        assert floor["floor_ms"]["new"] > floor["floor_ms"]["cached"] >= floor["kafka_hop_p50_ms"]
+        assert per["overhead_vs_floor_ms"]["new"] == pytest.approx(
+            per["cells"]["new"]["c1"]["latency_ms"]["p50"] - floor["floor_ms"]["new"], abs=0.01
+        )
+        assert set(per["profile"]) == {f"{case}_c{max(CONCURRENCY)}" for case in CASES}
+        assert per["rss_mb"]["results"] > 0 and "total" in per["idle_cpu_pct"]
+    assert "tiny_model" not in block["brokers"][block["judged_on"]]  # not with --quick
