@@ -158,11 +158,15 @@ async def ensure_topics(
 
 
 class KafkaPublisher:
-    """The Publisher of real runs: aiokafka producers, one per compression setting.
+    """The Publisher of real runs: aiokafka producers, one per compression setting and one
+    for the records off the client's path.
 
     Prefill events are mostly runs of placeholder token ids and travel with
     ``settings.prefill_compression``; encoder inputs (pixels barely compress) and everything else
-    with ``settings.compression``. ``routes`` maps a topic to the producer that sends it.
+    with ``settings.compression``; status updates and encoded marks (``results``, ``encoded``)
+    through a producer that lingers ``settings.results_linger_ms``, so under load the updates
+    of concurrent requests share a produce request. ``routes`` maps a topic to the producer
+    that sends it.
     """
 
     def __init__(
@@ -195,6 +199,11 @@ class KafkaPublisher:
             routes[topics.prefill] = make_producer(
                 settings, compression=settings.prefill_compression
             )
+        if settings.results_linger_ms > 0:
+            # Status updates and encoded marks are written through to the record first, so
+            # their records are off the client's path: they may wait a little for company.
+            batched = make_producer(settings, linger_ms=settings.results_linger_ms)
+            routes[topics.results] = routes[topics.encoded] = batched
         return cls(producer, routes, settings=settings)
 
     def _producers(self) -> list[AIOKafkaProducer]:

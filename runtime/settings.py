@@ -66,6 +66,15 @@ class Settings(BaseSettings):
         description="longest a fetch waits for data; Kafka answers as soon as data arrives, "
         "Tansu only when the wait ends, so keep it short there",
     )
+    results_linger_ms: int = Field(
+        5,
+        ge=0,
+        le=1000,
+        description="how long the producer of status updates and encoded marks (the results "
+        "and encoded topics) waits to batch records: they are written through to the status "
+        "record first, so off the client's path; under load concurrent requests' updates share "
+        "a produce request (0: each goes at once)",
+    )
     results_fetch_max_wait_ms: int | None = Field(
         None,
         description="the results collector's fetch wait (unset: EPD_KAFKA_FETCH_MAX_WAIT_MS); "

@@ -53,8 +53,13 @@ async def pipeline(
     settings: Settings, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[LocalRun]:
     log_dir: Path = tmp_path_factory.mktemp("scaleout-logs")
-    async with local_pipeline(settings, spawn_workers=True, log_dir=log_dir, kinds=KINDS) as run:
-        yield run
+    # The workers' "handled" lines (DEBUG) say which member took which record.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EPD_LOG_LEVEL", "DEBUG")
+        async with local_pipeline(
+            settings, spawn_workers=True, log_dir=log_dir, kinds=KINDS
+        ) as run:
+            yield run
 
 
 def _log_messages(path: Path) -> list[str]:
