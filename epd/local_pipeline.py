@@ -69,7 +69,10 @@ class WorkerProcesses:
         ready.unlink(missing_ok=True)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "epd.cli", "worker", kind, "--ready-file", str(ready)],
+                [
+                    *(sys.executable, "-m", "epd.cli", "worker", kind),
+                    *("--ready-file", str(ready), "--exit-with-parent", str(os.getpid())),
+                ],
                 env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,

@@ -10,7 +10,10 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,12 +49,35 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="touch this file once the worker holds partitions (for supervisors and the demo)",
     )
     p.add_argument(
+        "--exit-with-parent",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="stop (as on SIGTERM: drain and commit) once process PID is no longer this "
+        "worker's parent: a supervisor that was killed leaves no worker behind",
+    )
+    p.add_argument(
         "--print-settings",
         action="store_true",
         help="print the settings this worker would run with as JSON (secrets as a SHA-256 "
         "digest) and exit",
     )
     p.set_defaults(func=run)
+
+
+PARENT_CHECK_S = 1.0
+
+
+def _exit_with_parent(parent: int) -> None:
+    """SIGTERM to this process once ``parent`` is no longer its parent (it died: the process was
+    handed to init), from a daemon thread that asks once a second."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="epd-parent-watch", daemon=True).start()
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -86,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(args.metrics_port, addr="127.0.0.1")
+    if args.exit_with_parent is not None:
+        _exit_with_parent(args.exit_with_parent)
     ready = None
     if args.ready_file is not None:
         ready_file: Path = args.ready_file
