@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError as PydanticValidationError
 
+from epd.local_pipeline import WorkerDied
 from runtime.errors import ModelLoadError
 
 # Each module exposes ``register(subparsers)``, adding parsers whose default ``func(args) -> int``
@@ -63,6 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except WorkerDied as exc:
+        # A worker that could not start (or died) under a command that runs the pipeline
+        # (stack, demo, verify): its own last word, one line, not a traceback.
+        print(f"epd: {exc.summary}", file=sys.stderr)
+        return 1
     except ModelLoadError as exc:
         # A model that cannot be served (unsupported family, missing checkpoint) is the user's
         # input, not a crash: one line naming the problem, exit code 2.

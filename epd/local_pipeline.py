@@ -35,7 +35,15 @@ def worker_kinds(settings: Settings) -> tuple[str, ...]:
 
 
 class WorkerDied(RuntimeError):
-    """A worker process exited while it should be running."""
+    """A worker process exited while it should be running; the message holds its log's tail,
+    :attr:`summary` one line (the log's last line: the worker's own word on why)."""
+
+    def __init__(self, kind: str, code: int, log_path: Path) -> None:
+        tail = log_path.read_text(errors="replace")[-3000:]
+        super().__init__(f"{kind} worker exited with {code}; log tail:\n{tail}")
+        last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
+        cause = f": {last.strip().removeprefix('epd: ')}" if last else ""
+        self.summary = f"the {kind} worker exited with {code}{cause} (log: {log_path})"
 
 
 class WorkerProcesses:
@@ -130,8 +138,7 @@ class WorkerProcesses:
             if i in self.retired:
                 continue
             if proc.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-3000:]
-                raise WorkerDied(f"{kind} worker exited with {proc.returncode}; log tail:\n{tail}")
+                raise WorkerDied(kind, proc.returncode, log_path)
 
     async def wait_ready(self, timeout_s: float = 180.0) -> None:
         """Until every worker has loaded its model and holds partitions (WorkerDied/TimeoutError).

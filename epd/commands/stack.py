@@ -64,9 +64,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     from epd import services
     from runtime import event_loop
+    from runtime.model import model_family
     from runtime.settings import Settings
 
-    Settings()  # a bad setting is one line and exit 2 (epd.cli), before anything starts
+    # A bad setting or an unknown model is one line and exit 2 (epd.cli), before anything starts.
+    model_family(args.model or Settings().model)
     if not _port_free(args.host, args.port):
         print(f"epd stack: error: {args.host}:{args.port} is in use; give --port", file=sys.stderr)
         return 1

@@ -1,0 +1,43 @@
+"""A pipeline command whose model is unknown, or whose worker cannot start, says why in one
+line (no traceback)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epd.local_pipeline import WorkerDied, WorkerProcesses
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("command", [["stack", "--port", "0"], ["worker", "prefill"], ["verify"]])
+def test_an_unknown_model_is_one_line_before_anything_starts(command: list[str]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "epd", *command],
+        env={"PATH": "/usr/bin:/bin", "EPD_MODEL": "no-such-model", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert lines == [lines[0]] and "no-such-model" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr and "started" not in out.stdout
+
+
+async def test_a_worker_that_cannot_start_is_named_with_its_own_words(tmp_path: Path) -> None:
+    workers = WorkerProcesses({"EPD_MODEL": "no-such-model"}, tmp_path, ["encode"])
+    workers.start()
+    try:
+        with pytest.raises(WorkerDied) as died:
+            await workers.wait_ready(timeout_s=120)
+    finally:
+        workers.stop()
+    summary = died.value.summary
+    assert summary.startswith("the encode worker exited with 2: model 'no-such-model'")
+    assert "\n" not in summary and str(tmp_path) in summary
