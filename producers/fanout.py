@@ -49,6 +49,7 @@ from schemas.types import (
     ItemData,
     PrefillEvent,
     RenderEvent,
+    ResultEvent,
     TensorRef,
     now_ms,
 )
@@ -426,32 +427,44 @@ class FanOut:
             *(publish(publisher, self.topics, e, value=plan.value_of(e)) for e in plan.encode)
         )
         if self.record is not None:
-            # The request's "encoding" status must be recorded before any prefill worker can
-            # record "prefilling", or a client streaming the statuses never sees it; a prefill
-            # worker only can once it has the prefill event, so that waits for the record (one
-            # round trip). All cached, this update is "prefilling" itself, as the prefill
-            # worker's first is: the two may land in either order and the prefill event goes at
-            # once. (Only a worker whose first word is an outcome, a cancel or a passed deadline
-            # could beat this write; the status then goes from queued to that outcome.)
-            # One write: the status update and which items were cache hits (for the view).
-            recorded = asyncio.ensure_future(
-                reporter.write_through(update, fields={"cached": list(plan.cached)})
-            )
-            if plan.encode:
-                await recorded
-
-            async def send_update() -> None:
-                await reporter.send(update, recorded=await recorded)
-
-            _, encode_sizes, prefill_bytes = await asyncio.gather(
-                send_update(), encodes, self._send_prefill(plan)
-            )
+            encode_sizes, prefill_bytes = await self._send_recorded(plan, reporter, update, encodes)
         else:
             # No record at hand: the results topic holds the order, so the update is
             # acknowledged (with the encode events, all in flight) before the prefill event.
             _, encode_sizes = await asyncio.gather(reporter.send(update), encodes)
             prefill_bytes = await self._send_prefill(plan)
         return _stats(ev, plan, sum(encode_sizes), prefill_bytes)
+
+    async def _send_recorded(
+        self,
+        plan: FanoutPlan,
+        reporter: ResultReporter,
+        update: ResultEvent,
+        encodes: Awaitable[list[int]],
+    ) -> tuple[list[int], int]:
+        """The update written through (with the items found cached, in the same write), then
+        sent; the encode events beside it and the prefill event in its turn: the sizes sent.
+
+        The request's "encoding" status must be recorded before any prefill worker can record
+        "prefilling", or a client streaming the statuses never sees it; a prefill worker only
+        can once it has the prefill event, so that waits for the record (one round trip). All
+        cached, this update is "prefilling" itself, as the prefill worker's first is: the two
+        may land in either order and the prefill event goes at once. (Only a worker whose
+        first word is an outcome, a cancel or a passed deadline could beat this write; the
+        status then goes from queued to that outcome.)"""
+        recorded = asyncio.ensure_future(
+            reporter.write_through(update, fields={"cached": list(plan.cached)})
+        )
+        if plan.encode:
+            await recorded
+
+        async def send_update() -> None:
+            await reporter.send(update, recorded=await recorded)
+
+        _, encode_sizes, prefill_bytes = await asyncio.gather(
+            send_update(), encodes, self._send_prefill(plan)
+        )
+        return encode_sizes, prefill_bytes
 
     async def _send_prefill(self, plan: FanoutPlan) -> int:
         assert self.publisher is not None
