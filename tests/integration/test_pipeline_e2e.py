@@ -40,13 +40,17 @@ async def pipeline(
     settings: Settings, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[LocalRun]:
     log_dir: Path = tmp_path_factory.mktemp("worker-logs")
-    async with local_pipeline(
-        settings,
-        spawn_workers=True,
-        log_dir=log_dir,
-        kinds=("results", "encode", "prefill", "router"),
-    ) as run:
-        yield run
+    # DEBUG: each stage's per-record "handled" line is one of the log lines the trace test reads
+    # (the results collector logs nothing else for a request whose updates were recorded).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EPD_LOG_LEVEL", "DEBUG")
+        async with local_pipeline(
+            settings,
+            spawn_workers=True,
+            log_dir=log_dir,
+            kinds=("results", "encode", "prefill", "router"),
+        ) as run:
+            yield run
 
 
 async def _wait_all(run: LocalRun, request_ids: list[str]) -> dict[str, StatusRecord]:
