@@ -77,11 +77,9 @@ class WorkerProcesses:
         ready.unlink(missing_ok=True)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                [
-                    *(sys.executable, "-m", "epd.cli", "worker", kind),
-                    *("--ready-file", str(ready), "--exit-with-parent", str(os.getpid())),
-                ],
-                env=self.env,
+                [sys.executable, "-m", "epd.cli", "worker", kind, "--ready-file", str(ready)],
+                # In the environment, not a flag: a checkout that predates it just runs.
+                env={**self.env, "EPD_EXIT_WITH_PARENT": str(os.getpid())},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--exit-with-parent",
         type=int,
-        default=None,
+        default=os.environ.get("EPD_EXIT_WITH_PARENT") or None,
         metavar="PID",
         help="stop (as on SIGTERM: drain and commit) once process PID is no longer this "
         "worker's parent: a supervisor that was killed leaves no worker behind",
