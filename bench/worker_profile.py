@@ -57,13 +57,39 @@ def py_spy() -> str | None:
     return str(here) if here.exists() else shutil.which("py-spy")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` so far (``/proc/<pid>/stat``; 0 once it is gone)."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (None once it is gone)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
+        return None
+
+
+def _descendants(pid: int) -> list[int]:
+    """The live processes below ``pid`` (children, theirs, ...), from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(int(entry.name))) is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = [], list(children.get(pid, ()))
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(children.get(child, ()))
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far, with its live descendants' and the children
+    it reaped (the API's image decoder processes are its cost too); 0 once it is gone."""
+    fields = _stat(pid)
+    if fields is None:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    for child in _descendants(pid):
+        if (sub := _stat(child)) is not None:
+            ticks += int(sub[11]) + int(sub[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mb(pid: int | None) -> float | None:
