@@ -158,6 +158,14 @@ class Settings(BaseSettings):
         description="how often the results collector sweeps unfinished requests: past their "
         "deadline -> expired, their events gone from the broker -> failed broker-lost (0: off)",
     )
+    sweep_idle_interval_s: float = Field(
+        60.0,
+        ge=0,
+        description="longest the sweep waits while there is nothing unfinished: from "
+        "EPD_SWEEP_INTERVAL_S it doubles after each pass that found nothing, up to this; a "
+        "stage update the collector folds brings it back to EPD_SWEEP_INTERVAL_S (a pass then "
+        "comes at most that long after it)",
+    )
     sweep_stale_s: float = Field(
         60.0,
         gt=0,
