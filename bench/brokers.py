@@ -9,6 +9,7 @@ the clients' with the pipeline's four consumers attached and idle as an idle con
 (``consumers.idle``: ``EPD_KAFKA_IDLE_FETCH_MAX_WAIT_MS`` as ``epd up`` sets it: 250 ms for
 Tansu, which answers a waiting fetch only when the wait ends; 5 s for Apache Kafka, which answers
 as soon as a record lands; a poll every second, aiokafka's fetch routine woken by its fetches).
+Apache Kafka runs with ``EPD_KAFKA_JVM_PROFILE`` (the benchmarks ask for ``production``).
 
 Not a budget: the figures behind the README's choice of default broker.
 """
@@ -91,6 +92,7 @@ def _one_broker(
     kind: str, starts: int, idle_s: float, work: Path, settle_s: float = 3.0
 ) -> dict[str, Any]:
     from epd import services
+    from epd.services.config import LocalServices
     from runtime.settings import Settings
 
     env = services.services_env(services.ServiceRecord("kafka", "", False), "", kind)
@@ -119,6 +121,7 @@ def _one_broker(
         services.stop_records([rec])
     return {
         "version": services.describe(kind),
+        **({"jvm_profile": LocalServices().kafka_jvm_profile} if kind == "apache" else {}),
         "start_s": Stats(times).to_json("s"),
         "idle_rss_mb": sig(rss),
         "idle_cpu_pct_no_clients": sig(alone),

@@ -14,6 +14,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BrokerChoice = Literal["auto", "apache", "tansu"]
+JvmProfile = Literal["fast", "production"]
 
 
 class LocalServices(BaseSettings):
@@ -36,7 +37,19 @@ class LocalServices(BaseSettings):
     kafka_cache: Path | None = Field(
         None, description="where resolved jars are cached (default ~/.cache/epd/kafka-VER/libs)"
     )
-    kafka_heap: str = Field("384m", description="the embedded Apache Kafka node's -Xmx")
+    kafka_jvm_profile: JvmProfile = Field(
+        "fast",
+        description="the embedded Apache Kafka node's JVM: fast (C1-compiled code only, the "
+        "serial collector, a heap that starts small: up in about half the time and quiet on "
+        "two cores; epd up, epd stack, the demo and the tests) or production (C2 tiered "
+        "compilation, G1 with Kafka's own settings, a fixed heap: what docker-compose.yml runs; "
+        "the benchmarks ask for it)",
+    )
+    kafka_heap: str | None = Field(
+        None,
+        description="the embedded Apache Kafka node's -Xmx (production: also -Xms); unset: "
+        "384m fast, 1g production",
+    )
     redis_hz: int = Field(
         1,
         ge=1,
