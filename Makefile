@@ -97,12 +97,13 @@ test-unit: install
 demo: install host-deps
 	$(EPD) services run -- $(EPD) demo $(DEMO_ARGS)
 
+# The benchmarks measure Apache Kafka with its production JVM (C2, G1), not the fast-start one.
 bench: install host-deps
-	$(EPD) services run -- $(VPY) -m bench $(BENCH_ARGS)
+	EPD_KAFKA_JVM_PROFILE=production $(EPD) services run -- $(VPY) -m bench $(BENCH_ARGS)
 
 # Summary JSON on stdout, one line per interval on stderr (see bench/soak.py).
 soak: install host-deps
-	$(EPD) services run -- $(VPY) -m bench.soak --minutes $(MINUTES) --rps $(RPS) $(SOAK_ARGS)
+	EPD_KAFKA_JVM_PROFILE=production $(EPD) services run -- $(VPY) -m bench.soak --minutes $(MINUTES) --rps $(RPS) $(SOAK_ARGS)
 
 # Local services only (Tansu + Redis), left running: eval "$$(.venv/bin/epd env)" to use them.
 services: install host-deps

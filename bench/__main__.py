@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine_facts, sig
+from bench.common import machine_facts, production_broker, sig
 
 BENCHMARKS: dict[str, str] = {
     "brokers": "bench.brokers",
@@ -141,7 +141,11 @@ def run_selected(args: argparse.Namespace) -> int:
     names = args.names or [n for n in BENCHMARKS if n not in OPT_IN]
     report: dict[str, Any] = {
         "machine": machine_facts(),
-        "options": {"quick": args.quick, "benchmarks": names},
+        "options": {
+            "quick": args.quick,
+            "benchmarks": names,
+            "broker_jvm_profile": production_broker(),
+        },
     }
     t0 = time.perf_counter()
     for name in names:
@@ -184,6 +188,7 @@ def run_selected(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    production_broker()
     if argv[:1] == ["soak"]:
         from bench.soak import main as soak_main
 

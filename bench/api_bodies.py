@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.api_soak import _services, _spawn_api, _until_ready
-from bench.common import machine_facts, quantile, sig
+from bench.common import machine_facts, production_broker, quantile, sig
 from bench.worker_profile import rss_mb
 
 MB = 1024 * 1024
@@ -232,6 +232,7 @@ async def run_bench(opts: Options, log_dir: Path) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; JSON to stdout."""
+    production_broker()
     p = argparse.ArgumentParser(
         prog="python -m bench.api_bodies", description=__doc__.split("\n")[0]
     )

@@ -37,7 +37,7 @@ import psutil
 
 from bench.api_process import ApiProcess
 from bench.api_soak import _services
-from bench.common import machine_facts
+from bench.common import machine_facts, production_broker
 
 
 def bomb_body(scans: int) -> dict[str, Any]:
@@ -151,6 +151,7 @@ async def run(opts: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    production_broker()
     p = argparse.ArgumentParser(prog="python -m bench.api_decode_bombs", description=__doc__)
     p.add_argument("--scans", type=int, default=6000, help="repeats of the bomb's last scan")
     p.add_argument("--render-timeout", type=float, default=10.0)

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine_facts, sig
+from bench.common import machine_facts, production_broker, sig
 from bench.worker_profile import rss_mb
 from schemas.statuses import TERMINAL_STATUSES
 
@@ -338,6 +338,7 @@ async def _until_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one API soak; the summary JSON goes to stdout, one line per sample to stderr."""
+    production_broker()
     p = argparse.ArgumentParser(prog="python -m bench.api_soak", description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=1200)
     p.add_argument("--concurrency", type=int, default=8)

@@ -124,6 +124,18 @@ def budget(text: str, **numbers: float) -> dict[str, Any]:
     return {"design": text, **numbers}
 
 
+BROKER_JVM_PROFILE = "production"
+"""The embedded Apache Kafka's JVM in benchmark runs (``EPD_KAFKA_JVM_PROFILE``): C2 and G1 as
+in production (docker-compose.yml), not the fast-start profile of ``epd up`` and the tests."""
+
+
+def production_broker() -> str:
+    """Ask for :data:`BROKER_JVM_PROFILE` in the brokers this process and its children start
+    (``epd.services``), unless ``EPD_KAFKA_JVM_PROFILE`` is set (``fast``, to compare); the
+    profile in force. Every benchmark entry point calls it first."""
+    return os.environ.setdefault("EPD_KAFKA_JVM_PROFILE", BROKER_JVM_PROFILE)
+
+
 def machine_facts() -> dict[str, Any]:
     """CPU count, Python, library versions and the BLAS override, for reading results later."""
     import fastavro

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine_facts, quantile, sig
+from bench.common import machine_facts, production_broker, quantile, sig
 from bench.pipeline import REDIS_DB, _cleanup_redis, _delete_topics, _redis_db_url, render_request
 from bench.worker_profile import rss_mb
 from schemas.status_record import StatusRecord
@@ -477,6 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one soak; the summary JSON goes to stdout, per-interval lines to stderr."""
     from runtime.settings import Settings
 
+    production_broker()
     args = parse_args(argv)
     d = args.duration_s
     interval = args.interval_s if args.interval_s is not None else (60.0 if d >= 360 else d / 6)

@@ -197,6 +197,10 @@ class Committer(Protocol):
     async def after_round(self) -> None:
         """Called after each poll round (the interval commit, when it is due)."""
 
+    def owes(self) -> bool:
+        """Whether a commit is owed (work done and not yet committed): the loop then ends its
+        rounds in time for :meth:`after_round` to make it."""
+
     async def commit(self, tps: set[TopicPartition] | None = None) -> dict[TopicPartition, int]:
         """Commit what is done for ``tps`` (default: all) now; returns what went."""
 
@@ -242,6 +246,10 @@ class IntervalCommitter:
         if now - self._last >= self._interval_s:
             self._last = now
             await self.commit()
+
+    def owes(self) -> bool:
+        """Whether offsets are done and not yet committed."""
+        return bool(self._tracker.to_commit())
 
     async def commit(self, tps: set[TopicPartition] | None = None) -> dict[TopicPartition, int]:
         """Commit what is done (in order) for ``tps`` or every partition; returns what went."""

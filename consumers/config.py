@@ -31,6 +31,10 @@ class ConsumerConfig:
     shutdown_timeout_s: float = 30.0
     revoke_timeout_s: float = 10.0
     poll_timeout_ms: int = 200
+    """Longest one poll waits while handlers run or offsets wait to be committed."""
+    idle_poll_timeout_ms: int = 1000
+    """Longest one poll waits with nothing owed (a record, a stop or a freed slot end it at
+    once): an idle loop wakes this often, to look for a lost log (:mod:`consumers.idle`)."""
     consumer_overrides: dict[str, Any] = field(default_factory=dict)
     """Extra ``AIOKafkaConsumer`` arguments (session timeouts, client id, ...)."""
 

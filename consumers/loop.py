@@ -25,6 +25,11 @@ each record as its own task, and composes the parts that do the rest:
 * **Lost logs** (opt-in, ``rewind_lost_logs=True``; :mod:`consumers.lost_logs`): after each poll,
   a partition whose log now ends below where this member reads (a memory broker restarted) is
   read again from its new start, its topic with it.
+* **Idle** (:mod:`consumers.idle`): with nothing in flight and nothing to commit a poll waits
+  ``idle_poll_timeout_ms`` instead of ``poll_timeout_ms``, and after
+  ``EPD_KAFKA_FETCH_IDLE_AFTER_S`` without records the consumer's fetches wait up to
+  ``EPD_KAFKA_IDLE_FETCH_MAX_WAIT_MS`` for the first record; the first record brings the
+  stage's own fetch back.
 * **Rebalance.** When partitions are revoked, their in-flight handlers get ``revoke_timeout_s``
   to finish; the rest are cancelled, and what is done is committed before the partitions go.
 * **Shutdown.** :meth:`ConsumeLoop.stop` (or SIGTERM/SIGINT under
@@ -52,6 +57,7 @@ from consumers.commits import Batch, Committer, CommitTracker, IntervalCommitter
 from consumers.config import ConsumerConfig
 from consumers.dead_letters.writer import DeadLetterWriter
 from consumers.dispatch import Dispatcher
+from consumers.idle import FetchParams, IdleFetch, PollPace
 from consumers.in_flight import InFlight
 from consumers.lost_logs import LostLogGuard
 from consumers.metrics import ConsumerMetrics, metrics_for
@@ -59,7 +65,7 @@ from consumers.records import DeadLetterHook, Handler
 from consumers.retry import default_is_infrastructure, default_is_transient
 from consumers.runner import Classifier, RecordRunner
 from consumers.transactions import ProducerFenced, TransactionalCommitter
-from runtime.kafka import make_consumer, start_producer
+from runtime.kafka import make_consumer, set_fetch, start_producer
 from runtime.settings import Settings
 from schemas import codec
 
@@ -114,6 +120,18 @@ def _lost_log_guard(
     return LostLogGuard(config.group_id, tracker, committer.commit_offsets)
 
 
+def _idle_fetch(settings: Settings, config: ConsumerConfig) -> IdleFetch:
+    """The loop's fetch (its stage's wait and min bytes) and the idle one it backs off to."""
+    own = config.consumer_overrides
+    active = FetchParams(
+        int(own.get("fetch_max_wait_ms", settings.kafka_fetch_max_wait_ms)),
+        int(own.get("fetch_min_bytes", 1)),
+    )
+    return IdleFetch(
+        active, settings.kafka_idle_fetch_max_wait_ms, settings.kafka_fetch_idle_after_s
+    )
+
+
 class _Poller:
     """Fetches as many records as the loop has free slots for, pausing at the limit."""
 
@@ -123,9 +141,17 @@ class _Poller:
         config: ConsumerConfig,
         in_flight: InFlight,
         metrics: ConsumerMetrics,
+        busy: Callable[[], bool],
+        on_records: Callable[[], None],
     ) -> None:
         self.consumer = consumer
         self.config = config
+        self.pace = PollPace(config.poll_timeout_ms, config.idle_poll_timeout_ms)
+        self.busy = busy
+        """Whether anything is owed (handlers running, offsets to commit, a rewind): the poll
+        then ends in time for the interval commit; else it waits until something happens."""
+        self.on_records = on_records
+        """Called as a poll takes records, before aiokafka builds its next fetch."""
         self.pauses = 0
         self.paused_by_us: set[TopicPartition] = set()
         self._in_flight = in_flight
@@ -164,9 +190,7 @@ class _Poller:
         extra_waits: Sequence[asyncio.Future[Any]],
     ) -> Batch | None:
         """One ``getmany``, given up when the loop stops (or an extra wait ends) first."""
-        fetch = asyncio.ensure_future(
-            self.consumer.getmany(timeout_ms=self.config.poll_timeout_ms, max_records=max_records)
-        )
+        fetch = asyncio.ensure_future(self._take(self.pace.timeout_ms(self.busy()), max_records))
         try:
             await asyncio.wait(
                 [fetch, stop_wait, *extra_waits], return_when=asyncio.FIRST_COMPLETED
@@ -188,6 +212,14 @@ class _Poller:
             raise exc
         result: Batch = fetch.result()
         return result
+
+    async def _take(self, timeout_ms: int, max_records: int) -> Batch:
+        batch: Batch = await self.consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
+        if batch:
+            # In the step that consumed them: aiokafka builds the next fetch after it, so an
+            # idle consumer's next fetch is already the stage's own (a short wait on Tansu).
+            self.on_records()
+        return batch
 
 
 class ConsumeLoop:
@@ -243,6 +275,7 @@ class ConsumeLoop:
             _lost_log_guard(config, self._committer, self._tracker) if rewind_lost_logs else None
         )
         self._consumer: AIOKafkaConsumer | None = None
+        self._idle_fetch = _idle_fetch(settings, config)
         self._stop_wait: asyncio.Task[bool] | None = None
         self._poller: _Poller | None = None
         self._dispatcher: Dispatcher | None = None
@@ -341,7 +374,14 @@ class ConsumeLoop:
         assert self._producer is not None
         self._consumer = consumer
         self._committer.attach(consumer, self._producer)
-        self._poller = _Poller(consumer, self.config, self._in_flight, self._metrics)
+        self._poller = _Poller(
+            consumer,
+            self.config,
+            self._in_flight,
+            self._metrics,
+            busy=self._owes,
+            on_records=lambda: self._switch_fetch(busy=True),
+        )
         self._dispatcher = Dispatcher(
             consumer,
             self.config,
@@ -443,6 +483,22 @@ class ConsumeLoop:
         if self._guard is not None:
             await self._guard.after_poll(self.consumer)
         await self._committer.after_round()
+        self._switch_fetch(busy=bool(batch) or self._owes())
+
+    def _switch_fetch(self, *, busy: bool) -> None:
+        """The consumer's fetch as :class:`~consumers.idle.IdleFetch` wants it now."""
+        switch = self._idle_fetch.observe(busy)
+        if switch is not None:
+            set_fetch(self.consumer, wait_ms=switch.wait_ms, min_bytes=switch.min_bytes)
+
+    def _owes(self) -> bool:
+        """Whether anything is owed: handlers running, done offsets not yet committed, a lost
+        log still to read again (an idle loop sleeps until a record or a stop comes)."""
+        return (
+            len(self._in_flight) > 0
+            or self._committer.owes()
+            or (self._guard is not None and self._guard.pending)
+        )
 
     # --- rebalance -----------------------------------------------------------------------------
 

@@ -68,6 +68,12 @@ class LostLogGuard:
         """Topics whose log the broker lost, until their start offsets are committed."""
         self._to_rewind: set[TopicPartition] = set()
 
+    @property
+    def pending(self) -> bool:
+        """Whether partitions wait to be read again from the start (a rewind that failed is
+        tried again after the next poll, so the loop must not sleep long)."""
+        return bool(self._to_rewind)
+
     def on_assigned(self, assigned: set[TopicPartition]) -> None:
         """A new assignment: its partitions of lost topics are read again from the start."""
         self._to_rewind = {tp for tp in assigned if tp.topic in self._lost_topics}

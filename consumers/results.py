@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from runtime.status import StatusGone, StatusStore
 from schemas.status_record import encoded_update
@@ -20,8 +21,10 @@ log = logging.getLogger(__name__)
 class ResultsCollector:
     """Folds stage updates into the request's status record; plug into a ConsumeLoop."""
 
-    def __init__(self, status: StatusStore) -> None:
+    def __init__(self, status: StatusStore, on_update: Callable[[], None] | None = None) -> None:
         self.status = status
+        self.on_update = on_update
+        """Called on every update taken (the sweep's poke: a request is moving)."""
         self.applied = 0
         self.duplicates = 0
         self.gone = 0
@@ -34,6 +37,8 @@ class ResultsCollector:
     async def handle(self, ev: ResultEvent | EncodedEvent) -> None:
         """Apply one update; a redelivered or out-of-date one changes nothing."""
         update = encoded_update(ev) if isinstance(ev, EncodedEvent) else ev
+        if self.on_update is not None:
+            self.on_update()
         rid = update.request_id
         # Taken before the first await: asyncio.Lock grants waiters in the order they asked.
         lock, users = self._order.get(rid, (asyncio.Lock(), 0))

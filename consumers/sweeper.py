@@ -4,7 +4,9 @@ A request normally ends because a stage reports its outcome. Two things can leav
 for good: its events are gone from the broker (Tansu keeps everything in memory, so a restart
 loses every record it held; an Apache Kafka topic deleted or truncated does the same), or every
 stage that held it died past retrying. The results collector runs this sweep every
-``EPD_SWEEP_INTERVAL_S`` over the unfinished requests (the in-flight set of the status store):
+``EPD_SWEEP_INTERVAL_S`` over the unfinished requests (the in-flight set of the status store;
+while it is empty the sweep backs off to ``EPD_SWEEP_IDLE_INTERVAL_S``, and the collector's
+next folded update brings it back):
 
 * **past its deadline** (by more than ``GRACE_MS``, so a stage that is still working reports its
   own ``expired`` with the tokens so far first): ``expired``, code ``deadline``;
@@ -174,10 +176,16 @@ class Sweeper:
         self.progress = progress
         self.topics = Topics(settings.topic_prefix)
         self.ended = 0
+        self.passes = 0
+        self.unfinished = 0
+        """Unfinished requests the last pass found."""
+        self._poked = asyncio.Event()
 
     async def sweep_once(self) -> list[Verdict]:
         """One pass: read the unfinished records, judge them, end the ones judged."""
         records = await self._unfinished()
+        self.passes += 1
+        self.unfinished = len(records)
         if not records:
             return []
         progress = await self.progress()
@@ -219,17 +227,44 @@ class Sweeper:
             SCAN_LIMIT, orphaned_before_ms=now_ms() - orphan_ms
         )
 
+    def poke(self) -> None:
+        """A request moved (the collector folded an update): a sweep backed off while nothing
+        was unfinished comes back to ``EPD_SWEEP_INTERVAL_S``. Cheap: call it on every update."""
+        self._poked.set()
+
     async def run(self) -> None:
-        """Sweep every ``EPD_SWEEP_INTERVAL_S`` until cancelled; a failed pass is logged."""
-        interval = self.settings.sweep_interval_s
+        """Sweep every ``EPD_SWEEP_INTERVAL_S`` until cancelled; a failed pass is logged.
+
+        A pass that found nothing unfinished doubles the wait before the next one, up to
+        ``EPD_SWEEP_IDLE_INTERVAL_S``; a :meth:`poke` cuts a longer wait to the interval."""
+        base = self.settings.sweep_interval_s
+        interval = base
         while True:
-            await asyncio.sleep(interval)
+            await self._pause(interval, base)
             try:
                 await self.sweep_once()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis or the broker away: the next pass tries again
                 log.warning("sweep failed: %r", exc)
+                self.unfinished = 1  # unknown: keep the interval
+            idle_max = max(base, self.settings.sweep_idle_interval_s)
+            interval = base if self.unfinished else min(interval * 2, idle_max)
+
+    async def _pause(self, interval: float, base: float) -> None:
+        """Wait ``interval``; a poke during a longer wait ends it ``base`` after it began (or
+        at once, when that has passed)."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        self._poked.clear()
+        if interval <= base:
+            await asyncio.sleep(interval)
+            return
+        try:
+            await asyncio.wait_for(self._poked.wait(), interval)
+        except TimeoutError:
+            return
+        await asyncio.sleep(max(0.0, start + base - loop.time()))
 
 
 def _consumed(committed: Any, end: int) -> bool:

@@ -185,6 +185,10 @@ class TransactionalCommitter:
     async def after_round(self) -> None:
         """Nothing: a batch's offsets were committed (or not) with its transaction."""
 
+    def owes(self) -> bool:
+        """Never: a batch's offsets go with its transaction, before the next poll."""
+        return False
+
     async def commit(self, tps: set[TopicPartition] | None = None) -> dict[TopicPartition, int]:
         """Nothing to commit outside a batch: offsets commit only inside its transaction."""
         return {}

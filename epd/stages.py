@@ -172,12 +172,11 @@ async def _build_results(ctx: StageContext) -> Handler:
     from consumers.results import ResultsCollector
 
     status = ctx.status_store()
-    if ctx.settings.sweep_interval_s > 0:
-        await _start_sweep(ctx, status)
-    return ResultsCollector(status).handle
+    sweeper = await _start_sweep(ctx, status) if ctx.settings.sweep_interval_s > 0 else None
+    return ResultsCollector(status, on_update=sweeper.poke if sweeper else None).handle
 
 
-async def _start_sweep(ctx: StageContext, status: Any) -> None:
+async def _start_sweep(ctx: StageContext, status: Any) -> Any:
     """The sweep of requests nobody will finish (:mod:`consumers.sweeper`), beside the loop."""
     from consumers.sweeper import BrokerProgress, Sweeper
     from runtime.kafka import KafkaPublisher
@@ -204,6 +203,7 @@ async def _start_sweep(ctx: StageContext, status: Any) -> None:
         await progress.close()
 
     ctx.closers.append(stop)
+    return sweeper
 
 
 async def _build_router(ctx: StageContext) -> Handler:

@@ -98,11 +98,18 @@ async def start_producer(producer: AIOKafkaProducer, settings: Settings) -> None
         ) from exc
 
 
+FETCHER_TIMEOUT_MS = 5000
+"""How often aiokafka's background fetch routine wakes with nothing to do (its default: every
+200 ms). It is a safety net: a fetch answer, a consumed batch, a seek, a pause or resume, an
+assignment or a metadata update wake it anyway, so an idle consumer needs no timer of its own."""
+
+
 def make_consumer(
     settings: Settings, *topics: str, group_id: str | None, **overrides: object
 ) -> AIOKafkaConsumer:
     """A consumer with manual commits that starts from the earliest offset of a new group."""
     kwargs: dict[str, object] = {
+        "consumer_timeout_ms": FETCHER_TIMEOUT_MS,
         "bootstrap_servers": settings.kafka_bootstrap,
         "group_id": group_id,
         "enable_auto_commit": False,
@@ -118,6 +125,24 @@ def make_consumer(
         kwargs["isolation_level"] = "read_committed"
     kwargs.update(overrides)
     return AIOKafkaConsumer(*topics, **kwargs)  # type: ignore[arg-type]
+
+
+def set_fetch(consumer: AIOKafkaConsumer, *, wait_ms: int, min_bytes: int) -> bool:
+    """Change how the broker holds ``consumer``'s next fetches (``fetch_max_wait_ms``,
+    ``fetch_min_bytes``) while it runs; False when it cannot be done (not started, or an aiokafka
+    that keeps them elsewhere: the consumer then keeps the fetch it was made with).
+
+    aiokafka has no public setter; its fetcher reads both attributes for each fetch it builds
+    (aiokafka 0.14; ``tests/unit/test_idle_consumers.py`` checks that they are still there).
+    """
+    fetcher = getattr(consumer, "_fetcher", None)
+    if fetcher is None or not hasattr(fetcher, "_fetch_max_wait_ms"):
+        return False
+    if not hasattr(fetcher, "_fetch_min_bytes"):
+        return False
+    fetcher._fetch_max_wait_ms = wait_ms
+    fetcher._fetch_min_bytes = min_bytes
+    return True
 
 
 async def ensure_topics(

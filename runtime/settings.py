@@ -75,6 +75,24 @@ class Settings(BaseSettings):
         "record first, so off the client's path; under load concurrent requests' updates share "
         "a produce request (0: each goes at once)",
     )
+    kafka_idle_fetch_max_wait_ms: int = Field(
+        5000,
+        ge=0,
+        le=30000,
+        description="fetch wait of a consume loop idle for EPD_KAFKA_FETCH_IDLE_AFTER_S (no "
+        "records, nothing in flight), which then takes the first record that comes (min bytes "
+        "1); the first record brings the loop's own fetch back. Apache Kafka answers a waiting "
+        "fetch as soon as a record lands, so a long wait costs no latency and saves the "
+        "polls; Tansu answers only when the wait ends, so after a quiet spell each hop may "
+        "wait up to this long once (epd up prints 250 for Tansu); at most the loop's own wait: "
+        "no idle back-off",
+    )
+    kafka_fetch_idle_after_s: float = Field(
+        5.0,
+        ge=0,
+        description="how long a consume loop has had no records and no work before it fetches "
+        "with EPD_KAFKA_IDLE_FETCH_MAX_WAIT_MS",
+    )
     results_fetch_max_wait_ms: int | None = Field(
         None,
         description="the results collector's fetch wait (unset: EPD_KAFKA_FETCH_MAX_WAIT_MS); "
@@ -148,6 +166,14 @@ class Settings(BaseSettings):
         ge=0,
         description="how often the results collector sweeps unfinished requests: past their "
         "deadline -> expired, their events gone from the broker -> failed broker-lost (0: off)",
+    )
+    sweep_idle_interval_s: float = Field(
+        60.0,
+        ge=0,
+        description="longest the sweep waits while there is nothing unfinished: from "
+        "EPD_SWEEP_INTERVAL_S it doubles after each pass that found nothing, up to this; a "
+        "stage update the collector folds brings it back to EPD_SWEEP_INTERVAL_S (a pass then "
+        "comes at most that long after it)",
     )
     sweep_stale_s: float = Field(
         60.0,

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import os
+from types import FrameType
+from typing import Any
+
+import uvicorn
 
 DESCRIPTION = """\
 Serve the HTTP front door of the pipeline:
@@ -46,10 +52,50 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
+class QuietServer(uvicorn.Server):
+    """uvicorn's server, woken once a second instead of ten times when idle.
+
+    uvicorn's main loop sleeps 100 ms between ticks only to refresh the ``Date`` header once a
+    second and to notice a shutdown; here each tick waits up to a second (the header is still
+    refreshed every tick: its resolution is a second) and a shutdown signal ends the wait at
+    once. (``--workers`` N > 1 runs uvicorn's own server in each worker process.)
+    """
+
+    TICK_S = 1.0
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def main_loop(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + 10) % 864000  # on_tick refreshes the header when % 10 == 0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.TICK_S)
+            should_exit = await self.on_tick(counter)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+
+def serve(config: uvicorn.Config) -> int:
+    """Serve ``config`` with :class:`QuietServer` in this process (``uvicorn.run`` for one
+    worker); 3 (uvicorn's start-up failure status) when it did not start."""
+    server = QuietServer(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    return 0 if server.started else 3
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
-
-    import uvicorn
 
     from runtime import event_loop
     from runtime.settings import Settings
@@ -63,16 +109,17 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    uvicorn.run(
-        "frontend.api:app_factory",
-        factory=True,
-        loop=event_loop.loop_name(settings.event_loop),
-        host=args.host,
-        port=args.port,
-        workers=args.workers,
-        log_level=args.log_level.lower(),
+    options: dict[str, Any] = {
+        "factory": True,
+        "loop": event_loop.loop_name(settings.event_loop),
+        "host": args.host,
+        "port": args.port,
+        "log_level": args.log_level.lower(),
         # Long-polls and event streams hold connections open; keep idle ones short.
-        timeout_keep_alive=5,
-        timeout_graceful_shutdown=10,
-    )
-    return 0
+        "timeout_keep_alive": 5,
+        "timeout_graceful_shutdown": 10,
+    }
+    if args.workers > 1:  # uvicorn's supervisor and its own server in each worker process
+        uvicorn.run("frontend.api:app_factory", workers=args.workers, **options)
+        return 0
+    return serve(uvicorn.Config("frontend.api:app_factory", **options))

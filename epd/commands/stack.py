@@ -25,6 +25,8 @@ from typing import Any
 
 import uvicorn
 
+from epd.commands.api import QuietServer
+
 STACK_WORKERS = ("results", "encode", "prefill", "router")
 
 DESCRIPTION = """\
@@ -163,8 +165,8 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, keeping the Ctrl-C it shut down on.
+class _Server(QuietServer):
+    """The API's quiet server (``epd api``), keeping the Ctrl-C it shut down on.
 
     uvicorn re-raises the signal it stopped for once its shutdown is done, so the default action
     would end this process before the workers and services are stopped; here the signal only

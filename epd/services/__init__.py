@@ -47,7 +47,12 @@ from epd.services.state import (
     save_state,
     state_dir,
 )
-from epd.services.tansu import TANSU_IDEMPOTENCE, start_tansu, tansu_binary
+from epd.services.tansu import (
+    TANSU_IDEMPOTENCE,
+    TANSU_IDLE_FETCH_WAIT_MS,
+    start_tansu,
+    tansu_binary,
+)
 from runtime.redis.cluster import is_cluster_url
 from runtime.settings import Settings
 
@@ -111,6 +116,9 @@ def services_env(kafka: ServiceRecord, redis_url: str, kind: str | None) -> dict
         # ...but every such poll costs the worker and the broker CPU. The collector is off the
         # client's path (stages write through to the record): it polls ten times less.
         env["EPD_RESULTS_FETCH_MAX_WAIT_MS"] = "100"
+        # An idle loop backs off to this wait (Apache Kafka's default, 5 s, would be the latency
+        # of the first hop after a quiet spell here): a quarter of a second, once per hop.
+        env["EPD_KAFKA_IDLE_FETCH_MAX_WAIT_MS"] = TANSU_IDLE_FETCH_WAIT_MS
     return env
 
 

@@ -14,10 +14,12 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BrokerChoice = Literal["auto", "apache", "tansu"]
+JvmProfile = Literal["fast", "production"]
 
 
 class LocalServices(BaseSettings):
-    """``EPD_BROKER``, ``EPD_KAFKA_PORT``, ``EPD_STATE_DIR`` and the Apache Kafka launcher's."""
+    """``EPD_BROKER``, ``EPD_KAFKA_PORT``, ``EPD_STATE_DIR``, the Apache Kafka launcher's and
+    the local Redis's."""
 
     model_config = SettingsConfigDict(env_prefix="EPD_", extra="ignore")
 
@@ -35,4 +37,24 @@ class LocalServices(BaseSettings):
     kafka_cache: Path | None = Field(
         None, description="where resolved jars are cached (default ~/.cache/epd/kafka-VER/libs)"
     )
-    kafka_heap: str = Field("384m", description="the embedded Apache Kafka node's -Xmx")
+    kafka_jvm_profile: JvmProfile = Field(
+        "fast",
+        description="the embedded Apache Kafka node's JVM: fast (C1-compiled code only, the "
+        "serial collector, a heap that starts small: up in about half the time and quiet on "
+        "two cores; epd up, epd stack, the demo and the tests) or production (C2 tiered "
+        "compilation, G1 with Kafka's own settings, a fixed heap: what docker-compose.yml runs; "
+        "the benchmarks ask for it)",
+    )
+    kafka_heap: str | None = Field(
+        None,
+        description="the embedded Apache Kafka node's -Xmx (production: also -Xms); unset: "
+        "384m fast, 1g production",
+    )
+    redis_hz: int = Field(
+        1,
+        ge=1,
+        le=500,
+        description="the local redis-server's background task rate (expiring keys nobody reads, "
+        "closing timed-out clients), per second: 1 keeps an idle Redis at ~0.05 % of a core, "
+        "Redis's default of 10 at ~0.15 %; keys past their TTL are never served either way",
+    )

@@ -12,12 +12,16 @@ The production broker, run locally without Docker (``EPD_BROKER=apache``), by th
 * **Storage**: formatted on the first start (Kafka's own ``StorageTool``, a random cluster id, a
   static one-voter quorum) and kept: a restart on the same directory resumes with every topic,
   record and committed offset, as a real broker does. ``fresh=True`` starts empty.
-* **Process**: ``java -cp 'libs/*' kafka.Kafka server.properties``: a bounded heap
-  (``EPD_KAFKA_HEAP``, 384m), the serial collector and C1-compiled code only (two cores: no
-  collector or C2 threads competing with the pipeline), log4j2 at WARN, single-node settings
-  (replication factor 1 for the internal topics, no initial rebalance delay, a small log-cleaner
-  dedupe buffer: its 128 MiB default is a third of the heap). Message caps follow
-  ``EPD_MAX_MESSAGE_BYTES``.
+* **Process**: ``java -cp 'libs/*' kafka.Kafka server.properties`` with the JVM of
+  ``EPD_KAFKA_JVM_PROFILE`` (:data:`JVM_PROFILES`): ``fast`` (the default: a bounded heap,
+  ``EPD_KAFKA_HEAP`` or 384m, the serial collector and C1-compiled code only, no perf-data
+  sampling: it starts in about half the time, and no collector or C2 threads compete with the
+  pipeline on two cores) or ``production`` (C2 tiered compilation, G1 with the settings
+  Kafka's own start scripts use, a fixed 1g heap: what docker-compose.yml runs, and what the
+  benchmarks measure); log4j2 at WARN, single-node settings (replication factor 1 for the
+  internal topics, no initial rebalance delay, a small log-cleaner dedupe buffer: its 128 MiB
+  default is a third of the heap, the controller's idle no-op record every 5 s, not every
+  500 ms). Message caps follow ``EPD_MAX_MESSAGE_BYTES``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import shutil
 import subprocess
 import tempfile
 import uuid
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -268,11 +273,18 @@ def server_properties(
         "num.network.threads": "2",
         "num.io.threads": "2",
         "num.recovery.threads.per.data.dir": "1",
+        # A handful of consumer groups: one coordinator thread, not four waking 5 times a second.
+        "group.coordinator.threads": "1",
         # One cleaner thread with an 8 MiB dedupe buffer (128 MiB by default: a third of the
         # heap); only the compacted internal topics use it on a node like this.
         "log.cleaner.threads": "1",
         "log.cleaner.dedupe.buffer.size": str(8 * 1024 * 1024),
         "log.retention.hours": "24",
+        # The active controller appends a no-op record to the metadata log this often when
+        # nothing else happens (500 ms by default), which the node then writes, replicates to
+        # itself and publishes: the largest part of an idle node's CPU. One voter has no
+        # follower to prove its liveness to.
+        "metadata.max.idle.interval.ms": "5000",
     }
 
 
@@ -294,14 +306,64 @@ def render_properties(props: dict[str, str]) -> str:
     return "".join(f"{k}={v}\n" for k, v in props.items())
 
 
-def java_options(log4j: Path | str, logs_dir: Path | str, heap: str) -> list[str]:
-    """JVM flags: a bounded heap, quick start (C1 only), quiet log4j2 (its file at ``log4j``)."""
+@dataclass(frozen=True)
+class JvmProfile:
+    """One way to run the broker's JVM: its default heap and its flags (heap aside)."""
+
+    heap: str
+    fixed_heap: bool
+    """-Xms as large as -Xmx (production: the heap never grows or shrinks under load)."""
+    flags: tuple[str, ...]
+
+    def heap_options(self, heap: str | None = None) -> list[str]:
+        size = heap or self.heap
+        return [f"-Xmx{size}", f"-Xms{size}" if self.fixed_heap else "-Xms64m"]
+
+
+JVM_PROFILES: dict[str, JvmProfile] = {
+    "fast": JvmProfile(
+        "384m",
+        fixed_heap=False,
+        flags=(
+            "-XX:+UseSerialGC",  # two cores: no parallel collector threads to compete with tests
+            "-XX:TieredStopAtLevel=1",  # start in ~half the time; a test broker needs no C2 code
+            "-XX:-UsePerfData",  # no hsperfdata sampling every 50 ms (jstat cannot attach)
+            "-Djava.awt.headless=true",
+        ),
+    ),
+    # Kafka's own KAFKA_HEAP_OPTS and KAFKA_JVM_PERFORMANCE_OPTS defaults (its start scripts,
+    # bin/kafka-server-start.sh and bin/kafka-run-class.sh): docker-compose.yml sets the same
+    # (a test checks it).
+    "production": JvmProfile(
+        "1g",
+        fixed_heap=True,
+        flags=(
+            "-server",
+            "-XX:+UseG1GC",
+            "-XX:MaxGCPauseMillis=20",
+            "-XX:InitiatingHeapOccupancyPercent=35",
+            "-XX:+ExplicitGCInvokesConcurrent",
+            "-XX:MaxInlineLevel=15",
+            "-Djava.awt.headless=true",
+        ),
+    ),
+}
+"""The broker's JVM, by ``EPD_KAFKA_JVM_PROFILE``."""
+
+
+def java_options(
+    log4j: Path | str,
+    logs_dir: Path | str,
+    heap: str | None = None,
+    profile: str | None = None,
+) -> list[str]:
+    """JVM flags of ``profile`` (default ``EPD_KAFKA_JVM_PROFILE``) with ``heap`` (default
+    ``EPD_KAFKA_HEAP``, else the profile's), and a quiet log4j2 (its file at ``log4j``)."""
+    services = LocalServices()
+    jvm = JVM_PROFILES[profile or services.kafka_jvm_profile]
     return [
-        f"-Xmx{heap}",
-        "-Xms64m",
-        "-XX:+UseSerialGC",  # two cores: no parallel collector threads to compete with tests
-        "-XX:TieredStopAtLevel=1",  # start in ~half the time; a test broker needs no C2 code
-        "-Djava.awt.headless=true",
+        *jvm.heap_options(heap or services.kafka_heap),
+        *jvm.flags,
         f"-Dlog4j2.configurationFile={log4j}",
         f"-Dkafka.logs.dir={logs_dir}",
     ]
@@ -348,7 +410,7 @@ def prepare(
     props_file.write_text(render_properties(props))
     log4j = directory / "log4j2.properties"
     log4j.write_text(LOG4J2)
-    base = [java, *java_options(log4j, directory, heap or LocalServices().kafka_heap)]
+    base = [java, *java_options(log4j, directory, heap)]
     base += ["-cp", f"{libs}/*"]
     if not (data / "meta.properties").is_file():
         _format(base, props_file)

@@ -12,7 +12,6 @@ import shutil
 import sys
 from pathlib import Path
 
-from epd.services.config import LocalServices
 from epd.services.kafka import (
     COMPLETE_MARKER,
     KAFKA_VERSION,
@@ -66,10 +65,10 @@ def image_context(rootfs: Path) -> None:
     (rootfs / "tmp").mkdir(exist_ok=True)
 
 
-def container_options(heap: str | None = None) -> str:
-    """``JAVA_OPTS`` for the image (its log4j2 config inside it)."""
-    opts = java_options("/opt/kafka/log4j2.properties", "/tmp", heap or LocalServices().kafka_heap)
-    return " ".join(opts)
+def container_options(heap: str | None = None, profile: str | None = None) -> str:
+    """``JAVA_OPTS`` for the image (its log4j2 config inside it), of ``profile`` (default
+    ``EPD_KAFKA_JVM_PROFILE``)."""
+    return " ".join(java_options("/opt/kafka/log4j2.properties", "/tmp", heap, profile))
 
 
 def _main(argv: list[str]) -> int:

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from epd.services.config import LocalServices
 from epd.services.probes import redis_answers
 from epd.services.processes import free_port, port_bindable, spawn, stop_process, wait_until
 from epd.services.state import ServiceError, ServiceRecord
@@ -33,7 +34,8 @@ def start_redis(
     timeout_s: float = 15.0,
     tie_to_parent: bool = False,
 ) -> ServiceRecord:
-    """Start ``redis-server`` on 127.0.0.1 (the URL's port when free, else a free one), no disk."""
+    """Start ``redis-server`` on 127.0.0.1 (the URL's port when free, else a free one), no disk,
+    at ``EPD_REDIS_HZ``."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise ServiceError(REDIS_INSTALL_HINT)
@@ -56,6 +58,8 @@ def start_redis(
         "no",
         "--dir",
         str(directory.resolve()),
+        "--hz",
+        str(LocalServices().redis_hz),
     ]
     if parts.password:
         cmd += ["--requirepass", parts.password]

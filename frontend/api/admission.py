@@ -2,7 +2,10 @@
 
 The encode topic's consumer lag is sampled in the background: asking the broker on every
 request would put two admin round trips on the submit path, and a sample a second old is good
-enough to tell "the encoders are far behind" from "they are not".
+enough to tell "the encoders are far behind" from "they are not". It is sampled once at start,
+then every second only while requests come (an API nobody calls asks the broker nothing): the
+first request after a quiet spell is judged without a sample (none is fresh) and wakes the
+sampler.
 """
 
 from __future__ import annotations
@@ -37,17 +40,32 @@ def consumer_lag(end: dict[TopicPartition, int], committed: dict[TopicPartition,
     return sum(max(0, e - committed.get(tp, 0)) for tp, e in end.items())
 
 
+FRESH_S = 10.0
+"""How long a lag sample is trusted (and sampled for after the last admission that asked)."""
+
+
 class LagMonitor:
     """Keeps ``lag`` (events behind on the encode topic for the encode group) fresh."""
 
-    def __init__(self, settings: Settings, topics: Topics, interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        topics: Topics,
+        interval_s: float = 1.0,
+        idle_after_s: float = FRESH_S,
+    ) -> None:
         self.settings = settings
         self.topic = topics.encode
         self.group = topics.group("encode")
         self.interval_s = interval_s
+        self.idle_after_s = idle_after_s
+        """With no admission asked for this long, sampling stops until one does."""
         self.lag: int | None = None
         self.sampled_at = 0.0
+        self.samples = 0
         self._task: asyncio.Task[None] | None = None
+        self._asked = asyncio.Event()
+        self._asked_at = time.monotonic()
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="encode-lag")
@@ -88,6 +106,7 @@ class LagMonitor:
                     clients = clients or await self._connect()
                     self.lag = await self.sample(*clients)
                     self.sampled_at = time.monotonic()
+                    self.samples += 1
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # broker down: keep the last sample; start afresh
@@ -95,7 +114,7 @@ class LagMonitor:
                     if clients is not None:
                         await _close(*clients)
                     clients = None
-                await asyncio.sleep(self.interval_s)
+                await self._until_next()
         finally:
             if clients is not None:
                 await _close(*clients)
@@ -111,11 +130,23 @@ class LagMonitor:
             raise
         return consumer, admin
 
+    async def _until_next(self) -> None:
+        """``interval_s``, then, when no admission asked for ``idle_after_s``, until one does."""
+        await asyncio.sleep(self.interval_s)
+        if time.monotonic() - self._asked_at > self.idle_after_s:
+            self._asked.clear()
+            await self._asked.wait()
+
     def over(self, limit: int) -> bool:
-        """True when a recent sample (under 10 s old) is above ``limit`` (0 disables)."""
-        if limit <= 0 or self.lag is None:
+        """True when a recent sample (under :data:`FRESH_S` old) is above ``limit`` (0 disables:
+        nothing is sampled for it). Asking keeps the sampler going."""
+        if limit <= 0:
             return False
-        return time.monotonic() - self.sampled_at < 10 and self.lag > limit
+        self._asked_at = time.monotonic()
+        self._asked.set()
+        if self.lag is None:
+            return False
+        return time.monotonic() - self.sampled_at < FRESH_S and self.lag > limit
 
 
 class ApiAdmission:

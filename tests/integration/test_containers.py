@@ -216,6 +216,26 @@ def test_compose_runs_the_broker_the_tests_run() -> None:
         )
 
 
+def test_compose_runs_the_benchmarks_jvm() -> None:
+    """The production stack's broker JVM is the production profile the benchmarks measure
+    (epd.services.kafka.JVM_PROFILES): the same heap and the same flags, as the defaults of the
+    variables the official image's start scripts read."""
+    import re
+
+    from epd.services import kafka
+
+    env = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["kafka"]["environment"]
+
+    def default(name: str) -> str:
+        found = re.fullmatch(r"\$\{(\w+):-(.*)\}", env[name])
+        assert found and found.group(1) == name, env[name]
+        return found.group(2)
+
+    production = kafka.JVM_PROFILES["production"]
+    assert default("KAFKA_HEAP_OPTS").split() == production.heap_options()
+    assert default("KAFKA_JVM_PERFORMANCE_OPTS").split() == list(production.flags)
+
+
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
 def test_compose_file_parses_with_docker_compose() -> None:
     proc = subprocess.run(

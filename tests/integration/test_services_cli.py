@@ -131,6 +131,35 @@ def test_apache_kafka_keeps_its_topics_across_down_and_up(tmp_path: Path) -> Non
         _run(["down"], env)
 
 
+def test_the_production_jvm_profile_runs_the_broker_on_c2_and_g1(tmp_path: Path) -> None:
+    """EPD_KAFKA_JVM_PROFILE=production (what the benchmarks ask for) starts the same node with
+    Kafka's own JVM settings and a fixed heap; the fast profile stays C1 and the serial GC."""
+    from epd.services import load_state
+    from epd.services.kafka import java_options
+
+    fast = java_options("log4j2.properties", "logs", profile="fast")
+    assert {"-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC", "-Xmx384m"} <= set(fast)
+    env = _env(
+        tmp_path,
+        EPD_BROKER="apache",
+        EPD_KAFKA_PORT=str(free_port()),
+        EPD_KAFKA_JVM_PROFILE="production",
+        EPD_KAFKA_HEAP="512m",
+    )
+    try:
+        up = _run(["up"], env)
+        assert up.returncode == 0, up.stderr
+        state = load_state(tmp_path)
+        assert state is not None and state.kafka.pid is not None
+        cmd = Path(f"/proc/{state.kafka.pid}/cmdline").read_bytes().split(b"\0")
+        flags = {c.decode() for c in cmd}
+        assert {"-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-Xmx512m", "-Xms512m"} <= flags
+        assert not {"-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"} & flags
+        assert kafka_answers(state.kafka.address)
+    finally:
+        _run(["down"], env)
+
+
 def test_up_without_a_redis_url_starts_its_own_redis(tmp_path: Path) -> None:
     """No EPD_REDIS_URL: a Redis of its own, never the one that happens to answer on 6379."""
     default = "redis://127.0.0.1:6379/0"

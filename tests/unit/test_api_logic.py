@@ -124,6 +124,39 @@ def test_consumer_lag_counts_unconsumed_events() -> None:
     assert consumer_lag({a: 10}, {a: 12}) == 0
 
 
+async def test_the_lag_sampler_sleeps_while_no_admission_asks() -> None:
+    """The encode lag is sampled at start, then only while admissions ask for it."""
+    import asyncio
+
+    from frontend.api.admission import LagMonitor
+    from schemas.topics import Topics
+
+    mon = LagMonitor(Settings(), Topics("p"), interval_s=0.01, idle_after_s=0.1)
+
+    async def connect() -> tuple[None, None]:
+        return None, None
+
+    async def sample(*_: object) -> int:
+        return 7
+
+    mon._connect = connect  # type: ignore[method-assign]
+    mon.sample = sample  # type: ignore[method-assign]
+    await mon.start()
+    try:
+        await asyncio.sleep(0.6)
+        quiet = mon.samples
+        assert 1 <= quiet <= 25, quiet  # about 0.1 s worth of samples, not 0.6 s
+        assert mon.lag == 7
+        assert not mon.over(0)  # disabled: asks for nothing
+        await asyncio.sleep(0.1)
+        assert mon.samples == quiet
+        assert mon.over(5)  # a fresh sample above the limit; asking wakes the sampler
+        await asyncio.sleep(0.1)
+        assert mon.samples > quiet
+    finally:
+        await mon.close()
+
+
 def test_tenant_salt_keeps_tenants_apart_whatever_salt_they_send() -> None:
     tenants = Tenants({"tok-a": "alice", "tok-b": "bob"}, secret=b"s" * 32)
     tenant_salt = tenants.salt

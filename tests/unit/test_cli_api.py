@@ -165,3 +165,53 @@ def test_a_bad_setting_is_one_line_and_exit_2_before_anything_starts(
     assert len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"epd: {variable}: ") and words in err, err
     assert not any(tmp_path.iterdir())  # nothing was started (no state, no logs)
+
+
+async def test_the_api_server_ticks_once_a_second_and_stops_at_once() -> None:
+    """uvicorn's server wakes ten times a second to refresh its Date header; ``epd api``'s
+    once, with the header as fresh (a second), and a shutdown signal still ends it at once."""
+    import contextlib
+    import signal
+    import time
+    from collections.abc import Iterator
+    from typing import Any
+
+    import httpx
+    import uvicorn
+
+    from epd.commands.api import QuietServer
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    class Server(QuietServer):
+        ticks = 0
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield  # the test's process keeps its own handlers
+
+        async def on_tick(self, counter: int) -> bool:
+            self.ticks += 1
+            return await super().on_tick(counter)
+
+    port = free_port()
+    server = Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    for _ in range(500):
+        if server.started:
+            break
+        await asyncio.sleep(0.01)
+    async with httpx.AsyncClient() as http:
+        r = await http.get(f"http://127.0.0.1:{port}/")
+    assert r.status_code == 200 and r.headers["date"]
+    ticks = server.ticks
+    await asyncio.sleep(1.5)
+    assert server.ticks - ticks <= 3  # uvicorn's own: 15
+    t0 = time.monotonic()
+    server.handle_exit(signal.SIGTERM, None)
+    await asyncio.wait_for(task, 5)
+    assert time.monotonic() - t0 < 0.9  # not the rest of a one-second tick

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from aiokafka.partitioner import DefaultPartitioner
@@ -157,3 +158,53 @@ def test_without_a_handoff_the_decode_topic_decides_nothing() -> None:
     base = record()
     took = record(stages={**base["stages"], "prefill:prefilling": NOW - 80_000})
     assert verdict(took, decode_progress({0, 1, 2, 3})) is None
+
+
+class _Inflight:
+    def __init__(self) -> None:
+        self.records: list[StatusRecord] = []
+
+    async def unfinished(self, limit: int, *, orphaned_before_ms: int | None = None) -> list:
+        return list(self.records)
+
+
+class _Status:
+    def __init__(self) -> None:
+        self.inflight = _Inflight()
+        self.applied: list[object] = []
+
+    async def apply(self, ev: object) -> bool:
+        self.applied.append(ev)
+        return False  # a stage ended it first: nothing sent
+
+
+async def test_the_sweep_backs_off_while_nothing_is_unfinished_and_a_poke_brings_it_back() -> None:
+    import asyncio
+
+    from consumers.sweeper import Sweeper
+    from runtime.settings import Settings
+
+    settings = Settings(sweep_interval_s=0.05, sweep_idle_interval_s=5.0, topic_prefix="p")
+    status = _Status()
+
+    async def progress() -> Progress:
+        return Progress({}, {})
+
+    async def send(ev: object) -> None:
+        return None
+
+    sweeper = Sweeper(settings, status, send, progress)  # type: ignore[arg-type]
+    task = asyncio.create_task(sweeper.run())
+    try:
+        await asyncio.sleep(1.2)  # 0.05, 0.1, 0.2, 0.4, then 0.8: four or five passes, not 24
+        backed_off = sweeper.passes
+        assert 3 <= backed_off <= 5, backed_off
+        status.inflight.records = [StatusRecord.from_dict(record())]  # a request came
+        sweeper.poke()
+        await asyncio.sleep(0.3)  # its pass comes at once, then one every 0.05 s
+        assert sweeper.passes >= backed_off + 3, (backed_off, sweeper.passes)
+        assert sweeper.unfinished == 1
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
