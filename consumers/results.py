@@ -27,6 +27,8 @@ class ResultsCollector:
         """Called on every update taken (the sweep's poke: a request is moving)."""
         self.applied = 0
         self.duplicates = 0
+        self.recorded = 0
+        """Updates their stage wrote through (not folded again)."""
         self.gone = 0
         """Updates of requests whose record went (never made again: see StatusStore)."""
         # The consume loop runs records concurrently. Updates of one request (same key, same
@@ -34,11 +36,16 @@ class ResultsCollector:
         # request's "decoding" is not overtaken by its "completed" and lost from its history.
         self._order: dict[str, tuple[asyncio.Lock, int]] = {}
 
-    async def handle(self, ev: ResultEvent | EncodedEvent) -> None:
-        """Apply one update; a redelivered or out-of-date one changes nothing."""
-        update = encoded_update(ev) if isinstance(ev, EncodedEvent) else ev
+    async def handle(self, ev: ResultEvent | EncodedEvent, *, recorded: bool = False) -> None:
+        """Apply one update; a redelivered or out-of-date one changes nothing. ``recorded``: its
+        stage wrote it through to the record already (``runtime.reporting.RECORDED_HEADER``),
+        so there is nothing to fold; it still says the request is moving."""
         if self.on_update is not None:
             self.on_update()
+        if recorded:
+            self.recorded += 1
+            return
+        update = encoded_update(ev) if isinstance(ev, EncodedEvent) else ev
         rid = update.request_id
         # Taken before the first await: asyncio.Lock grants waiters in the order they asked.
         lock, users = self._order.get(rid, (asyncio.Lock(), 0))

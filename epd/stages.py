@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("epd.worker")
 
-Handler = Callable[[Any], Awaitable[None]]
+Handler = Callable[..., Awaitable[None]]
+"""Takes a decoded event (and, for a stage that skips recorded updates, ``recorded=``)."""
 Closer = Callable[[], Awaitable[Any]]
 
 
@@ -256,9 +257,9 @@ class Stage:
     fetch_min_bytes: Callable[[Settings], int | None] = lambda _: None
     """Bytes the broker gathers before answering this stage's fetch (None: one record)."""
     skips_recorded: bool = False
-    """Records whose stage wrote them through to the status record already
-    (``runtime.reporting.RECORDED_HEADER``) are decoded (validated) but not handed on: the
-    results collector folds only what a stage could not write itself."""
+    """The handler is told (``recorded=True``) of records whose stage wrote them through to
+    the status record already (``runtime.reporting.RECORDED_HEADER``): decoded (validated) as
+    any, not folded again; the results collector folds only what a stage could not write."""
 
 
 STAGES: dict[str, Stage] = {
@@ -362,9 +363,10 @@ async def _consume_loop(stage: Stage, ctx: StageContext, handler: Handler) -> Co
     skip_recorded = stage.skips_recorded
 
     async def on_event(ce: Any) -> None:
-        if skip_recorded and was_recorded(ce.headers):
-            return  # the record holds it already: nothing to fold
-        await handler(ce.event)
+        if skip_recorded:
+            await handler(ce.event, recorded=was_recorded(ce.headers))
+        else:
+            await handler(ce.event)
 
     reporter = None
     if stage.report_as is not None:

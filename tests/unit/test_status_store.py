@@ -439,3 +439,21 @@ def test_a_workers_cancel_fills_in_the_tokens_the_apis_cancel_lacked() -> None:
     other = fold(None, ResultEvent("q", "api", "cancelled"))
     other = fold(other, ResultEvent("q", "prefill", "expired", token_ids=[1]))
     assert other is not None and other.token_ids is None  # another outcome fills nothing
+
+
+async def test_a_recorded_update_is_not_folded_again_but_still_pokes_the_sweep(
+    store: StatusStore,
+) -> None:
+    from consumers.results import ResultsCollector
+
+    pokes: list[int] = []
+    rc = ResultsCollector(store, on_update=lambda: pokes.append(1))
+    assert await store.create("rec1", {"tenant": "t"})
+    # Marked recorded (its stage wrote it through): no read, no write, but the request moves.
+    await rc.handle(ResultEvent("rec1", "prefill", "prefilling"), recorded=True)
+    rec = await store.get("rec1")
+    assert rec is not None and rec.status == "queued"
+    assert (rc.recorded, rc.applied, rc.duplicates, len(pokes)) == (1, 0, 0, 1)
+    await rc.handle(ResultEvent("rec1", "prefill", "prefilling"))
+    rec = await store.get("rec1")
+    assert rec is not None and rec.status == "prefilling" and rc.applied == 1 and len(pokes) == 2
