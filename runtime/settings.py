@@ -171,9 +171,9 @@ class Settings(BaseSettings):
         60.0,
         ge=0,
         description="longest the sweep waits while there is nothing unfinished: from "
-        "EPD_SWEEP_INTERVAL_S it doubles after each pass that found nothing, up to this; a "
-        "stage update the collector folds brings it back to EPD_SWEEP_INTERVAL_S (a pass then "
-        "comes at most that long after it)",
+        "EPD_SWEEP_INTERVAL_S it doubles after each pass that found nothing, up to this; any "
+        "stage update the collector reads (folded or recorded by its stage) brings it back to "
+        "EPD_SWEEP_INTERVAL_S (a pass then comes at most that long after it)",
     )
     sweep_stale_s: float = Field(
         60.0,
