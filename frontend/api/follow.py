@@ -129,8 +129,10 @@ def _in_order(
     changes: list[StatusChange], chunks: list[TokenChunk]
 ) -> list[StatusChange | TokenChunk]:
     """Status changes and token chunks read together, in the order Redis wrote them (both
-    streams' ids are the server's clock), status first at a tie: a replay then gives the
-    events in the order, and with the ids, a live reader saw them."""
+    streams' ids are the server's clock), status first at a tie. A replay gives the events with
+    the ids a live reader saw, each kind in its order; two written in the same millisecond of
+    the server's clock, one to each stream, may come the other way round than a live reader
+    that read them in two rounds saw them (the ids cannot tell which was first)."""
     tagged = [(_key(c.id), 0, c) for c in changes] + [(_key(c.id), 1, c) for c in chunks]
     return [item for _, _, item in sorted(tagged, key=lambda t: t[:2])]
 

@@ -44,7 +44,11 @@ def test_epd_bench_writes_the_same_json_as_python_m_bench(tmp_path: Path) -> Non
     )
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout)
-    assert report["options"] == {"quick": True, "benchmarks": ["prefill_bytes", "codec"]}
+    assert report["options"] == {
+        "quick": True,
+        "benchmarks": ["prefill_bytes", "codec"],
+        "broker_jvm_profile": os.environ.get("EPD_KAFKA_JVM_PROFILE", "production"),
+    }
     assert json.loads(doc.read_text()) == report == json.loads((out / "results.json").read_text())
     for name in ("prefill_bytes", "codec"):
         assert isinstance(report[name]["meets_budget"], bool)
