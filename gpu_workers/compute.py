@@ -300,15 +300,21 @@ def _check_pads(
 ) -> None:
     """The item's embedding positions hold its pad token and its other positions do not (the
     positions come from the pad runs); a timestamped video has one run per temporal row."""
-    run = torch.tensor(list(token_ids[it.offset : it.offset + it.length]))
-    mask = torch.ones(it.length, dtype=torch.bool) if it.embed_mask is None else it.embed_mask
-    if bool((run[mask] != pad).any()) or bool((run[~mask] == pad).any()):
+    span = token_ids[it.offset : it.offset + it.length]
+    if it.embed_mask is None:
+        # Every position is the pad (an image's run): a plain scan, no tensors to build.
+        wrong = any(t != pad for t in span)
+    else:
+        run, mask = torch.tensor(list(span)), it.embed_mask
+        wrong = bool((run[mask] != pad).any()) or bool((run[~mask] == pad).any())
+    if wrong:
         raise ComputeError(
             f"item {idx}: the {it.modality} pad tokens of the placeholder are not exactly its "
             "embedding positions"
         )
     if it.modality != "video" or not bundle.family.video_timestamps:
         return
+    mask = torch.ones(it.length, dtype=torch.bool) if it.embed_mask is None else it.embed_mask
     t, h, w = grid_row(it.grid_thw).tolist()
     per_row = h * w // bundle.merge_size**2
     # Runs of embedding positions: where the mask switches on.

@@ -144,3 +144,17 @@ async def test_a_request_runs_every_real_stage_on_the_instant_engine(
     assert len(broker.events(topics.encode)) == 1  # the encode stage ran for real
     if ctx.settings.decode_stage:
         assert len(broker.events(topics.decode)) == 1  # the zero KV cache was parked
+
+
+def test_a_placeholder_that_is_not_all_pads_is_refused_before_prefill() -> None:
+    from gpu_workers.compute import item_embedding
+
+    bundle = load_model("instant", device="cpu")
+    engine = engine_for(Settings(), bundle)
+    pad = bundle.image_token_id
+    item = item_embedding(
+        "image", 1, 4, {"embeds": torch.zeros(4, 64)}, {"image_grid_thw": torch.tensor([1, 4, 4])}
+    )
+    assert engine.prefill([65, pad, pad, pad, pad, 66], [item]).prompt_len == 6
+    with pytest.raises(ComputeError, match="pad tokens of the placeholder"):
+        engine.prefill([65, pad, pad, 67, pad, 66], [item])
