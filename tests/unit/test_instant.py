@@ -14,9 +14,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 import torch
-from pydantic import SecretStr
 
-from epd.stages import STAGES, StageContext
+from epd.stages import StageContext
 from gpu_workers.compute import tokens_for_grid
 from gpu_workers.engine import DecodeJob, new_sequence
 from gpu_workers.instant import INSTANT_TEXT, InstantEngine, engine_for, instant_encode
@@ -28,6 +27,7 @@ from runtime.settings import Settings
 from schemas.errors import ComputeError
 from schemas.topics import Topics
 from schemas.types import RenderEvent, SamplingParams
+from tests.memory_stages import Stages, memory_stages
 
 MAX_TOKENS = 9
 
@@ -96,32 +96,11 @@ def test_instant_prefill_checks_the_prompt() -> None:
 @pytest.fixture(params=[False, True], ids=["prefill-decodes", "decode-stage"])
 async def instant_stages(
     request: pytest.FixtureRequest, settings: Settings, redis_prefix: str
-) -> AsyncIterator[tuple[InMemoryBroker, StageContext, Topics]]:
-    cfg = settings.model_copy(
-        update={
-            "topic_prefix": redis_prefix.rstrip(":"),
-            "store_url": f"local://{uuid.uuid4().hex}",
-            "ec_secret": SecretStr(uuid.uuid4().hex),
-            "model": "instant",
-            "device": "cpu",
-            "sweep_interval_s": 0.0,
-            "decode_stage": request.param,
-        }
-    )
-    topics = Topics(cfg.topic_prefix)
-    broker = InMemoryBroker()
-    ctx = StageContext(cfg, topics, broker, "memory")  # type: ignore[arg-type]
-    kinds = ["router", "encode", "prefill", "results"] + (["decode"] if request.param else [])
-    try:
-        for kind in kinds:
-            handler = await STAGES[kind].build(ctx)
-            for topic in topics.read_by(kind):
-                broker.subscribe(topic, handler)
-        await ctx.warm()
-        yield broker, ctx, topics
-    finally:
-        for close in reversed(ctx.closers):
-            await close()
+) -> AsyncIterator[Stages]:
+    async with memory_stages(
+        settings, redis_prefix, model="instant", decode_stage=request.param
+    ) as stages:
+        yield stages
 
 
 async def test_a_request_runs_every_real_stage_on_the_instant_engine(

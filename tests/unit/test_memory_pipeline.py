@@ -13,9 +13,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-from pydantic import SecretStr
 
-from epd.stages import STAGES, StageContext
+from epd.stages import StageContext
 from gpu_workers.oracle import generate_monolithic, monolithic_inputs
 from media.sample_images import synthetic_image
 from producers.render import Renderer
@@ -25,38 +24,17 @@ from runtime.settings import Settings
 from schemas.codec import SCHEMA_HEADER
 from schemas.topics import Topics
 from schemas.types import EncodeEvent, PrefillEvent, RenderEvent, SamplingParams
+from tests.memory_stages import Stages
+from tests.memory_stages import memory_stages as stages_in_memory
 
 MAX_TOKENS = 6
 
 
 @pytest.fixture
-async def memory_stages(
-    settings: Settings, redis_prefix: str
-) -> AsyncIterator[tuple[InMemoryBroker, StageContext, Topics]]:
+async def memory_stages(settings: Settings, redis_prefix: str) -> AsyncIterator[Stages]:
     """Every stage's handler subscribed to its topics on one in-memory broker."""
-    cfg = settings.model_copy(
-        update={
-            "topic_prefix": redis_prefix.rstrip(":"),
-            "store_url": f"local://{uuid.uuid4().hex}",
-            "ec_secret": SecretStr(uuid.uuid4().hex),
-            "model": "tiny",
-            "device": "cpu",
-            "sweep_interval_s": 0.0,
-        }
-    )
-    topics = Topics(cfg.topic_prefix)
-    broker = InMemoryBroker()
-    ctx = StageContext(cfg, topics, broker, "memory")  # type: ignore[arg-type]
-    try:
-        for kind in ("router", "encode", "prefill", "results"):
-            handler = await STAGES[kind].build(ctx)
-            for topic in topics.read_by(kind):
-                broker.subscribe(topic, handler)
-        await ctx.warm()
-        yield broker, ctx, topics
-    finally:
-        for close in reversed(ctx.closers):
-            await close()
+    async with stages_in_memory(settings, redis_prefix, model="tiny") as stages:
+        yield stages
 
 
 async def test_one_request_runs_fan_out_encode_and_prefill_in_memory(
