@@ -25,7 +25,8 @@ from gpu_workers.compute import (
     check_prompt,
     encoder_rows,
 )
-from gpu_workers.engine import DecodeEngine, DecodeJob, _Row, _StepReport, kv_budget_bytes
+from gpu_workers.engine import DecodeEngine, DecodeJob, _Row, _StepReport
+from gpu_workers.kv_handoff import kv_shape
 from runtime.model import text_config
 from schemas.errors import ComputeError
 from schemas.families import EMBEDS
@@ -62,21 +63,15 @@ class InstantEngine(DecodeEngine):
     bounds, joins, drops, deadlines, cancels and callbacks are the real engine's."""
 
     def _bind_model(self) -> None:
-        tc = self._text_config
-        self._kv_shape = (
-            int(tc.num_hidden_layers),
-            int(tc.num_key_value_heads),
-            int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads),
-        )
+        self._kv_shape = kv_shape(self.bundle)  # what a real prefill's cache holds per position
 
     def prefill(self, token_ids: Sequence[int], items: Sequence[ItemEmbedding]) -> Prefilled:
         """The prompt checked as a prefill checks it; a zero cache of its length."""
         check_prompt(self.bundle, token_ids, items)
-        layers, heads, head_dim = self._kv_shape
-        n = len(token_ids)
-        zeros = torch.zeros((1, heads, n, head_dim), dtype=self.bundle.dtype)
+        shape, n = self._kv_shape, len(token_ids)
+        zeros = torch.zeros((1, shape.kv_heads, n, shape.head_dim), dtype=self.bundle.dtype)
         return Prefilled(
-            cache=[(zeros, zeros)] * layers,
+            cache=[(zeros, zeros)] * shape.layers,
             logits=torch.zeros(self.bundle.vocab_size),
             prompt_len=n,
             next_position=(n, n, n),
@@ -103,10 +98,4 @@ class InstantEngine(DecodeEngine):
 def engine_for(settings: Settings, bundle: ModelBundle) -> DecodeEngine:
     """The worker's decode engine for ``bundle``: the instant engine for ``EPD_MODEL=instant``,
     else the model's, with the deployment's batch bounds."""
-    if bundle.instant:
-        return InstantEngine(
-            bundle,
-            max_batch=settings.decode_max_batch,
-            kv_budget_bytes=kv_budget_bytes(settings, bundle),
-        )
-    return DecodeEngine.for_settings(settings, bundle)
+    return (InstantEngine if bundle.instant else DecodeEngine).for_settings(settings, bundle)
