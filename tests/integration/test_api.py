@@ -349,6 +349,9 @@ async def test_cancel_stops_decoding_and_skips_queued_work(
     done_params = {"wait": 1, "changed_from": "queued", "until_done": "true"}
     r = await http.get(f"/v1/requests/{long_id}", params=done_params)
     assert r.json()["status"] == "decoding" and asyncio.get_running_loop().time() - t0 >= 0.9
+    not_bool = {"wait": 1, "until_done": "maybe"}
+    bad = await http.get(f"/v1/requests/{long_id}", params=not_bool)
+    assert bad.status_code == 422 and "until_done" in bad.text
     # The second request's prefill joins the first one's decode batch between two steps.
     queued_id = (await http.post("/v1/requests", json=body(252))).json()["request_id"]
     await _until_stage(stack, queued_id, "prefill:prefilling")

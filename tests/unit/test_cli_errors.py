@@ -30,6 +30,43 @@ def test_an_unknown_model_is_one_line_before_anything_starts(command: list[str])
     assert "Traceback" not in out.stderr and "started" not in out.stdout
 
 
+def test_verify_refuses_the_instant_engine_in_one_line() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "epd", "verify"],
+        env={"PATH": "/usr/bin:/bin", "EPD_MODEL": "instant", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2, out
+    assert out.stderr.strip().splitlines() == [
+        "epd: instant runs no model, so there is nothing to verify; give a tiny spec or a "
+        "checkpoint"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"EPD_EVENT_LOOP": "trio"}, "EPD_EVENT_LOOP"),
+        ({"EPD_RENDER_CACHE_BYTES": "-1"}, "EPD_RENDER_CACHE_BYTES"),
+    ],
+)
+def test_a_bad_new_setting_is_one_line_naming_it(env: dict[str, str], named: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "epd", "worker", "results", "--print-settings"],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0] and "Traceback" not in out.stderr, out.stderr
+
+
 async def test_a_worker_that_cannot_start_is_named_with_its_own_words(tmp_path: Path) -> None:
     workers = WorkerProcesses({"EPD_MODEL": "no-such-model"}, tmp_path, ["encode"])
     workers.start()
