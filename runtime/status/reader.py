@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,8 @@ class RequestReader:
     async def __call__(self, request_id: str, since: bool = False) -> RequestState | None:
         """The request's state (with ``records_since_ms`` when ``since``: two more round
         trips), or None when Redis cannot be read (the caller cannot tell)."""
+        if isinstance(self.status.client, RedisCluster):
+            self._observe_roles(self.status.client, int(time.time() * 1000))
         try:
             rec = await self.status.get(request_id)
             started = await self._records_since(request_id) if since else None
@@ -89,15 +92,22 @@ class RequestReader:
             started = max(started, self._promotion_ms(client, node.name, now))
         return started
 
-    def _promotion_ms(self, client: RedisCluster, name: str, now: int) -> int:
-        """When ``name`` was first seen a master after being seen a replica (0: never)."""
+    def _observe_roles(self, client: RedisCluster, now: int) -> None:
+        """Note the cluster's roles as the client's slot map has them (a local read, no round
+        trip): a node seen a replica and now a master was promoted, at the latest ``now``.
+        Every read notes them, so a worker that served requests before a failover knows the
+        replicas as they were when the failover comes."""
+        replicas = {n.name for n in client.get_replicas()}
         for primary in client.get_primaries():
             if primary.name in self._replicas_seen:
                 self._promoted_ms.setdefault(primary.name, now)
-        self._replicas_seen.update(n.name for n in client.get_replicas())
-        for replica in self._replicas_seen & set(self._promoted_ms):
-            if replica in {n.name for n in client.get_replicas()}:
-                del self._promoted_ms[replica]  # demoted again (its old master came back)
+        for name in replicas & set(self._promoted_ms):
+            del self._promoted_ms[name]  # demoted again (its old master came back)
+        self._replicas_seen.update(replicas)
+
+    def _promotion_ms(self, client: RedisCluster, name: str, now: int) -> int:
+        """When ``name`` was first seen a master after being seen a replica (0: never)."""
+        self._observe_roles(client, now)
         return self._promoted_ms.get(name, 0)
 
 

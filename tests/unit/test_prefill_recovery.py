@@ -4,7 +4,7 @@ missing embedding lost (pure logic; the workers themselves are in tests/integrat
 from __future__ import annotations
 
 from gpu_workers.lifecycle.embeddings import embeddings_lost
-from runtime.status import RequestState
+from runtime.status import RequestReader, RequestState
 from schemas.status_record import StatusRecord
 
 A = "a" * 64
@@ -125,3 +125,37 @@ def _prefill_event(hashes: list[str]) -> object:
         ),
         ec_transfer_params={},
     )
+
+
+class _Node:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _SlotMap:
+    """The part of redis-py's ``RedisCluster`` the reader notes roles from (its slot map)."""
+
+    def __init__(self, primaries: list[str], replicas: list[str]) -> None:
+        self.primaries, self.replicas = primaries, replicas
+
+    def get_primaries(self) -> list[_Node]:
+        return [_Node(n) for n in self.primaries]
+
+    def get_replicas(self) -> list[_Node]:
+        return [_Node(n) for n in self.replicas]
+
+
+def test_a_replica_seen_before_a_failover_is_known_promoted_after_it() -> None:
+    """The roles are noted on every read, so the first judgement after a failover (the first
+    call that asks ``since``) still knows the new master was a replica: records older than
+    its promotion may be lost by Redis, not by an operator."""
+    reader = RequestReader(None)  # type: ignore[arg-type]
+    before = _SlotMap(["m1", "m2"], ["r1", "r2"])
+    reader._observe_roles(before, now=1_000)  # type: ignore[arg-type]
+    after = _SlotMap(["r1", "m2"], ["r2"])  # m1 killed, r1 voted in
+    assert reader._promotion_ms(after, "r1", now=7_000) == 7_000  # type: ignore[arg-type]
+    assert reader._promotion_ms(after, "m2", now=8_000) == 0  # type: ignore[arg-type]
+    assert reader._promotion_ms(after, "r1", now=9_000) == 7_000  # type: ignore[arg-type]
+    # Its old master came back and took over again: r1 is a replica, no promotion stands.
+    back = _SlotMap(["m1", "m2"], ["r1", "r2"])
+    assert reader._promotion_ms(back, "r1", now=10_000) == 0  # type: ignore[arg-type]
