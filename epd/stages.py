@@ -322,6 +322,7 @@ async def run_worker(
             ctx.topics.read_by(kind),
             ctx.topics.group(kind),
         )
+        ctx.closers.append(await _announce(stage, ctx, loop))
         await _run_until_signal(loop, ready)
     finally:
         for close in reversed(ctx.closers):
@@ -329,6 +330,29 @@ async def run_worker(
                 await close()
             except Exception:
                 log.exception("%s: error while closing", ctx.worker_id)
+
+
+async def _announce(stage: Stage, ctx: StageContext, loop: ConsumeLoop) -> Closer:
+    """The worker's announcements in the fleet (and its heartbeat file), until it stops."""
+    import time
+
+    from runtime.fleet.announcement import announcement_for
+    from runtime.fleet.announcer import Announcer
+    from runtime.fleet.board import FleetBoard
+
+    status = ctx.status_store()
+    settings = ctx.settings
+    identity = announcement_for(settings, stage.kind, ctx.worker_id, int(time.time() * 1000))
+    announcer = Announcer(
+        FleetBoard(status.client, status.keys),
+        identity,
+        loop,
+        interval_s=settings.fleet_announce_s,
+        ttl_s=settings.fleet_ttl_s,
+        heartbeat_file=settings.heartbeat_file,
+    )
+    announcer.start()
+    return announcer.close
 
 
 async def _open_context(kind: str, settings: Settings) -> StageContext:

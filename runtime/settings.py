@@ -25,7 +25,7 @@ signs them)."""
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _TOPIC_PREFIX = re.compile(r"[A-Za-z0-9._-]{1,200}")
-SECRET_FIELDS = frozenset({"ec_secret", "api_tokens"})
+SECRET_FIELDS = frozenset({"ec_secret", "api_tokens", "admin_tokens"})
 PLACEHOLDER_SECRETS = frozenset({"change-me", "changeme", "secret", "password", "test"})
 MIN_SECRET_CHARS = 16
 
@@ -396,6 +396,36 @@ class Settings(BaseSettings):
         "second run does not republish it again); keep it above the DLQ topic's retention",
     )
 
+    # Fleet view (runtime/fleet): announcements, readiness, heartbeat
+    fleet_announce_s: float = Field(
+        5.0, gt=0, le=300, description="how often a worker announces itself in Redis"
+    )
+    fleet_ttl_s: float = Field(
+        15.0,
+        gt=0,
+        le=3600,
+        description="how long an announcement counts a worker live (keep it a few times "
+        "EPD_FLEET_ANNOUNCE_S: a worker killed -9 drops out of the fleet this long after)",
+    )
+    ready_stages: str = Field(
+        "encode,prefill,results",
+        pattern=r"^[a-z,]*$",
+        description="stages /readyz needs a live, matching worker of (comma-separated; decode is "
+        "added when EPD_DECODE_STAGE is on; empty: readiness does not look at workers, e.g. "
+        "for workers that scale to zero on lag)",
+    )
+    heartbeat_file: Path | None = Field(
+        None,
+        description="a worker touches this file every EPD_FLEET_ANNOUNCE_S while its consume "
+        "loop runs (a liveness probe checks its age)",
+    )
+    admin_tokens: SecretStr | None = Field(
+        None,
+        description="bearer tokens (TOKEN=NAME, comma-separated) for the API's admin routes "
+        "(/v1/admin/fleet); unset: admin routes are open only on an open API (no "
+        "EPD_API_TOKENS)",
+    )
+
     # HTTP API (epd api)
     api_tokens: SecretStr | None = Field(
         None,
@@ -555,6 +585,16 @@ class Settings(BaseSettings):
             raise ValueError(f"{device!r} is not auto, cpu, cuda or cuda:N")
         return device
 
+    @field_validator("ready_stages")
+    @classmethod
+    def _ready_stages(cls, value: str) -> str:
+        from schemas.topics import STAGE_NAMES
+
+        unknown = [s for s in value.split(",") if s and s not in STAGE_NAMES]
+        if unknown:
+            raise ValueError(f"unknown stage(s) {unknown}; stages are {list(STAGE_NAMES)}")
+        return value
+
     @field_validator("topic_prefix")
     @classmethod
     def _topic_prefix(cls, prefix: str) -> str:
@@ -573,6 +613,13 @@ class Settings(BaseSettings):
     def _tokens(cls, tokens: SecretStr | None) -> SecretStr | None:
         if tokens is not None:
             parse_tokens(tokens.get_secret_value(), source="EPD_API_TOKENS")
+        return tokens
+
+    @field_validator("admin_tokens")
+    @classmethod
+    def _admin_tokens(cls, tokens: SecretStr | None) -> SecretStr | None:
+        if tokens is not None:
+            parse_tokens(tokens.get_secret_value(), source="EPD_ADMIN_TOKENS")
         return tokens
 
     @field_validator("api_tokens_file")
@@ -632,6 +679,12 @@ class Settings(BaseSettings):
             tenants.update(from_file)
         return tenants
 
+    def admin_names(self) -> dict[str, str]:
+        """Admin bearer token -> name from ``EPD_ADMIN_TOKENS`` (empty: none configured)."""
+        if self.admin_tokens is None:
+            return {}
+        return parse_tokens(self.admin_tokens.get_secret_value(), source="EPD_ADMIN_TOKENS")
+
     def secret_bytes(self) -> bytes | None:
         return self.ec_secret.get_secret_value().encode() if self.ec_secret else None
 
@@ -664,6 +717,15 @@ class Settings(BaseSettings):
                 digest = hashlib.sha256(value.get_secret_value().encode()).hexdigest()
                 out[name] = f"sha256:{digest}"
         return out
+
+    @property
+    def required_stages(self) -> tuple[str, ...]:
+        """The stages ``/readyz`` needs a live worker of (``EPD_READY_STAGES``, and decode when
+        the decode stage is on)."""
+        names = [s for s in self.ready_stages.split(",") if s]
+        if self.decode_stage and names and "decode" not in names:
+            names.append("decode")
+        return tuple(dict.fromkeys(names))
 
     def require_signing(self, kind: str) -> None:
         """Refuse to run a worker that handles ``ec_transfer_params`` (encode, prefill, router)

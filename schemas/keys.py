@@ -122,3 +122,9 @@ class RedisKeys:
     def dlq_replayed(self, topic: str, partition: int, offset: int, failed_ms: int) -> str:
         """The replay ledger's mark of one dead letter."""
         return f"{self.prefix}:dlq-replayed:{topic}:{partition}:{offset}:{failed_ms}"
+
+    @property
+    def fleet(self) -> str:
+        """The hash of worker announcements (field: worker id; value: its JSON, which carries
+        its own expiry): one key, so one read shows the whole fleet, on a cluster too."""
+        return f"{self.prefix}:fleet"

@@ -50,6 +50,9 @@ CHANNELS: tuple[Channel, ...] = (
 )
 """Every topic of one pipeline, in the order ``Topics.all`` lists them."""
 
+STAGE_NAMES: tuple[str, ...] = tuple(dict.fromkeys(r for c in CHANNELS for r in c.readers))
+"""Every stage that reads a topic (a worker kind): router, encode, prefill, decode, results."""
+
 _BY_NAME = {c.name: c for c in CHANNELS}
 _BY_EVENT = {c.event: c for c in CHANNELS}
 

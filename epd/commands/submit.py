@@ -79,15 +79,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     st = sub.add_parser(
         "status",
-        help="show a request's status (stages, result, error)",
+        help="show a request's status (stages, result, error), or without ID the fleet",
         description=_wrap(
             "Show a request's status (GET /v1/requests/ID): its stage timings, items, result "
-            "or error. With --wait, follow it stage by stage until it ends."
+            "or error. With --wait, follow it stage by stage until it ends. Without ID: the "
+            "pipeline's fleet as the configured Redis and broker know it (live workers per "
+            "stage, lag per group and partition, dead letters, unfinished requests by status, "
+            "why it cannot serve); exits 0 when it can serve, 1 when it cannot, 2 when Redis "
+            "cannot be read."
         )
         + COMMON,
         formatter_class=fmt,
     )
-    st.add_argument("request_id", metavar="ID")
+    st.add_argument("request_id", metavar="ID", nargs="?")
+    st.add_argument(
+        "--no-kafka", action="store_true", help="fleet: skip the broker's offsets (lag, DLQ)"
+    )
     st.add_argument("--wait", action="store_true", help="wait until it ends (progress on stderr)")
     st.add_argument("--timeout", type=float, default=300.0)
     _add_common(st)
@@ -268,6 +275,11 @@ def run_submit(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    if args.request_id is None:
+        from epd.commands.fleet_status import run_fleet
+
+        return run_fleet(args)
+
     def body(client: Any) -> int:
         st = _follow(client, args.request_id, args.timeout) if args.wait else None
         st = st or client.status(args.request_id)

@@ -33,7 +33,7 @@ from frontend.api.metrics import Metrics
 from frontend.api.observation import Observation
 from frontend.api.openai_compat.errors import is_openai_path, openai_body
 from frontend.api.openapi import install_openapi
-from frontend.api.routes import chat, model_list, ops, requests, responses, vllm
+from frontend.api.routes import admin, chat, model_list, ops, requests, responses, vllm
 from frontend.api.state import ApiState
 from producers.refusal import Refused
 from runtime.request_limits import RequestLimits
@@ -111,6 +111,7 @@ def create_app(settings: Settings) -> FastAPI:
         responses.router,
         model_list.router,
         ops.router,
+        admin.router,
     ):
         app.include_router(router)
     return app

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.requests import Request
 
+from runtime.fleet.metrics import FleetMetrics
+
 
 class Metrics:
     """The API's metrics; also the intake's observer (:class:`producers.intake.IntakeObserver`)."""
@@ -42,6 +44,7 @@ class Metrics:
             ["route", "phase"],
             registry=self.registry,
         )
+        self.fleet = FleetMetrics(self.registry)
         self.render = Histogram(
             "epd_api_render_seconds",
             "render time (decode + image processor)",

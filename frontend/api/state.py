@@ -16,13 +16,14 @@ from frontend.api.admission import ApiAdmission, LagMonitor
 from frontend.api.metrics import Metrics
 from frontend.api.submit.media_urls import MediaFetcher
 from frontend.api.submit.reading import BodyRules
-from frontend.api.tenants import Tenants
+from frontend.api.tenants import AdminTokens, Tenants
 from media.image_decoder import ImageDecoder
 from producers.chat import ChatTemplate
 from producers.fanout import build_fanout
 from producers.idempotency import IdempotencyStore
 from producers.intake import Intake
 from producers.render import Renderer
+from runtime.fleet.snapshot import FleetProbe
 from runtime.kafka import KafkaPublisher
 from runtime.redis.client import redis_client
 from runtime.redis.cluster import RedisClient
@@ -64,6 +65,10 @@ class ApiState:
     """Fetches the http(s) media URLs ``EPD_API_IMAGE_URL_HOSTS`` allows."""
     bodies: BodyRules
     """How request bodies are read: size, deadline, and the process's byte budget."""
+    fleet: FleetProbe
+    """The fleet view: workers, lag, dead letters (``/readyz``, ``/metrics``, the admin route)."""
+    admins: AdminTokens
+    """Who may call the admin routes."""
     kafka_ready: asyncio.Event = field(default_factory=asyncio.Event)
     admin: AIOKafkaAdminClient | None = None
     """Started with the publisher: ``/readyz`` lists the topics through it."""
@@ -135,6 +140,8 @@ class ApiState:
             chat=ChatTemplate.for_model(info, settings.model, settings.chat_template),
             media=MediaFetcher.from_settings(settings),
             bodies=BodyRules.from_settings(settings),
+            fleet=FleetProbe(settings, topics, status),
+            admins=AdminTokens(settings.admin_names(), api_open=tenants.open),
             kafka_ready=ready,
         )
 
@@ -159,6 +166,7 @@ class ApiState:
         for task in list(self.chores):
             task.cancel()
         await self.lag.close()
+        await self.fleet.close()
         await self.notifier.close()
         await self.tokens.close()
         with contextlib.suppress(Exception):

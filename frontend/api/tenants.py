@@ -62,3 +62,33 @@ class Tenants:
             return None if salt is None else CLIENT_SALT_PREFIX + salt
         framed = json.dumps([tenant, salt]).encode()
         return TENANT_SALT_PREFIX + hmac.new(self._salt_key, framed, hashlib.sha256).hexdigest()
+
+
+class AdminTokens:
+    """Who may call the admin routes: a token of ``EPD_ADMIN_TOKENS``; without any, every
+    caller of an open API (and nobody on a tenanted one: a tenant is not an operator)."""
+
+    def __init__(self, tokens: dict[str, str], *, api_open: bool) -> None:
+        self._tokens = [token.encode() for token in tokens]
+        self.api_open = api_open
+
+    def check(self, token: str | None) -> None:
+        """Return when ``token`` may use the admin routes; 401/403 naming the rule otherwise."""
+        if not self._tokens:
+            if self.api_open:
+                return
+            raise ApiError(
+                403,
+                "forbidden",
+                "admin routes need an admin token, and none is configured (EPD_ADMIN_TOKENS)",
+                rule="auth.admin",
+            )
+        given = (token or "").strip().encode()
+        if not any([hmac.compare_digest(known, given) for known in self._tokens]):
+            raise ApiError(
+                401 if not token else 403,
+                "unauthorized" if not token else "forbidden",
+                "an admin bearer token is required (EPD_ADMIN_TOKENS)",
+                rule="auth.admin",
+                headers={"WWW-Authenticate": "Bearer"},
+            )

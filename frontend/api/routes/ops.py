@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -12,6 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from frontend.api.deps import State
 from frontend.api.protocol import Health
+from frontend.api.state import ApiState
+from runtime.fleet.export import export_fleet
 from schemas.statuses import ACTIVE_STATUSES
 
 router = APIRouter(tags=["ops"])
@@ -55,11 +58,22 @@ async def readyz(st: State) -> JSONResponse:
             checks["kafka"] = "ok" if not missing else f"missing topics: {missing}"
         except Exception as e:
             checks["kafka"] = failure(e, METADATA_S)
+    checks["workers"] = await _workers(st)
     ok = all(v == "ok" for v in checks.values())
     return JSONResponse(
         {"status": "ready" if ok else "not ready", "checks": checks},
         status_code=200 if ok else 503,
     )
+
+
+async def _workers(st: ApiState) -> str:
+    """``ok``, or why the fleet cannot serve (a required stage without a live worker, a worker
+    with another EC secret, model or shared settings: ``runtime.fleet.readiness``)."""
+    try:
+        _, causes = await asyncio.wait_for(st.fleet.fleet(int(time.time() * 1000)), REDIS_PING_S)
+    except Exception as e:
+        return failure(e, REDIS_PING_S)
+    return "ok" if not causes else "; ".join(causes)
 
 
 @router.get(
@@ -75,4 +89,5 @@ async def prometheus(request: Request, st: State) -> Response:
         counts = await st.status.in_flight_by_status()
         for status in ACTIVE_STATUSES:
             metrics.by_status.labels(status).set(counts.get(status, 0))
+        export_fleet(metrics.fleet, await st.fleet.snapshot())
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

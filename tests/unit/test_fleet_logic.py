@@ -1,0 +1,105 @@
+"""The fleet view's pure logic: announcements parsed within bounds, secret fingerprints,
+readiness causes, the admin gate and the settings it reads (Redis and the broker are in
+tests/integration/test_fleet.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from frontend.api.errors import ApiError
+from frontend.api.tenants import AdminTokens
+from runtime.fleet.announcement import (
+    MAX_ANNOUNCEMENT_BYTES,
+    Announcement,
+    announcement_for,
+    secret_fingerprint,
+)
+from runtime.fleet.board import FleetRead
+from runtime.fleet.readiness import Expected, fleet_causes
+from runtime.fleet.snapshot import expected_of
+from runtime.settings import Settings
+
+SECRET = "s" * 40
+
+
+def _worker(stage: str, worker_id: str | None = None, **changes: object) -> Announcement:
+    settings = Settings(ec_secret=SECRET)
+    a = announcement_for(settings, stage, worker_id or f"{stage}@h:1", now_ms=1_000)
+    data = {**a.to_dict(), "expires_ms": 20_000, **changes}
+    return Announcement(**data)  # type: ignore[arg-type]
+
+
+def test_an_announcement_round_trips_and_bad_entries_are_skipped() -> None:
+    a = _worker("prefill", partitions=("epd.prefill:0", "epd.prefill:1"))
+    assert Announcement.from_json(a.to_json()) == a
+    good = json.loads(a.to_json())
+    bad = [
+        "not json",
+        json.dumps({**good, "in_flight": True}),  # a bool is not a count
+        json.dumps({**good, "partitions": [1]}),
+        json.dumps({k: v for k, v in good.items() if k != "stage"}),
+        json.dumps({**good, "model": "m" * 600}),
+        json.dumps({**good, "junk": "x" * MAX_ANNOUNCEMENT_BYTES}),
+    ]
+    assert [Announcement.from_json(b) for b in bad] == [None] * len(bad)
+
+
+def test_the_secret_fingerprint_tells_equal_secrets_without_showing_them() -> None:
+    one, same, other = (secret_fingerprint(s.encode()) for s in (SECRET, SECRET, "t" * 40))
+    assert one == same != other
+    assert SECRET[:8] not in one and len(one) == 16
+    assert secret_fingerprint(None) == "none"
+
+
+def test_readiness_names_each_missing_stage_and_each_disagreeing_worker() -> None:
+    expected = expected_of(Settings(ec_secret=SECRET))
+    live = (
+        _worker("encode"),
+        _worker("prefill", "prefill@odd:7", ec_secret="0" * 16, model="other/model"),
+        _worker("results", ec_secret="", model=""),  # signs nothing, loads no model: no check
+    )
+    gone = (_worker("router", announced_ms=5_000, expires_ms=9_000),)
+    causes = fleet_causes(FleetRead(live, gone), expected, ("router", "decode"), now_ms=10_000)
+    assert causes == [
+        "no live router worker (last seen 5 s ago: router@h:1)",
+        "no live decode worker (none has announced itself)",
+        "prefill worker prefill@odd:7 signs with another EC secret (fingerprint "
+        f"{'0' * 16}; the API's is {expected.ec_secret}): every request it handles is "
+        "refused ec-signature",
+        "prefill worker prefill@odd:7 serves model 'other/model'; the API serves "
+        f"{expected.model!r}",
+    ]
+    assert fleet_causes(FleetRead(live[:1], ()), expected, ("encode",), now_ms=10_000) == []
+
+
+def test_other_shared_settings_are_a_cause() -> None:
+    expected = Expected("m", "fp", "settings-a")
+    worker = _worker("results", ec_secret="", model="", settings="settings-b")
+    [cause] = fleet_causes(FleetRead((worker,), ()), expected, (), now_ms=10_000)
+    assert "other shared settings" in cause
+
+
+def test_the_admin_gate() -> None:
+    AdminTokens({}, api_open=True).check(None)  # an open API without admin tokens
+    with pytest.raises(ApiError) as closed:
+        AdminTokens({}, api_open=False).check("tenant-token")
+    assert closed.value.status == 403 and closed.value.rule == "auth.admin"
+    admins = AdminTokens({"ops": "alice"}, api_open=False)
+    admins.check("ops")
+    for token, status in ((None, 401), ("tenant-token", 403), ("op", 403)):
+        with pytest.raises(ApiError) as refused:
+            admins.check(token)
+        assert refused.value.status == status
+
+
+def test_ready_stages_and_admin_tokens_are_checked_settings() -> None:
+    assert Settings(decode_stage=True).required_stages == ("encode", "prefill", "results", "decode")
+    assert Settings(ready_stages="").required_stages == ()
+    with pytest.raises(ValidationError, match="unknown stage"):
+        Settings(ready_stages="encode,gpu")
+    with pytest.raises(ValidationError, match="EPD_ADMIN_TOKENS"):
+        Settings(admin_tokens="no-tenant-here")
+    assert "ops-token" not in json.dumps(Settings(admin_tokens="ops-token=ops").describe())
