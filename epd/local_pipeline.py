@@ -115,6 +115,22 @@ class WorkerProcesses:
         await self._until_ready(index, timeout_s)
         return index
 
+    def respawn(self, index: int) -> None:
+        """Start worker ``index`` again after it died, without waiting for it (a supervisor
+        watches its ready file)."""
+        kind, proc, _ = self.procs[index]
+        if proc.poll() is None:
+            raise RuntimeError(f"{kind} worker {index} is still running")
+        self.procs[index] = (kind, *self._spawn(kind, index))
+
+    def exited(self) -> list[int]:
+        """Indices of the workers that exited (retired ones aside)."""
+        return [
+            i
+            for i, (_, proc, _) in enumerate(self.procs)
+            if i not in self.retired and proc.poll() is not None
+        ]
+
     def retire(self, index: int) -> int:
         """Stop worker ``index`` for good with SIGTERM (a graceful leave: it drains, commits and
         leaves its group); its exit code."""

@@ -4,8 +4,9 @@ A broker and Redis of its own (``epd services``: Apache Kafka where Java 17+ is 
 Tansu; ``EPD_KAFKA_BOOTSTRAP`` / ``EPD_REDIS_URL`` name existing ones instead), the topics, a
 one-run EC secret unless ``EPD_EC_SECRET`` is set, the results, encode, prefill and router
 workers, then ``epd api`` in this process. It says ``ready`` once the API answers ``/readyz``
-with every worker holding its partitions; Ctrl-C (or SIGTERM) stops the API, then the workers,
-then the services it started, and nothing else.
+with every worker holding its partitions. A worker that dies is said on the console and
+started again (with a growing backoff; ``/readyz`` shows the gap meanwhile). Ctrl-C (or
+SIGTERM) stops the API, then the workers, then the services it started, and nothing else.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,14 +122,37 @@ async def _serve(args: argparse.Namespace, settings: Any, log_dir: Path) -> int:
         server = _Server(_uvicorn_config(args, create_app(settings)))
         url = f"http://{args.host}:{args.port}"
         announce = asyncio.create_task(_announce_when_ready(url, server))
-        try:
-            await server.serve()
-        finally:
-            announce.cancel()
+        async with _supervised(workers, settings):
+            try:
+                await server.serve()
+            finally:
+                announce.cancel()
     finally:
         say("stopping the workers and the services this stack started")
         workers.stop()
     return 0
+
+
+@contextlib.asynccontextmanager
+async def _supervised(workers: Any, settings: Any) -> AsyncIterator[None]:
+    """Workers that die are said, taken out of the fleet and restarted (:mod:`epd.supervisor`)
+    while the API serves; the supervision ends before the workers are stopped."""
+    from epd.supervisor import Supervisor
+    from runtime.fleet.board import FleetBoard
+    from runtime.redis.client import redis_client
+    from runtime.status import StatusStore
+
+    client = redis_client(settings)
+    status = StatusStore.for_settings(client, settings)
+    supervisor = Supervisor(workers, say, FleetBoard(client, status.keys))
+    task = asyncio.create_task(supervisor.run(), name="supervisor")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await client.aclose()
 
 
 def _uvicorn_config(args: argparse.Namespace, app: Any) -> uvicorn.Config:

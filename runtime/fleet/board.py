@@ -9,7 +9,8 @@ hash never grows with the workers that came and went.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from runtime.fleet.announcement import Announcement
@@ -60,6 +61,18 @@ class FleetBoard:
     async def withdraw(self, worker_id: str) -> None:
         """Remove this worker's entry (a clean stop)."""
         await self.client.hdel(self.key, worker_id)
+
+    async def expire(self, which: Callable[[Announcement], bool], now_ms: int) -> int:
+        """End the live announcements ``which`` picks now (a supervisor saw the process die):
+        they are listed as gone at once instead of after their TTL. How many it ended."""
+        raw: dict[Any, Any] = await self.client.hgetall(self.key)
+        ended = 0
+        for field, value in raw.items():
+            entry = Announcement.from_json(value)
+            if entry is not None and entry.live(now_ms) and which(entry):
+                await self.client.hset(self.key, field, replace(entry, expires_ms=now_ms).to_json())
+                ended += 1
+        return ended
 
     async def read(self, now_ms: int) -> FleetRead:
         """The live and recently gone workers; entries forgotten long ago are deleted."""

@@ -745,7 +745,12 @@ async def test_health_ready_metrics_and_offline_docs(
     assert (await http.get("/healthz")).json()["status"] == "ok"
     ready = await http.get("/readyz")
     assert ready.status_code == 200
-    assert ready.json()["checks"] == {"redis": "ok", "status_notifications": "ok", "kafka": "ok"}
+    assert ready.json()["checks"] == {
+        "redis": "ok",
+        "status_notifications": "ok",
+        "kafka": "ok",
+        "workers": "ok",
+    }
     text = (await http.get("/metrics")).text
     for name in (
         "epd_api_requests_total",

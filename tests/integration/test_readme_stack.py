@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -113,6 +114,45 @@ def test_the_stack_starts_from_a_fresh_clone_and_says_ready(stack: Stack) -> Non
     assert "generated an EC secret" in text and "workers" in text
     kinds = {" ".join(p.cmdline()[3:5]) for p in stack.started if "epd.cli" in p.cmdline()}
     assert {"worker results", "worker encode", "worker prefill", "worker router"} <= kinds
+
+
+def _stack_says(stack: Stack, words: str, timeout_s: float) -> str:
+    """The stack's next console line holding ``words`` (lines before it are kept)."""
+    assert stack.proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    for line in stack.proc.stdout:
+        stack.output.append(line)
+        if words in line:
+            return line
+        assert time.monotonic() < deadline, "".join(stack.output[-20:])
+    raise AssertionError(f"the stack ended without saying {words!r}")
+
+
+def test_a_killed_worker_is_said_restarted_and_readyz_shows_the_gap(stack: Stack) -> None:
+    """kill -9 of the prefill worker: the stack says so and starts it again; /readyz answers
+    503 naming the missing stage until it is back, then 200 (the README blocks below then run
+    on the restarted worker)."""
+    [victim] = [p for p in stack.started if p.cmdline()[3:5] == ["worker", "prefill"]]
+    killed = time.monotonic()
+    victim.send_signal(signal.SIGKILL)
+    gap = None
+    while time.monotonic() - killed < 30:
+        ready = httpx.get(f"{stack.url}/readyz", timeout=5)
+        if ready.status_code == 503:
+            gap = ready.json()["checks"]["workers"]
+            break
+        time.sleep(0.1)
+    assert gap is not None and gap.startswith("no live prefill worker (last seen"), gap
+    said = _stack_says(stack, "restarting it in", 30)
+    assert "the prefill worker exited with -9" in said, said
+    _stack_says(stack, "the prefill worker is back", READY_S)
+    while httpx.get(f"{stack.url}/readyz", timeout=5).status_code != 200:
+        assert time.monotonic() - killed < READY_S
+        time.sleep(0.2)
+    back_s = time.monotonic() - killed
+    new = [p for p in psutil.Process(stack.proc.pid).children(recursive=True)]
+    stack.started.extend(p for p in new if p.pid not in {q.pid for q in stack.started})
+    print(f"\nkill -9 prefill: 503 {gap!r}; ready again after {back_s:.1f} s")
 
 
 def test_the_readme_curl_block_runs_as_written(stack: Stack) -> None:

@@ -29,6 +29,8 @@ VALIDATED = {
     "api_tokens": SecretStr("tok-settings-flow=flow-tenant"),
     "api_image_url_hosts": "images.example.com,127.0.0.1:8443",
     "served_model_name": "flow-model",
+    "ready_stages": "router,results",
+    "admin_tokens": SecretStr("tok-settings-admin=flow-admin"),
 }
 
 
