@@ -33,14 +33,15 @@ def run_fleet(args: argparse.Namespace) -> int:
 
 
 async def _snapshot(settings: Settings, *, kafka: bool) -> FleetSnapshot:
-    from runtime.fleet.snapshot import FleetProbe
+    from runtime.fleet.snapshot import FleetProbe, expected_as_configured
     from runtime.redis.client import redis_client
     from runtime.status import StatusStore
     from schemas.topics import Topics
 
     client = redis_client(settings, socket_connect_timeout=2.0)
     status = StatusStore.for_settings(client, settings)
-    probe = FleetProbe(settings, Topics(settings.topic_prefix), status)
+    topics = Topics(settings.topic_prefix)
+    probe = FleetProbe(settings, topics, status, expected_as_configured(settings))
     try:
         return await probe.snapshot(kafka=kafka)
     finally:

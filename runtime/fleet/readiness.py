@@ -6,6 +6,7 @@ causes, and ``epd status`` prints them.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,11 +21,13 @@ SIGNING_STAGES = frozenset({"router", "encode", "prefill", "decode"})
 
 @dataclass(frozen=True, slots=True)
 class Expected:
-    """What the API serves with: every worker must agree."""
+    """What the API serves with: every worker must agree. A field that is None is not known
+    to the reader (``epd status`` run without the secret, say): the live workers must then
+    agree among themselves on it."""
 
-    model: str
-    ec_secret: str
-    settings: str
+    model: str | None
+    ec_secret: str | None
+    settings: str | None
 
 
 def mismatches(worker: Announcement, expected: Expected) -> list[tuple[str, str]]:
@@ -32,7 +35,8 @@ def mismatches(worker: Announcement, expected: Expected) -> list[tuple[str, str]
     model or settings)."""
     out: list[tuple[str, str]] = []
     who = f"{worker.stage} worker {worker.worker_id}"
-    if worker.stage in SIGNING_STAGES and worker.ec_secret != expected.ec_secret:
+    secret = expected.ec_secret
+    if worker.stage in SIGNING_STAGES and secret is not None and worker.ec_secret != secret:
         out.append(
             (
                 "ec_secret",
@@ -41,11 +45,12 @@ def mismatches(worker: Announcement, expected: Expected) -> list[tuple[str, str]
                 "ec-signature",
             )
         )
-    if worker.stage in MODEL_STAGES and worker.model != expected.model:
+    model = expected.model
+    if worker.stage in MODEL_STAGES and model is not None and worker.model != model:
         out.append(
             ("model", f"{who} serves model {worker.model!r}; the API serves {expected.model!r}")
         )
-    if worker.settings != expected.settings:
+    if expected.settings is not None and worker.settings != expected.settings:
         out.append(
             (
                 "settings",
@@ -73,4 +78,24 @@ def fleet_causes(
             causes.append(f"no live {stage} worker (last seen {ago:.0f} s ago: {last.worker_id})")
     for worker in fleet.live:
         causes.extend(cause for _, cause in mismatches(worker, expected))
+    causes.extend(disagreements(fleet, expected))
     return causes
+
+
+def disagreements(fleet: FleetRead, expected: Expected) -> list[str]:
+    """For each property the reader does not know itself, the live workers split over more
+    than one value of it (they cannot all serve the same requests)."""
+    checks = (
+        ("EC secrets", expected.ec_secret, SIGNING_STAGES, lambda a: a.ec_secret),
+        ("models", expected.model, MODEL_STAGES, lambda a: a.model),
+        ("shared settings", expected.settings, None, lambda a: a.settings),
+    )
+    out = []
+    for what, known, stages, value in checks:
+        if known is not None:
+            continue
+        counts = Counter(value(a) for a in fleet.live if stages is None or a.stage in stages)
+        if len(counts) > 1:
+            split = ", ".join(f"{v or '-'}: {n}" for v, n in counts.most_common())
+            out.append(f"live workers run with {len(counts)} different {what} ({split})")
+    return out

@@ -34,6 +34,19 @@ def expected_of(settings: Settings) -> Expected:
     )
 
 
+def expected_as_configured(settings: Settings) -> Expected:
+    """Only what ``settings`` were given explicitly (a tool such as ``epd status``, run in a
+    shell that may lack the secret or the model): the rest the workers must agree on among
+    themselves."""
+    given = settings.model_fields_set
+    full = expected_of(settings)
+    return Expected(
+        model=full.model if "model" in given else None,
+        ec_secret=full.ec_secret if settings.ec_secret is not None else None,
+        settings=full.settings if {"ec_namespace", "decode_stage"} <= given else None,
+    )
+
+
 @dataclass(frozen=True)
 class StoreMemory:
     """The embedding store's Redis memory (summed over a cluster's masters)."""
@@ -81,12 +94,20 @@ class FleetSnapshot:
 class FleetProbe:
     """Takes :class:`FleetSnapshot` for the pipeline of ``settings`` (its board, broker, Redis)."""
 
-    def __init__(self, settings: Settings, topics: Topics, status: StatusStore) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        topics: Topics,
+        status: StatusStore,
+        expected: Expected | None = None,
+    ) -> None:
+        """``expected``: what workers must agree with (default: :func:`expected_of` the
+        settings)."""
         self.settings = settings
         self.status = status
         self.board = FleetBoard(status.client, status.keys)
         self.offsets = OffsetReader(settings, topics)
-        self.expected = expected_of(settings)
+        self.expected = expected or expected_of(settings)
 
     async def fleet(self, now_ms: int) -> tuple[FleetRead, list[str]]:
         """The board and the causes readiness reports (raises what Redis raised)."""

@@ -166,6 +166,7 @@ async def test_epd_status_prints_the_fleet_and_exits_by_readiness(run: LocalRun)
     groups = {p["group"] for p in snap["lag"]}
     assert f"{run.settings.topic_prefix}-encode" in groups
     text = await asyncio.to_thread(_epd_status, run.settings)
+    print(f"\nepd status:\n{text.stdout}")
     assert text.returncode == 1, text.stdout  # no encode / prefill worker in this run
     assert text.stdout.startswith("NOT READY")
     assert "no live encode worker" in text.stdout and "router@" in text.stdout

@@ -19,7 +19,7 @@ from runtime.fleet.announcement import (
 )
 from runtime.fleet.board import FleetRead
 from runtime.fleet.readiness import Expected, fleet_causes
-from runtime.fleet.snapshot import expected_of
+from runtime.fleet.snapshot import expected_as_configured, expected_of
 from runtime.settings import Settings
 
 SECRET = "s" * 40
@@ -103,3 +103,29 @@ def test_ready_stages_and_admin_tokens_are_checked_settings() -> None:
     with pytest.raises(ValidationError, match="EPD_ADMIN_TOKENS"):
         Settings(admin_tokens="no-tenant-here")
     assert "ops-token" not in json.dumps(Settings(admin_tokens="ops-token=ops").describe())
+
+
+def test_a_reader_without_the_secret_or_model_asks_the_workers_to_agree_among_themselves() -> None:
+    unknown = Expected(None, None, None)
+    agreeing = (_worker("encode"), _worker("prefill"))
+    assert fleet_causes(FleetRead(agreeing, ()), unknown, (), now_ms=10_000) == []
+    split = (*agreeing, _worker("router", ec_secret="f" * 16, model="other/model"))
+    causes = fleet_causes(FleetRead(split, ()), unknown, (), now_ms=10_000)
+    assert len(causes) == 2, causes
+    assert causes[0].startswith("live workers run with 2 different EC secrets (")
+    assert causes[1].startswith("live workers run with 2 different models (")
+    # Given the secret, each odd worker is named instead of the split.
+    known = Expected(None, agreeing[0].ec_secret, None)
+    [named, models] = fleet_causes(FleetRead(split, ()), known, (), now_ms=10_000)
+    assert named.startswith("router worker router@h:1 signs with another EC secret")
+    assert models.startswith("live workers run with 2 different models")
+
+
+def test_epd_status_expects_only_what_its_shell_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("EPD_MODEL", "EPD_EC_SECRET", "EPD_EC_NAMESPACE", "EPD_DECODE_STAGE"):
+        monkeypatch.delenv(name, raising=False)
+    assert expected_as_configured(Settings()) == Expected(None, None, None)
+    monkeypatch.setenv("EPD_MODEL", "tiny")
+    monkeypatch.setenv("EPD_EC_SECRET", SECRET)
+    got = expected_as_configured(Settings())
+    assert got == Expected("tiny", secret_fingerprint(SECRET.encode()), None)
