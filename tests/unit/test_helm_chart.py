@@ -14,6 +14,7 @@ parse, and the secret's length floor is ``MIN_SECRET_CHARS``.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -424,3 +425,37 @@ def test_the_validation_rejects_broken_manifests(
     )
     unknown = {"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}
     assert [p.message for p in validator.problems([unknown])] != []
+
+
+# --- the README's command ---------------------------------------------------------------------
+
+
+def readme_helm_block() -> str:
+    """The bash block of the README's "Kubernetes (Helm)" subsection."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n### Kubernetes (Helm)\n", 1)[1].split("\n## ", 1)[0]
+    [block] = re.findall(r"```bash\n(.*?)```", section.split("\n### ", 1)[0], flags=re.S)
+    return block
+
+
+def test_the_readme_install_command_renders_valid_manifests(
+    helm: Path, validator: ManifestValidator
+) -> None:
+    """The README's `helm upgrade --install` line, run by bash as written (its `openssl`
+    secrets included) with `template` in place of `upgrade --install`: no cluster here."""
+    block = readme_helm_block()
+    assert block.startswith("helm upgrade --install epd deploy/helm/epd-pipeline ")
+    script = block.replace("helm upgrade --install", f"{helm} template", 1)
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    objects = load_manifests(done.stdout)
+    assert [str(p) for p in validator.problems(objects)] == []
+    [configmap] = of_kind(objects, "ConfigMap").values()
+    assert configmap["data"]["EPD_KAFKA_BOOTSTRAP"] == "kafka-0.kafka:9092,kafka-1.kafka:9092"
+    assert all(o["metadata"].get("namespace", "epd") == "epd" for o in objects)
