@@ -31,6 +31,11 @@ export GOTOOLCHAIN=local
 
 say() { echo "install-tools: $*" >&2; }
 
+if [ ! -x "$go" ]; then
+    say "needs Go (1.26 or newer) on PATH or at /usr/local/go/bin/go"
+    exit 1
+fi
+
 # The directory of module $1 at version $2, downloaded (not built) through the module proxy.
 module_dir() {
     local json dir

@@ -48,7 +48,7 @@ Objects = list[dict[str, Any]]
 
 def _missing(what: str) -> None:
     """Skip for a missing tool, except in CI, where the tools are part of the run."""
-    message = f"{what} is not installed: run {INSTALL}"
+    message = f"{what}: not installed (run {INSTALL})"
     if os.environ.get("CI") == "true":
         pytest.fail(f"CI must have {what} (.ci/run runs {INSTALL})")
     pytest.skip(message)
