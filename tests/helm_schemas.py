@@ -8,6 +8,10 @@ The schemas are the ones the projects publish, fetched from the Go module proxy 
 - KEDA's CustomResourceDefinitions (``config/crd/bases/`` of ``github.com/kedacore/keda/v2``),
   whose ``openAPIV3Schema`` is what the API server checks a ScaledObject against.
 
+- the parameters KEDA's kafka scaler declares (the ``keda:"name=..."`` struct tags of
+  ``pkg/scalers/kafka_scaler.go`` in the same module): the CRD types a trigger's metadata only
+  as a map of strings, so a misspelt ``lagTreshold`` would pass it and be ignored by KEDA.
+
 Each object is validated against the schema of its ``apiVersion``/``kind`` (found by the
 spec's ``x-kubernetes-group-version-kind``) with ``jsonschema_rs``. Strict, as ``kubectl``'s
 server-side field validation is: an object schema that lists its properties gets
@@ -84,6 +88,51 @@ def _close(node: Any) -> None:
     for key in _MANY:
         for sub in node.get(key, []):
             _close(sub)
+
+
+TAG = re.compile(r'`keda:"([^"]+)"`')
+
+
+@dataclass(frozen=True)
+class TriggerParam:
+    """One parameter of a KEDA scaler, as its ``keda:"..."`` struct tag declares it."""
+
+    name: str
+    in_metadata: bool  # read from the trigger's metadata (not only from authParams)
+    from_env: bool  # may come as ``<name>FromEnv``, the name of a container env variable
+    required: bool  # neither optional nor defaulted
+    allowed: tuple[str, ...]  # an enum's values; empty: any string
+
+
+def trigger_params(source: str) -> dict[str, TriggerParam]:
+    """The parameters a KEDA scaler's Go source declares, by name."""
+    out = {}
+    for tag in TAG.findall(source):
+        fields = [f.strip() for f in tag.split(",")]
+        pairs = dict(f.split("=", 1) for f in fields if "=" in f)
+        order = pairs.get("order", "").split(";")
+        out[pairs["name"]] = TriggerParam(
+            name=pairs["name"],
+            in_metadata="triggerMetadata" in order,
+            from_env="resolvedEnv" in order,
+            required="optional" not in fields and "default" not in pairs,
+            allowed=tuple(pairs["enum"].split(";")) if "enum" in pairs else (),
+        )
+    return out
+
+
+def metadata_problems(params: dict[str, TriggerParam], metadata: dict[str, Any]) -> list[str]:
+    """What is wrong with one trigger's metadata for a scaler of ``params``."""
+    known = {p.name for p in params.values() if p.in_metadata}
+    known |= {f"{p.name}FromEnv" for p in params.values() if p.in_metadata and p.from_env}
+    out = [f"unknown parameter {k!r}" for k in sorted(set(metadata) - known)]
+    for p in params.values():
+        if p.required and p.in_metadata and p.name not in metadata:
+            if not (p.from_env and f"{p.name}FromEnv" in metadata):
+                out.append(f"missing required parameter {p.name!r}")
+        if p.allowed and p.name in metadata and metadata[p.name] not in p.allowed:
+            out.append(f"{p.name}={metadata[p.name]!r} is not one of {list(p.allowed)}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -169,6 +218,20 @@ class ManifestValidator:
             for error in validator.iter_errors(obj):
                 path = "/".join(str(p) for p in error.instance_path)
                 out.append(Problem(label, path, error.message))
+            out += self._trigger_problems(label, obj)
+        return out
+
+    def _trigger_problems(self, label: str, obj: dict[str, Any]) -> list[Problem]:
+        """The kafka triggers of a ScaledObject against the kafka scaler's parameters."""
+        if obj.get("kind") != "ScaledObject":
+            return []
+        params = trigger_params((self.keda / "kafka_scaler.go").read_text())
+        out = []
+        for i, trigger in enumerate(obj.get("spec", {}).get("triggers", [])):
+            if trigger.get("type") != "kafka":
+                continue
+            for message in metadata_problems(params, trigger.get("metadata", {})):
+                out.append(Problem(label, f"spec/triggers/{i}/metadata", message))
         return out
 
 

@@ -7,7 +7,8 @@
 #   tools/install-tools.sh helm          .tools/bin/helm, built from helm.sh/helm/v4 at HELM_VERSION
 #   tools/install-tools.sh k8s-schemas   .tools/schemas/kubernetes-<v>/ (the OpenAPI v3 spec of
 #                                        k8s.io/kubernetes) and .tools/schemas/keda-<v>/ (KEDA's
-#                                        ScaledObject CRD), read by tests/helm_schemas.py
+#                                        CRDs and its kafka scaler's parameter declarations),
+#                                        read by tests/helm_schemas.py
 #
 # Versions are pinned here, the one home of these facts (tests/helm_schemas.py reads them back).
 # Adding a tool: a case in `install` below and a function that builds it.
@@ -73,11 +74,14 @@ install_k8s_schemas() {
         chmod -R u+w "$k8s"
         touch "$k8s/.complete"
     fi
-    if [ ! -f "$keda/.complete" ]; then
+    if [ ! -f "$keda/.complete" ] || [ ! -f "$keda/kafka_scaler.go" ]; then
         say "fetching KEDA $KEDA_VERSION's CRDs (github.com/kedacore/keda/v2 module zip)"
         src="$(module_dir github.com/kedacore/keda/v2 "$KEDA_VERSION")"
         rm -rf "$keda" && mkdir -p "$keda"
         cp "$src"/config/crd/bases/keda.sh_*.yaml "$keda/"
+        # The kafka scaler's source declares its trigger parameters (struct tags): the CRD
+        # says only "a map of strings" of a trigger's metadata.
+        cp "$src"/pkg/scalers/kafka_scaler.go "$keda/"
         chmod -R u+w "$keda"
         touch "$keda/.complete"
     fi

@@ -427,6 +427,23 @@ def test_the_validation_rejects_broken_manifests(
     assert [p.message for p in validator.problems([unknown])] != []
 
 
+def test_kafka_trigger_metadata_is_checked_against_the_kafka_scalers_parameters(
+    validator: ManifestValidator, broken: dict[str, dict[str, Any]]
+) -> None:
+    """What the CRD cannot see (metadata is a map of strings): KEDA's kafka scaler's own list."""
+    scaled = broken["scaled"]
+    metadata = scaled["spec"]["triggers"][0]["metadata"]
+    metadata["lagTreshold"] = metadata.pop("lagThreshold")
+    metadata["offsetResetPolicy"] = "oldest"
+    del metadata["consumerGroup"]
+    messages = sorted(p.message for p in validator.problems([scaled]))
+    assert messages == [
+        "missing required parameter 'consumerGroup'",
+        "offsetResetPolicy='oldest' is not one of ['latest', 'earliest']",
+        "unknown parameter 'lagTreshold'",
+    ]
+
+
 # --- the README's command ---------------------------------------------------------------------
 
 
