@@ -244,3 +244,25 @@ def default_validator() -> ManifestValidator:
     """The validator over the pinned schemas in ``.tools/schemas`` (FileNotFoundError when
     ``tools/install-tools.sh k8s-schemas`` has not run)."""
     return ManifestValidator(kubernetes_dir(), keda_dir())
+
+
+def main(argv: list[str]) -> int:
+    """``python -m tests.helm_schemas [FILE...]``: validate rendered manifests (``-`` or none:
+    standard input, e.g. piped from ``helm template``); one line per problem, exit 1 if any."""
+    import sys
+
+    texts = [sys.stdin.read() if a == "-" else Path(a).read_text() for a in argv or ["-"]]
+    objects = [o for text in texts for o in load_manifests(text)]
+    problems = default_validator().problems(objects)
+    for problem in problems:
+        print(problem)
+    versions = f"Kubernetes {pinned('KUBERNETES_VERSION')}, KEDA {pinned('KEDA_VERSION')}"
+    kinds = ", ".join(sorted({str(o.get("kind")) for o in objects}))
+    print(f"{len(objects)} objects ({kinds}): {len(problems)} problems against {versions}")
+    return 1 if problems or not objects else 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

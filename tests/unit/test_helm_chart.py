@@ -476,3 +476,27 @@ def test_the_readme_install_command_renders_valid_manifests(
     [configmap] = of_kind(objects, "ConfigMap").values()
     assert configmap["data"]["EPD_KAFKA_BOOTSTRAP"] == "kafka-0.kafka:9092,kafka-1.kafka:9092"
     assert all(o["metadata"].get("namespace", "epd") == "epd" for o in objects)
+
+
+def test_the_validation_command_reports_and_fails(
+    validator: ManifestValidator,
+    broken: dict[str, dict[str, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``python -m tests.helm_schemas FILE``: what an operator runs on a render of their own."""
+    import yaml
+
+    from tests.helm_schemas import main
+
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump_all([broken["deployment"], broken["scaled"]]))
+    assert main([str(good)]) == 0
+    assert "2 objects (Deployment, ScaledObject): 0 problems" in capsys.readouterr().out
+    broken["deployment"]["spec"]["replicas"] = "three"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump_all([broken["deployment"]]))
+    assert main([str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert 'at spec/replicas: "three" is not of type "integer"' in out
+    assert "1 objects (Deployment): 1 problems" in out
