@@ -7,6 +7,8 @@
 #   make bench     the side-by-side benchmarks
 #   make soak      the pipeline under steady load, memory per minute (MINUTES=5 RPS=2)
 #   make up/down   the production-like docker compose stack (Apache Kafka, Redis, services)
+#   make tools     the pinned helm and the Kubernetes/KEDA schemas in .tools/ (TOOLS=helm ...)
+#   make chart     the Helm chart: helm lint, helm template, schema validation (tests)
 #
 # Variables: PYTHON (>= 3.11, default python3), VENV (.venv), TORCH_SPEC (torch==2.13.0, the CPU
 # wheel on the dev machines; e.g. TORCH_SPEC='torch==2.14.1' for a CUDA build), PYTEST_ARGS,
@@ -32,6 +34,8 @@ BENCH_ARGS ?=
 MINUTES ?= 5
 RPS ?= 2
 SOAK_ARGS ?=
+# What `make tools` installs (tools/install-tools.sh names them; the chart tests need both).
+TOOLS ?= helm k8s-schemas
 STATE_DIR ?= .epd
 
 VPY := $(VENV)/bin/python
@@ -40,7 +44,7 @@ STAMP := $(VENV)/.epd-installed
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 
 .PHONY: help install host-deps test test-tansu test-unit demo bench soak up down services services-down \
-	dockerd dockerd-stop lint imports fmt clean
+	dockerd dockerd-stop lint imports fmt clean tools chart
 
 help:
 	@sed -n 's/^#   make /  make /p' $(MAKEFILE_LIST)
@@ -118,6 +122,13 @@ dockerd:
 dockerd-stop:
 	@if [ -f $(STATE_DIR)/dockerd.pid ]; then kill "$$(cat $(STATE_DIR)/dockerd.pid)" 2>/dev/null || true; \
 		rm -f $(STATE_DIR)/dockerd.pid; echo "make: dockerd stopped"; fi
+
+# Built or fetched once from the Go module proxy into .tools/; later runs find them there.
+tools:
+	tools/install-tools.sh $(TOOLS)
+
+chart: install tools
+	$(VPY) -m pytest $(PYTEST_ARGS) tests/unit/test_helm_chart.py
 
 up:
 	$(COMPOSE) up -d --build
