@@ -33,8 +33,14 @@ LIGHT = ("results", "router")
 async def run(
     settings: Settings, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[LocalRun]:
-    fast = settings.model_copy(update={"fleet_announce_s": 0.5, "fleet_ttl_s": 3.0})
     log_dir = tmp_path_factory.mktemp("fleet-logs")
+    fast = settings.model_copy(
+        update={
+            "fleet_announce_s": 0.5,
+            "fleet_ttl_s": 3.0,
+            "heartbeat_file": log_dir / "heartbeat",
+        }
+    )
     async with local_pipeline(fast, spawn_workers=True, log_dir=log_dir, kinds=LIGHT) as r:
         yield r
 
@@ -109,6 +115,15 @@ async def test_a_worker_with_another_secret_or_model_makes_the_api_unready_until
                 )
             # A clean stop withdraws the announcement: ready again at once.
             assert await _workers_check(api) == (200, "ok")
+
+
+async def test_workers_touch_their_heartbeat_file_while_they_run(run: LocalRun) -> None:
+    beat = run.settings.heartbeat_file
+    assert beat is not None
+    first = beat.stat().st_mtime
+    await asyncio.sleep(1.5)  # three beats
+    assert beat.stat().st_mtime > first
+    assert time.time() - beat.stat().st_mtime < 1.5
 
 
 async def test_metrics_export_workers_lag_and_dead_letters(run: LocalRun) -> None:
