@@ -319,6 +319,23 @@ def test_without_keda_the_deployments_keep_their_replicas(
     assert deployments["router"]["spec"]["replicas"] == 1
 
 
+def test_readyz_waits_only_for_stages_that_always_run_a_worker(
+    helm: Path, secret_values: list[str]
+) -> None:
+    """A stage KEDA may scale to zero is not one /readyz waits for: an API that is not ready
+    gets no traffic, and without traffic no lag would ever start that stage's worker."""
+
+    def ready_stages(*sets: str) -> str:
+        [configmap] = of_kind(render(helm, *secret_values, *sets), "ConfigMap").values()
+        return str(configmap["data"]["EPD_READY_STAGES"])
+
+    assert ready_stages() == "encode,prefill,results"
+    zero = ready_stages("workers.encode.keda.minReplicas=0", "workers.decode.enabled=true")
+    assert zero == "prefill,results,decode"
+    assert ready_stages("keda.enabled=false", "workers.prefill.replicas=0") == "encode,results"
+    assert ready_stages("settings.EPD_READY_STAGES=") == ""  # the operator's word wins
+
+
 def test_decode_on_and_gpus_off_render_cpu_workers(helm: Path, secret_values: list[str]) -> None:
     off = [f"workers.{s}.gpus=0" for s in GPU_STAGES]
     objects = render(helm, *secret_values, "workers.decode.enabled=true", *off)

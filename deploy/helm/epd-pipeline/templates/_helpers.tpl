@@ -85,6 +85,19 @@ fan-out casts encoder inputs before they travel) and fp32 otherwise (exact CPU p
 {{- $_ := set $out "EPD_TOPIC_PREFIX" .Values.kafka.topicPrefix -}}
 {{- $_ := set $out "EPD_REDIS_URL" .Values.redis.url -}}
 {{- $_ := set $out "EPD_DECODE_STAGE" (toString .Values.workers.decode.enabled) -}}
+{{- if not (hasKey .Values.settings "EPD_READY_STAGES") -}}
+{{- /* /readyz waits for a live worker of each stage that always runs one: a stage KEDA may
+scale to zero is left out, or the API would take no traffic and no lag would wake it. */ -}}
+{{- $ready := list -}}
+{{- range $stage := list "encode" "prefill" "results" "decode" -}}
+{{- $w := index $.Values.workers $stage -}}
+{{- $least := ternary $w.keda.minReplicas $w.replicas $.Values.keda.enabled -}}
+{{- if and $w.enabled (ge (int $least) 1) -}}
+{{- $ready = append $ready $stage -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $out "EPD_READY_STAGES" (join "," $ready) -}}
+{{- end -}}
 {{- toYaml $out -}}
 {{- end -}}
 
