@@ -7,6 +7,7 @@
 #   make bench     the side-by-side benchmarks
 #   make soak      the pipeline under steady load, memory per minute (MINUTES=5 RPS=2)
 #   make up/down   the production-like docker compose stack (Apache Kafka, Redis, services)
+#   make tools     the pinned tools some tests run (promtool) into .tools/bin (TOOLS=promtool)
 #
 # Variables: PYTHON (>= 3.11, default python3), VENV (.venv), TORCH_SPEC (torch==2.13.0, the CPU
 # wheel on the dev machines; e.g. TORCH_SPEC='torch==2.14.1' for a CUDA build), PYTEST_ARGS,
@@ -32,6 +33,7 @@ BENCH_ARGS ?=
 MINUTES ?= 5
 RPS ?= 2
 SOAK_ARGS ?=
+TOOLS ?= promtool
 STATE_DIR ?= .epd
 
 VPY := $(VENV)/bin/python
@@ -40,7 +42,7 @@ STAMP := $(VENV)/.epd-installed
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 
 .PHONY: help install host-deps test test-tansu test-unit demo bench soak up down services services-down \
-	dockerd dockerd-stop lint imports fmt clean
+	dockerd dockerd-stop lint imports fmt clean tools
 
 help:
 	@sed -n 's/^#   make /  make /p' $(MAKEFILE_LIST)
@@ -118,6 +120,12 @@ dockerd:
 dockerd-stop:
 	@if [ -f $(STATE_DIR)/dockerd.pid ]; then kill "$$(cat $(STATE_DIR)/dockerd.pid)" 2>/dev/null || true; \
 		rm -f $(STATE_DIR)/dockerd.pid; echo "make: dockerd stopped"; fi
+
+# Built from their registries at pinned versions (tools/install-tools.sh); the tests that run
+# them skip without them, except under CI=true. Not a prerequisite of `make test`: the first
+# promtool build takes minutes.
+tools:
+	tools/install-tools.sh $(TOOLS)
 
 up:
 	$(COMPOSE) up -d --build
