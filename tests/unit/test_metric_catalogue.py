@@ -154,6 +154,29 @@ def unknown_names(expr: str, exported: set[str], records: set[str]) -> set[str]:
     return {n for n in metric_names(expr) if n not in (records if ":" in n else exported)}
 
 
+SCRAPE_LABELS = frozenset({"job", "instance", "le", "__name__"})
+"""Labels a series has without the code naming them: the scrape's, a bucket's, the name."""
+_LIST_BODIES = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
+
+
+def label_names(expr: str) -> set[str]:
+    """The label names an expression matches on or groups by: those in ``{...}`` matchers and
+    in ``by``/``without``/``on``/``ignoring``/``group_left``/``group_right`` lists."""
+    text = _STRINGS.sub('""', expr)  # a value keeps its place after `=`, its text is gone
+    names = set()
+    for body in re.findall(r"\{([^}]*)\}", text):
+        names |= set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", body))
+    for body in _LIST_BODIES.findall(text):
+        names |= {n.strip() for n in body.split(",") if n.strip()}
+    return names
+
+
+def unknown_labels(expr: str, families: dict[str, Family]) -> set[str]:
+    """Labels in ``expr`` that no exported metric carries (nor a scrape adds)."""
+    known = SCRAPE_LABELS.union(*(f.labels for f in families.values()))
+    return label_names(expr) - known
+
+
 # --- the files ----------------------------------------------------------------------------
 
 
@@ -260,6 +283,24 @@ def test_every_expression_names_an_exported_metric_or_a_defined_recording_rule()
 )
 def test_a_name_the_code_does_not_export_is_caught(expr: str, bad: set[str]) -> None:
     assert unknown_names(expr, exported_samples(), recording_rules()) == bad
+
+
+def test_every_label_an_expression_names_is_one_the_metrics_carry() -> None:
+    families = exported()
+    unknown = {where: bad for where, e in expressions() if (bad := unknown_labels(e, families))}
+    assert unknown == {}
+
+
+@pytest.mark.parametrize(
+    ("expr", "bad"),
+    [
+        ("sum by (grup) (rate(epd_consumer_processed_total[5m]))", {"grup"}),
+        ('epd_fleet_workers{stag="encode", job=~"a|b"}', {"stag"}),
+        ('x / on (stage, reason) group_left (modle) y{reason!="{by (z)}"}', {"modle"}),
+    ],
+)
+def test_a_label_no_metric_carries_is_caught(expr: str, bad: set[str]) -> None:
+    assert unknown_labels(expr, exported()) == bad
 
 
 def test_every_recording_rule_is_used_and_follows_the_naming_convention() -> None:
