@@ -7,7 +7,7 @@
 #   make bench     the side-by-side benchmarks
 #   make soak      the pipeline under steady load, memory per minute (MINUTES=5 RPS=2)
 #   make up/down   the production-like docker compose stack (Apache Kafka, Redis, services)
-#   make tools     the pinned helm and the Kubernetes/KEDA schemas in .tools/ (TOOLS=helm ...)
+#   make tools     the pinned helm, promtool and the Kubernetes/KEDA schemas in .tools/ (TOOLS=helm ...)
 #   make chart     the Helm chart: helm lint, helm template, schema validation (tests)
 #
 # Variables: PYTHON (>= 3.11, default python3), VENV (.venv), TORCH_SPEC (torch==2.13.0, the CPU
@@ -34,8 +34,9 @@ BENCH_ARGS ?=
 MINUTES ?= 5
 RPS ?= 2
 SOAK_ARGS ?=
-# What `make tools` installs (tools/install-tools.sh names them; the chart tests need both).
-TOOLS ?= helm k8s-schemas
+# What `make tools` installs (tools/install-tools.sh names them; the chart and rules tests
+# need them).
+TOOLS ?= helm k8s-schemas promtool
 STATE_DIR ?= .epd
 
 VPY := $(VENV)/bin/python
@@ -123,7 +124,9 @@ dockerd-stop:
 	@if [ -f $(STATE_DIR)/dockerd.pid ]; then kill "$$(cat $(STATE_DIR)/dockerd.pid)" 2>/dev/null || true; \
 		rm -f $(STATE_DIR)/dockerd.pid; echo "make: dockerd stopped"; fi
 
-# Built or fetched once from the Go module proxy into .tools/; later runs find them there.
+# Built or fetched once from the Go module proxy at pinned versions into .tools/; later runs
+# find them there. The tests that run them skip without them, except under CI=true. Not a
+# prerequisite of `make test`: the first promtool build takes minutes.
 tools:
 	tools/install-tools.sh $(TOOLS)
 

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # tools/install-tools.sh TOOL...: the pinned command-line tools of the tests and CI, built or
 # fetched from the Go module proxy (the one place this project's machines get Go code from) into
-# .tools/ (git-ignored). Prints one line per tool: NAME<TAB>PATH. Idempotent: a tool already
-# there at its pinned version is not fetched again, so a second run takes about a second.
+# .tools/ (git-ignored). Prints each tool's path, one line per tool in the order asked.
+# Idempotent: a tool already there at its pinned version is not fetched again, so a second run
+# takes about a second (Go's module and build caches in $HOME make a rebuild fast too).
 #
 #   tools/install-tools.sh helm          .tools/bin/helm, built from helm.sh/helm/v4 at HELM_VERSION
+#   tools/install-tools.sh promtool      .tools/bin/promtool, built from the Prometheus module at
+#                                        PROMTOOL_VERSION (its first build takes ~10 minutes on
+#                                        two cores)
 #   tools/install-tools.sh k8s-schemas   .tools/schemas/kubernetes-<v>/ (the OpenAPI v3 spec of
 #                                        k8s.io/kubernetes) and .tools/schemas/keda-<v>/ (KEDA's
 #                                        CRDs and its kafka scaler's parameter declarations),
@@ -22,6 +26,10 @@ KUBERNETES_VERSION=v1.37.2
 # KEDA v2.21.1 asks for Go 1.27.4 in its go.mod, which `go mod download` refuses on this Go
 # (1.26.8); v2.21.0 is the newest release it accepts.
 KEDA_VERSION=v2.21.0
+# promtool comes from the Prometheus module (its Go module versions are v0.3xx.y for Prometheus
+# 3.xx.y).
+PROMTOOL_MODULE=github.com/prometheus/prometheus
+PROMTOOL_VERSION=v0.316.0
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 tools="$root/.tools"
@@ -50,17 +58,29 @@ module_dir() {
     echo "$dir"
 }
 
-install_helm() {
-    local bin="$tools/bin/helm"
-    # `go version -m` reads the module version the binary was built from: the pin, checked.
+# go_tool NAME PACKAGE MODULE VERSION: `go install PACKAGE@VERSION` into .tools/bin, unless the
+# binary there was built from MODULE at VERSION already (`go version -m` reads the module version
+# a binary was built from: the pin, checked; the tools' own --version may not say it).
+go_tool() {
+    local name="$1" package="$2" module="$3" version="$4" bin="$tools/bin/$1"
     if [ -x "$bin" ] && "$go" version -m "$bin" 2>/dev/null |
-        grep -qE "^[[:space:]]+mod[[:space:]]+helm\.sh/helm/v4[[:space:]]+$HELM_VERSION\b"; then
+        awk -v m="$module" -v v="$version" '$1 == "mod" && $2 == m && $3 == v { ok = 1 } END { exit !ok }'; then
         echo "$bin"
         return
     fi
-    say "building helm $HELM_VERSION from helm.sh/helm/v4 (a few minutes the first time)"
-    GOBIN="$tools/bin" "$go" install "helm.sh/helm/v4/cmd/helm@$HELM_VERSION"
+    say "building $name $version from $module (minutes the first time)"
+    local start=$SECONDS
+    GOBIN="$tools/bin" "$go" install "$package@$version"
+    say "built $name $version in $((SECONDS - start)) s"
     echo "$bin"
+}
+
+install_helm() {
+    go_tool helm helm.sh/helm/v4/cmd/helm helm.sh/helm/v4 "$HELM_VERSION"
+}
+
+install_promtool() {
+    go_tool promtool "$PROMTOOL_MODULE/cmd/promtool" "$PROMTOOL_MODULE" "$PROMTOOL_VERSION"
 }
 
 install_k8s_schemas() {
@@ -92,19 +112,19 @@ install() {
     case "$1" in
         helm) install_helm ;;
         k8s-schemas) install_k8s_schemas ;;
+        promtool) install_promtool ;;
         *)
-            say "unknown tool '$1' (known: helm, k8s-schemas)"
+            say "unknown tool '$1' (known: helm, k8s-schemas, promtool)"
             return 2
             ;;
     esac
 }
 
 if [ "$#" -eq 0 ]; then
-    say "usage: tools/install-tools.sh TOOL... (helm, k8s-schemas)"
+    say "usage: tools/install-tools.sh TOOL... (helm, k8s-schemas, promtool)"
     exit 2
 fi
 mkdir -p "$tools/bin"
 for tool in "$@"; do
-    path="$(install "$tool")"
-    printf '%s\t%s\n' "$tool" "$path"
+    install "$tool"
 done
