@@ -9,6 +9,7 @@
 #   make up/down   the production-like docker compose stack (Apache Kafka, Redis, services)
 #   make tools     the pinned helm, promtool and the Kubernetes/KEDA schemas in .tools/ (TOOLS=helm ...)
 #   make chart     the Helm chart: helm lint, helm template, schema validation (tests)
+#   make vllm-side vLLM 0.33.0's Python code for the contract tests (tools/vllm-side.sh)
 #
 # Variables: PYTHON (>= 3.11, default python3), VENV (.venv), TORCH_SPEC (torch==2.13.0, the CPU
 # wheel on the dev machines; e.g. TORCH_SPEC='torch==2.14.1' for a CUDA build), PYTEST_ARGS,
@@ -45,7 +46,7 @@ STAMP := $(VENV)/.epd-installed
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 
 .PHONY: help install host-deps test test-tansu test-unit demo bench soak up down services services-down \
-	dockerd dockerd-stop lint imports fmt clean tools chart
+	dockerd dockerd-stop lint imports fmt clean tools chart vllm-side
 
 help:
 	@sed -n 's/^#   make /  make /p' $(MAKEFILE_LIST)
@@ -84,7 +85,7 @@ host-deps:
 # tests collected) is an error.
 # The broker: EPD_TEST_BROKER=apache|tansu|auto (auto, the default: Apache Kafka 4.4 where Java
 # 17+ and its jars, or mvn to fetch them once, are at hand; else Tansu). The header says which.
-test: install imports host-deps
+test: install imports host-deps vllm-side
 	@docker/ensure-dockerd.sh --pidfile $(STATE_DIR)/dockerd.pid --log $(STATE_DIR)/dockerd.log || \
 		echo "make: no Docker daemon; tests run on embedded services (EPD_TEST_SERVICES=containers would fail)" >&2
 	@rc=0; $(VPY) -m pytest $(XDIST) $(PYTEST_ARGS) || rc=$$?; \
@@ -96,7 +97,7 @@ test-tansu: install host-deps
 		$(VPY) -m pytest $(XDIST) $(PYTEST_ARGS) -m tansu || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make: pytest collected no tests" >&2; fi; exit $$rc
 
-test-unit: install
+test-unit: install vllm-side
 	$(VPY) -m pytest $(XDIST) $(PYTEST_ARGS) tests/unit
 
 demo: install host-deps
@@ -129,6 +130,13 @@ dockerd-stop:
 # prerequisite of `make test`: the first promtool build takes minutes.
 tools:
 	tools/install-tools.sh $(TOOLS)
+
+# vLLM 0.33.0's own Python code for the contract tests (tools/vllm-side.sh: one download, then
+# cached); where it cannot be had, those tests skip saying why (CI runs the script itself and
+# fails without it).
+vllm-side: install
+	@PYTHON=$(VPY) tools/vllm-side.sh >/dev/null || \
+		echo "make: vLLM $(shell sed -n 's/^VLLM_VERSION=//p' tools/vllm-side.sh) not assembled; its contract tests skip" >&2
 
 chart: install tools
 	$(VPY) -m pytest $(PYTEST_ARGS) tests/unit/test_helm_chart.py

@@ -1,11 +1,7 @@
-"""Differential test: our ``vllm`` mode against vLLM 0.33's own code, where vLLM is importable.
+"""Differential test: our ``vllm`` mode against vLLM 0.33's own code.
 
-Skipped unless ``vllm.entrypoints.scale_out.token_in_token_out`` imports (it is not a
-dependency of this project). To run it, put an unpacked vLLM 0.33.0 wheel and its pure-Python
-imports on ``PYTHONPATH``, e.g.::
-
-    pip download vllm==0.33.0 --no-deps -d /tmp/w && unzip -q /tmp/w/*.whl -d /tmp/vllm-side
-    PYTHONPATH=$PWD:/tmp/vllm-side:/tmp/vllm-deps pytest tests/unit/test_vllm_differential.py
+vLLM's code comes from ``tools/vllm-side.sh`` (its wheel's Python files; see
+:mod:`tests.vllm_side`): skipped, saying so, where it is not assembled, and required in CI.
 
 vLLM's verdict is what its endpoint does before scheduling: ``GenerateRequest`` validation,
 the msgpack encoding of the transfer params, and decoding the features
@@ -23,19 +19,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-try:
-    import msgspec
-    from vllm.entrypoints.scale_out.token_in_token_out.mm_features import (
-        mm_kwargs_from_features,
-    )
-    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
-except Exception as e:  # not installed, or a partial install: nothing to compare against
-    pytest.skip(f"vLLM 0.33 is not importable here ({e})", allow_module_level=True)
+from tests.vllm_side import use_vllm
 
-from schemas.errors import ValidationError
-from schemas.vllm_rules import check_vllm_request
-from tests.unit import test_gate_properties as props
-from tests.unit import test_safety_gate as cases
+use_vllm()
+
+import msgspec  # noqa: E402
+from vllm.entrypoints.scale_out.token_in_token_out.mm_features import (  # noqa: E402
+    mm_kwargs_from_features,
+)
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest  # noqa: E402
+
+from schemas.errors import ValidationError  # noqa: E402
+from schemas.vllm_rules import check_vllm_request  # noqa: E402
+from tests.unit import test_gate_properties as props  # noqa: E402
+from tests.unit import test_safety_gate as cases  # noqa: E402
 
 
 def vllm_accepts(body: Any) -> bool:
