@@ -39,7 +39,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--max-in-flight", type=int, help="concurrent events (default: EPD_MAX_IN_FLIGHT)"
     )
     p.add_argument(
-        "--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port"
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("EPD_METRICS_PORT") or 0),
+        help="serve Prometheus metrics on this port (default: EPD_METRICS_PORT; 0: none)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default=os.environ.get("EPD_METRICS_HOST", "127.0.0.1"),
+        help="address the metrics port listens on (default: EPD_METRICS_HOST or 127.0.0.1; "
+        "0.0.0.0 in a container a Prometheus scrapes)",
     )
     p.add_argument("--log-level", default=os.environ.get("EPD_LOG_LEVEL", "INFO"))
     p.add_argument(
@@ -111,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port, addr="127.0.0.1")
+        start_http_server(args.metrics_port, addr=args.metrics_host)
     if args.exit_with_parent is not None:
         _exit_with_parent(args.exit_with_parent)
     ready = None

@@ -22,6 +22,7 @@ from pydantic import SecretStr
 from epd.local_pipeline import LocalRun, WorkerProcesses, local_pipeline, worker_env
 from frontend.api.app import create_app
 from runtime.settings import Settings
+from tests.integration.api_stack import free_port
 
 pytestmark = [pytest.mark.integration]
 
@@ -124,6 +125,23 @@ async def test_workers_touch_their_heartbeat_file_while_they_run(run: LocalRun) 
     await asyncio.sleep(1.5)  # three beats
     assert beat.stat().st_mtime > first
     assert time.time() - beat.stat().st_mtime < 1.5
+
+
+async def test_a_worker_serves_its_own_series_on_the_metrics_port(
+    run: LocalRun, tmp_path: Path
+) -> None:
+    port = free_port()
+    env = {
+        **worker_env(run.settings),
+        "EPD_METRICS_PORT": str(port),
+        "EPD_METRICS_HOST": "127.0.0.1",
+    }
+    with WorkerProcesses(env, tmp_path, ["router"]) as extra:
+        await extra.wait_ready()
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+    group = run.settings.topic_prefix + "-router"
+    assert f'epd_consumer_in_flight{{group="{group}"}}' in text
 
 
 async def test_metrics_export_workers_lag_and_dead_letters(run: LocalRun) -> None:

@@ -232,7 +232,7 @@ def test_one_worker_deployment_per_default_stage_with_gpus_where_asked(default: 
     assert set(deployments) == {"api", "router", "encode", "prefill", "results"}
     for stage in ("router", "encode", "prefill", "results"):
         c = container(deployments[stage])
-        assert c["args"] == ["worker", stage]
+        assert c["args"][:2] == ["worker", stage]
         gpu = c["resources"]["limits"].get("nvidia.com/gpu")
         assert gpu == (1 if stage in GPU_STAGES else None), stage
         assert (env_of(deployments[stage]).get("EPD_DEVICE") == "cuda") == (stage in GPU_STAGES)
@@ -319,6 +319,25 @@ def test_without_keda_the_deployments_keep_their_replicas(
     assert deployments["router"]["spec"]["replicas"] == 1
 
 
+def test_workers_serve_their_metrics_on_the_pod_address(
+    helm: Path, secret_values: list[str], default: Objects
+) -> None:
+    for stage, deployment in of_kind(default, "Deployment").items():
+        if stage == "api":
+            continue
+        spec = deployment["spec"]["template"]
+        args = container(deployment)["args"]
+        assert args[:2] == ["worker", stage]
+        assert args[2:] == ["--metrics-port", "9400", "--metrics-host", "0.0.0.0"], args
+        assert container(deployment)["ports"] == [
+            {"name": "metrics", "containerPort": 9400, "protocol": "TCP"}
+        ]
+        assert spec["metadata"]["annotations"]["prometheus.io/port"] == "9400"
+    off = of_kind(render(helm, *secret_values, "workers.metrics.enabled=false"), "Deployment")
+    assert container(off["encode"])["args"] == ["worker", "encode"]
+    assert "ports" not in container(off["encode"])
+
+
 def test_readyz_waits_only_for_stages_that_always_run_a_worker(
     helm: Path, secret_values: list[str]
 ) -> None:
@@ -340,7 +359,7 @@ def test_decode_on_and_gpus_off_render_cpu_workers(helm: Path, secret_values: li
     off = [f"workers.{s}.gpus=0" for s in GPU_STAGES]
     objects = render(helm, *secret_values, "workers.decode.enabled=true", *off)
     deployments = of_kind(objects, "Deployment")
-    assert container(deployments["decode"])["args"] == ["worker", "decode"]
+    assert container(deployments["decode"])["args"][:2] == ["worker", "decode"]
     for stage in GPU_STAGES:
         assert "nvidia.com/gpu" not in container(deployments[stage])["resources"]["limits"]
         assert "EPD_DEVICE" not in env_of(deployments[stage])
