@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
+from aiokafka import TopicPartition
+
 from runtime.fleet.announcement import Announcement
 from runtime.fleet.board import FleetBoard
 
@@ -40,12 +42,11 @@ class LoopView(Protocol):
     @property
     def failure(self) -> BaseException | None: ...
 
-    def assignment(self) -> set[object]: ...
+    def assignment(self) -> set[TopicPartition]: ...
 
 
 def _partitions(loop: LoopView) -> tuple[str, ...]:
-    held = (f"{tp.topic}:{tp.partition}" for tp in loop.assignment())  # type: ignore[attr-defined]
-    return tuple(sorted(held))
+    return tuple(sorted(f"{tp.topic}:{tp.partition}" for tp in loop.assignment()))
 
 
 @dataclass

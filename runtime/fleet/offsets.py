@@ -55,14 +55,17 @@ class OffsetReader:
         self.timeout_s = timeout_s
         self._clients: tuple[AIOKafkaConsumer, AIOKafkaAdminClient] | None = None
         self._group_consumers: dict[str, AIOKafkaConsumer] = {}
+        self._lock = asyncio.Lock()
+        """One read at a time: a scrape and an admin call share the clients."""
 
     async def read(self) -> Offsets:
         """The offsets now (raises what the broker raised: the caller reports it)."""
-        try:
-            return await asyncio.wait_for(self._read(), self.timeout_s)
-        except BaseException:
-            await self.close()
-            raise
+        async with self._lock:
+            try:
+                return await asyncio.wait_for(self._read(), self.timeout_s)
+            except BaseException:
+                await self.close()
+                raise
 
     async def _read(self) -> Offsets:
         consumer, admin = self._clients or await self._connect()

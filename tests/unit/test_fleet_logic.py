@@ -5,8 +5,10 @@ tests/integration/test_fleet.py)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from aiokafka import TopicPartition
 from pydantic import ValidationError
 
 from frontend.api.errors import ApiError
@@ -17,6 +19,7 @@ from runtime.fleet.announcement import (
     announcement_for,
     secret_fingerprint,
 )
+from runtime.fleet.announcer import Announcer
 from runtime.fleet.board import FleetRead
 from runtime.fleet.readiness import Expected, fleet_causes
 from runtime.fleet.snapshot import expected_as_configured, expected_of
@@ -129,3 +132,51 @@ def test_epd_status_expects_only_what_its_shell_was_given(monkeypatch: pytest.Mo
     monkeypatch.setenv("EPD_EC_SECRET", SECRET)
     got = expected_as_configured(Settings())
     assert got == Expected("tiny", secret_fingerprint(SECRET.encode()), None)
+
+
+class _Loop:
+    def __init__(self) -> None:
+        self.in_flight, self.processed, self.dead_lettered = 2, 0, 0
+        self.failure: BaseException | None = None
+
+    def assignment(self) -> set[TopicPartition]:
+        return {TopicPartition("epd.encode", 1), TopicPartition("epd.encode", 0)}
+
+
+class _Board:
+    def __init__(self, fail: bool = False) -> None:
+        self.written: list[Announcement] = []
+        self.fail = fail
+
+    async def announce(self, a: Announcement) -> None:
+        if self.fail:
+            raise ConnectionError("Redis away")
+        self.written.append(a)
+
+
+async def test_the_announcer_counts_and_beats_while_the_loop_runs(tmp_path: Path) -> None:
+    loop, board, now = _Loop(), _Board(), [100.0]
+    identity = announcement_for(Settings(ec_secret=SECRET), "encode", "encode@h:1", 0)
+    beat = tmp_path / "beat"
+    announcer = Announcer(
+        board, identity, loop, interval_s=5, ttl_s=15, heartbeat_file=beat, clock=lambda: now[0]
+    )  # type: ignore[arg-type]
+    await announcer.beat()
+    first = board.written[-1]
+    assert first.partitions == ("epd.encode:0", "epd.encode:1") and first.in_flight == 2
+    assert first.last_handled_ms is None and first.expires_ms == 115_000 and beat.exists()
+    loop.processed, loop.dead_lettered, now[0] = 3, 1, 101.0
+    await announcer.beat()
+    assert (board.written[-1].handled, board.written[-1].last_handled_ms) == (4, 101_000)
+    now[0] = 102.0
+    await announcer.beat()  # nothing handled since: the last handled time stays
+    assert board.written[-1].last_handled_ms == 101_000
+    # A failed loop stops the heartbeat (the probe restarts the pod); Redis away does not.
+    beat.unlink()
+    announcer.board = _Board(fail=True)  # type: ignore[assignment]
+    await announcer.beat()
+    assert beat.exists()
+    beat.unlink()
+    loop.failure = RuntimeError("consume loop died")
+    await announcer.beat()
+    assert not beat.exists()
