@@ -11,9 +11,10 @@
 #                               start with "-" are redis-server's)
 #   epd-python:<version>-<hash> the app image's base (docker/Dockerfile's BASE_IMAGE): this
 #                               machine's CPython in /usr/local with the packages of the
-#                               project's virtualenv (the project itself left out: the Dockerfile
-#                               installs it, offline), /bin/sh and useradd; the hash covers the package
-#                               list, so a changed virtualenv builds a new one
+#                               project's virtualenv, the project itself left out (the
+#                               Dockerfile installs it, offline), on epd-python-packages (see
+#                               build_app_base); the hashes cover the package list, so a changed
+#                               virtualenv builds new ones
 #
 #   docker/build-images.sh [--force] [--tags] [kafka|tansu|redis|app-base ...]
 #                                                          (default: kafka, tansu and redis)
@@ -155,32 +156,39 @@ DOCKERFILE
     build "$image" "$ctx"
 }
 
-# The site-packages of the interpreter PYTHON runs in, less the project's own install (an
-# editable one points into this tree) and the bytecode caches.
+# The site-packages of the interpreter PYTHON runs in (the project's virtualenv).
 app_site_packages() {
     "$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
 }
 
-# The base image's identity: the interpreter's version and the installed packages (name==version,
-# the project left out), so the tag changes exactly when what it would hold changes.
-app_base_tag() {
+# The base image is two: epd-python-packages (the interpreter and the virtualenv's packages, GBs,
+# rebuilt only when they change: its tag hashes the interpreter's version and the package list,
+# the project left out) and epd-python on top of it (a shell, the tools the Dockerfile's RUN
+# steps call, offline pip: seconds to rebuild when APP_BASE_RECIPE changes).
+APP_BASE_RECIPE="app-base 3: sh, rm, useradd, /etc/passwd, offline pip"
+
+python_version() { "$PYTHON" -c 'import platform; print(platform.python_version())'; }
+
+app_packages_tag() {
     local digest
-    digest="$({ "$PYTHON" -VV; "$PYTHON" -m pip list --format=freeze --exclude epd-pipeline 2>/dev/null
-        printf '%s\n' "$APP_BASE_RECIPE"; } | sha256sum | cut -c1-12)"
-    echo "epd-python:$("$PYTHON" -c 'import platform; print(platform.python_version())')-$digest"
+    digest="$({ "$PYTHON" -VV; "$PYTHON" -m pip list --format=freeze --exclude epd-pipeline 2>/dev/null; } |
+        sha256sum | cut -c1-12)"
+    echo "epd-python-packages:$(python_version)-$digest"
 }
 
-# Bumped when app-base's recipe below changes, so an image built by an older one is not reused.
-APP_BASE_RECIPE="app-base 2: /usr/local python, site-packages, sh, useradd, offline pip"
+app_base_tag() {
+    local digest
+    digest="$(printf '%s\n%s\n' "$(app_packages_tag)" "$APP_BASE_RECIPE" | sha256sum | cut -c1-12)"
+    echo "epd-python:$(python_version)-$digest"
+}
 
-build_app_base() {
-    local image="$1" ctx="$work/app-base" prefix version site rootfs
+build_app_packages() {
+    local image="$1" ctx="$work/app-packages" prefix version site rootfs
     rootfs="$ctx/rootfs"
     prefix="$("$PYTHON" -c 'import sys; print(sys.base_prefix)')"
     version="$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
     site="$(app_site_packages)"
-    mkdir -p "$rootfs/usr/local/bin" "$rootfs/usr/local/lib" "$rootfs/tmp" "$rootfs/etc"
-    chmod 1777 "$rootfs/tmp"
+    mkdir -p "$rootfs/usr/local/bin" "$rootfs/usr/local/lib/python$version/site-packages"
     # The interpreter and its standard library, moved to /usr/local (a relocatable build: the
     # prefix is found from the executable); the base interpreter's own site-packages stay out.
     cp -L "$prefix/bin/python$version" "$rootfs/usr/local/bin/python$version"
@@ -191,8 +199,7 @@ build_app_base() {
     # The virtualenv's packages, without the project (the Dockerfile installs it) or caches.
     (cd "$site" && tar -cf - --exclude='__pycache__' --exclude='__editable__*' \
         --exclude='epd_pipeline-*.dist-info' .) |
-        (mkdir -p "$rootfs/usr/local/lib/python$version/site-packages" &&
-            tar -xf - -C "$rootfs/usr/local/lib/python$version/site-packages")
+        tar -xf - -C "$rootfs/usr/local/lib/python$version/site-packages"
     ln -s "python$version" "$rootfs/usr/local/bin/python3"
     ln -s "python$version" "$rootfs/usr/local/bin/python"
     for tool in pip pip3; do
@@ -210,19 +217,33 @@ build_app_base() {
             mkdir -p "$rootfs$(dirname "$lib")"
             cp -L "$lib" "$rootfs$lib"
         done
-    # What the Dockerfile's RUN steps call: a shell and useradd (with the files it edits).
+    cat >"$ctx/Dockerfile" <<DOCKERFILE
+FROM scratch
+COPY rootfs/ /
+DOCKERFILE
+    build "$image" "$ctx"
+}
+
+build_app_base() {
+    local image="$1" ctx="$work/app-base" packages rootfs
+    rootfs="$ctx/rootfs"
+    packages="$(app_packages_tag)"
+    exists "$packages" || build_app_packages "$packages"
+    mkdir -p "$rootfs/tmp" "$rootfs/etc/default" "$rootfs/home" "$rootfs/root"
+    chmod 1777 "$rootfs/tmp"
+    # What the Dockerfile's RUN steps call: a shell, rm and useradd (with the files it edits).
     copy_with_libs "$(readlink -f /bin/sh)" "$rootfs" /bin/sh
+    copy_with_libs "$(command -v rm)" "$rootfs" /bin/rm
     copy_with_libs "$(command -v useradd)" "$rootfs" /usr/sbin/useradd
     for f in login.defs default/useradd; do
-        [ -e "/etc/$f" ] && { mkdir -p "$rootfs/etc/$(dirname "$f")"; cp "/etc/$f" "$rootfs/etc/$f"; }
+        if [ -e "/etc/$f" ]; then cp "/etc/$f" "$rootfs/etc/$f"; fi
     done
     printf 'root:x:0:0:root:/root:/bin/sh\n' >"$rootfs/etc/passwd"
     printf 'root:x:0:\n' >"$rootfs/etc/group"
     printf 'root:*:19000:0:99999:7:::\n' >"$rootfs/etc/shadow"
     printf 'root:*::\n' >"$rootfs/etc/gshadow"
-    mkdir -p "$rootfs/home" "$rootfs/root"
     cat >"$ctx/Dockerfile" <<DOCKERFILE
-FROM scratch
+FROM $packages
 COPY rootfs/ /
 ENV PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \\
     LD_LIBRARY_PATH=/usr/local/lib
@@ -230,7 +251,7 @@ ENV PATH=/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF
 # index, and the project's build uses the setuptools here (no isolated build environment, which
 # would fetch one). PIP_NO_BUILD_ISOLATION=0 is pip's spelling of --no-build-isolation.
 ENV PIP_NO_INDEX=1 PIP_NO_BUILD_ISOLATION=0
-CMD ["python$version"]
+CMD ["python3"]
 DOCKERFILE
     build "$image" "$ctx"
 }
