@@ -4,10 +4,15 @@
 #   docker/ensure-dockerd.sh [--install] [--pidfile FILE] [--log FILE] [--timeout SECONDS]
 #
 # --install   apt-get install docker.io when dockerd is missing (needs root and apt-get).
+# EPD_DOCKER_STORAGE_DRIVER overrides the storage driver (overlay2 or vfs; default: probed).
 # --pidfile   where to write the pid of a daemon this script started (the file is NOT written
 #             when a daemon already answered, so a caller stops only what it started).
-# The daemon runs the way this sandbox allows: vfs storage, no iptables, no bridge; containers
-# must use host networking. Exit 0 when `docker info` answers, 1 otherwise (with the reason).
+# The daemon runs the way this sandbox allows: no iptables, no bridge (containers must use host
+# networking), overlay2 storage where the kernel mounts an overlay, else vfs. vfs copies every
+# layer and every container's root filesystem whole, which a multi-GB image (the app image of
+# the compose test) cannot afford; overlay2 shares them. Images persist in dockerd's data-root
+# (/var/lib/docker) between runs, per storage driver. Exit 0 when `docker info` answers, 1
+# otherwise (with the reason).
 set -euo pipefail
 
 install=0
@@ -57,10 +62,24 @@ if [ -f /var/run/docker.pid ] && ! kill -0 "$(cat /var/run/docker.pid)" 2>/dev/n
     rm -f /var/run/docker.pid
 fi
 
+# overlay2 when a probe mount works (a VM with an ext4 root), vfs where overlays are refused.
+storage_driver() {
+    local probe ok=vfs
+    probe="$(mktemp -d)"
+    mkdir -p "$probe/lower" "$probe/upper" "$probe/work" "$probe/merged"
+    if mount -t overlay overlay -o "lowerdir=$probe/lower,upperdir=$probe/upper,workdir=$probe/work" \
+        "$probe/merged" 2>/dev/null; then
+        umount "$probe/merged" && ok=overlay2
+    fi
+    rm -rf "$probe"
+    echo "$ok"
+}
+driver="${EPD_DOCKER_STORAGE_DRIVER:-$(storage_driver)}"
+
 mkdir -p "$(dirname "$log")"
-say "starting dockerd (log: $log)"
+say "starting dockerd with $driver storage (log: $log)"
 # setsid + redirected stdio: the daemon holds none of the caller's descriptors open.
-setsid dockerd --storage-driver=vfs --iptables=false --ip-masq=false --bridge=none \
+setsid dockerd --storage-driver="$driver" --iptables=false --ip-masq=false --bridge=none \
     </dev/null >>"$log" 2>&1 &
 pid=$!
 if [ -n "$pidfile" ]; then

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from epd.services.kafka import (
     COMPLETE_MARKER,
+    JVM_PROFILES,
     KAFKA_VERSION,
     LOG4J,
     LOG4J2,
@@ -25,24 +26,55 @@ from epd.services.state import ServiceError
 IMAGE_NAME = "epd-kafka"
 IMAGE_LOG_DIR = "/var/lib/kafka/data"
 IMAGE_ENTRYPOINT = """#!/bin/sh
-# The epd-kafka image's entrypoint. Each argument is one key=value line of server.properties;
-# the log directory is formatted on the first start only (a restarted container keeps its
-# data), then the broker runs in the foreground. CLUSTER_ID names the new cluster; JAVA_OPTS
-# are the JVM flags.
+# The epd-kafka image's entrypoint, two ways to configure it:
+# - arguments (the test layer): each one key=value line of server.properties; JAVA_OPTS are the
+#   JVM flags and CLUSTER_ID names the new cluster;
+# - no arguments (the official apache/kafka image's contract, which docker-compose.yml uses):
+#   every KAFKA_<NAME> variable is the property <name> (lower case, "_" -> ".", "__" -> "_",
+#   "___" -> "-"), log.dirs defaults to /var/lib/kafka/data, and the JVM flags come from
+#   KAFKA_HEAP_OPTS, KAFKA_JVM_PERFORMANCE_OPTS and KAFKA_OPTS (defaults: Kafka's own).
+# The log directory is formatted on the first start only (a restarted container keeps its
+# data), then the broker runs in the foreground.
 set -eu
 conf=/opt/kafka/server.properties
 logdir=/var/lib/kafka/data
 : > "$conf"
+if [ "$#" -eq 0 ]; then
+    env | while IFS='=' read -r name value; do
+        case "$name" in
+            KAFKA_HEAP_OPTS|KAFKA_JVM_PERFORMANCE_OPTS|KAFKA_OPTS|KAFKA_LOG4J_OPTS) ;;
+            KAFKA_JMX_OPTS|KAFKA_GC_LOG_OPTS|KAFKA_VERSION) ;;
+            KAFKA_*)
+                key="$(printf '%s' "${name#KAFKA_}" | sed -e 's/___/-/g' -e 's/__/@/g' \\
+                    -e 's/_/./g' -e 's/@/_/g' -e 's/.*/\\L&/')"
+                printf '%s=%s\\n' "$key" "$value" >> "$conf" ;;
+        esac
+    done
+    if ! grep -q '^log[.]dirs=' "$conf"; then printf 'log.dirs=%s\\n' "$logdir" >> "$conf"; fi
+    JAVA_OPTS="${KAFKA_HEAP_OPTS:-@HEAP@} ${KAFKA_JVM_PERFORMANCE_OPTS:-@FLAGS@}"
+    JAVA_OPTS="$JAVA_OPTS ${KAFKA_OPTS:-} @LOGGING@"
+    CLUSTER_ID="${CLUSTER_ID:-5L6g3nShT-eMCtK--X86sw}"
+fi
 for kv in "$@"; do
     printf '%s\\n' "$kv" >> "$conf"
-    case "$kv" in log.dirs=*) logdir="${kv#log.dirs=}" ;; esac
 done
-if [ ! -f "$logdir/meta.properties" ]; then
+logdir="$(sed -n 's/^log[.]dirs=//p' "$conf")"
+if [ ! -f "${logdir:?no log.dirs}/meta.properties" ]; then
     /opt/java/bin/java $JAVA_OPTS -cp '/opt/kafka/libs/*' kafka.tools.StorageTool format \\
         "--cluster-id=${CLUSTER_ID:?set CLUSTER_ID to format a new log directory}" -c "$conf"
 fi
 exec /opt/java/bin/java $JAVA_OPTS -cp '/opt/kafka/libs/*' kafka.Kafka "$conf"
 """
+# Kafka's own defaults for the official-image way (the production profile is Kafka's start
+# scripts' settings), and the image's quiet log4j2.
+_PRODUCTION = JVM_PROFILES["production"]
+IMAGE_ENTRYPOINT = (
+    IMAGE_ENTRYPOINT.replace("@HEAP@", " ".join(_PRODUCTION.heap_options()))
+    .replace("@FLAGS@", " ".join(_PRODUCTION.flags))
+    .replace(
+        "@LOGGING@", "-Dlog4j2.configurationFile=/opt/kafka/log4j2.properties -Dkafka.logs.dir=/tmp"
+    )
+)
 
 
 def image_tag() -> str:

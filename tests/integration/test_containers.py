@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import uuid
@@ -31,6 +32,12 @@ from tests import services as layer
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+VARIABLE = re.compile(r"\$\{(\w+):-([^}]*)\}")
+
+
+def default(value: str) -> str:
+    """``value`` with each ``${NAME:-default}`` as its default (what Compose runs unset)."""
+    return VARIABLE.sub(lambda m: m.group(2), value)
 
 
 def test_mode_rules() -> None:
@@ -171,24 +178,22 @@ def test_compose_file_is_a_valid_stack() -> None:
     every service command a real ``epd`` sub-command."""
     spec = yaml.safe_load(COMPOSE_FILE.read_text())
     svcs = spec["services"]
-    assert {"kafka", "redis", "router", "encode-worker", "prefill-worker", "results", "api"} <= set(
-        svcs
-    )
-    assert svcs["kafka"]["image"].startswith("apache/kafka")
+    assert {"kafka", "redis", "router", "encode", "prefill", "results", "api"} <= set(svcs)
+    assert default(svcs["kafka"]["image"]).startswith("apache/kafka")
     assert "controller" in svcs["kafka"]["environment"]["KAFKA_PROCESS_ROLES"]
     for name, svc in svcs.items():
         assert svc.get("network_mode") == "host", f"{name} must use host networking"
         assert "ports" not in svc, f"{name} must not publish ports through a bridge"
-    for name in ("encode-worker", "prefill-worker"):
+    for name in ("encode", "prefill"):
         devices = svcs[name]["deploy"]["resources"]["reservations"]["devices"]
         assert any(d.get("driver") == "nvidia" and "gpu" in d["capabilities"] for d in devices)
     parser = build_parser()
-    for name in ("topics", "router", "encode-worker", "prefill-worker", "results", "api"):
+    for name in ("topics", "router", "encode", "prefill", "results", "api"):
         env = svcs[name]["environment"]
         assert env["EPD_KAFKA_BOOTSTRAP"] and env["EPD_REDIS_URL"], name
         assert svcs[name]["build"]["dockerfile"] == "docker/Dockerfile"
         # the image's entrypoint is `epd`: the command must parse as one of its sub-commands
-        args = parser.parse_args(svcs[name]["command"])
+        args = parser.parse_args([default(arg) for arg in svcs[name]["command"]])
         assert callable(args.func), name
     # the API is healthy only when ready (broker, Redis, topics)
     assert "/readyz" in " ".join(svcs["api"]["healthcheck"]["test"])
@@ -200,7 +205,7 @@ def test_compose_runs_the_broker_the_tests_run() -> None:
     from epd.services import kafka
 
     svc = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["kafka"]
-    assert svc["image"] == f"apache/kafka:{kafka.KAFKA_VERSION}"
+    assert svc["image"] == f"${{EPD_KAFKA_IMAGE:-apache/kafka:{kafka.KAFKA_VERSION}}}"
     ours = kafka.server_properties(
         port=1,
         controller_port=2,
@@ -220,20 +225,18 @@ def test_compose_runs_the_benchmarks_jvm() -> None:
     """The production stack's broker JVM is the production profile the benchmarks measure
     (epd.services.kafka.JVM_PROFILES): the same heap and the same flags, as the defaults of the
     variables the official image's start scripts read."""
-    import re
-
     from epd.services import kafka
 
     env = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["kafka"]["environment"]
 
-    def default(name: str) -> str:
+    def variable_default(name: str) -> str:
         found = re.fullmatch(r"\$\{(\w+):-(.*)\}", env[name])
         assert found and found.group(1) == name, env[name]
         return found.group(2)
 
     production = kafka.JVM_PROFILES["production"]
-    assert default("KAFKA_HEAP_OPTS").split() == production.heap_options()
-    assert default("KAFKA_JVM_PERFORMANCE_OPTS").split() == list(production.flags)
+    assert variable_default("KAFKA_HEAP_OPTS").split() == production.heap_options()
+    assert variable_default("KAFKA_JVM_PERFORMANCE_OPTS").split() == list(production.flags)
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
@@ -248,3 +251,41 @@ def test_compose_file_parses_with_docker_compose() -> None:
         env={**os.environ, "EPD_EC_SECRET": "compose-config-test-secret"},
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_compose_names_its_images_through_variables_with_the_public_defaults() -> None:
+    """A machine without a registry passes local images (the compose test); unset, the stack
+    runs the public ones, and the app image's base is docker/Dockerfile's own default."""
+    svcs = yaml.safe_load(COMPOSE_FILE.read_text())["services"]
+    assert svcs["redis"]["image"] == "${EPD_REDIS_IMAGE:-redis:7.4}"
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    base = re.search(r"^ARG BASE_IMAGE=(\S+)$", dockerfile, re.M)
+    assert base and "FROM ${BASE_IMAGE}" in dockerfile
+    for name in ("topics", "router", "encode", "prefill", "results", "api"):
+        assert svcs[name]["image"] == "${EPD_IMAGE:-epd-pipeline:latest}", name
+        assert svcs[name]["build"]["args"]["BASE_IMAGE"] == f"${{EPD_BASE_IMAGE:-{base[1]}}}"
+    # scaled workers share the host network: nothing may pin a name or a port
+    for name in ("encode", "prefill"):
+        assert "container_name" not in svcs[name]
+        assert not any("port" in arg for arg in svcs[name]["command"]), name
+
+
+def test_the_cpu_override_drops_only_the_gpu_reservations() -> None:
+    """docker/compose.cpu.yml merged as Compose merges it: the workers lose their NVIDIA
+    reservation and run on the CPU in fp32; everything else is the production file's."""
+    from tests.integration.compose_stack import apply_override, load_override
+
+    prod = yaml.safe_load(COMPOSE_FILE.read_text())
+    cpu = apply_override(prod, load_override())
+    for name in ("encode", "prefill"):
+        assert "deploy" in prod["services"][name] and "deploy" not in cpu["services"][name]
+        assert cpu["services"][name]["environment"]["EPD_DEVICE"] == "cpu"
+        rest = {k: v for k, v in cpu["services"][name].items() if k != "environment"}
+        assert rest == {
+            k: v for k, v in prod["services"][name].items() if k not in ("deploy", "environment")
+        }
+    for name in ("encode", "prefill", "api", "router"):
+        env = cpu["services"][name]["environment"]
+        assert env["EPD_PIXEL_DTYPE"] == "fp32"
+        assert env["EPD_EC_SECRET"] == prod["services"][name]["environment"]["EPD_EC_SECRET"]
+    assert cpu["services"]["kafka"] == prod["services"]["kafka"]

@@ -86,7 +86,7 @@ def test_compose_has_no_default_secret() -> None:
     import yaml
 
     spec = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    workers = ("router", "encode-worker", "prefill-worker")
+    workers = ("router", "encode", "prefill")
     for name in workers:
         value = spec["services"][name]["environment"]["EPD_EC_SECRET"]
         assert re.fullmatch(r"\$\{EPD_EC_SECRET:\?[^}]+\}", value), (name, value)
