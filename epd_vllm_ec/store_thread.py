@@ -32,7 +32,11 @@ class StoreThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self._closed = False
-        self.store: EmbeddingStore = self._submit(self._open(url)).result()
+        try:
+            self.store: EmbeddingStore = self._submit(self._open(url)).result()
+        except BaseException:
+            self._stop(5.0)
+            raise
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -73,7 +77,11 @@ class StoreThread:
         try:
             self._submit(self.store.close()).result(timeout_s)
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout_s)
-            if not self._thread.is_alive():
-                self._loop.close()
+            self._stop(timeout_s)
+
+    def _stop(self, timeout_s: float) -> None:
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self._loop.close()

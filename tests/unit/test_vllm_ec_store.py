@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,7 +25,7 @@ from epd_vllm_ec.settings import ConnectorSettings, connector_settings
 from epd_vllm_ec.store_thread import StoreThread
 from epd_vllm_ec.worker_side import ECLoadError, load_items, save_item
 from gpu_workers.entries import fetch_outputs, store_outputs
-from runtime.stores import open_store
+from runtime.stores import StoreTimeout, open_store
 from schemas.families import DEEPSTACK, EMBEDS, family
 from schemas.signing import make_ec_transfer
 
@@ -98,7 +100,16 @@ def test_the_store_thread_serves_synchronous_callers_and_closes_once(store_url: 
     async def get(store: Any) -> torch.Tensor:
         return await store.get("a")
 
+    async def stall(store: Any) -> None:
+        await asyncio.sleep(30)
+
     thread.call(put, 5)
+    assert torch.equal(thread.call(get, 5), t)
+    # A call past its bound is cancelled and reported; the thread serves the next one.
+    started = time.monotonic()
+    with pytest.raises(StoreTimeout):
+        thread.call(stall, 0.2)
+    assert time.monotonic() - started < 5
     assert torch.equal(thread.call(get, 5), t)
     thread.close()
     thread.close()
@@ -224,3 +235,10 @@ def test_a_lost_or_misfit_item_fails_the_load_loudly(
             {"EPD_EC_SECRET": SECRET},
         )
         save_item(thread, small, key, torch.ones(3, 2), 0)
+
+
+def test_a_store_that_cannot_open_leaves_no_thread_behind() -> None:
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="unknown embedding store scheme"):
+        StoreThread("nope://x", name="epd-ec-test-unopened")
+    assert "epd-ec-test-unopened" not in {t.name for t in threading.enumerate()} - before
