@@ -165,7 +165,7 @@ app_site_packages() {
 # rebuilt only when they change: its tag hashes the interpreter's version and the package list,
 # the project left out) and epd-python on top of it (a shell, the tools the Dockerfile's RUN
 # steps call, offline pip: seconds to rebuild when APP_BASE_RECIPE changes).
-APP_BASE_RECIPE="app-base 3: sh, rm, useradd, /etc/passwd, offline pip"
+APP_BASE_RECIPE="app-base 4: sh, rm, groupadd, useradd, /etc/passwd, offline pip"
 
 python_version() { "$PYTHON" -c 'import platform; print(platform.python_version())'; }
 
@@ -231,9 +231,11 @@ build_app_base() {
     exists "$packages" || build_app_packages "$packages"
     mkdir -p "$rootfs/tmp" "$rootfs/etc/default" "$rootfs/home" "$rootfs/root"
     chmod 1777 "$rootfs/tmp"
-    # What the Dockerfile's RUN steps call: a shell, rm and useradd (with the files it edits).
+    # What the Dockerfile's RUN steps call: a shell, rm, groupadd and useradd (with the files
+    # they edit).
     copy_with_libs "$(readlink -f /bin/sh)" "$rootfs" /bin/sh
     copy_with_libs "$(command -v rm)" "$rootfs" /bin/rm
+    copy_with_libs "$(command -v groupadd)" "$rootfs" /usr/sbin/groupadd
     copy_with_libs "$(command -v useradd)" "$rootfs" /usr/sbin/useradd
     for f in login.defs default/useradd; do
         if [ -e "/etc/$f" ]; then cp "/etc/$f" "$rootfs/etc/$f"; fi
