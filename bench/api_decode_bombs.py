@@ -123,7 +123,8 @@ async def run(opts: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         update={"topic_prefix": prefix, "ec_secret": SecretStr(secrets.token_hex(16))}
     )
     await ensure_topics(settings, Topics(prefix).all())
-    env = {**worker_env(settings), "EPD_LOG_LEVEL": "WARNING"}
+    # No workers run here: readiness must not wait for them (EPD_READY_STAGES empty).
+    env = {**worker_env(settings), "EPD_LOG_LEVEL": "WARNING", "EPD_READY_STAGES": ""}
     env.pop("EPD_API_TOKENS", None)
     body = bomb_body(opts.scans)
     lifted_env = {

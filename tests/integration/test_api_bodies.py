@@ -111,6 +111,7 @@ def api(
             "api_image_url_concurrency": FETCH_SLOTS,
             "api_image_url_hosts": f"127.0.0.1:{images.port}",
             "api_render_concurrency": 4,
+            "ready_stages": "",  # no workers here: readiness must not wait for them
         }
     )
     asyncio.run(ensure_topics(s, Topics(s.topic_prefix).all()))

@@ -40,6 +40,7 @@ def apis(
     asyncio.run(ensure_topics(cfg, Topics(cfg.topic_prefix).all()))
     env = worker_env(cfg)
     env.pop("EPD_API_TOKENS", None)
+    env["EPD_READY_STAGES"] = ""  # no workers here: readiness must not wait for them
     log_dir = tmp_path_factory.mktemp("decode-bombs")
     started: dict[str, ApiProcess] = {}
     try:

@@ -314,8 +314,11 @@ def test_coordinator_block(quick_run: tuple[dict[str, Any], Path]) -> None:
                 assert cell["redis_commands_per_request"]["top"]
         floor = per["floor"]
         assert floor["floor_ms"]["new"] > floor["floor_ms"]["cached"] >= floor["kafka_hop_p50_ms"]
+        # Four significant digits (bench.common.sig): a loaded host's 137.72 ms is 137.7.
         assert per["overhead_vs_floor_ms"]["new"] == pytest.approx(
-            per["cells"]["new"]["c1"]["latency_ms"]["p50"] - floor["floor_ms"]["new"], abs=0.01
+            per["cells"]["new"]["c1"]["latency_ms"]["p50"] - floor["floor_ms"]["new"],
+            rel=1e-3,
+            abs=0.01,
         )
         assert set(per["profile"]) == {f"{case}_c{max(CONCURRENCY)}" for case in CASES}
         assert per["rss_mb"]["results"] > 0 and "total" in per["idle_cpu_pct"]
