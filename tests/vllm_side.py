@@ -61,4 +61,3 @@ def side_env() -> dict[str, str]:
     paths = side_paths() or []
     current = os.environ.get("PYTHONPATH", "")
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), current, *paths]).strip(":")}
-
