@@ -55,6 +55,10 @@ from vllm.entrypoints.serve.exception_handling.error_response import (  # noqa: 
 from gpu_workers.instant import INSTANT_TEXT  # noqa: E402
 
 LABEL = "stand-in built from vLLM 0.33.0's code, not a live vLLM"
+TOKENS_ONLY_STOP = (
+    "stop strings are not supported on a --tokens-only server because detokenization is "
+    "disabled. Check stop strings on the coordinator, or use stop_token_ids."
+)
 
 
 @dataclass
@@ -62,6 +66,8 @@ class StandInState:
     """What the stand-in saw (read by tests) and the faults it is told to make."""
 
     token_delay_s: float = 0.0
+    tokens_only: bool = False
+    """Answer as ``vllm serve --tokens-only`` does: stop strings are refused (a 400)."""
     requests: list[dict[str, Any]] = field(default_factory=list)
     """Every generate body vLLM's model accepted, as sent."""
     rejected: list[str] = field(default_factory=list)
@@ -120,6 +126,10 @@ def build_app(state: StandInState, store_url: str | None = None) -> FastAPI:
         except Exception as exc:  # vLLM answers every validation failure with a 400
             state.rejected.append(str(exc)[:200])
             return _error(exc)
+        if state.tokens_only and req.sampling_params.stop:
+            # vLLM's own refusal (serving.py, force_no_detokenize): its words, its 400.
+            state.rejected.append("stop strings on --tokens-only")
+            return _error(TOKENS_ONLY_STOP)
         fault = state.faults.pop(0) if state.faults else None
         if fault == "500":
             return _error("the stand-in was told to fail once", HTTPStatus.INTERNAL_SERVER_ERROR)

@@ -75,6 +75,20 @@ class VllmClient:
         if not finished:
             raise VllmUnavailable(f"vLLM at {url} ended the stream without a finish reason")
 
+    async def post_whole(self, body: dict[str, Any]) -> Any:
+        """The whole (``stream: false``) reply to ``body`` as JSON; raises as :meth:`generate`."""
+        url = pick(self.urls, str(body.get("request_id", ""))) + GENERATE_PATH
+        try:
+            resp = await self.http.post(url, json=body)
+        except httpx.TransportError as exc:
+            raise VllmUnavailable(f"vLLM at {url}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code != 200:
+            raise error_for(resp.status_code, resp.content)
+        try:
+            return resp.json()
+        except ValueError:
+            raise VllmUnavailable(f"vLLM at {url} answered 200 without JSON") from None
+
     async def abort(self, request_id: str) -> bool:
         """Ask the instance serving ``request_id`` to abort it; False when it could not be told
         (the stream's close aborts it too: vLLM aborts a request whose client went)."""
