@@ -10,9 +10,10 @@ engine's tokens (:data:`gpu_workers.instant.INSTANT_TEXT`, one per step), ending
 ``max_tokens``, a stop token or a stop string, or ``abort`` when an abort names the request.
 
 Faults on demand (:meth:`StandIn.fail_next`): ``"drop"`` cuts the connection after the first
-token, ``"500"`` answers vLLM's 500 ``ErrorResponse``. A ``POST /standin/encode`` route plays a
-vLLM encoder instance with its EC connector: it validates the same body and writes each item's
-entry into our store (``--store-url``), as the EC producer would.
+token, ``"500"`` answers vLLM's 500 ``ErrorResponse``. Given a store (``store_url``), it also
+plays an encoder instance with an EC connector in the producer role: an item that carries its
+encoder inputs and names an EC entry gets its entry written into our store (through our store
+code) before the answer, as vLLM's connector would.
 
 Run it in-process (:class:`StandIn`, a uvicorn server on a thread) or as
 ``python -m tests.vllm_standin --port N`` with ``tests.vllm_side.side_env()``.
@@ -117,6 +118,10 @@ def _validated(body: Any) -> GenerateRequest:
 def build_app(state: StandInState, store_url: str | None = None) -> FastAPI:
     """The stand-in's routes over ``state``."""
     app = FastAPI(title=LABEL)
+    if store_url is not None:
+        from runtime.model import load_model
+
+        _bundle(load_model)  # loaded before serving, not on the first encode's event loop
 
     @app.post("/inference/v1/generate")
     async def generate(raw: Request) -> Response:
@@ -130,10 +135,16 @@ def build_app(state: StandInState, store_url: str | None = None) -> FastAPI:
             # vLLM's own refusal (serving.py, force_no_detokenize): its words, its 400.
             state.rejected.append("stop strings on --tokens-only")
             return _error(TOKENS_ONLY_STOP)
-        fault = state.faults.pop(0) if state.faults else None
+        # Faults are for the streamed (prefill) requests; an encoder's whole request passes.
+        fault = state.faults.pop(0) if state.faults and req.stream else None
         if fault == "500":
             return _error("the stand-in was told to fail once", HTTPStatus.INTERNAL_SERVER_ERROR)
         state.requests.append(body)
+        if store_url is not None and req.features is not None and req.features.kwargs_data:
+            try:
+                state.encoded.extend(await _produce(req, store_url))
+            except Exception as exc:  # the encoder failed: vLLM's 500
+                return _error(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR)
         rid = f"generate-tokens-{req.request_id}"
         stop = state.running[rid] = asyncio.Event()
         if not req.stream:
@@ -153,10 +164,6 @@ def build_app(state: StandInState, store_url: str | None = None) -> FastAPI:
             if rid in state.running:
                 state.running[rid].set()
         return Response(status_code=200)
-
-    @app.post("/standin/encode")
-    async def encode(raw: Request) -> Response:
-        return await _encode(raw, state, store_url)
 
     @app.get("/health")
     async def health() -> Response:
@@ -216,22 +223,44 @@ async def _stream(
         state.running.pop(rid, None)
 
 
-async def _encode(raw: Request, state: StandInState, store_url: str | None) -> Response:
-    """An encoder instance with vLLM's EC producer: validate, then write each item's entry into
-    our store where its ``ec_transfer_params`` entry says (zero embeddings of the instant
-    engine's shapes, as the encode worker's instant engine writes them)."""
-    try:
-        body = await raw.json()
-        req = _validated(body)
-    except Exception as exc:
-        return _error(exc)
-    if store_url is None or req.features is None:
-        return _error("the stand-in encoder has no store", HTTPStatus.INTERNAL_SERVER_ERROR)
-    from tests.vllm_standin_store import park_items
+async def _produce(req: GenerateRequest, store_url: str) -> list[str]:
+    """The EC producer's part (an encoder instance): each item that carries its encoder inputs
+    and names an EC entry gets its encoder output written there, through our store code (what
+    the EC connector does), zero embeddings of the instant engine's shapes."""
+    from gpu_workers.entries import store_outputs
+    from gpu_workers.instant import instant_encode
+    from runtime.model import load_model
+    from runtime.stores import open_store
+    from schemas.ec_entries import find_ec_entry
 
-    written = await park_items(store_url, body)
-    state.encoded.extend(written)
-    return JSONResponse({"encoded": written})
+    assert req.features is not None
+    bundle = _bundle(load_model)
+    items = mm_kwargs_from_features(req.features)
+    store = open_store(store_url)
+    written = []
+    try:
+        for modality, hashes in req.features.mm_hashes.items():
+            for mm_hash, item in zip(hashes, items[modality], strict=True):
+                entry = find_ec_entry(req.ec_transfer_params, mm_hash)
+                pv = f"pixel_values{'_videos' if modality == 'video' else ''}"
+                if item is None or pv not in item or not isinstance(entry, dict):
+                    continue
+                grid = item[f"{modality}_grid_thw"].data
+                (out,) = instant_encode(bundle, [(item[pv].data, grid)])
+                await store_outputs(store, entry["key"], out, bundle.family, 600)
+                written.append(mm_hash)
+    finally:
+        await store.close()
+    return written
+
+
+_BUNDLES: dict[str, Any] = {}
+
+
+def _bundle(load: Any) -> Any:
+    if "instant" not in _BUNDLES:
+        _BUNDLES["instant"] = load("instant", device="cpu")
+    return _BUNDLES["instant"]
 
 
 def free_port() -> int:

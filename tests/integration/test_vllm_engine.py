@@ -2,8 +2,9 @@
 prefill worker driving the stand-in built from vLLM 0.33.0's code (``tests/vllm_standin.py``:
 vLLM's own request and response models, a stub engine; not a live vLLM).
 
-A request completes with the stand-in's tokens (streamed back into our token stream and
-status); a cancel reaches the stand-in as ``/inference/v1/abort_requests``; vLLM's 400 is a dead
+A request is encoded by the stand-in's encoder (its entry written into our store, as vLLM's EC
+producer would) and completes with the stand-in's tokens (streamed back into our token stream
+and status); a cancel reaches the stand-in as ``/inference/v1/abort_requests``; vLLM's 400 is a dead
 letter naming rule ``vllm.rejected``; a dropped connection is retried and completes.
 """
 
@@ -35,8 +36,10 @@ pytestmark = [pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")
-def standin() -> Iterator[StandIn]:
-    with StandIn() as s:
+def standin(settings: Settings) -> Iterator[StandIn]:
+    # One stand-in plays both instances: the encoder (EC producer: it writes the entries into
+    # our store) and the prefill/decode instance (EC consumer).
+    with StandIn(store_url=settings.embedding_store_url) as s:
         yield s
 
 
@@ -49,6 +52,7 @@ async def run(
             "model": "instant",
             "engine": "vllm",
             "vllm_prefill_url": standin.url,
+            "vllm_encode_url": standin.url,
             "vllm_timeout_s": 10.0,
         }
     )
@@ -90,6 +94,10 @@ async def test_completes_with_the_standins_tokens(run: LocalRun, standin: StandI
     assert "kwargs_data" not in body["features"]  # metadata only: no pixel_values to vLLM
     assert set(body["ec_transfer_params"]) == set(hashes)
     assert body["ec_transfer_params"][hashes[0]]["signature"]
+    # The encode stage ran on the stand-in's encoder, which wrote the entry into our store.
+    assert set(hashes) <= set(standin.state.encoded)
+    encodes = [b for b in standin.state.requests if b["request_id"].startswith(f"{rid}-enc-")]
+    assert len(encodes) == 1 and encodes[0]["features"]["kwargs_data"]["image"][0]
 
 
 async def test_a_cancel_reaches_vllm_as_an_abort(run: LocalRun, standin: StandIn) -> None:

@@ -61,3 +61,43 @@ def test_request_ids_hash_to_one_instance() -> None:
     picked = {pick(urls, f"req-{i}") for i in range(60)}
     assert picked == set(urls)
     assert all(pick(urls, "req-7") == pick(urls, "req-7") for _ in range(3))
+
+
+def test_an_encode_vllm_answered_is_not_encoded_until_its_entry_is_in_our_store(
+    standin: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stand-in here has no store (its EC connector writes nowhere): vLLM's 200 is not
+    enough, the encode fails (retryable) naming the missing entry."""
+    import types
+
+    import torch
+
+    from gpu_workers.vllm_engine import encode as venc
+    from runtime.model import load_model
+    from runtime.settings import Settings
+    from runtime.stores.local import LocalStore
+    from schemas.signing import make_ec_transfer
+    from schemas.types import EncodeEvent
+
+    monkeypatch.setattr(venc, "ENTRY_WAIT_S", 0.3)
+    ctx = types.SimpleNamespace(
+        settings=Settings(engine="vllm", vllm_encode_url=standin.url),
+        bundle=load_model("instant", device="cpu"),
+        store=LocalStore(),
+    )
+    tensors = {"pixel_values": torch.randn(16, 1176), "image_grid_thw": torch.tensor([1, 4, 4])}
+    ec = make_ec_transfer(
+        mm_hash="h", store="local://", key="k", expires_ms=4 * 10**12, secret=None
+    )
+    ev = EncodeEvent("enc-r", "instant", "image", 0, "h", dict(tensors), ec)
+
+    async def go() -> None:
+        enc = venc.VllmEncoder(ctx)  # type: ignore[arg-type]
+        try:
+            with pytest.raises(VllmUnavailable, match="entry is not in the store"):
+                await enc.encode(ev, tensors, "image_grid_thw")
+        finally:
+            await enc.close()
+
+    asyncio.run(go())
+    assert any(b["request_id"] == "enc-r-enc-image0" for b in standin.state.requests)

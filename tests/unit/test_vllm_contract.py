@@ -351,3 +351,30 @@ def test_error_replies() -> None:
         )
     with pytest.raises(VllmRejected):
         parse_event("data: " + json.dumps(bad.model_dump()))
+
+
+# --------------------------------------------------------------------------- encoder requests
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("modality", ["image", "video"])
+def test_vllm_accepts_our_encoder_requests(family: str, modality: str) -> None:
+    from gpu_workers.vllm_engine.encode import encode_body
+    from schemas.types import EncodeEvent
+
+    t, h, w = (1, 4, 4) if modality == "image" else (2, 4, 8)
+    pv = "pixel_values" + ("_videos" if modality == "video" else "")
+    grid_name = f"{modality}_grid_thw"
+    tensors = {pv: torch.randn(t * h * w, 12), grid_name: torch.tensor([t, h, w])}
+    ec = make_ec_transfer(
+        mm_hash="h1", store="redis://s:6379/0", key="k1", expires_ms=4 * 10**12, secret=SECRET
+    )
+    ev = EncodeEvent("r", "m", modality, 0, "h1", dict(tensors), ec)
+    body = encode_body(ev, tensors, grid_name, pad_id=151655, merge_size=2)
+    req = vllm_parse(body)
+    assert req.features is not None and req.stream is False
+    assert req.features.mm_placeholders[modality][0].length == len(req.token_ids) == t * h * w // 4
+    (item,) = mm_kwargs_from_features(req.features)[modality]
+    assert item is not None and torch.equal(item[pv].data, tensors[pv])
+    assert req.ec_transfer_params == ec_params_json({"h1": ec})
+    assert req.sampling_params.max_tokens == 1
