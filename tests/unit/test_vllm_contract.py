@@ -378,3 +378,30 @@ def test_vllm_accepts_our_encoder_requests(family: str, modality: str) -> None:
     assert item is not None and torch.equal(item[pv].data, tensors[pv])
     assert req.ec_transfer_params == ec_params_json({"h1": ec})
     assert req.sampling_params.max_tokens == 1
+
+
+# --------------------------------------------------------------------------- the README's servers
+
+
+def test_readme_ec_transfer_configs_are_vllms() -> None:
+    """The README's ``--ec-transfer-config`` JSON (encoder, prefill/decode) builds vLLM's own
+    ``ECTransferConfig`` with the roles it names (the connector module filled in)."""
+    import re
+    from pathlib import Path
+
+    from vllm.config.ec_transfer import ECTransferConfig
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## vLLM backend") :]
+    section = section[: section.index("\n## ", 5)]
+    blobs = re.findall(r"--ec-transfer-config '(\{.*?\})'\n", section, flags=re.S)
+    assert len(blobs) == 2
+    configs = [
+        ECTransferConfig(
+            **json.loads(b.replace('"\'"$EPD_EC_CONNECTOR_MODULE"\'"', '"epd_vllm_ec"'))
+        )
+        for b in blobs
+    ]
+    assert [(c.is_ec_producer, c.is_ec_consumer) for c in configs] == [(True, False), (False, True)]
+    assert all(c.ec_connector_module_path == "epd_vllm_ec" for c in configs)
+    assert "--enable-scale-out" in section and VLLM_VERSION in section
