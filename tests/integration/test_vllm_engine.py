@@ -5,7 +5,8 @@ vLLM's own request and response models, a stub engine; not a live vLLM).
 A request is encoded by the stand-in's encoder (its entry written into our store, as vLLM's EC
 producer would) and completes with the stand-in's tokens (streamed back into our token stream
 and status); a cancel reaches the stand-in as ``/inference/v1/abort_requests``; vLLM's 400 is a dead
-letter naming rule ``vllm.rejected``; a dropped connection is retried and completes.
+letter naming rule ``vllm.rejected``; a dropped connection is retried and completes; a deadline
+passing mid-generation aborts it too.
 """
 
 from __future__ import annotations
@@ -63,9 +64,14 @@ async def run(
         yield r
 
 
-async def _submit(run: LocalRun, seed: int, sampling: SamplingParams) -> str:
+async def _submit(
+    run: LocalRun, seed: int, sampling: SamplingParams, deadline_ms: int | None = None
+) -> str:
     ev, _ = await run.submitter.submit(
-        prompt="Describe <image>.", images=[synthetic_image(56, 84, seed=seed)], sampling=sampling
+        prompt="Describe <image>.",
+        images=[synthetic_image(56, 84, seed=seed)],
+        sampling=sampling,
+        deadline_ms=deadline_ms,
     )
     return ev.request_id
 
@@ -150,3 +156,19 @@ async def test_a_dropped_connection_is_retried(run: LocalRun, standin: StandIn) 
     assert rec.status == "completed", rec.error
     assert rec.token_ids == list(INSTANT_TEXT[:6])  # the retry's tokens, none twice
     assert len(_bodies(standin, rid)) == 2
+
+
+async def test_a_deadline_passing_while_vllm_generates_aborts_it(
+    run: LocalRun, standin: StandIn
+) -> None:
+    standin.state.token_delay_s = 0.2
+    try:
+        rid = await _submit(
+            run, 5, SamplingParams(max_tokens=200), deadline_ms=int(time.time() * 1000) + 6000
+        )
+        rec = await _wait(run, rid)
+    finally:
+        standin.state.token_delay_s = 0.0
+    assert rec.status == "expired"
+    assert 0 < len(rec.token_ids or []) < 200  # the tokens made before the deadline
+    assert engine_request_id(rid) in standin.state.aborts

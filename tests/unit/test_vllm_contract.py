@@ -214,11 +214,10 @@ def test_vllm_accepts_what_we_send(shape: Shape) -> None:
     for modality, items in decoded.items():
         (item,) = items
         assert item is not None
-        for name, t in (ev.features.mm_metadata or {})[modality][0].items():
-            assert torch.equal(item[name].data, t), (modality, name)
-        inline = (ev.features.kwargs_data or {}).get(modality, [None])[0]
-        for name, t in (inline or {}).items():
-            assert torch.equal(item[name].data, t), (modality, name)
+        meta = (ev.features.mm_metadata or {})[modality][0] or {}
+        inline = (ev.features.kwargs_data or {}).get(modality, [None])[0] or {}
+        for name, t in [*meta.items(), *inline.items()]:
+            assert isinstance(t, torch.Tensor) and torch.equal(item[name].data, t), (modality, name)
     # The EC connector reads the entries from extra_args, where serve_tokens copies them.
     for mm_hash in ev.ec_transfer_params:
         assert req.ec_transfer_params is not None and mm_hash in req.ec_transfer_params
