@@ -12,9 +12,9 @@ through vLLM's EC connector from our store), every sampling field spelled out, a
 Replies are read in vLLM's own shapes: a whole ``GenerateTokensResponse``, the server-sent
 events of ``GenerateTokensStreamResponse`` chunks ending ``data: [DONE]``, and
 ``ErrorResponse`` (``{"error": {message, type, param, code}}``), as a 4xx/5xx body or as a
-chunk inside a stream. A 4xx is the request's fault (:class:`VllmRejected`, rule
-``vllm.rejected``: dead-lettered); a 5xx, a dropped connection or a stream that ends without
-its finish is the server's (:class:`VllmUnavailable`, a ``ConnectionError``: retried).
+chunk inside a stream. A 400, 413 or 422 is the request's fault (:class:`VllmRejected`, rule
+``vllm.rejected``: dead-lettered); any other status, a dropped connection or a stream that ends
+without its finish is not (:class:`VllmUnavailable`, a ``ConnectionError``: retried).
 
 Plain JSON dicts only: this module does not import vLLM. ``tests/unit/test_vllm_contract.py``
 holds it to vLLM's own models.
@@ -40,11 +40,16 @@ VLLM_VERSION = "0.33.0"
 """The vLLM release these bodies and replies are built and tested against."""
 
 REJECTED_RULE = "vllm.rejected"
-"""The rule a request vLLM refused (a 4xx) is dead-lettered with."""
+"""The rule a request vLLM refused (a 400, 413 or 422) is dead-lettered with."""
 ITEM_SOURCE_RULE = "vllm.item-source"
 """The rule of an item this backend cannot hand to vLLM safely (see :func:`generate_body`)."""
 MAX_MESSAGE_CHARS = 500
 """vLLM's error message is cut to this length (it reaches DLQ headers and status records)."""
+
+EVENT_FAULTS = frozenset({400, 413, 422})
+"""vLLM's answers that blame the request itself (a bad or too large body): dead-lettered. Any
+other status (a 401/403 or 404 of a misconfigured deployment, a 429, a 5xx) is retried: the
+event is fine and must not be lost while the deployment is put right."""
 
 FINISH_ABORT = "abort"
 """vLLM's finish reason for a request its engine aborted."""
@@ -140,7 +145,8 @@ def abort_body(request_ids: list[str]) -> dict[str, Any]:
 
 
 class VllmRejected(ValidationError):
-    """vLLM refused the request (a 4xx, or a 4xx error inside a stream): the event's fault."""
+    """vLLM refused the request (:data:`EVENT_FAULTS`, as a reply or inside a stream): the
+    event's fault."""
 
     def __init__(self, status: int, message: str) -> None:
         self.status = status
@@ -168,8 +174,9 @@ class VllmOutput:
 
 
 def error_for(status: int, body: bytes | str) -> Exception:
-    """The error a non-200 reply stands for: :class:`VllmRejected` for a 4xx (with vLLM's own
-    message when the body is an ``ErrorResponse``), :class:`VllmUnavailable` otherwise."""
+    """The error a non-200 reply stands for: :class:`VllmRejected` for :data:`EVENT_FAULTS`
+    (with vLLM's own message when the body is an ``ErrorResponse``), :class:`VllmUnavailable`
+    otherwise."""
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
     message = text
     try:
@@ -182,7 +189,7 @@ def error_for(status: int, body: bytes | str) -> Exception:
             message = err["message"]
         elif isinstance(doc.get("detail"), str | list):  # FastAPI's HTTPException shape
             message = str(doc["detail"])
-    if 400 <= status < 500:
+    if status in EVENT_FAULTS:
         return VllmRejected(status, message)
     return VllmUnavailable(f"vLLM answered {status}: {_bounded(message)}")
 

@@ -56,7 +56,7 @@ class VllmClient:
 
     async def generate(self, body: dict[str, Any]) -> AsyncIterator[VllmOutput]:
         """The streamed reply to ``body`` (``stream: true``), one delta at a time, ending with the
-        delta that carries the finish reason. Raises ``VllmRejected`` (a 4xx) or
+        delta that carries the finish reason. Raises ``VllmRejected`` (vLLM blames the body) or
         ``VllmUnavailable`` (a 5xx, a transport failure, a stream without its finish)."""
         url = pick(self.urls, str(body.get("request_id", ""))) + GENERATE_PATH
         finished = False

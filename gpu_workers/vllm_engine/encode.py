@@ -87,7 +87,7 @@ class VllmEncoder:
             ev, tensors, grid_name, self.pad_ids[ev.modality], self.ctx.bundle.merge_size
         )
         resp = await self.client.post_whole(body)
-        parse_response(resp)  # an ErrorResponse raises (4xx: rejected; 5xx: retried)
+        parse_response(resp)  # an ErrorResponse raises (the body's fault: rejected; else retried)
         key, store = ev.ec_transfer.key, self.ctx.store
         deadline = time.monotonic() + ENTRY_WAIT_S
         while not await store.exists(key):

@@ -338,6 +338,14 @@ def test_error_replies() -> None:
     )
     assert isinstance(error_for(down.error.code, json.dumps(down.model_dump())), VllmUnavailable)
     assert isinstance(error_for(503, b"<html>bad gateway</html>"), VllmUnavailable)
+    # A deployment's fault (wrong model name, an API key, overload) is retried, not dead-lettered.
+    missing = create_error_response(
+        "The model `m` does not exist.", "NotFoundError", HTTPStatus.NOT_FOUND
+    )
+    assert isinstance(error_for(404, json.dumps(missing.model_dump())), VllmUnavailable)
+    assert isinstance(error_for(401, b'{"error": "Unauthorized"}'), VllmUnavailable)
+    assert isinstance(error_for(429, b""), VllmUnavailable)
+    assert isinstance(error_for(422, json.dumps(bad.model_dump())), VllmRejected)
     # An error inside a stream, as create_streaming_error_response writes it.
     with pytest.raises(VllmUnavailable, match="Internal server error"):
         parse_event(
