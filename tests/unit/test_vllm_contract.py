@@ -230,7 +230,9 @@ def test_shape_count(capsys: pytest.CaptureFixture[str]) -> None:
         print(
             f"\nvLLM {VLLM_VERSION} GenerateRequest accepted {len(SHAPES)} request shapes "
             f"({len(families)} families x image/video/both/text x ec/inline/mixed x "
-            f"{len(SAMPLINGS)} samplings)"
+            f"{len(SAMPLINGS)} samplings), and {len(FAMILIES) * 2} encoder request shapes "
+            f"({len(FAMILIES)} families x image/video); {len(FINISHES) * 2 + 1} reply checks "
+            "made by vLLM's response models"
         )
 
 
