@@ -24,6 +24,7 @@ from gpu_workers.entries import request_cancelled, store_outputs
 from gpu_workers.instant import instant_encode
 from gpu_workers.metrics import encode_metrics
 from gpu_workers.single_flight import SingleFlight
+from gpu_workers.vllm_engine.encode import VllmEncoder
 from runtime.publisher import publish
 from runtime.reporting import recorded_headers
 from runtime.tracing import broker_hop_ms
@@ -81,6 +82,8 @@ class EncodeWorker:
         self.batcher: MicroBatcher[Job, EncoderOutput] = MicroBatcher(
             self._compute, max_cost=ctx.settings.encode_batch_patches
         )
+        # The engine seam (EPD_ENGINE): our vision tower in the batcher, or vLLM encoders.
+        self.vllm = VllmEncoder(ctx) if ctx.settings.engine == "vllm" else None
         self.flights: SingleFlight[str] = SingleFlight()
         """Items being encoded now, by store key: a second event of one waits for the first."""
         self.cache_hits = 0
@@ -103,6 +106,8 @@ class EncodeWorker:
 
     async def close(self) -> None:
         await self.batcher.close()
+        if self.vllm is not None:
+            await self.vllm.close()
 
     async def _encoded(
         self,
@@ -194,16 +199,25 @@ class EncodeWorker:
                 return Lookup(Found.CANCELLED if cancelled else Found.HIT)
             pixels, grid = await inputs
             check_patch_width(pixels, pv_name, ev, self.bundle)
-            out = await self.batcher.submit((pixels, grid), cost=int(pixels.shape[0]))
+            if self.vllm is not None:
+                # vLLM's EC connector writes the entry; what comes back is read from our store.
+                out = await self.vllm.encode(ev, {pv_name: pixels, grid_name: grid}, grid_name)
+            else:
+                out = await self.batcher.submit((pixels, grid), cost=int(pixels.shape[0]))
         return Lookup(Found.ENCODED, out, t0)
 
     async def _store(self, ev: EncodeEvent, found: Lookup) -> None:
         """Write the item's entry: the embedding and any other outputs (deepstack) together."""
         out = found.outputs
         assert out is not None
-        await store_outputs(
-            self.store, ev.ec_transfer.key, out, self.bundle.family, self.settings.embedding_ttl_s
-        )
+        if self.vllm is None:  # else vLLM's EC connector wrote it (and it was read back)
+            await store_outputs(
+                self.store,
+                ev.ec_transfer.key,
+                out,
+                self.bundle.family,
+                self.settings.embedding_ttl_s,
+            )
         found.ms = (time.perf_counter() - found.t0) * 1000
         self.items_encoded += 1
         self.metrics.items.labels("miss").inc()

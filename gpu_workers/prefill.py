@@ -2,8 +2,9 @@
 
 A thin worker over two layers: the request lifecycle (:mod:`gpu_workers.lifecycle`: admission
 with the door's own bounds, the embedding wait, the outcome) and the compute
-(:mod:`gpu_workers.generation` over :mod:`gpu_workers.engine` and :mod:`gpu_workers.compute`:
-prefill, then decode in the worker's batch, tokens streamed as they come).
+(:mod:`gpu_workers.backends`, ``EPD_ENGINE``: :mod:`gpu_workers.generation` over
+:mod:`gpu_workers.engine` and :mod:`gpu_workers.compute`, prefill, then decode in the worker's
+batch; or a vLLM instance; tokens streamed as they come).
 With the decode stage on, the worker parks the KV cache and hands the request to a decode
 worker (:mod:`gpu_workers.decode`) instead of decoding it.
 """
@@ -15,11 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gpu_workers.backends import ReferenceBackend, prefill_backend
 from gpu_workers.compute import ItemEmbedding, Prefilled
 from gpu_workers.engine import CANCELLED, EXPIRED
 from gpu_workers.entries import items_from_features
-from gpu_workers.generation import Generator
-from gpu_workers.instant import engine_for
 from gpu_workers.kv_handoff import kv_entry, kv_tensors, park
 from gpu_workers.lifecycle.parts import RequestLifecycle
 from runtime.publisher import publish
@@ -63,20 +63,23 @@ class PrefillWorker:
         """``ctx.cancel``: asked before the embedding wait, before compute and between decode
         steps; a cancelled request is reported ``cancelled`` (with the tokens made before the
         cancel took effect) and its work is skipped. ``request_state``, ``embedding_wait_s``:
-        see :meth:`RequestLifecycle.build`; ``streams``: see :class:`Generator`."""
+        see :meth:`RequestLifecycle.build`; ``streams``: the token streams the backend writes
+        (:mod:`gpu_workers.backends`)."""
         self.ctx = ctx
         self.life = RequestLifecycle.build(
             ctx, self.STAGE, embedding_wait_s=embedding_wait_s, request_state=request_state
         )
         self.worker_id = self.life.worker_id
         self.tally = self.life.tally
-        # One compute thread runs the batch: requests decode together, one forward per step.
-        self.engine = engine_for(ctx.settings, ctx.bundle)
-        self.generator = Generator(ctx, self.engine, self.life.watch, streams=streams)
+        # The engine seam (EPD_ENGINE): the reference engine's compute thread runs the batch
+        # (requests decode together, one forward per step), or a vLLM instance does.
+        self.backend = prefill_backend(ctx, self.life.watch, streams)
+        if isinstance(self.backend, ReferenceBackend):
+            self.engine = self.backend.engine  # the decode stage's hand-off runs on it
 
     async def close(self) -> None:
         await self.life.close()
-        await self.engine.close()
+        await self.backend.close()
 
     async def handle(self, ev: PrefillEvent) -> None:
         """Run one request to completion (or to a clear failure)."""
@@ -104,8 +107,7 @@ class PrefillWorker:
         if self.ctx.settings.decode_stage:
             await self._hand_off(ev, items, timings, updates)
             return
-        engine = self.engine
-        result = await self.generator.run(ev, lambda: engine.prefill(ev.token_ids, items), updates)
+        result = await self.backend.generate(ev, items, updates)
         await life.outcomes.finished(ev, result, timings, updates)
 
     # ------------------------------------------------------------------------- hand off

@@ -297,6 +297,38 @@ class Settings(BaseSettings):
         description="prefill workers run the prompt only, park its KV cache in the store and "
         "hand the request to decode workers (`epd worker decode`) through {prefix}.decode",
     )
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers",
+        description="what computes in the encode and prefill workers: `transformers`, this "
+        "project's reference engine (batched, in the worker), or `vllm`: the workers hand each "
+        "request to vLLM 0.33 instances (EPD_VLLM_PREFILL_URL, EPD_VLLM_ENCODE_URL) and keep "
+        "everything around the compute (consume loop, validation, status, cancel, deadlines, "
+        "DLQ, metrics)",
+    )
+    vllm_prefill_url: str = Field(
+        "",
+        description="EPD_ENGINE=vllm: the vLLM prefill/decode instances (`vllm serve "
+        "--enable-scale-out`), comma-separated base URLs; a request id hashes to one of them",
+    )
+    vllm_encode_url: str = Field(
+        "",
+        description="EPD_ENGINE=vllm: the vLLM encoder instances (EC producer role), "
+        "comma-separated base URLs; a request id hashes to one of them",
+    )
+    vllm_model: str = Field(
+        "",
+        description="EPD_ENGINE=vllm: the served model name the generate requests name (empty: "
+        "the instance's own)",
+    )
+    vllm_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="EPD_ENGINE=vllm: longest wait for vLLM's next byte (a reply, the next "
+        "streamed token); past it the try is retried",
+    )
+    vllm_connect_timeout_s: float = Field(
+        5.0, gt=0, description="EPD_ENGINE=vllm: longest wait to connect to a vLLM instance"
+    )
     kv_ttl_s: int = Field(
         300,
         ge=1,
@@ -621,6 +653,22 @@ class Settings(BaseSettings):
         if tokens is not None:
             parse_tokens(tokens.get_secret_value(), source="EPD_ADMIN_TOKENS")
         return tokens
+
+    @field_validator("vllm_prefill_url", "vllm_encode_url")
+    @classmethod
+    def _vllm_urls(cls, value: str) -> str:
+        for url in (u.strip() for u in value.split(",") if u.strip()):
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(
+                    f"vLLM URL {url!r} is not an http(s) base URL (e.g. http://vllm-prefill:8000)"
+                )
+        return value
+
+    def vllm_urls(self, stage: str) -> list[str]:
+        """The vLLM base URLs of ``stage`` (``prefill`` or ``encode``), without a trailing /."""
+        raw = self.vllm_prefill_url if stage == "prefill" else self.vllm_encode_url
+        return [u.strip().rstrip("/") for u in raw.split(",") if u.strip()]
 
     @field_validator("api_tokens_file")
     @classmethod

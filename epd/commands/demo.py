@@ -35,6 +35,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="run a separate decode worker (EPD_DECODE_STAGE=true): prefill parks the KV cache "
         "and hands each request over",
     )
+    p.add_argument(
+        "--engine",
+        choices=("transformers", "vllm"),
+        default=None,
+        help="what computes (EPD_ENGINE, default transformers); vllm: the workers drive vLLM "
+        "instances (EPD_VLLM_PREFILL_URL, EPD_VLLM_ENCODE_URL), or without them the stand-in "
+        "built from vLLM 0.33.0's code (not a live vLLM)",
+    )
     p.set_defaults(func=run)
 
 
@@ -114,7 +122,25 @@ def run(args: argparse.Namespace) -> int:
     state_dir = services.state_dir()
     with services.running(state_dir) as state:
         os.environ.update(state.env)  # the settings below and the workers read them
-        return asyncio.run(_demo(args, quiet, state_dir))
+        if getattr(args, "engine", None) != "vllm":
+            return asyncio.run(_demo(args, quiet, state_dir))
+        return _demo_on_vllm(args, quiet, state_dir)
+
+
+def _demo_on_vllm(args: argparse.Namespace, quiet: bool, state_dir: Path) -> int:
+    """The demo with ``EPD_ENGINE=vllm``: live instances, or the stand-in (said so)."""
+    from epd.commands.demo_vllm import VllmUnavailableForDemo, vllm_instances
+    from runtime.settings import Settings
+
+    try:
+        with vllm_instances(Settings(), state_dir / "demo-logs") as (urls, served_by):
+            if not quiet:
+                print(f"epd demo --engine vllm: {served_by}", flush=True)
+            args.vllm = {"engine": "vllm", **urls, "served_by": served_by}
+            return asyncio.run(_demo(args, quiet, state_dir))
+    except VllmUnavailableForDemo as exc:
+        print(f"epd demo: {exc}", file=sys.stderr)
+        return 2
 
 
 async def _demo(args: argparse.Namespace, quiet: bool, state_dir: Path) -> int:
@@ -134,6 +160,11 @@ async def _demo(args: argparse.Namespace, quiet: bool, state_dir: Path) -> int:
     overrides: dict[str, Any] = {"model": args.model} if args.model else {}
     if args.decode_stage:
         overrides["decode_stage"] = True
+    vllm = dict(getattr(args, "vllm", None) or {})
+    served_by = vllm.pop("served_by", None)
+    overrides.update(vllm)
+    if getattr(args, "engine", None) == "transformers":
+        overrides["engine"] = "transformers"
     settings = Settings(**overrides)
     reqs = demo_requests(video="video" in model_family(settings.model).modalities)
     log_dir = state_dir / "demo-logs"
@@ -162,6 +193,8 @@ async def _demo(args: argparse.Namespace, quiet: bool, state_dir: Path) -> int:
             for rec in await read_topic(run.settings, Topics(run.settings.topic_prefix).encoded)
         ]
     summary = _summary(reqs, encoded, time.perf_counter() - t0)
+    if served_by is not None:
+        summary["engine"] = f"vllm: {served_by}"
     if quiet:
         print(json.dumps(summary, indent=2))
     else:

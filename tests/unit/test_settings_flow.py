@@ -31,6 +31,8 @@ VALIDATED = {
     "served_model_name": "flow-model",
     "ready_stages": "router,results",
     "admin_tokens": SecretStr("tok-settings-admin=flow-admin"),
+    "vllm_prefill_url": "http://vllm-p1:8000,http://vllm-p2:8000",
+    "vllm_encode_url": "http://vllm-e:8000",
 }
 
 
