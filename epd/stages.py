@@ -108,8 +108,11 @@ class StageContext:
         """The model on the configured device (in a thread: loading takes seconds)."""
         from runtime.model import load_model
 
+        # EPD_ENGINE=vllm: the vLLM instance holds the weights; the worker reads the processor,
+        # tokenizer and ids only, and leaves the GPU to it.
+        weights = self.settings.engine != "vllm"
         bundle = await asyncio.to_thread(
-            load_model, self.settings.model, device=self.settings.device
+            load_model, self.settings.model, device=self.settings.device, weights=weights
         )
         log.info(
             "%s: model %s fingerprint %s on %s",

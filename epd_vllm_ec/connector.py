@@ -39,6 +39,7 @@ from epd_vllm_ec.scheduler_side import (
 from epd_vllm_ec.settings import connector_settings
 from epd_vllm_ec.store_thread import StoreThread
 from epd_vllm_ec.worker_side import load_items, save_item
+from runtime.stores.errors import StoreError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -111,7 +112,13 @@ class EPDStoreECConnector(ECConnectorBase):
         if not self.is_producer:
             return False
         key = item_key(self.settings, identifier)
-        return touch_all(self.io, [key], self.settings.ttl_s, self.settings.io_timeout_s)[0]
+        try:
+            return touch_all(self.io, [key], self.settings.ttl_s, self.settings.io_timeout_s)[0]
+        except (StoreError, OSError) as exc:
+            # Called from vLLM's scheduler: an error here would stop the engine and every
+            # request in it. A store that cannot answer only means the item is encoded here.
+            log.warning("ec store unreadable for %s (%r): the item is encoded", identifier, exc)
+            return False
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         """Consumer: plan loading the allocated item when it is trusted."""

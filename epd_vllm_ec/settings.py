@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from runtime.settings import MIN_SECRET_CHARS, PLACEHOLDER_SECRETS
 from schemas import defaults
 from schemas.ec_entries import without_credentials
 
@@ -135,5 +136,11 @@ def _secret(extra: Mapping[str, Any], env: Mapping[str, str]) -> bytes:
         raise ConnectorConfigError(
             f"the EC connector signs and verifies ec_transfer_params entries: set {var} to the "
             "secret the encode and prefill sides share"
+        )
+    # The same floor our own processes hold the secret to (runtime.settings.require_signing).
+    if value.strip().lower() in PLACEHOLDER_SECRETS or len(value) < MIN_SECRET_CHARS:
+        raise ConnectorConfigError(
+            f"{var} is a placeholder or shorter than {MIN_SECRET_CHARS} characters: give the "
+            "random secret the encode and prefill sides share"
         )
     return value.encode()

@@ -78,9 +78,7 @@ class VllmBackend:
                 "EPD_ENGINE=vllm runs prefill and decode in the vLLM instance: unset "
                 "EPD_DECODE_STAGE (vLLM's own P/D connectors split them there)"
             )
-        self.client = VllmClient(
-            urls, timeout_s=s.vllm_timeout_s, connect_timeout_s=s.vllm_connect_timeout_s
-        )
+        self.client = VllmClient.for_settings(urls, s)
         self.generator = VllmGenerator(ctx, self.client, watch, streams=streams)
 
     async def generate(

@@ -605,20 +605,27 @@ def _placed(model: Any, spec: str, ids: dict[str, int], dev: torch.device, dt: t
 
 
 def load_model(
-    spec: str = TINY, *, device: str | torch.device = "auto", dtype: torch.dtype | None = None
+    spec: str = TINY,
+    *,
+    device: str | torch.device = "auto",
+    dtype: torch.dtype | None = None,
+    weights: bool = True,
 ) -> ModelBundle:
     """Load a tiny spec (seeded random weights) or a local checkpoint directory (offline) of a
     supported family; :class:`ModelLoadError` for anything else.
 
     ``device``: "auto" means CUDA when present, else CPU. ``dtype``: None means bf16 on GPU,
-    fp32 on CPU.
+    fp32 on CPU. ``weights`` False: no model on the device (``model`` None), only what a worker
+    that hands the compute to another engine (``EPD_ENGINE=vllm``) reads: processor,
+    tokenizer, config, ids and the fingerprint.
     """
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     dt = dtype or default_dtype(dev)
-    ld = _load(spec, weights=True, dtype=dt)
+    ld = _load(spec, weights=weights, dtype=dt)
     ids = _special_ids(ld.tokenizer, ld.config)
     _check_placeholder_tokens(ld.family, ld.tokenizer, ids)
-    model = None if ld.model is None else _placed(ld.model, spec, ids, dev, dt)
+    placed = weights and ld.model is not None
+    model = _placed(ld.model, spec, ids, dev, dt) if placed else None
     return ModelBundle(
         model_name=ld.name,
         family=ld.family,

@@ -25,7 +25,7 @@ signs them)."""
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 _TOPIC_PREFIX = re.compile(r"[A-Za-z0-9._-]{1,200}")
-SECRET_FIELDS = frozenset({"ec_secret", "api_tokens", "admin_tokens"})
+SECRET_FIELDS = frozenset({"ec_secret", "api_tokens", "admin_tokens", "vllm_api_key"})
 PLACEHOLDER_SECRETS = frozenset({"change-me", "changeme", "secret", "password", "test"})
 MIN_SECRET_CHARS = 16
 
@@ -328,6 +328,11 @@ class Settings(BaseSettings):
     )
     vllm_connect_timeout_s: float = Field(
         5.0, gt=0, description="EPD_ENGINE=vllm: longest wait to connect to a vLLM instance"
+    )
+    vllm_api_key: SecretStr | None = Field(
+        None,
+        description="EPD_ENGINE=vllm: the key the vLLM instances were started with (`vllm serve "
+        "--api-key`), sent as a bearer token",
     )
     kv_ttl_s: int = Field(
         300,

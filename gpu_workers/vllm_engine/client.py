@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -26,7 +26,24 @@ from schemas.vllm_generate import (
     parse_event,
 )
 
+if TYPE_CHECKING:
+    from runtime.settings import Settings
+
 log = logging.getLogger(__name__)
+
+ERROR_BODY_BYTES = 64 * 1024
+"""What is read of an error reply (its message is cut far shorter in the dead letter)."""
+
+
+async def _head(resp: httpx.Response) -> bytes:
+    """The first ``ERROR_BODY_BYTES`` of a streamed reply's body (an error page of any size is
+    never read whole)."""
+    out = bytearray()
+    async for chunk in resp.aiter_bytes():
+        out += chunk[: ERROR_BODY_BYTES - len(out)]
+        if len(out) >= ERROR_BODY_BYTES:
+            break
+    return bytes(out)
 
 
 def pick(urls: list[str], request_id: str) -> str:
@@ -41,20 +58,37 @@ class VllmClient:
     """Streams generate requests to vLLM instances and asks them to abort."""
 
     def __init__(
-        self, urls: list[str], *, timeout_s: float = 120.0, connect_timeout_s: float = 5.0
+        self,
+        urls: list[str],
+        *,
+        timeout_s: float = 120.0,
+        connect_timeout_s: float = 5.0,
+        api_key: str | None = None,
     ) -> None:
         self.urls = list(urls)
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
             # One connection per streamed request: a pool too small would queue requests
             # behind each other's streams.
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
 
+    @classmethod
+    def for_settings(cls, urls: list[str], settings: Settings) -> VllmClient:
+        """A client on ``urls`` with ``EPD_VLLM_*``'s timeouts and key."""
+        key = settings.vllm_api_key
+        return cls(
+            urls,
+            timeout_s=settings.vllm_timeout_s,
+            connect_timeout_s=settings.vllm_connect_timeout_s,
+            api_key=key.get_secret_value() if key is not None else None,
+        )
+
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def generate(self, body: dict[str, Any]) -> AsyncIterator[VllmOutput]:
+    async def generate(self, body: dict[str, Any]) -> AsyncGenerator[VllmOutput, None]:
         """The streamed reply to ``body`` (``stream: true``), one delta at a time, ending with the
         delta that carries the finish reason. Raises ``VllmRejected`` (vLLM blames the body) or
         ``VllmUnavailable`` (a 5xx, a transport failure, a stream without its finish)."""
@@ -63,7 +97,7 @@ class VllmClient:
         try:
             async with self.http.stream("POST", url, json=body) as resp:
                 if resp.status_code != 200:
-                    raise error_for(resp.status_code, await resp.aread())
+                    raise error_for(resp.status_code, await _head(resp))
                 async for line in resp.aiter_lines():
                     out = parse_event(line)
                     if out is None:

@@ -71,9 +71,7 @@ class VllmEncoder:
         if not urls:
             raise ValueError("EPD_ENGINE=vllm needs EPD_VLLM_ENCODE_URL (the vLLM encoders)")
         self.ctx = ctx
-        self.client = VllmClient(
-            urls, timeout_s=s.vllm_timeout_s, connect_timeout_s=s.vllm_connect_timeout_s
-        )
+        self.client = VllmClient.for_settings(urls, s)
         self.pad_ids = placeholder_ids(ctx.bundle)
 
     async def close(self) -> None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from gpu_workers.engine import CANCELLED, COMPLETED, EXPIRED, new_sequence
 from gpu_workers.generation import Generation
+from gpu_workers.sampling import request_seed
 from schemas.types import now_ms
 from schemas.values import deadline_passed
 from schemas.vllm_generate import FINISH_ABORT, VllmUnavailable, generate_body
@@ -38,6 +39,26 @@ if TYPE_CHECKING:
 
 POLL_S = 0.05
 """How often a cancel, the deadline and the record are asked while vLLM generates."""
+ABORT_WAIT_S = 5.0
+"""Longest a stop waits on vLLM's abort call before the request ends anyway."""
+
+
+def seeded_body(ev: PrefillEvent, model: str | None) -> dict[str, object]:
+    """:func:`generate_body` with the reference engine's seed on a sampled request (its own, or
+    one derived from the request id): vLLM would draw an unseeded request at random, and a
+    retried request would then continue its token stream with another generation's tokens."""
+    body = generate_body(ev, model=model)
+    if ev.sampling.temperature > 0:
+        sampling = body["sampling_params"]
+        sampling["seed"] = request_seed(ev.sampling, ev.request_id)
+    return body
+
+
+async def _cancel(task: asyncio.Task[object]) -> None:
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
 
 class VllmGenerator:
@@ -62,7 +83,7 @@ class VllmGenerator:
         """``ev`` generated on vLLM to its end, a cancel or the deadline."""
         t0 = time.perf_counter()
         rid = ev.request_id
-        body = generate_body(ev, model=self.model)
+        body = seeded_body(ev, self.model)
         seq = new_sequence(self.ctx.bundle, ev.sampling, rid)
         stream = await self._stream(rid)
         self.watch.track(rid, ev.created_ms)
@@ -95,7 +116,8 @@ class VllmGenerator:
         updates: RequestUpdates,
     ) -> tuple[str, str]:
         """Read vLLM's stream while watching for a stop; (outcome, detail)."""
-        reader = asyncio.create_task(self._read(body, seq, stream, updates))
+        stopped = asyncio.Event()
+        reader = asyncio.create_task(self._read(body, seq, stream, updates, stopped))
         try:
             while True:
                 done, _ = await asyncio.wait({reader}, timeout=POLL_S)
@@ -103,13 +125,14 @@ class VllmGenerator:
                     return reader.result()
                 stop = self._stop_asked(ev)
                 if stop is not None:
+                    # No token is taken after the stop (however long vLLM takes to hear the
+                    # abort: a hung instance is when one cancels); the abort is told while the
+                    # request still runs there, then the stream is closed.
+                    stopped.set()
                     await self._abort(ev.request_id)
                     return stop
         finally:
-            if not reader.done():
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await reader
+            await _cancel(reader)
 
     async def _read(
         self,
@@ -117,27 +140,34 @@ class VllmGenerator:
         seq: DecodeState,
         stream: TokenStreamWriter | None,
         updates: RequestUpdates,
+        stopped: asyncio.Event,
     ) -> tuple[str, str]:
         started = False
         rid = seq.request_id
-        async for out in self.client.generate(body):
-            if out.token_ids and not started:
-                started = True
-                updates.soon("decoding")
-            for tok in out.token_ids:
-                if seq.accept(tok):
-                    break
-            if out.finish_reason == FINISH_ABORT:
-                raise VllmUnavailable(f"vLLM aborted {rid} without being asked to")
-            if out.finish_reason is not None and not seq.done:
-                seq.settle()  # vLLM ended it where we would not (e.g. its generation config's eos)
-                seq.finish_reason = out.finish_reason
-            if stream is not None:
-                stream.push(*seq.take_new())
-            if seq.done:
-                if out.finish_reason is None:
-                    await self._abort(rid)  # our stop string or stop token ended it first
-                return COMPLETED, ""
+        # Closed as soon as the request ends here (a return mid-stream would otherwise hold
+        # vLLM's connection open until the generator is collected).
+        async with contextlib.aclosing(self.client.generate(body)) as replies:
+            async for out in replies:
+                if stopped.is_set():  # _drive ends the request; nothing more is taken
+                    return CANCELLED, "stopped"
+                if out.token_ids and not started:
+                    started = True
+                    updates.soon("decoding")
+                for tok in out.token_ids:
+                    if seq.accept(tok):
+                        break
+                if out.finish_reason == FINISH_ABORT:
+                    raise VllmUnavailable(f"vLLM aborted {rid} without being asked to")
+                if out.finish_reason is not None and not seq.done:
+                    # vLLM ended it where we would not (e.g. its generation config's eos)
+                    seq.settle()
+                    seq.finish_reason = out.finish_reason
+                if stream is not None:
+                    stream.push(*seq.take_new())
+                if seq.done:
+                    if out.finish_reason is None:
+                        await self._abort(rid)  # our stop string or stop token ended it first
+                    return COMPLETED, ""
         raise VllmUnavailable(f"vLLM's stream of {rid} ended without a finish reason")
 
     def _stop_asked(self, ev: PrefillEvent) -> tuple[str, str] | None:
@@ -149,8 +179,11 @@ class VllmGenerator:
         return None
 
     async def _abort(self, request_id: str) -> None:
+        """Tell vLLM to stop, waiting at most ``ABORT_WAIT_S`` (the stream's close, which
+        :func:`_cancel` did, aborts it in vLLM too)."""
         self.aborts_sent += 1
-        await self.client.abort(request_id)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.client.abort(request_id), ABORT_WAIT_S)
 
     async def _stream(self, request_id: str) -> TokenStreamWriter | None:
         """The request's token stream, resumed where an earlier try left it (a retried request

@@ -49,9 +49,9 @@ def settings_fingerprint(settings: Settings) -> str:
 
 
 def engine_of(settings: Settings) -> str:
-    """The engine that computes for a worker of these settings (``instant``: the benchmark's
-    engine that computes nothing; otherwise the transformers reference engine)."""
-    return "instant" if settings.model == "instant" else "transformers"
+    """The engine that computes for a worker of these settings: ``EPD_ENGINE`` (``vllm`` or
+    ``transformers``), or ``instant``, the benchmark's engine that computes nothing."""
+    return "instant" if settings.model == "instant" else settings.engine
 
 
 def package_version() -> str:
@@ -107,7 +107,7 @@ class Announcement:
         try:
             data = json.loads(raw)
             values = {f.name: data[f.name] for f in fields(cls)}
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # [[[[... nests past the stack
             return None
         values["partitions"] = tuple(values["partitions"] or ())[:MAX_PARTITIONS]
         if not _typed(values):

@@ -83,7 +83,10 @@ class Announcer:
     async def beat(self) -> None:
         """One beat: the heartbeat file (while the loop runs), then the announcement."""
         if self.heartbeat_file is not None and self.loop.failure is None:
-            await asyncio.to_thread(_touch, self.heartbeat_file)
+            try:
+                await asyncio.to_thread(_touch, self.heartbeat_file)
+            except OSError as exc:  # the announcement still goes: the fleet sees the worker
+                log.warning("%s: heartbeat file not touched: %r", self.identity.worker_id, exc)
         try:
             await self.board.announce(self.current())
         except Exception as exc:  # Redis away: the next beat tries again

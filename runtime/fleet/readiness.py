@@ -40,9 +40,10 @@ def mismatches(worker: Announcement, expected: Expected) -> list[tuple[str, str]
         out.append(
             (
                 "ec_secret",
-                f"{who} signs with another EC secret (fingerprint {worker.ec_secret}; the "
-                f"API's is {expected.ec_secret}): every request it handles is refused "
-                "ec-signature",
+                # No fingerprint in words: /readyz answers anyone, and a digest of the secret
+                # is for the admin route (epd status --json), not for guessing against.
+                f"{who} signs with another EC secret than the API's: every request it "
+                "handles is refused ec-signature",
             )
         )
     model = expected.model
@@ -66,6 +67,8 @@ def fleet_causes(
 ) -> list[str]:
     """Why the fleet cannot serve (empty: it can): a required stage without a live worker
     (with when one was last heard of), and every live worker that disagrees with the API."""
+    if not required:
+        return []  # EPD_READY_STAGES empty: readiness does not look at the workers
     causes: list[str] = []
     for stage in required:
         if fleet.by_stage(stage):
@@ -85,17 +88,22 @@ def fleet_causes(
 def disagreements(fleet: FleetRead, expected: Expected) -> list[str]:
     """For each property the reader does not know itself, the live workers split over more
     than one value of it (they cannot all serve the same requests)."""
+    # (what, the reader's own value, the stages it matters to, the worker's, whether the
+    # values may be named: a model may, a digest of the secret is for the admin route only)
     checks = (
-        ("EC secrets", expected.ec_secret, SIGNING_STAGES, lambda a: a.ec_secret),
-        ("models", expected.model, MODEL_STAGES, lambda a: a.model),
-        ("shared settings", expected.settings, None, lambda a: a.settings),
+        ("EC secrets", expected.ec_secret, SIGNING_STAGES, lambda a: a.ec_secret, False),
+        ("models", expected.model, MODEL_STAGES, lambda a: a.model, True),
+        ("shared settings", expected.settings, None, lambda a: a.settings, False),
     )
     out = []
-    for what, known, stages, value in checks:
+    for what, known, stages, value, named in checks:
         if known is not None:
             continue
         counts = Counter(value(a) for a in fleet.live if stages is None or a.stage in stages)
         if len(counts) > 1:
-            split = ", ".join(f"{v or '-'}: {n}" for v, n in counts.most_common())
-            out.append(f"live workers run with {len(counts)} different {what} ({split})")
+            split = ", ".join(f"{v}: {n}" if named else str(n) for v, n in counts.most_common())
+            out.append(
+                f"live workers run with {len(counts)} different {what} (workers: {split}; "
+                "epd status --json names them)"
+            )
     return out

@@ -69,19 +69,22 @@ def test_readiness_names_each_missing_stage_and_each_disagreeing_worker() -> Non
     assert causes == [
         "no live router worker (last seen 5 s ago: router@h:1)",
         "no live decode worker (none has announced itself)",
-        "prefill worker prefill@odd:7 signs with another EC secret (fingerprint "
-        f"{'0' * 16}; the API's is {expected.ec_secret}): every request it handles is "
-        "refused ec-signature",
+        "prefill worker prefill@odd:7 signs with another EC secret than the API's: every "
+        "request it handles is refused ec-signature",
         "prefill worker prefill@odd:7 serves model 'other/model'; the API serves "
         f"{expected.model!r}",
     ]
     assert fleet_causes(FleetRead(live[:1], ()), expected, ("encode",), now_ms=10_000) == []
+    # No fingerprint in words (/readyz answers anyone); and with no stage required, readiness
+    # does not look at the workers at all.
+    assert not any(live[1].ec_secret in c or expected.ec_secret in c for c in causes)
+    assert fleet_causes(FleetRead(live, gone), expected, (), now_ms=10_000) == []
 
 
 def test_other_shared_settings_are_a_cause() -> None:
     expected = Expected("m", "fp", "settings-a")
     worker = _worker("results", ec_secret="", model="", settings="settings-b")
-    [cause] = fleet_causes(FleetRead((worker,), ()), expected, (), now_ms=10_000)
+    [cause] = fleet_causes(FleetRead((worker,), ()), expected, ("results",), now_ms=10_000)
     assert "other shared settings" in cause
 
 
@@ -111,15 +114,17 @@ def test_ready_stages_and_admin_tokens_are_checked_settings() -> None:
 def test_a_reader_without_the_secret_or_model_asks_the_workers_to_agree_among_themselves() -> None:
     unknown = Expected(None, None, None)
     agreeing = (_worker("encode"), _worker("prefill"))
-    assert fleet_causes(FleetRead(agreeing, ()), unknown, (), now_ms=10_000) == []
+    needed = ("encode", "prefill")
+    assert fleet_causes(FleetRead(agreeing, ()), unknown, needed, now_ms=10_000) == []
     split = (*agreeing, _worker("router", ec_secret="f" * 16, model="other/model"))
-    causes = fleet_causes(FleetRead(split, ()), unknown, (), now_ms=10_000)
+    causes = fleet_causes(FleetRead(split, ()), unknown, needed, now_ms=10_000)
     assert len(causes) == 2, causes
     assert causes[0].startswith("live workers run with 2 different EC secrets (")
-    assert causes[1].startswith("live workers run with 2 different models (")
+    assert causes[1].startswith("live workers run with 2 different models (workers: ")
+    assert "other/model: 1" in causes[1] and "f" * 16 not in causes[0]
     # Given the secret, each odd worker is named instead of the split.
     known = Expected(None, agreeing[0].ec_secret, None)
-    [named, models] = fleet_causes(FleetRead(split, ()), known, (), now_ms=10_000)
+    [named, models] = fleet_causes(FleetRead(split, ()), known, needed, now_ms=10_000)
     assert named.startswith("router worker router@h:1 signs with another EC secret")
     assert models.startswith("live workers run with 2 different models")
 

@@ -415,3 +415,25 @@ def test_readme_ec_transfer_configs_are_vllms() -> None:
         extra = c.ec_connector_extra_config
         assert {"store_url", "model_fingerprint"} <= set(extra), extra
     assert "--enable-scale-out" in section and VLLM_VERSION in section
+
+
+def test_a_sampled_request_goes_with_the_reference_engines_seed() -> None:
+    """An unseeded sampled request is sent with the seed the reference engine would draw with
+    (derived from its request id), so a retried request generates the same tokens again and
+    its token stream resumes on them; a request's own seed and greedy requests pass as they
+    are. vLLM reads the seed we mean."""
+    from dataclasses import replace
+
+    from gpu_workers.sampling import request_seed
+    from gpu_workers.vllm_engine.generation import seeded_body
+
+    ev = _ec_shape()
+    unseeded = replace(ev, sampling=SamplingParams(max_tokens=4, temperature=0.8))
+    body = seeded_body(unseeded, None)
+    derived = request_seed(unseeded.sampling, ev.request_id)
+    assert vllm_parse(body).sampling_params.seed == derived
+    assert seeded_body(unseeded, None) == body  # a retry asks for the same tokens
+    own = replace(ev, sampling=SAMPLINGS["seeded"])
+    assert vllm_parse(seeded_body(own, None)).sampling_params.seed == 1234
+    greedy = replace(ev, sampling=SAMPLINGS["greedy"])
+    assert vllm_parse(seeded_body(greedy, None)).sampling_params.seed is None

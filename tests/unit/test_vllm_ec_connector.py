@@ -40,10 +40,10 @@ def test_settings_read_every_key_and_take_the_secret_from_the_named_variable() -
             "io_timeout_s": 2.5,
             "deepstack_levels": 3,
         },
-        {"MY_EC_KEY": "k"},
+        {"MY_EC_KEY": "k" * 32},
     )
     assert (s.store_url, s.model_fingerprint, s.namespace) == (STORE, "qwen-abc123", "tenant1")
-    assert (s.secret, s.ttl_s, s.max_item_bytes, s.io_timeout_s) == (b"k", 30.0, 1024, 2.5)
+    assert (s.secret, s.ttl_s, s.max_item_bytes, s.io_timeout_s) == (b"k" * 32, 30.0, 1024, 2.5)
     assert s.deepstack_levels == 3
     d = settings()
     assert (d.namespace, d.ttl_s, d.deepstack_levels, d.secret) == (
@@ -65,6 +65,8 @@ def test_settings_read_every_key_and_take_the_secret_from_the_named_variable() -
         ({**GOOD, "secret": "inline"}, SECRET_ENV, "never written inline"),
         (GOOD, {}, "set EPD_EC_SECRET"),
         ({**GOOD, "secret_env": "OTHER"}, SECRET_ENV, "set OTHER"),
+        (GOOD, {"EPD_EC_SECRET": "change-me"}, "a placeholder or shorter than 16"),
+        (GOOD, {"EPD_EC_SECRET": "short-secret"}, "a placeholder or shorter than 16"),
         ({**GOOD, "ttl_s": 0}, SECRET_ENV, "ttl_s must be a positive"),
         ({**GOOD, "ttl_s": True}, SECRET_ENV, "ttl_s must be a positive"),
         ({**GOOD, "io_timeout_s": "5"}, SECRET_ENV, "io_timeout_s must be a positive"),
@@ -132,7 +134,7 @@ def test_forged_foreign_mismatched_and_expired_entries_are_refused() -> None:
     good = signed_entry(s, STORE, "h1", NOW + 60_000)
     assert _refusal({**good, "signature": "0" * 64}) == "ec-signature"
     # Another secret signed it.
-    other = connector_settings({**GOOD}, {"EPD_EC_SECRET": "not-ours"})
+    other = connector_settings({**GOOD}, {"EPD_EC_SECRET": "not-ours-" + "x" * 16})
     assert _refusal(signed_entry(other, STORE, "h1", NOW + 60_000)) == "ec-signature"
     # Signed by us for another store: this consumer reads its own store only.
     assert _refusal(good, store="redis://elsewhere:6379/0") == "ec-store"

@@ -84,10 +84,13 @@ async def _workers(st: ApiState) -> str:
 )
 async def prometheus(request: Request, st: State) -> Response:
     metrics = request.app.state.metrics
+    # The snapshot reads each part on its own (a part that fails keeps its series' last value)
+    # and carries the unfinished requests by status, so Redis is asked for them once.
+    snap = await st.fleet.snapshot()
+    export_fleet(metrics.fleet, snap)
+    if "redis" not in snap.errors:
+        for status in ACTIVE_STATUSES:
+            metrics.by_status.labels(status).set(snap.requests.get(status, 0))
     with contextlib.suppress(Exception):
         metrics.in_flight.set(await st.status.in_flight())
-        counts = await st.status.in_flight_by_status()
-        for status in ACTIVE_STATUSES:
-            metrics.by_status.labels(status).set(counts.get(status, 0))
-        export_fleet(metrics.fleet, await st.fleet.snapshot())
     return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
