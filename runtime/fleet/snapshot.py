@@ -5,6 +5,7 @@ and ``/metrics`` report, so they never disagree.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,6 +24,9 @@ if TYPE_CHECKING:
     from schemas.topics import Topics
 
 log = logging.getLogger(__name__)
+
+SHARED_FOR_S = 1.0
+"""How long one full snapshot answers every caller of :meth:`FleetProbe.recent`."""
 
 
 def expected_of(settings: Settings) -> Expected:
@@ -108,12 +112,27 @@ class FleetProbe:
         self.board = FleetBoard(status.client, status.keys)
         self.offsets = OffsetReader(settings, topics)
         self.expected = expected or expected_of(settings)
+        self.clock = time.monotonic
+        self._shared: tuple[float, FleetSnapshot] | None = None
+        self._shared_lock = asyncio.Lock()
 
     async def fleet(self, now_ms: int) -> tuple[FleetRead, list[str]]:
         """The board and the causes readiness reports (raises what Redis raised)."""
         fleet = await self.board.read(now_ms)
         required = self.settings.required_stages
         return fleet, fleet_causes(fleet, self.expected, required, now_ms)
+
+    async def recent(self, max_age_s: float = SHARED_FOR_S) -> FleetSnapshot:
+        """A full snapshot no older than ``max_age_s``: callers at the same moment (scrapes of
+        several Prometheus servers, a scraper hammering ``/metrics``) share one read of the
+        broker and Redis instead of queueing their own behind the offsets' lock."""
+        async with self._shared_lock:
+            last = self._shared
+            if last is not None and self.clock() - last[0] <= max_age_s:
+                return last[1]
+            snap = await self.snapshot()
+            self._shared = (self.clock(), snap)
+            return snap
 
     async def snapshot(self, *, kafka: bool = True) -> FleetSnapshot:
         """Every part that can be read; a part that cannot is named in ``errors``."""

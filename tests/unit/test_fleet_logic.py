@@ -185,3 +185,32 @@ async def test_the_announcer_counts_and_beats_while_the_loop_runs(tmp_path: Path
     loop.failure = RuntimeError("consume loop died")
     await announcer.beat()
     assert not beat.exists()
+
+
+async def test_callers_at_one_moment_share_one_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scraper hammering /metrics costs the broker and Redis one read a second, not one per
+    scrape (each queued behind the offsets' lock)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from runtime.fleet import snapshot as snapshot_mod
+    from runtime.fleet.snapshot import FleetProbe
+    from schemas.keys import RedisKeys
+    from schemas.topics import Topics
+
+    status = SimpleNamespace(client=None, keys=RedisKeys("epd"))
+    probe = FleetProbe(Settings(ec_secret=SECRET), Topics("epd"), status)  # type: ignore[arg-type]
+    reads = []
+
+    async def slow_read(*, kafka: bool = True) -> object:
+        reads.append(kafka)
+        await asyncio.sleep(0.05)
+        return object()
+
+    monkeypatch.setattr(probe, "snapshot", slow_read)
+    clock = [10.0]
+    probe.clock = lambda: clock[0]
+    got = await asyncio.gather(*(probe.recent() for _ in range(20)))
+    assert len(reads) == 1 and len({id(g) for g in got}) == 1
+    clock[0] += snapshot_mod.SHARED_FOR_S + 0.1
+    assert await probe.recent() is not got[0] and len(reads) == 2

@@ -33,5 +33,5 @@ async def fleet(
         bool, Query(description="also read the broker's offsets (lag, dead letters)")
     ] = True,
 ) -> dict[str, Any]:
-    snap = await st.fleet.snapshot(kafka=kafka)
+    snap = await (st.fleet.recent() if kafka else st.fleet.snapshot(kafka=False))
     return snap.to_dict()

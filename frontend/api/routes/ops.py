@@ -86,7 +86,7 @@ async def prometheus(request: Request, st: State) -> Response:
     metrics = request.app.state.metrics
     # The snapshot reads each part on its own (a part that fails keeps its series' last value)
     # and carries the unfinished requests by status, so Redis is asked for them once.
-    snap = await st.fleet.snapshot()
+    snap = await st.fleet.recent()
     export_fleet(metrics.fleet, snap)
     if "redis" not in snap.errors:
         for status in ACTIVE_STATUSES:
