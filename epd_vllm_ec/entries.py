@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from epd_vllm_ec.settings import ConnectorSettings
-from schemas.ec_entries import check_ec_entry, find_ec_entry
+from schemas.ec_entries import check_ec_entry, ec_entry_json, find_ec_entry
 from schemas.errors import ValidationError
 from schemas.keys import embedding_key
 from schemas.signing import make_ec_transfer
@@ -39,13 +39,7 @@ def signed_entry(
         expires_ms=expires_ms,
         secret=settings.secret,
     )
-    return {
-        "mm_hash": ec.mm_hash,
-        "store": ec.store,
-        "key": ec.key,
-        "expires_ms": ec.expires_ms,
-        "signature": ec.signature,
-    }
+    return ec_entry_json(ec)
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,6 +62,19 @@ def find_ec_entry(params: Mapping[str, Any] | None, mm_hash: str) -> Any | None:
     return None
 
 
+def ec_entry_json(ec: ECTransfer) -> dict[str, Any]:
+    """One entry as JSON, ``{mm_hash, store, key, expires_ms, signature}``: the shape
+    :func:`_as_ec_transfer` reads back (the render split, the vLLM backend and the EC connector
+    all write it)."""
+    return {
+        "mm_hash": ec.mm_hash,
+        "store": ec.store,
+        "key": ec.key,
+        "expires_ms": ec.expires_ms,
+        "signature": ec.signature,
+    }
+
+
 def _as_ec_transfer(entry: Any, mm_hash: str) -> ECTransfer | None:
     """An ECTransfer view of an entry, or None when it lacks the fields."""
     if isinstance(entry, ECTransfer):

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from schemas.ec_entries import ec_entry_json
 from schemas.errors import ValidationError
 from schemas.types import ECTransfer, PrefillEvent
 from schemas.vllm_sampling import sampling_to_vllm
@@ -65,16 +66,7 @@ def engine_request_id(request_id: str) -> str:
 def ec_params_json(params: Mapping[str, ECTransfer]) -> dict[str, dict[str, Any]]:
     """``ec_transfer_params`` as JSON, ``{mm_hash: {mm_hash, store, key, expires_ms,
     signature}}`` (the shape the render split writes and the EC connector reads)."""
-    return {
-        h: {
-            "mm_hash": ec.mm_hash,
-            "store": ec.store,
-            "key": ec.key,
-            "expires_ms": ec.expires_ms,
-            "signature": ec.signature,
-        }
-        for h, ec in params.items()
-    }
+    return {h: ec_entry_json(ec) for h, ec in params.items()}
 
 
 def _check_item_sources(ev: PrefillEvent) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import defaults
-from schemas.ec_entries import entry_locates_embedding, find_ec_entry
+from schemas.ec_entries import ec_entry_json, entry_locates_embedding, find_ec_entry
 from schemas.errors import ValidationError
 from schemas.keys import embedding_key
 from schemas.signing import make_ec_transfer
@@ -37,13 +37,7 @@ def _ec_entry_dict(
     ec = make_ec_transfer(
         mm_hash=mm_hash, store=store, key=key, expires_ms=expires_ms, secret=secret
     )
-    return {
-        "mm_hash": ec.mm_hash,
-        "store": ec.store,
-        "key": ec.key,
-        "expires_ms": ec.expires_ms,
-        "signature": ec.signature,
-    }
+    return ec_entry_json(ec)
 
 
 def _ec_for_item(params: Mapping[str, Any], mm_hash: str) -> dict[str, Any]:
