@@ -10,9 +10,9 @@ embeddings, the decode worker from a parked KV cache (or the prompt again); both
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from gpu_workers.engine import CANCELLED, COMPLETED, DecodeJob, new_sequence
 
@@ -21,9 +21,12 @@ if TYPE_CHECKING:
     from gpu_workers.context import WorkerContext
     from gpu_workers.engine import DecodeEngine
     from gpu_workers.lifecycle.record_watch import RecordWatch
+    from gpu_workers.sequence import DecodeState
     from runtime.reporting import RequestUpdates
     from runtime.token_stream import TokenStreams, TokenStreamWriter
     from schemas.types import PrefillEvent
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -45,6 +48,64 @@ class Generation:
     gone: bool = False
     """Stopped because the request's status record went while it decoded
     (:class:`~gpu_workers.lifecycle.record_watch.RecordWatch`)."""
+
+
+async def open_stream(
+    streams: TokenStreams | None, watch: RecordWatch, request_id: str
+) -> TokenStreamWriter | None:
+    """The request's token stream, resumed where an earlier run of it left it (None without
+    token streams). A worker that reads records guards its token writes by the record: none
+    lands once it went, and that is how a decoding request learns it
+    (``RecordWatch.on_gone``)."""
+    if streams is None:
+        return None
+    on_gone = watch.on_gone if watch.reads_records else None
+    stream = streams.writer(request_id, on_gone)
+    await stream.resume()
+    return stream
+
+
+async def watched(
+    watch: RecordWatch,
+    ev: PrefillEvent,
+    stream: TokenStreamWriter | None,
+    work: Awaitable[T],
+) -> tuple[T, bool]:
+    """``work``'s result while ``watch`` tracks the request, and whether its record went
+    meanwhile; on a failure the token stream is abandoned (a retry resumes it)."""
+    watch.track(ev.request_id, ev.created_ms)
+    try:
+        result = await work
+    except BaseException:
+        if stream is not None:
+            await stream.abandon()
+        raise
+    finally:
+        gone = watch.untrack(ev.request_id)
+    return result, gone
+
+
+def generation_of(
+    outcome: str,
+    detail: str,
+    seq: DecodeState,
+    started_s: float,
+    stream: TokenStreamWriter | None,
+    gone: bool,
+) -> Generation:
+    """The :class:`Generation` of a finished ``seq`` (``started_s``: its
+    ``time.perf_counter()`` at the start; ``gone``: its record went while it ran)."""
+    seq.settle()
+    return Generation(
+        outcome,
+        seq.tokens,
+        detail,
+        compute_ms=(time.perf_counter() - started_s) * 1000,
+        text=seq.text,
+        finish_reason=seq.finish_reason if outcome == COMPLETED else None,
+        stream=stream,
+        gone=gone and outcome == CANCELLED,
+    )
 
 
 class Generator:
@@ -76,7 +137,7 @@ class Generator:
         t_compute = time.perf_counter()
         rid = ev.request_id
         seq = new_sequence(self.bundle, ev.sampling, rid)
-        stream = await self._stream(rid)
+        stream = await open_stream(self.streams, self.watch, rid)
         job = DecodeJob(
             rid,
             seq,
@@ -88,37 +149,8 @@ class Generator:
             # Sent in the background while the batch decodes.
             on_started=lambda: updates.soon("decoding"),
         )
-        self.watch.track(rid, ev.created_ms)
-        try:
-            done = await self.engine.run(job)
-        except BaseException:
-            if stream is not None:
-                await stream.abandon()
-            raise
-        finally:
-            stopped_gone = self.watch.untrack(rid)
-        seq.settle()
-        return Generation(
-            done.outcome,
-            seq.tokens,
-            done.detail,
-            compute_ms=(time.perf_counter() - t_compute) * 1000,
-            text=seq.text,
-            finish_reason=seq.finish_reason if done.outcome == COMPLETED else None,
-            stream=stream,
-            gone=stopped_gone and done.outcome == CANCELLED,
-        )
-
-    async def _stream(self, request_id: str) -> TokenStreamWriter | None:
-        """The request's token stream, resumed where an earlier run of it left it."""
-        if self.streams is None:
-            return None
-        # A worker that reads records guards its token writes by the record: none lands once
-        # it went, and that is how a decoding request learns it (``RecordWatch.on_gone``).
-        on_gone = self.watch.on_gone if self.watch.reads_records else None
-        stream = self.streams.writer(request_id, on_gone)
-        await stream.resume()
-        return stream
+        done, gone = await watched(self.watch, ev, stream, self.engine.run(job))
+        return generation_of(done.outcome, done.detail, seq, t_compute, stream, gone)
 
     def _stop_asked(self, request_id: str) -> Callable[[], bool]:
         """Asked on the compute thread before the start and between steps: set lookups."""

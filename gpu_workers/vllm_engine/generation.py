@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING
 
 from gpu_workers.engine import CANCELLED, COMPLETED, EXPIRED, new_sequence
-from gpu_workers.generation import Generation
+from gpu_workers.generation import Generation, generation_of, open_stream, watched
 from gpu_workers.sampling import request_seed
 from schemas.types import now_ms
 from schemas.values import deadline_passed
@@ -85,27 +85,10 @@ class VllmGenerator:
         rid = ev.request_id
         body = seeded_body(ev, self.model)
         seq = new_sequence(self.ctx.bundle, ev.sampling, rid)
-        stream = await self._stream(rid)
-        self.watch.track(rid, ev.created_ms)
-        try:
-            outcome, detail = await self._drive(ev, body, seq, stream, updates)
-        except BaseException:
-            if stream is not None:
-                await stream.abandon()
-            raise
-        finally:
-            gone = self.watch.untrack(rid)
-        seq.settle()
-        return Generation(
-            outcome,
-            seq.tokens,
-            detail,
-            compute_ms=(time.perf_counter() - t0) * 1000,
-            text=seq.text,
-            finish_reason=seq.finish_reason if outcome == COMPLETED else None,
-            stream=stream,
-            gone=gone and outcome == CANCELLED,
-        )
+        stream = await open_stream(self.streams, self.watch, rid)
+        drive = self._drive(ev, body, seq, stream, updates)
+        (outcome, detail), gone = await watched(self.watch, ev, stream, drive)
+        return generation_of(outcome, detail, seq, t0, stream, gone)
 
     async def _drive(
         self,
@@ -184,13 +167,3 @@ class VllmGenerator:
         self.aborts_sent += 1
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.client.abort(request_id), ABORT_WAIT_S)
-
-    async def _stream(self, request_id: str) -> TokenStreamWriter | None:
-        """The request's token stream, resumed where an earlier try left it (a retried request
-        is generated again from the start; the stream skips what it already holds)."""
-        if self.streams is None:
-            return None
-        on_gone = self.watch.on_gone if self.watch.reads_records else None
-        stream = self.streams.writer(request_id, on_gone)
-        await stream.resume()
-        return stream
