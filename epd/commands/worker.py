@@ -41,7 +41,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--metrics-port",
         type=int,
-        default=int(os.environ.get("EPD_METRICS_PORT") or 0),
+        # A string default goes through ``type`` too: a bad EPD_METRICS_PORT is argparse's
+        # one-line error naming the flag, not a traceback while the parser is built.
+        default=os.environ.get("EPD_METRICS_PORT") or "0",
         help="serve Prometheus metrics on this port (default: EPD_METRICS_PORT; 0: none)",
     )
     p.add_argument(

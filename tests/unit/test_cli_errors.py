@@ -51,6 +51,8 @@ def test_verify_refuses_the_instant_engine_in_one_line() -> None:
     [
         ({"EPD_EVENT_LOOP": "trio"}, "EPD_EVENT_LOOP"),
         ({"EPD_RENDER_CACHE_BYTES": "-1"}, "EPD_RENDER_CACHE_BYTES"),
+        ({"EPD_READY_STAGES": "encode,gpu"}, "EPD_READY_STAGES"),
+        ({"EPD_ADMIN_TOKENS": "no-name-here"}, "EPD_ADMIN_TOKENS"),
     ],
 )
 def test_a_bad_new_setting_is_one_line_naming_it(env: dict[str, str], named: str) -> None:
@@ -78,3 +80,17 @@ async def test_a_worker_that_cannot_start_is_named_with_its_own_words(tmp_path: 
     summary = died.value.summary
     assert summary.startswith("the encode worker exited with 2: model 'no-such-model'")
     assert "\n" not in summary and str(tmp_path) in summary
+
+
+def test_a_bad_metrics_port_is_argparses_error_naming_the_flag() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "epd", "worker", "results", "--print-settings"],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "EPD_METRICS_PORT": "abc"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == "epd worker: error: argument --metrics-port: invalid int value: 'abc'"
