@@ -30,7 +30,7 @@ from schemas.validator import validate_decode_event, validate_prefill_event, val
 from schemas.values import deadline_passed
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from gpu_workers.compute import EncoderOutput
     from gpu_workers.context import WorkerContext
@@ -116,15 +116,18 @@ class AdmissionGate:
         *,
         worker_id: str,
         request_state: RequestStateReader | None = None,
+        on_record: Callable[[str, RequestState | None], object] | None = None,
     ) -> None:
         """``request_state``: a request whose record is already terminal (a redelivered
-        event) is skipped without a word."""
+        event) is skipped without a word. ``on_record`` is told what that read found
+        (``RecordWatch.admitted``)."""
         self.store = ctx.store
         self.family = ctx.bundle.family
         self.cancel = ctx.cancel
         self.outcomes = outcomes
         self.worker_id = worker_id
         self.request_state = request_state
+        self.on_record = on_record
         self.vconfig = ctx.validation()
         # Every event is checked on arrival without its entries' expiry, which is judged
         # (validate_prefill_expiry) only once the request is known to run: arriving late is no
@@ -190,7 +193,12 @@ class AdmissionGate:
         return None
 
     async def _record(self, ev: PrefillEvent) -> RequestState | None:
-        return await self.request_state(ev.request_id) if self.request_state else None
+        if self.request_state is None:
+            return None
+        state = await self.request_state(ev.request_id)
+        if self.on_record is not None:
+            self.on_record(ev.request_id, state)
+        return state
 
     async def _runs(
         self,

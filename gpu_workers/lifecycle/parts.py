@@ -60,7 +60,13 @@ class RequestLifecycle:
             outcomes,
             watch,
             ctx.reporter(stage, on_gone=watch.on_gone_event),
-            AdmissionGate(ctx, outcomes, worker_id=worker_id, request_state=request_state),
+            AdmissionGate(
+                ctx,
+                outcomes,
+                worker_id=worker_id,
+                request_state=request_state,
+                on_record=watch.admitted,
+            ),
             EmbeddingWait(
                 ctx.store,
                 ctx.bundle.family,

@@ -53,7 +53,7 @@ class RequestReader:
     def __init__(self, status: StatusStore) -> None:
         self.status = status
         self._replicas_seen: set[str] = set()
-        self._promoted_ms: dict[str, int] = {}
+        self._primary_since: dict[str, int] = {}
 
     async def __call__(self, request_id: str, since: bool = False) -> RequestState | None:
         """The request's state (with ``records_since_ms`` when ``since``: two more round
@@ -75,13 +75,13 @@ class RequestReader:
     async def _records_since(self, request_id: str) -> int:
         """Since when the Redis holding the request's record has held what it holds: its start
         (uptime, on its own clock), or on a cluster, if later, when this process first saw the
-        master of the record's slot promoted from a replica (a failover keeps the replicated
-        records but may lose the last writes before it)."""
+        master of the record's slot a master, where that node took over from another (a
+        failover keeps the replicated records but may lose the last writes before it)."""
         client = self.status.client
         node = None
         if isinstance(client, RedisCluster):
             node = client.get_node_from_key(self.status.keys.status(request_id))
-            info: Any = await client.info("server", target_nodes=node)
+            info: Any = await client.info("server", "replication", target_nodes=node)
             now_s, now_us = await client.time(target_nodes=node)
         else:
             info = await client.info("server")
@@ -89,26 +89,42 @@ class RequestReader:
         now = int(now_s) * 1000 + int(now_us) // 1000
         started = now - (int(info["uptime_in_seconds"]) + 1) * 1000
         if isinstance(client, RedisCluster) and node is not None:
-            started = max(started, self._promotion_ms(client, node.name, now))
+            promoted = self._promotion_ms(client, node.name, now, took_over=_took_over(info))
+            started = max(started, promoted)
         return started
 
     def _observe_roles(self, client: RedisCluster, now: int) -> None:
         """Note the cluster's roles as the client's slot map has them (a local read, no round
-        trip): a node seen a replica and now a master was promoted, at the latest ``now``.
-        Every read notes them, so a worker that served requests before a failover knows the
-        replicas as they were when the failover comes."""
+        trip): when each master was first seen one, and which nodes were seen replicas. Every
+        read notes them, so the first judgement after a failover knows the new master is new."""
         replicas = {n.name for n in client.get_replicas()}
         for primary in client.get_primaries():
-            if primary.name in self._replicas_seen:
-                self._promoted_ms.setdefault(primary.name, now)
-        for name in replicas & set(self._promoted_ms):
-            del self._promoted_ms[name]  # demoted again (its old master came back)
+            self._primary_since.setdefault(primary.name, now)
+        for name in replicas:
+            self._primary_since.pop(name, None)  # a replica (again): a later mastership is new
         self._replicas_seen.update(replicas)
 
-    def _promotion_ms(self, client: RedisCluster, name: str, now: int) -> int:
-        """When ``name`` was first seen a master after being seen a replica (0: never)."""
+    def _promotion_ms(
+        self, client: RedisCluster, name: str, now: int, *, took_over: bool = False
+    ) -> int:
+        """When master ``name`` took over from another, at the latest (0: it did not). Two
+        signals: the node says so (``took_over``: its INFO names a previous replication id),
+        or this process saw it a replica before. Redis 7 leaves a replica that has not
+        synced yet out of the slot map, so the first signal is the one a fresh cluster gives;
+        the promotion is then dated when this process first saw the node a master (``now``
+        if it never had), early enough for every record that a failover may have lost."""
         self._observe_roles(client, now)
-        return self._promoted_ms.get(name, 0)
+        if not (took_over or name in self._replicas_seen):
+            return 0
+        return self._primary_since.get(name, now if took_over else 0)
+
+
+def _took_over(info: dict[str, Any]) -> bool:
+    """Whether a master's ``INFO replication`` says it took over from another master since it
+    started: a replica promoted keeps its old master's replication id as ``master_replid2``
+    (all zeros on a node that was always a master)."""
+    replid2 = str(info.get("master_replid2") or "")
+    return info.get("role") == "master" and replid2.strip("0") != ""
 
 
 RequestStateReader = Callable[..., Awaitable[RequestState | None]]

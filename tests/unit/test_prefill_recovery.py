@@ -159,3 +159,58 @@ def test_a_replica_seen_before_a_failover_is_known_promoted_after_it() -> None:
     # Its old master came back and took over again: r1 is a replica, no promotion stands.
     back = _SlotMap(["m1", "m2"], ["r1", "r2"])
     assert reader._promotion_ms(back, "r1", now=10_000) == 0  # type: ignore[arg-type]
+
+
+def test_a_master_that_says_it_took_over_is_dated_when_first_seen_a_master() -> None:
+    """Redis 7 leaves a replica that has not synced yet out of the slot map, so a worker on a
+    fresh cluster may never see the replica that a failover promotes. The new master's own
+    INFO says it took over; the promotion is then dated when this process first saw it a
+    master, so a record written before it and lost with the old master reads as Redis's loss."""
+    reader = RequestReader(None)  # type: ignore[arg-type]
+    reader._observe_roles(_SlotMap(["m1", "m2"], []), now=1_000)  # type: ignore[arg-type]
+    after = _SlotMap(["r1", "m2"], [])
+    assert reader._promotion_ms(after, "r1", now=7_000, took_over=True) == 7_000  # type: ignore[arg-type]
+    assert reader._promotion_ms(after, "r1", now=9_000, took_over=True) == 7_000  # type: ignore[arg-type]
+    assert reader._promotion_ms(after, "m2", now=9_000) == 0  # type: ignore[arg-type]
+    # A worker started after the failover dates it at its own first sight: records made
+    # since then that went were not lost to the failover.
+    late = RequestReader(None)  # type: ignore[arg-type]
+    late._observe_roles(after, now=20_000)  # type: ignore[arg-type]
+    assert late._promotion_ms(after, "r1", now=30_000, took_over=True) == 20_000  # type: ignore[arg-type]
+    # A node the slot map does not have yet (the client has not refreshed): dated now.
+    assert late._promotion_ms(after, "r9", now=31_000, took_over=True) == 31_000  # type: ignore[arg-type]
+
+
+def test_took_over_reads_the_previous_replication_id() -> None:
+    from runtime.status.reader import _took_over
+
+    zeros = "0" * 40
+    assert not _took_over({"role": "master", "master_replid2": zeros})
+    assert not _took_over({"role": "master", "master_replid2": 0})  # redis-py reads it an int
+    assert _took_over({"role": "master", "master_replid2": "9f1c" + "0" * 36})
+    assert not _took_over({"role": "slave", "master_replid2": "9f1c" + "0" * 36})
+    assert not _took_over({})
+
+
+async def test_a_record_never_seen_is_not_judged_gone() -> None:
+    """A request admitted while its record was not there (an external renderer's record is
+    made by the router's write, which may wait on the results topic behind an outage) goes
+    on when a write finds no record; one admitted with its record stops when it goes."""
+    import asyncio
+
+    from gpu_workers.lifecycle.record_watch import RecordWatch
+    from runtime.status import RequestState
+
+    async def no_record(request_id: str, since: bool = False) -> RequestState:
+        return RequestState(None, frozenset(), records_since_ms=0)
+
+    watch = RecordWatch(no_record, "prefill@test")
+    watch.admitted("unmade", RequestState(None, frozenset()))
+    watch.admitted("made", RequestState("prefilling", frozenset(), oldest_ms=1))
+    for rid in ("unmade", "made"):
+        watch.track(rid, created_ms=10_000)
+        watch.on_gone(rid)
+    await asyncio.sleep(0.05)
+    assert not watch.untrack("unmade")
+    assert watch.untrack("made")
+    assert not watch._unmade  # nothing kept once a request leaves

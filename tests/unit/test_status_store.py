@@ -457,3 +457,82 @@ async def test_a_recorded_update_is_not_folded_again_but_still_pokes_the_sweep(
     await rc.handle(ResultEvent("rec1", "prefill", "prefilling"))
     rec = await store.get("rec1")
     assert rec is not None and rec.status == "prefilling" and rc.applied == 1 and len(pokes) == 2
+
+
+async def test_an_update_tried_again_after_an_outage_still_goes_before_its_followers(
+    store: StatusStore,
+) -> None:
+    """The router's fan-out update makes an external renderer's record. When it fails (the
+    cluster node it needs is down) the loop tries it again later, after the request's next
+    updates were dispatched: they wait for it, so the record is made first and folds them all,
+    where they would have found no record and been dropped."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from consumers.results import ResultsCollector
+    from schemas.status_record import ROUTED_INFO
+
+    class FailsOnce:
+        """The real store, whose first write of the fan-out update fails as Redis would."""
+
+        def __init__(self, real: StatusStore) -> None:
+            self.real, self.failed = real, False
+
+        async def apply(self, ev: ResultEvent) -> bool:
+            if ev.stage == "fanout" and not self.failed:
+                self.failed = True
+                raise RedisConnectionError("the node is down")
+            return await self.real.apply(ev)
+
+    rid = f"r-{uuid.uuid4().hex[:8]}"
+    rc = ResultsCollector(FailsOnce(store))  # type: ignore[arg-type]
+    made = ResultEvent(rid, "fanout", "encoding", info={ROUTED_INFO: "1"})
+    with pytest.raises(RedisConnectionError):
+        await rc.handle(made)
+    followers = asyncio.gather(
+        rc.handle(ResultEvent(rid, "prefill", "prefilling")),
+        rc.handle(ResultEvent(rid, "prefill", "completed", token_ids=[1])),
+    )
+    await asyncio.sleep(0.05)
+    assert await store.get(rid) is None and not followers.done()  # they wait for it
+    await rc.handle(made)  # the loop's next try of the same event
+    await asyncio.wait_for(followers, 5)
+    rec = await store.get(rid)
+    assert rec is not None and rec.status == "completed", rec
+    assert [e["status"] for _, e in await store.events(rid)] == [
+        "encoding",
+        "prefilling",
+        "completed",
+    ]
+    assert (rc.applied, rc.gone) == (3, 0) and not rc._stalled and not rc._order
+
+
+async def test_updates_behind_one_that_never_comes_back_go_on_after_the_wait(
+    store: StatusStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed update that is dead-lettered is never tried again: the ones behind it wait
+    only ``STALL_WAIT_S`` and then fold as they would have."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    import consumers.results as results
+
+    monkeypatch.setattr(results, "STALL_WAIT_S", 0.2)
+
+    class FailsFirst:
+        def __init__(self, real: StatusStore) -> None:
+            self.real, self.calls = real, 0
+
+        async def apply(self, ev: ResultEvent) -> bool:
+            self.calls += 1
+            if self.calls == 1:
+                raise RedisConnectionError("the node is down")
+            return await self.real.apply(ev)
+
+    rid = f"d-{uuid.uuid4().hex[:8]}"
+    assert await store.create(rid, {})
+    rc = results.ResultsCollector(FailsFirst(store))  # type: ignore[arg-type]
+    with pytest.raises(RedisConnectionError):
+        await rc.handle(ResultEvent(rid, "prefill", "prefilling"))
+    await asyncio.wait_for(rc.handle(ResultEvent(rid, "prefill", "completed", token_ids=[1])), 5)
+    rec = await store.get(rid)
+    assert rec is not None and rec.status == "completed"
+    assert not rc._stalled
