@@ -28,6 +28,7 @@ import sys
 import textwrap
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -174,7 +175,10 @@ async def test_router_worker_loads_no_model_library(
     assert report["rss_mb"] <= ROUTER_RSS_BUDGET_MB, report
 
     # What it sent: one encode event per request, its pixels parked as torch's bf16 cast.
-    pixels = {ev.request_id: ev.features.kwargs_data["image"][0]["pixel_values"] for ev in events}  # type: ignore[index]
+    pixels: dict[str, Any] = {
+        ev.request_id: ev.features.kwargs_data["image"][0]["pixel_values"]  # type: ignore[index]
+        for ev in events
+    }
     records = await read_topic(settings, Topics(settings.topic_prefix).encode)
     sent = [get_codec().decode(r.value, EncodeEvent) for r in records]
     assert sorted(e.request_id for e in sent) == sorted(pixels)

@@ -132,9 +132,8 @@ def test_item_hash_is_the_same_for_both_forms() -> None:
     pv, grid = torch.randn(16, 12), torch.tensor([[1, 4, 4]])
     ref = TensorRef("redis://x", "k", "float32", [2], 8, "d" * 64)
     a = hasher.item_hash("image", {"pixel_values": pv, "image_grid_thw": grid, "r": ref}, "salt")
-    b = hasher.item_hash(
-        "image", {"pixel_values": _wire(pv), "image_grid_thw": _wire(grid), "r": ref}, "salt"
-    )
+    wire: dict[str, Any] = {"pixel_values": _wire(pv), "image_grid_thw": _wire(grid), "r": ref}
+    b = hasher.item_hash("image", wire, "salt")
     assert a == b
 
 
