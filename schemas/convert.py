@@ -58,10 +58,16 @@ TensorForm = Literal["torch", "wire"]
 """What decoded tensors are: ``torch.Tensor`` or :class:`schemas.wire_tensor.WireTensor`."""
 
 _TO_LEAVES = "schemas.tensor_codec"
-# (module, value leaf, record leaf) a decoded tensor comes from, by form.
-_FROM_LEAVES: dict[str, tuple[str, str, str]] = {
-    "torch": ("schemas.tensors", "value_from_avro", "tensor_from_record"),
-    "wire": ("schemas.tensor_codec", "wire_value_from_avro", "wire_tensor_from_record"),
+# By form: the (module, function) decoding a ``Tensor | TensorRef`` value, then an ``epd.Tensor``.
+_FROM_LEAVES: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
+    "torch": (
+        ("schemas.tensor_codec", "value_from_avro"),
+        ("schemas.tensors", "tensor_from_record"),
+    ),
+    "wire": (
+        ("schemas.tensor_codec", "wire_value_from_avro"),
+        ("schemas.tensor_codec", "wire_tensor_from_record"),
+    ),
 }
 
 Expr = Callable[[str], str] | None
@@ -136,7 +142,9 @@ def _is_union(hint: Any) -> bool:
 class _Generator:
     """Walks one parsed schema with the matching type hints, writing converter source."""
 
-    def __init__(self, named: dict[str, Any], from_leaves: tuple[str, str, str]) -> None:
+    def __init__(
+        self, named: dict[str, Any], from_leaves: tuple[tuple[str, str], tuple[str, str]]
+    ) -> None:
         self._named = named
         self._from_leaves = from_leaves
         self.namespace: dict[str, Any] = {"_as_list": _as_list}
@@ -240,10 +248,9 @@ class _Generator:
         hint_args = set(typing.get_args(hint)) if _is_union(hint) else {hint}
         if names == _TENSOR_UNION and hint_args == {Tensor, TensorRef}:
             # value_to_avro names the branch explicitly, so fastavro never has to guess it.
-            module, value_leaf, _ = self._from_leaves
             return (
                 self._tensor_leaf(_TO_LEAVES, "value_to_avro"),
-                self._tensor_leaf(module, value_leaf),
+                self._tensor_leaf(*self._from_leaves[0]),
             )
         if "null" in names and len(branches) == 2:
             if type(None) not in hint_args or len(hint_args) != 2:
@@ -272,10 +279,9 @@ class _Generator:
 
     def _nested_record(self, schema: dict[str, Any], hint: Any, where: str) -> tuple[Expr, Expr]:
         if hint is Tensor and schema["name"] == f"{NAMESPACE}.Tensor":
-            module, _, record_leaf = self._from_leaves
             return (
                 self._tensor_leaf(_TO_LEAVES, "tensor_to_record"),
-                self._tensor_leaf(module, record_leaf),
+                self._tensor_leaf(*self._from_leaves[1]),
             )
         if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
             raise SchemaMismatch(f"{where}: Avro record {schema['name']} needs a dataclass hint")

@@ -1,17 +1,19 @@
-"""The codec's tensor leaves that need no torch: claim checks both ways, wire tensors both
-ways, and the dispatch that hands a ``torch.Tensor`` to :mod:`schemas.tensors`.
+"""The codec's tensor leaves: claim checks both ways, wire tensors both ways, and the hand-off
+of a ``torch.Tensor`` to :mod:`schemas.tensors` (imported only then: this module needs no torch).
 
 Every codec encodes through :func:`value_to_avro` and :func:`tensor_to_record`, so a process
 holding only :class:`~schemas.wire_tensor.WireTensor` values (the render router) sends its
 events without importing torch. Decoding picks the form: the default codec makes torch tensors
-(:mod:`schemas.tensors`), the wire codec (``schemas.codec.wire_codec``) makes wire tensors with
-:func:`wire_value_from_avro` and :func:`wire_tensor_from_record`.
+(:func:`value_from_avro`, ``schemas.tensors.tensor_from_record``), the wire codec
+(``schemas.codec.wire_codec``) wire tensors (:func:`wire_value_from_avro`,
+:func:`wire_tensor_from_record`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from schemas import tensor_ops
 from schemas.errors import CodecError
 from schemas.types import TensorLike, TensorRef
 from schemas.wire_tensor import WireTensor, from_record, nbytes_of, to_record
@@ -60,11 +62,19 @@ def value_to_avro(v: TensorLike) -> tuple[str, dict[str, Any]]:
     """Union branch for a ``Tensor | TensorRef`` map value (explicit, so fastavro never guesses)."""
     if isinstance(v, TensorRef):
         return ("epd.TensorRef", ref_to_avro(v))
-    if isinstance(v, WireTensor):
-        return ("epd.Tensor", to_record(v))
-    from schemas import tensors  # a torch tensor (or a wrong value, which it names)
+    if tensor_ops.is_tensor(v):
+        return ("epd.Tensor", tensor_to_record(v))
+    raise CodecError(f"expected a torch.Tensor or TensorRef, got {type(v).__name__}")
 
-    return tensors.value_to_avro(v)
+
+def value_from_avro(rec: dict[str, Any]) -> TensorLike:
+    """Inverse of :func:`value_to_avro` for the default codec (torch tensors); a TensorRef is
+    recognised by its ``key`` field."""
+    if "key" in rec:
+        return ref_from_avro(rec)
+    from schemas import tensors  # a tensor to make: torch
+
+    return tensors.tensor_from_record(rec)
 
 
 def wire_value_from_avro(rec: dict[str, Any]) -> TensorRef | WireTensor:

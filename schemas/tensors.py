@@ -1,7 +1,8 @@
 """Tensors as raw little-endian bytes: encode with one copy, decode with none.
 
 The torch form of the wire's tensors; the torch-free form (the render router's) is
-:mod:`schemas.wire_tensor`, and the leaves both codecs share are :mod:`schemas.tensor_codec`.
+:mod:`schemas.wire_tensor`; the codec's leaves (claim checks, and the choice of form) are
+:mod:`schemas.tensor_codec`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from typing import Any
 import torch
 
 from schemas.errors import CodecError
-from schemas.tensor_codec import ref_from_avro, ref_to_avro
-from schemas.types import DTYPE_SIZES, TensorLike, TensorRef
+from schemas.types import DTYPE_SIZES
 from schemas.wire_tensor import nbytes_of as nbytes_of  # re-exported: its home is torch-free
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
@@ -82,19 +82,3 @@ def tensor_to_record(t: torch.Tensor) -> dict[str, Any]:
 def tensor_from_record(rec: dict[str, Any]) -> torch.Tensor:
     """Tensor from an Avro ``epd.Tensor`` record (zero-copy view over its bytes)."""
     return tensor_from_bytes(rec["dtype"], rec["shape"], rec["data"])
-
-
-def value_to_avro(v: TensorLike) -> tuple[str, dict[str, Any]]:
-    """Union branch for a ``Tensor | TensorRef`` map value (explicit, so fastavro never guesses)."""
-    if isinstance(v, TensorRef):
-        return ("epd.TensorRef", ref_to_avro(v))
-    if isinstance(v, torch.Tensor):
-        return ("epd.Tensor", tensor_to_record(v))
-    raise CodecError(f"expected a torch.Tensor or TensorRef, got {type(v).__name__}")
-
-
-def value_from_avro(rec: dict[str, Any]) -> TensorLike:
-    """Inverse of :func:`value_to_avro`; a TensorRef is recognised by its ``key`` field."""
-    if "key" in rec:
-        return ref_from_avro(rec)
-    return tensor_from_record(rec)
