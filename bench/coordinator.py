@@ -25,7 +25,7 @@ records per request (end-offset deltas summed over the run's topics, by topic; o
 are not counted), Redis commands per request (``INFO commandstats`` deltas; the top commands by
 count with their server-side microseconds). Per stack: RSS (judged) and PSS per process after
 the cells, idle stack CPU (% of one core, together and per process) over ``idle_s`` with no
-traffic, each process's Redis commands for one request of each case (``MONITOR``), and py-spy
+traffic once the stack settled (:func:`idle`; the seconds before are reported apart), each process's Redis commands for one request of each case (``MONITOR``), and py-spy
 profiles of the API and the workers during a second, profiled run of each concurrency-16 cell
 (the measured cells run without py-spy, which would take CPU from the two cores they share).
 
@@ -132,9 +132,12 @@ class Sizes:
         return dataclasses.replace(self, requests=n, tiny_requests=tiny)
 
 
+SETTLE_SLACK_S = 3.0
+"""Seconds past ``EPD_KAFKA_FETCH_IDLE_AFTER_S`` before the idle window starts (the loops'
+last short polls end, a sweep pass backs off)."""
 QUICK = Sizes(requests=8, tiny_requests=0, warmup=2, idle_s=3.0, hops=5, pings=50, broker_warmup=20)
 FULL = Sizes(
-    requests=96, tiny_requests=24, warmup=4, idle_s=10.0, hops=20, pings=300, broker_warmup=300
+    requests=96, tiny_requests=24, warmup=4, idle_s=20.0, hops=20, pings=300, broker_warmup=300
 )
 
 
@@ -653,14 +656,27 @@ async def floor(stack: Stack, sizes: Sizes) -> dict[str, Any]:
     }
 
 
-async def idle(stack: Stack, seconds: float) -> dict[str, float]:
+async def idle(stack: Stack, seconds: float) -> dict[str, Any]:
     """% of one core each stack process used with no traffic, all together (``total``, the
     judged one) and the API's and workers' alone (``api_and_workers``: without the broker and
-    Redis)."""
+    Redis), once the stack has settled: its consume loops switch to the idle fetch only after
+    ``EPD_KAFKA_FETCH_IDLE_AFTER_S`` without records, so the first seconds after traffic are
+    the tail of the traffic (the loops' short polls, the last commits and folds, the broker's
+    JIT compiling what the load made hot), reported apart as ``just_after_traffic``."""
     from bench.worker_profile import idle_cpu
 
-    await asyncio.sleep(1.0)  # the last cell's tail: commits, the collector's folds
+    await asyncio.sleep(1.0)  # the last cell's own tail: commits, the collector's folds
+    settle_s = float(stack.settings.kafka_fetch_idle_after_s) + SETTLE_SLACK_S
+    tail = await asyncio.to_thread(idle_cpu, stack.pids, settle_s)
     pct = await asyncio.to_thread(idle_cpu, stack.pids, seconds)
+    return {
+        **_idle_figures(pct),
+        "settled_after_s": sig(1.0 + settle_s),
+        "just_after_traffic": {"over_s": sig(settle_s), **_idle_figures(tail)},
+    }
+
+
+def _idle_figures(pct: dict[str, float]) -> dict[str, float]:
     ours = sum(v for k, v in pct.items() if k not in ("broker", "redis"))
     return {**pct, "total": sig(sum(pct.values())), "api_and_workers": sig(ours)}
 
@@ -706,7 +722,7 @@ async def broker_block(
         block["rss_mb"] = rss(stack)
         block["pss_mb"] = pss(stack)
         block["idle_cpu_pct"] = {
-            "what": f"% of one core over {sizes.idle_s:g} s with no traffic",
+            "what": f"% of one core over {sizes.idle_s:g} s with no traffic, once settled",
             **await idle(stack, sizes.idle_s),
         }
         block["floor"] = await floor(stack, sizes)

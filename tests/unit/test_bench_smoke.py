@@ -322,4 +322,5 @@ def test_coordinator_block(quick_run: tuple[dict[str, Any], Path]) -> None:
         )
         assert set(per["profile"]) == {f"{case}_c{max(CONCURRENCY)}" for case in CASES}
         assert per["rss_mb"]["results"] > 0 and "total" in per["idle_cpu_pct"]
+        assert "total" in per["idle_cpu_pct"]["just_after_traffic"]  # the tail, apart
     assert "tiny_model" not in block["brokers"][block["judged_on"]]  # not with --quick
