@@ -24,9 +24,10 @@ worker, the broker and Redis, over the cell), the benchmark client's own CPU apa
 records per request (end-offset deltas summed over the run's topics, by topic; offset commits
 are not counted), Redis commands per request (``INFO commandstats`` deltas; the top commands by
 count with their server-side microseconds). Per stack: RSS (judged) and PSS per process after
-the cells, idle stack CPU (% of one core, together and per process) over ``idle_s`` with no
-traffic once the stack settled (:func:`idle`; the seconds before are reported apart), each process's Redis commands for one request of each case (``MONITOR``), and py-spy
-profiles of the API and the workers during a second, profiled run of each concurrency-16 cell
+the cells, idle stack CPU (% of one core, together and per process, the broker's by thread)
+over ``idle_s`` with no traffic once the stack settled (:func:`idle`; the seconds before are
+reported apart), each process's Redis commands for one request of each case (``MONITOR``), and
+py-spy profiles of the API and the workers during a second, profiled run of each concurrency-16 cell
 (the measured cells run without py-spy, which would take CPU from the two cores they share).
 
 **The critical-path floor.** In the same run, with the stack idle: the bare broker hop
@@ -663,15 +664,19 @@ async def idle(stack: Stack, seconds: float) -> dict[str, Any]:
     ``EPD_KAFKA_FETCH_IDLE_AFTER_S`` without records, so the first seconds after traffic are
     the tail of the traffic (the loops' short polls, the last commits and folds, the broker's
     JIT compiling what the load made hot), reported apart as ``just_after_traffic``."""
-    from bench.worker_profile import idle_cpu
+    from bench.worker_profile import busiest_threads, idle_cpu, thread_cpu
 
     await asyncio.sleep(1.0)  # the last cell's own tail: commits, the collector's folds
     settle_s = float(stack.settings.kafka_fetch_idle_after_s) + SETTLE_SLACK_S
     tail = await asyncio.to_thread(idle_cpu, stack.pids, settle_s)
+    broker = stack.pids.get("broker")
+    threads = thread_cpu(broker) if broker else {}
     pct = await asyncio.to_thread(idle_cpu, stack.pids, seconds)
     return {
         **_idle_figures(pct),
         "settled_after_s": sig(1.0 + settle_s),
+        # Where the broker's share goes, by thread (a JVM names its compilers, GC and timers).
+        "broker_threads": busiest_threads(broker, threads, seconds) if broker else {},
         "just_after_traffic": {"over_s": sig(settle_s), **_idle_figures(tail)},
     }
 

@@ -168,6 +168,38 @@ def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
     }
 
 
+def thread_cpu(pid: int) -> dict[str, int]:
+    """Clock ticks of CPU each thread of ``pid`` used so far, summed by thread name (a JVM's
+    threads are named: its compilers, GC, timers and Kafka's own)."""
+    out: dict[str, int] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue  # the thread ended
+        out[name] = out.get(name, 0) + int(fields[11]) + int(fields[12])
+    return out
+
+
+def busiest_threads(
+    pid: int, before: dict[str, int], seconds: float, top: int = 8
+) -> dict[str, float]:
+    """% of one core each named thread of ``pid`` used since ``before`` (:func:`thread_cpu`),
+    the busiest ``top`` of them."""
+    hz = os.sysconf("SC_CLK_TCK")
+    now = thread_cpu(pid)
+    used = {name: ticks - before.get(name, 0) for name, ticks in now.items()}
+    ranked = sorted(((n, t) for n, t in used.items() if t > 0), key=lambda x: -x[1])[:top]
+    return {name: sig(100 * ticks / hz / seconds) for name, ticks in ranked}
+
+
 def _frame_name(frame: str) -> str:
     """``func (path/to/file.py:123)`` -> ``func (file.py)``: lines merged, paths shortened."""
     func, _, where = frame.partition(" (")
