@@ -57,10 +57,12 @@ def py_spy() -> str | None:
     return str(here) if here.exists() else shutil.which("py-spy")
 
 
-def _stat(pid: int) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command name (None once it is gone)."""
+def _stat(pid: int, tid: str | None = None) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` (of its thread ``tid``'s, if given) after the
+    command name (None once it is gone)."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(path).read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
 
@@ -178,13 +180,11 @@ def thread_cpu(pid: int) -> dict[str, int]:
         return out
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
         except OSError:
             continue  # the thread ended
-        out[name] = out.get(name, 0) + int(fields[11]) + int(fields[12])
+        if (fields := _stat(pid, tid)) is not None:
+            out[name] = out.get(name, 0) + int(fields[11]) + int(fields[12])
     return out
 
 
