@@ -65,6 +65,7 @@ from redis.exceptions import RedisError
 
 from runtime.redis.cluster import RedisClient, is_cluster_client
 from runtime.redis.sharded_pubsub import ShardedChannels
+from runtime.redis.stream_ids import NEXT_ID_LUA
 from runtime.status.listener import ChannelListener, RequestEvents
 from schemas.keys import RedisKeys
 
@@ -83,16 +84,31 @@ RESUBSCRIBE_S = 0.5
 """Redis Cluster: how long a reader whose channel could not be subscribed (its master is
 failing over) sleeps before it reads again and retries the subscription."""
 
-# KEYS: the stream, and for a guarded write the request's status record. ARGV: its cap, TTL
-# (s), the channel, the request id, the publish command, then the entry's field/value pairs.
-# Returns 0, writing nothing, when the record it is guarded by is gone. On a cluster the
-# stream, the record and the channel share the request's slot.
-_APPEND_SCRIPT = """
-if KEYS[2] and redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(ARGV, 6))
+# KEYS: the stream, the request's status-change stream (the entry's id follows both:
+# ``runtime.redis.stream_ids``), and for a guarded write the request's status record. ARGV:
+# its cap, TTL (s), the channel, the request id, the publish command, then the entry's
+# field/value pairs. Returns 0, writing nothing, when the record it is guarded by is gone. On
+# a cluster the streams, the record and the channel share the request's slot.
+_APPEND_SCRIPT = (
+    NEXT_ID_LUA
+    + """
+if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+local id = next_stream_id(KEYS[1], KEYS[2])
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], id, unpack(ARGV, 6))
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call(ARGV[5], ARGV[3], ARGV[4])
 return 1
+"""
+)
+
+
+# KEYS: the status-change stream, the token stream. ARGV: the first ids to read of each
+# (``-``, or ``(ID``: after ID), the most token entries to read. Both in one atomic read.
+_BOTH_SCRIPT = """
+return {
+    redis.call('XRANGE', KEYS[1], ARGV[1], '+'),
+    redis.call('XRANGE', KEYS[2], ARGV[2], '+', 'COUNT', ARGV[3]),
+}
 """
 
 
@@ -131,6 +147,36 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+def _after(entry_id: str) -> str:
+    """The XRANGE start that reads the entries after ``entry_id`` (``"0"``: all of them)."""
+    return "-" if entry_id in ("", "0", "0-0") else f"({entry_id}"
+
+
+def _pairs(flat: Any) -> dict[Any, Any]:
+    """A stream entry's fields as a script returns them (a flat list) as a dict."""
+    items = list(flat or [])
+    return dict(zip(items[0::2], items[1::2], strict=True))
+
+
+def _order_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(frozen=True, slots=True)
+class BothStreams:
+    """What one atomic read of a request's two streams found (:meth:`TokenStreams.read_both`).
+    The two streams' ids are in write order together (``runtime.redis.stream_ids``), so the
+    entries sorted by id are the request's events as they were written."""
+
+    changes: list[tuple[str, dict[Any, Any]]]
+    """Status-change entries: their ids and fields (``data``: the change's JSON)."""
+    chunks: list[TokenChunk]
+    more: bool
+    """The token read stopped at its count: the status changes written after the last chunk
+    read are left for the next read (tokens written before them may not be read yet)."""
+
+
 class TokenStreams:
     """Token streams under one prefix: writers for workers, reads and waits for readers."""
 
@@ -157,6 +203,7 @@ class TokenStreams:
         self._lingering: dict[str, asyncio.TimerHandle] = {}
         self._leaving: set[asyncio.Task[None]] = set()
         self._append = client.register_script(_APPEND_SCRIPT)
+        self._both = client.register_script(_BOTH_SCRIPT)
 
     @classmethod
     def from_settings(cls, client: RedisClient, settings: Settings) -> TokenStreams:
@@ -273,7 +320,7 @@ class TokenStreams:
         """Append one entry to the request's stream, renew its TTL and announce it, in one
         atomic step (a script, on a cluster on the request's shard). ``guarded``: only while
         the request's status record exists; False (nothing written) when it is gone."""
-        keys = [self.key(request_id)]
+        keys = [self.key(request_id), self.keys.status_events(request_id)]
         if guarded:
             keys.append(self.keys.status(request_id))
         flat = [part for pair in fields.items() for part in pair]
@@ -291,9 +338,28 @@ class TokenStreams:
 
     async def read(self, request_id: str, after: str = "0", count: int = 1000) -> list[TokenChunk]:
         """The chunks after entry id ``after`` (``"0"``: all), oldest first, at most ``count``."""
-        low = "-" if after in ("", "0", "0-0") else f"({after}"
-        entries = await self.client.xrange(self.key(request_id), min=low, max="+", count=count)
+        entries = await self.client.xrange(
+            self.key(request_id), min=_after(after), max="+", count=count
+        )
         return [TokenChunk.from_entry(i, f) for i, f in entries or []]
+
+    async def read_both(
+        self, request_id: str, status_after: str, tokens_after: str, count: int = 1000
+    ) -> BothStreams:
+        """The request's status changes after ``status_after`` and its chunks after
+        ``tokens_after``, read at one instant (a script), so that nothing written between two
+        reads can make the order of what was read differ from the order it was written in."""
+        keys = [self.keys.status_events(request_id), self.key(request_id)]
+        changes, entries = await self._both(
+            keys=keys, args=[_after(status_after), _after(tokens_after), count]
+        )
+        rows = [(_s(i), _pairs(f)) for i, f in changes or []]
+        chunks = [TokenChunk.from_entry(i, _pairs(f)) for i, f in entries or []]
+        more = len(chunks) >= count
+        if more:
+            last = _order_key(chunks[-1].id)
+            rows = [(i, f) for i, f in rows if _order_key(i) < last]
+        return BothStreams(rows, chunks, more)
 
     async def wait(
         self, request_id: str, after: str = "0", timeout_s: float = 15.0, count: int = 1000

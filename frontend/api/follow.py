@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from frontend.api.state import ApiState
+from runtime.status.store import change_data
 from runtime.token_stream import TokenChunk
 from schemas.statuses import TERMINAL_STATUSES
 
@@ -128,13 +129,11 @@ def _key(entry_id: str) -> tuple[int, int]:
 def _in_order(
     changes: list[StatusChange], chunks: list[TokenChunk]
 ) -> list[StatusChange | TokenChunk]:
-    """Status changes and token chunks read together, in the order Redis wrote them (both
-    streams' ids are the server's clock), status first at a tie. A replay gives the events with
-    the ids a live reader saw, each kind in its order; two written in the same millisecond of
-    the server's clock, one to each stream, may come the other way round than a live reader
-    that read them in two rounds saw them (the ids cannot tell which was first)."""
-    tagged = [(_key(c.id), 0, c) for c in changes] + [(_key(c.id), 1, c) for c in chunks]
-    return [item for _, _, item in sorted(tagged, key=lambda t: t[:2])]
+    """Status changes and token chunks read together, in the order they were written: the two
+    streams' ids are one order without ties (``runtime.redis.stream_ids``), so a live reader
+    and a replay give every event in the same place, with the same id."""
+    tagged = [(_key(c.id), c) for c in changes] + [(_key(c.id), c) for c in chunks]
+    return [item for _, item in sorted(tagged, key=lambda t: t[0])]
 
 
 async def _ended(st: ApiState, request_id: str, at: Position) -> RecordGone | bool:
@@ -155,54 +154,68 @@ async def follow(
     st: ApiState, request_id: str, at: Position | None = None, idle_s: float = IDLE_S
 ) -> AsyncIterator[tuple[Item, Position]]:
     """Each status change and token chunk after ``at``, with the position after it, until the
-    terminal status (yielded last) or until the record is gone (:class:`RecordGone`, last)."""
+    terminal status (yielded last) or until the record is gone (:class:`RecordGone`, last).
+
+    Each round reads both streams at one instant (:meth:`TokenStreams.read_both`) and yields
+    what it found in id order, which is write order: a live reader gives every event where a
+    replay from any position gives it, with the same id."""
     f = Follower(st, request_id, at or Position())
     async with st.notifier.watch(request_id) as changed:
-        chunks: list[TokenChunk] = []
-        read_status = read_tokens = True
+        look_for_end = True  # the request may have ended (or gone) before the first read
         while True:
-            rows: list[tuple[str, dict[str, Any]]] = []
-            if read_status:
-                changed.clear()
-                rows = await st.status.events(request_id, f.at.status)
-            if read_tokens and not chunks:
-                chunks = await st.tokens.read(request_id, f.at.tokens)
-            terminal: StatusChange | None = None
-            pending: list[StatusChange] = []
-            for sid, data in rows:
-                change = StatusChange(sid, data)
-                if change.terminal:
-                    terminal = change
-                    break
-                pending.append(change)
-            for item in _in_order(pending, chunks):
+            changed.clear()
+            both = await st.tokens.read_both(request_id, f.at.status, f.at.tokens)
+            pending, terminal = _split(both.changes)
+            for item in _in_order(pending, both.chunks):
                 if isinstance(item, StatusChange):
                     f.at = replace(f.at, status=item.id)
                 else:
                     f.at = replace(f.at, tokens=item.id)
                 yield item, f.at
             last: StatusChange | RecordGone | bool | None = terminal
-            if last is None and read_status and not rows:
+            if last is None and look_for_end and not both.changes and not both.more:
                 last = await _ended(st, request_id, f.at)
             if last:
-                # The tokens still unread (a worker writes them all before the terminal
-                # status), then the terminal status (or the word that the record went),
-                # unless the reader resumed past the terminal status.
-                while rest := await st.tokens.read(request_id, f.at.tokens):
-                    for chunk in rest:
-                        f.at = replace(f.at, tokens=chunk.id)
-                        yield chunk, f.at
-                if isinstance(last, StatusChange):
-                    f.at = replace(f.at, status=last.id)
-                if last is not True:  # True: resumed past the terminal status
-                    yield last, f.at
+                ending = last if isinstance(last, StatusChange | RecordGone) else None
+                async for event in _the_end(st, f, ending):
+                    yield event
                 return
-            chunks, read_status = await f.wait(changed, idle_s)
-            read_tokens = read_status  # a status change: its tokens so far are read beside it
-            if not chunks and not read_status:
+            if both.more:
+                continue  # more was written than one read takes: read on before waiting
+            chunks, look_for_end = await f.wait(changed, idle_s)
+            if not chunks and not look_for_end:
                 yield None, f.at
                 # A record can go without a word (its TTL, an operator): look after a silence.
-                read_status = True
+                look_for_end = True
             elif any(c.end is not None for c in chunks):
                 # The token stream ended: the terminal status follows, unless the record went.
-                read_status = True
+                look_for_end = True
+
+
+def _split(
+    changes: list[tuple[str, dict[Any, Any]]],
+) -> tuple[list[StatusChange], StatusChange | None]:
+    """The status changes read, up to the terminal one, and the terminal one (or None)."""
+    pending: list[StatusChange] = []
+    for sid, fields in changes:
+        change = StatusChange(sid, change_data(fields))
+        if change.terminal:
+            return pending, change
+        pending.append(change)
+    return pending, None
+
+
+async def _the_end(
+    st: ApiState, f: Follower, last: StatusChange | RecordGone | None
+) -> AsyncIterator[tuple[Item, Position]]:
+    """The tokens still unread (a worker writes them all before the terminal status), then
+    the terminal status (or the word that the record went), unless the reader resumed past
+    the terminal status (``last`` is None)."""
+    while rest := await st.tokens.read(f.request_id, f.at.tokens):
+        for chunk in rest:
+            f.at = replace(f.at, tokens=chunk.id)
+            yield chunk, f.at
+    if isinstance(last, StatusChange):
+        f.at = replace(f.at, status=last.id)
+    if last is not None:
+        yield last, f.at

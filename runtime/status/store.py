@@ -31,6 +31,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from runtime.redis.cluster import RedisClient, is_cluster_client
+from runtime.redis.stream_ids import NEXT_ID_LUA
 from runtime.settings import Settings
 from runtime.status.cancel import announce_cancel
 from runtime.status.inflight import InFlight
@@ -55,7 +56,8 @@ STREAM_MAXLEN = 256
 """A request changes status a handful of times; the cap only bounds a misbehaving producer."""
 
 
-# KEYS: record, its event stream, and on one Redis the in-flight set. ARGV: the record text
+# KEYS: record, its event stream, its token stream (the entry's id follows both streams:
+# ``runtime.redis.stream_ids``), and on one Redis the in-flight set. ARGV: the record text
 # the fold started from ("" = no record: only a create passes it; an update passes the text
 # it read, so it never writes where the record went), the new text, TTL s, the stream entry
 # ("" = the status did not change), the change channel, the stream's cap, "1" when terminal,
@@ -65,25 +67,29 @@ STREAM_MAXLEN = 256
 # A request that is not finished is in the in-flight set whoever wrote its record (the API's
 # admission adds it first; a router's or a submitter's record joins here), so the sweep sees
 # every one of them; on a cluster the set is another slot's, updated beside the script.
-_CAS_SCRIPT = """
+_CAS_SCRIPT = (
+    NEXT_ID_LUA
+    + """
 local current = redis.call('GET', KEYS[1])
 if (current or '') ~= ARGV[1] then return {0, current} end
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
-if KEYS[3] then
+if KEYS[4] then
     if ARGV[7] == '1' then
-        redis.call('ZREM', KEYS[3], ARGV[8])
+        redis.call('ZREM', KEYS[4], ARGV[8])
     else
-        redis.call('ZADD', KEYS[3], 'NX', ARGV[9], ARGV[8])
-        redis.call('EXPIRE', KEYS[3], ARGV[3])
+        redis.call('ZADD', KEYS[4], 'NX', ARGV[9], ARGV[8])
+        redis.call('EXPIRE', KEYS[4], ARGV[3])
     end
 end
 if ARGV[4] ~= '' then
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], '*', 'data', ARGV[4])
+    local id = next_stream_id(KEYS[2], KEYS[3])
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], id, 'data', ARGV[4])
     redis.call('EXPIRE', KEYS[2], ARGV[3])
     redis.call(ARGV[10], ARGV[5], ARGV[8])
 end
 return {1}
 """
+)
 
 
 def _also_setting(change: RecordChange, fields: dict[str, Any]) -> RecordChange:
@@ -100,6 +106,13 @@ def _also_setting(change: RecordChange, fields: dict[str, Any]) -> RecordChange:
         return base.with_fields(fields)
 
     return both
+
+
+def change_data(fields: dict[Any, Any]) -> dict[str, Any]:
+    """The change one status-stream entry holds (its ``data`` field, JSON), from the entry's
+    fields as a client returns them (bytes or str keys)."""
+    data = fields.get(b"data") or fields.get("data") or "{}"
+    return dict(json.loads(data))
 
 
 def _text(raw: Any) -> str | None:
@@ -291,7 +304,11 @@ class StatusStore:
     ) -> tuple[bool, str | None]:
         """One compare-and-set run: ``(True, None)`` once written, else ``(False, the text
         Redis holds)`` for the next fold."""
-        keys = [self.keys.status(request_id), self.keys.status_events(request_id)]
+        keys = [
+            self.keys.status(request_id),
+            self.keys.status_events(request_id),
+            self.keys.tokens(request_id),
+        ]
         if not self.cluster:
             keys.append(self.keys.inflight)
         channel = self.keys.status_changes(request_id) if self.cluster else self.keys.status_notify
@@ -366,11 +383,10 @@ class StatusStore:
         rows: Any = await self.client.xrange(
             self.keys.status_events(request_id), min=start, max="+"
         )
-        out: list[tuple[str, dict[str, Any]]] = []
-        for sid, fields in rows or []:
-            data = fields.get(b"data") or fields.get("data")
-            out.append((sid.decode() if isinstance(sid, bytes) else str(sid), json.loads(data)))
-        return out
+        return [
+            (sid.decode() if isinstance(sid, bytes) else str(sid), change_data(fields))
+            for sid, fields in rows or []
+        ]
 
     # ------------------------------------------- the in-flight set and cancels, by their owners
 

@@ -217,6 +217,72 @@ async def test_a_guarded_writer_writes_nothing_once_the_record_went(
     ]
 
 
+async def test_the_two_streams_ids_are_one_order_without_ties(streams: TokenStreams) -> None:
+    """A request's status changes and its tokens are written within the same millisecond all
+    the time; with the server clock's ``*`` ids each stream started its own sequence at 0 in a
+    millisecond, and a status change and a token got equal ids, so no reader could tell which
+    came first (a live feed and its replay then disagreed). Written interleaved, as a worker
+    writes them, the ids of both streams sort into exactly the order of the writes, and one
+    read of both (``read_both``) sees them that way, from any position."""
+    from runtime.status.store import StatusStore
+    from schemas.types import ResultEvent
+
+    status = StatusStore(streams.client, prefix=streams.prefix, ttl_s=30)
+    for n in range(20):
+        rid = f"o-{n}-{uuid.uuid4().hex[:6]}"
+        written: list[str] = []
+        await status.create(rid, {})
+        written.append("queued")
+        for i, stage in enumerate(["encoding", "prefilling", "decoding"]):
+            await streams.append(rid, {"t": str(i), "x": "", "n": str(i + 1), "c": "0"})
+            written.append(f"t{i}")
+            await status.apply(ResultEvent(rid, "w", stage))
+            written.append(stage)
+        both = await streams.read_both(rid, "0", "0")
+        entries = [(c.id, c.token_ids) for c in both.chunks]
+        entries += [(i, status_name(f)) for i, f in both.changes]
+        ordered = sorted(entries, key=lambda e: tuple(int(p) for p in e[0].split("-")))
+        keys = [tuple(int(p) for p in i.split("-")) for i, _ in ordered]
+        assert len(set(keys)) == len(keys), ordered  # no two entries share an id
+        got = [f"t{what[0]}" if isinstance(what, list) else what for _, what in ordered]
+        assert got == written, ordered
+        # From a position inside the feed: exactly what follows it, in the same order.
+        token_at = both.chunks[0].id
+        status_at = next(i for i, f in both.changes if status_name(f) == "encoding")
+        rest = await streams.read_both(rid, status_at, token_at)
+        assert [c.token_ids for c in rest.chunks] == [[1], [2]]
+        assert [status_name(f) for _, f in rest.changes] == ["prefilling", "decoding"]
+
+
+async def test_one_read_of_both_streams_never_takes_a_change_past_its_unread_tokens(
+    streams: TokenStreams,
+) -> None:
+    """``read_both`` reads at most ``count`` token entries: a status change written after the
+    last of them is left for the next read (``more``), since tokens written before it may not
+    be read yet; read on, nothing is skipped or reordered."""
+    from runtime.status.store import StatusStore
+    from schemas.types import ResultEvent
+
+    status = StatusStore(streams.client, prefix=streams.prefix, ttl_s=30)
+    rid = f"m-{uuid.uuid4().hex[:8]}"
+    await status.create(rid, {})
+    for i in range(5):
+        await streams.append(rid, {"t": str(i), "x": "", "n": str(i + 1), "c": "0"})
+    await status.apply(ResultEvent(rid, "w", "decoding"))
+    first = await streams.read_both(rid, "0", "0", count=3)
+    assert first.more and [c.token_ids for c in first.chunks] == [[0], [1], [2]]
+    assert [status_name(f) for _, f in first.changes] == ["queued"]
+    rest = await streams.read_both(rid, first.changes[-1][0], first.chunks[-1].id, count=3)
+    assert not rest.more and [c.token_ids for c in rest.chunks] == [[3], [4]]
+    assert [status_name(f) for _, f in rest.changes] == ["decoding"]
+
+
+def status_name(fields: dict[object, object]) -> str:
+    from runtime.status.store import change_data
+
+    return str(change_data(fields)["status"])  # type: ignore[arg-type]
+
+
 async def test_a_failed_write_never_reaches_the_decode_loop() -> None:
     dead = aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
     w = TokenStreams(dead, "dead", interval_s=0).writer("r5")
