@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from consumers.retry import default_is_transient
 from runtime.status import StatusGone, StatusStore
 from schemas.status_record import encoded_update
 from schemas.types import EncodedEvent, ResultEvent
@@ -24,10 +25,19 @@ STALL_WAIT_S = 30.0
 class ResultsCollector:
     """Folds stage updates into the request's status record; plug into a ConsumeLoop."""
 
-    def __init__(self, status: StatusStore, on_update: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        status: StatusStore,
+        on_update: Callable[[], None] | None = None,
+        *,
+        is_transient: Callable[[BaseException], bool] = default_is_transient,
+    ) -> None:
         self.status = status
         self.on_update = on_update
         """Called on every update taken (the sweep's poke: a request is moving)."""
+        self.is_transient = is_transient
+        """The consume loop's rule for what it tries again: only such a failure holds the
+        request's later updates back (a dead-lettered one never comes back)."""
         self.applied = 0
         self.duplicates = 0
         self.recorded = 0
@@ -84,8 +94,9 @@ class ResultsCollector:
                     self.gone += 1
                     log.debug("results: %s %s: its record is gone", rid, update.status)
                     return
-                except BaseException:
-                    self._stalled.setdefault(rid, (ev, asyncio.Event()))
+                except Exception as exc:
+                    if self.is_transient(exc):
+                        self._stalled.setdefault(rid, (ev, asyncio.Event()))
                     raise
                 self._unstall(rid, ev)
                 if applied:

@@ -536,3 +536,31 @@ async def test_updates_behind_one_that_never_comes_back_go_on_after_the_wait(
     rec = await store.get(rid)
     assert rec is not None and rec.status == "completed"
     assert not rc._stalled
+
+
+async def test_an_update_that_fails_for_good_holds_nothing_back(store: StatusStore) -> None:
+    """Only a failure the consume loop tries again marks the request stalled: an update that
+    fails for good (a bad payload: dead-lettered at once, never tried again) leaves the
+    request's later updates to fold at once, not after ``STALL_WAIT_S``."""
+    from consumers.results import ResultsCollector
+    from schemas.errors import ValidationError
+
+    class FailsFirst:
+        def __init__(self, real: StatusStore) -> None:
+            self.real, self.calls = real, 0
+
+        async def apply(self, ev: ResultEvent) -> bool:
+            self.calls += 1
+            if self.calls == 1:
+                raise ValidationError("status-field", "a field no record takes")
+            return await self.real.apply(ev)
+
+    rid = f"p-{uuid.uuid4().hex[:8]}"
+    assert await store.create(rid, {})
+    rc = ResultsCollector(FailsFirst(store))  # type: ignore[arg-type]
+    with pytest.raises(ValidationError):
+        await rc.handle(ResultEvent(rid, "prefill", "prefilling"))
+    assert not rc._stalled
+    await asyncio.wait_for(rc.handle(ResultEvent(rid, "prefill", "completed", token_ids=[1])), 1)
+    rec = await store.get(rid)
+    assert rec is not None and rec.status == "completed"
