@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError as PydanticValidationError
 
 from epd.local_pipeline import WorkerDied
+from epd.stages import WorkerCannotStart
 from runtime.errors import ModelLoadError
 
 # Each module exposes ``register(subparsers)``, adding parsers whose default ``func(args) -> int``
@@ -68,6 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A worker that could not start (or died) under a command that runs the pipeline
         # (stack, demo, verify): its own last word, one line, not a traceback.
         print(f"epd: {exc.summary}", file=sys.stderr)
+        return 1
+    except WorkerCannotStart as exc:
+        # epd worker: the broker or a store did not answer as it started.
+        print(f"epd: {exc}", file=sys.stderr)
         return 1
     except ModelLoadError as exc:
         # A model that cannot be served (unsupported family, missing checkpoint) is the user's

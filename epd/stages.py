@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -310,22 +310,60 @@ STAGES: dict[str, Stage] = {
 KINDS = tuple(STAGES)
 
 
+class WorkerCannotStart(RuntimeError):
+    """A worker could not start because the broker or a store could not be reached: the
+    command says so in one line (``epd.cli``), not a traceback. Once started, a worker rides
+    out outages instead (its loop retries)."""
+
+    def __init__(self, kind: str, settings: Settings, exc: BaseException) -> None:
+        from aiokafka.errors import KafkaError
+        from redis.exceptions import RedisError
+
+        if isinstance(exc, KafkaError):
+            what = f"the broker at {settings.kafka_bootstrap} (EPD_KAFKA_BOOTSTRAP)"
+        elif isinstance(exc, RedisError):
+            what = "Redis (EPD_REDIS_URL)"
+        else:
+            what = "a store it needs (EPD_REDIS_URL, EPD_EMBEDDING_STORE_URL)"
+        said = str(exc)
+        if type(exc).__name__ not in said:
+            said = f"{type(exc).__name__}: {said}" if said else type(exc).__name__
+        super().__init__(f"the {kind} worker cannot start: {what} did not answer ({said})")
+
+
+@contextlib.asynccontextmanager
+async def _starting(kind: str, settings: Settings) -> AsyncIterator[None]:
+    """An unreachable service while the worker starts is :class:`WorkerCannotStart`."""
+    from consumers.retry import default_is_infrastructure
+
+    try:
+        yield
+    except Exception as exc:
+        if default_is_infrastructure(exc):
+            raise WorkerCannotStart(kind, settings, exc) from exc
+        raise
+
+
 async def run_worker(
     kind: str, settings: Settings, *, ready: Callable[[], Awaitable[None]] | None = None
 ) -> None:
     """Build the stage's handler, join its consumer group and run until SIGTERM/SIGINT
-    (``ready``: called once the worker holds partitions)."""
+    (``ready``: called once the worker holds partitions). A broker or store that does not
+    answer while it starts is :class:`WorkerCannotStart`."""
     stage = STAGES[kind]
-    ctx = await _open_context(kind, settings)
+    async with _starting(kind, settings):
+        ctx = await _open_context(kind, settings)
     try:
-        loop = await _consume_loop(stage, ctx, await stage.build(ctx))
-        log.info(
-            "%s: consuming %s as group %s",
-            ctx.worker_id,
-            ctx.topics.read_by(kind),
-            ctx.topics.group(kind),
-        )
-        ctx.closers.append(await _announce(stage, ctx, loop))
+        async with _starting(kind, settings):
+            loop = await _consume_loop(stage, ctx, await stage.build(ctx))
+            log.info(
+                "%s: consuming %s as group %s",
+                ctx.worker_id,
+                ctx.topics.read_by(kind),
+                ctx.topics.group(kind),
+            )
+            ctx.closers.append(await _announce(stage, ctx, loop))
+            await loop.start()
         await _run_until_signal(loop, ready)
     finally:
         for close in reversed(ctx.closers):
@@ -427,7 +465,7 @@ async def _consume_loop(stage: Stage, ctx: StageContext, handler: Handler) -> Co
 
 
 async def _run_until_signal(loop: ConsumeLoop, ready: Callable[[], Awaitable[None]] | None) -> None:
-    await loop.start()
+    """Run the started ``loop`` until a signal (``ready`` once it holds partitions)."""
     announce = None
     if ready is not None:
         announce = asyncio.create_task(_when_assigned(loop, ready))

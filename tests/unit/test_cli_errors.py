@@ -69,6 +69,30 @@ def test_a_bad_new_setting_is_one_line_naming_it(env: dict[str, str], named: str
     assert len(lines) == 1 and named in lines[0] and "Traceback" not in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("kind", ["results", "encode"])
+def test_a_worker_whose_broker_does_not_answer_says_so_in_one_line(kind: str) -> None:
+    """No broker where EPD_KAFKA_BOOTSTRAP points: the worker exits 1 with one line naming
+    the broker and the setting, not a traceback."""
+    out = subprocess.run(
+        [sys.executable, "-m", "epd", "worker", kind],
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(ROOT),
+            "EPD_KAFKA_BOOTSTRAP": "127.0.0.1:1",
+            "EPD_ALLOW_UNSIGNED": "true",
+            "EPD_MODEL": "instant",
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"epd: the {kind} worker cannot start: the broker at 127.0.0.1:1 ")
+    assert "EPD_KAFKA_BOOTSTRAP" in last, last
+
+
 async def test_a_worker_that_cannot_start_is_named_with_its_own_words(tmp_path: Path) -> None:
     workers = WorkerProcesses({"EPD_MODEL": "no-such-model"}, tmp_path, ["encode"])
     workers.start()
