@@ -91,7 +91,7 @@ class StageContext:
         encoded mark lands before its request's outcome)."""
         from gpu_workers.context import WorkerContext
 
-        record = self.status_store().apply
+        status = self.status_store()
         store = self.open_store()
         return WorkerContext(
             self.settings,
@@ -101,7 +101,8 @@ class StageContext:
             topics=self.topics,
             worker_id=self.worker_id,
             cancel=await self.cancel_watch(),
-            record=record,
+            record=status.apply,
+            record_all=status.apply_all,
         )
 
     async def load_model(self) -> Any:

@@ -20,7 +20,7 @@ from schemas.topics import Topics
 if TYPE_CHECKING:
     from runtime.model import ModelBundle
     from runtime.publisher import Publisher
-    from runtime.reporting import StatusWriter
+    from runtime.reporting import BatchStatusWriter, StatusWriter
     from runtime.settings import Settings
     from runtime.status import CancelWatch
     from runtime.stores.base import EmbeddingStore
@@ -35,7 +35,8 @@ class WorkerContext:
     status updates and logs (``{stage}@{host}`` when not given). ``cancel``: the request cancels
     the worker asks before and during its work. ``record`` (``StatusStore.apply``): every
     status update is also written to the request's status record directly (the results topic
-    stays the durable record).
+    stays the durable record); ``record_all`` (``StatusStore.apply_all``): updates that
+    queued up behind a slow one are written through in one go.
     """
 
     __slots__ = (
@@ -43,6 +44,7 @@ class WorkerContext:
         "cancel",
         "publisher",
         "record",
+        "record_all",
         "settings",
         "store",
         "topics",
@@ -60,6 +62,7 @@ class WorkerContext:
         worker_id: str | None = None,
         cancel: CancelWatch | None = None,
         record: StatusWriter | None = None,
+        record_all: BatchStatusWriter | None = None,
     ) -> None:
         self.settings = settings
         self.bundle = bundle
@@ -69,6 +72,7 @@ class WorkerContext:
         self.worker_id = worker_id
         self.cancel = cancel
         self.record = record
+        self.record_all = record_all
 
     def name(self, stage: str) -> str:
         """The worker's name as stage ``stage``."""
@@ -85,6 +89,7 @@ class WorkerContext:
             stage,
             self.name(stage),
             record=self.record,
+            record_all=self.record_all,
             on_gone=on_gone,
         )
 

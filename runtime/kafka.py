@@ -14,7 +14,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError
 
-from runtime.publisher import frame
+from runtime.publisher import OutRecord, frame
 from runtime.settings import Settings
 from schemas.topics import Topics
 from schemas.types import Event
@@ -261,6 +261,26 @@ class KafkaPublisher:
             topic, value=record.value, key=record.key, headers=record.headers
         )
         return len(record.value)
+
+    async def send_all(self, topic: str, records: Sequence[OutRecord]) -> None:
+        """Queue every record in order (the producer keeps a partition's records in the order
+        they were queued), then wait for the acknowledgements together."""
+        producer = self.routes.get(topic, self.producer)
+        acks: list[asyncio.Future[Any]] = []
+        try:
+            for key, event, headers in records:
+                record = frame(event, key, headers=headers)
+                acks.append(
+                    await producer.send(
+                        topic, value=record.value, key=record.key, headers=record.headers
+                    )
+                )
+        finally:
+            # Every queued record's outcome is awaited, even when a later one failed to queue.
+            done = await asyncio.gather(*acks, return_exceptions=True)
+        for outcome in done:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
 
 async def topic_partitions(settings: Settings, topics: Sequence[str]) -> dict[str, list[int]]:

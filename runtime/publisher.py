@@ -56,6 +56,10 @@ def frame(
     )
 
 
+OutRecord = tuple[str | None, Event, Sequence[tuple[str, bytes]]]
+"""One record for :meth:`Publisher.send_all`: its key, its event and its headers."""
+
+
 @runtime_checkable
 class Publisher(Protocol):
     """Sends framed events; ``send`` returns once the broker has acknowledged the record."""
@@ -71,6 +75,11 @@ class Publisher(Protocol):
     ) -> int:
         """Encode ``event`` (or take ``value``, its encoding made before), send it keyed by
         ``key`` and return the encoded value's size."""
+        ...
+
+    async def send_all(self, topic: str, records: Sequence[OutRecord]) -> None:
+        """Send ``records`` to ``topic`` in their order and return once the broker has
+        acknowledged every one (the sends overlap: one wait for all the acknowledgements)."""
         ...
 
 
@@ -123,6 +132,10 @@ class InMemoryPublisher:
         record = frame(event, key, headers=headers, value=value)
         self.records.append(SentRecord(topic, key, record.value, record.headers))
         return len(record.value)
+
+    async def send_all(self, topic: str, records: Sequence[OutRecord]) -> None:
+        for key, event, headers in records:
+            await self.send(topic, key, event, headers=headers)
 
     def on(self, topic: str) -> list[SentRecord]:
         """The records sent to ``topic``, in send order."""

@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypedDict, Unpack
 
-from runtime.publisher import Publisher
+from runtime.publisher import OutRecord, Publisher
 from runtime.status.store import StatusGone
 from runtime.tracing import current_trace_id
 from schemas.types import ErrorInfo, ResultEvent
@@ -32,6 +32,11 @@ class StatusWriter(Protocol):
     def __call__(
         self, ev: ResultEvent, /, *, fields: dict[str, Any] | None = None
     ) -> Awaitable[object]: ...
+
+
+BatchStatusWriter = Callable[[Sequence[ResultEvent]], Awaitable[object]]
+"""Folds several updates of one request into its record in one write
+(``StatusStore.apply_all``)."""
 
 
 RECORDED_HEADER = "epd-recorded"
@@ -98,6 +103,7 @@ class ResultReporter:
         worker: str = "",
         *,
         record: StatusWriter | None = None,
+        record_all: BatchStatusWriter | None = None,
         on_gone: Callable[[ResultEvent], object] | None = None,
     ):
         self.publisher = publisher
@@ -105,6 +111,9 @@ class ResultReporter:
         self.stage = stage
         self.worker = worker
         self.record = record
+        self.record_all = record_all
+        """Writes a batch of updates through in one go (:meth:`many`); without it, one by
+        one with ``record``."""
         self.on_gone = on_gone
 
     async def __call__(self, request_id: str, status: str, **fields: Unpack[UpdateFields]) -> None:
@@ -115,6 +124,19 @@ class ResultReporter:
         # it publishes next) must not overtake this one in the record. The record first: it is
         # what a waiting client sees, and the send says whether it took the update.
         await self.send(event, recorded=await self.write_through(event))
+
+    async def many(self, request_id: str, updates: Sequence[tuple[str, UpdateFields]]) -> None:
+        """Several updates of ``request_id`` at once, in order: written through together
+        (``record_all``: one write) and then sent together (one wait for the broker's
+        acknowledgements), where :meth:`__call__` would take a round trip of each per update."""
+        events = [self.update(request_id, status, **fields) for status, fields in updates]
+        if self.record_all is None:
+            recorded = [await self.write_through(ev) for ev in events]
+        else:
+            recorded = [await self._write_all_through(events)] * len(events)
+        await self.publisher.send_all(
+            self.topic, [self._out(ev, rec) for ev, rec in zip(events, recorded, strict=True)]
+        )
 
     def update(
         self,
@@ -149,9 +171,15 @@ class ResultReporter:
     async def send(self, event: ResultEvent, *, recorded: bool = False) -> None:
         """Publish ``event`` to the results topic, keyed by its request, with its result id
         (and :data:`RECORDED_HEADER` when ``recorded``: the status record has it already)."""
+        key, _, headers = self._out(event, recorded)
+        await self.publisher.send(self.topic, key, event, headers=headers)
+
+    def _out(self, event: ResultEvent, recorded: bool) -> OutRecord:
+        """The record of ``event``: keyed by its request, with its result id (and
+        :data:`RECORDED_HEADER` when ``recorded``)."""
         rid = self.result_id(event.request_id, self.stage, event.status)
         headers = [(self.RESULT_ID_HEADER, rid.encode()), *recorded_headers(recorded)]
-        await self.publisher.send(self.topic, event.request_id, event, headers=headers)
+        return event.request_id, event, headers
 
     async def write_through(
         self, event: ResultEvent, *, fields: dict[str, Any] | None = None
@@ -162,6 +190,16 @@ class ResultReporter:
         if self.record is None:
             return False
         write = self.record(event) if fields is None else self.record(event, fields=fields)
+        return await self._written(write, event)
+
+    async def _write_all_through(self, events: Sequence[ResultEvent]) -> bool:
+        """``events`` (of one request) folded into its record in one write; as
+        :meth:`write_through` for each."""
+        assert self.record_all is not None
+        return await self._written(self.record_all(events), events[-1])
+
+    async def _written(self, write: Awaitable[object], event: ResultEvent) -> bool:
+        """Whether ``write`` (of ``event``, or of a batch ending with it) went through."""
         try:
             # Bounded: a frozen Redis must not hold the stage up; the topic carries the update.
             await asyncio.wait_for(write, self.WRITE_THROUGH_TIMEOUT_S)
@@ -189,49 +227,72 @@ class ResultReporter:
 class RequestUpdates:
     """One request's updates from one stage, kept in order, without holding the stage up.
 
-    :meth:`soon` starts a progress update (``prefilling``, ``decoding``) in the background:
-    the stage goes on with its work while the broker acknowledges it and the record takes it.
-    Each update waits for the one before it, so the record and the results topic see them in
-    the order they were made; :meth:`now` (an outcome) waits for every earlier one first.
-    A background update that failed raises from the next :meth:`now` or :meth:`flush`, so the
-    consume loop retries the event exactly as if the update had failed in place.
+    :meth:`soon` queues a progress update (``prefilling``, ``decoding``) and returns: the stage
+    goes on with its work while one background task writes the queue out. The record and the
+    results topic see the updates in the order they were made; those that queued up while an
+    earlier one was on its way go out together (:meth:`ResultReporter.many`: one record write
+    and one wait for the broker). :meth:`now` (an outcome) returns once it and every earlier
+    update are out. A background update that failed raises from the next :meth:`now` or
+    :meth:`flush` (the updates queued behind it are not sent), so the consume loop retries the
+    event exactly as if the update had failed in place.
     """
 
     def __init__(self, reporter: ResultReporter, request_id: str) -> None:
         self.reporter = reporter
         self.request_id = request_id
-        self._last: asyncio.Task[None] | None = None
+        self._queue: list[tuple[str, UpdateFields]] = []
+        self._sender: asyncio.Task[None] | None = None
 
-    def soon(self, status: str, **fields: Any) -> None:
-        """Start one update after the earlier ones; return at once."""
-        before = self._last
+    def soon(self, status: str, **fields: Unpack[UpdateFields]) -> None:
+        """Queue one update after the earlier ones; return at once."""
+        self._queue.append((status, fields))
+        sender = self._sender
+        # A sender that failed is kept, so that the next flush raises its failure.
+        if sender is None or (sender.done() and not _failed(sender)):
+            self._sender = asyncio.create_task(self._send_queued())
 
-        async def send_after() -> None:
-            if before is not None:
-                await before
-            await self.reporter(self.request_id, status, **fields)
+    async def _send_queued(self) -> None:
+        """Write the queue out, oldest first, taking what queued meanwhile as one batch."""
+        while self._queue:
+            batch, self._queue = self._queue, []
+            if len(batch) == 1:
+                status, fields = batch[0]
+                await self.reporter(self.request_id, status, **fields)
+            else:
+                await self.reporter.many(self.request_id, batch)
 
-        self._last = asyncio.create_task(send_after())
-
-    async def now(self, status: str, **fields: Any) -> None:
+    async def now(self, status: str, **fields: Unpack[UpdateFields]) -> None:
         """One update, sent and recorded before this returns (earlier ones first)."""
+        self.soon(status, **fields)
         await self.flush()
-        await self.reporter(self.request_id, status, **fields)
 
     async def flush(self) -> None:
-        """Wait for every update started so far; raise the first failure among them."""
-        last, self._last = self._last, None
-        if last is not None:
-            await last
+        """Wait for every update queued so far; raise the first failure among them."""
+        while (sender := self._sender) is not None:
+            try:
+                await sender
+            except BaseException:
+                if self._sender is sender:
+                    self._sender = None
+                self._queue.clear()  # behind a failure: not sent (order would break)
+                raise
+            if self._sender is sender:
+                self._sender = None
 
     async def abandon(self) -> None:
         """The stage failed or is being cancelled: end the updates still in flight quietly
         (a retry of the event sends them again; the record folds repeats away)."""
-        last, self._last = self._last, None
-        if last is None or last.done():
-            if last is not None and not last.cancelled():
-                last.exception()  # retrieved: the stage's own failure is the one that matters
+        sender, self._sender = self._sender, None
+        self._queue.clear()
+        if sender is None or sender.done():
+            if sender is not None and not sender.cancelled():
+                sender.exception()  # retrieved: the stage's own failure is the one that matters
             return
-        last.cancel()
+        sender.cancel()
         with contextlib.suppress(BaseException):
-            await last
+            await sender
+
+
+def _failed(task: asyncio.Task[None]) -> bool:
+    """Whether a finished ``task`` was cancelled or raised."""
+    return task.cancelled() or task.exception() is not None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -307,6 +308,20 @@ def created(request_id: str, fields: dict[str, Any], *, at_ms: int | None = None
     rec.stages[stage_key("api", "queued")] = rec.created_ms
     rec.updated_ms = rec.created_ms
     return rec
+
+
+def fold_steps(
+    record: StatusRecord | None, events: Sequence[ResultEvent]
+) -> list[tuple[StatusRecord, str]]:
+    """``events`` folded into ``record`` in order: the record after each one that changed
+    something, with that event's stage (empty when none did)."""
+    steps: list[tuple[StatusRecord, str]] = []
+    for ev in events:
+        nxt = fold(record, ev)
+        if nxt is not None:
+            steps.append((nxt, ev.stage))
+            record = nxt
+    return steps
 
 
 def fold(record: StatusRecord | None, ev: ResultEvent) -> StatusRecord | None:

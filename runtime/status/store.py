@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -36,7 +36,7 @@ from runtime.settings import Settings
 from runtime.status.cancel import announce_cancel
 from runtime.status.inflight import InFlight
 from schemas.keys import RedisKeys
-from schemas.status_record import StatusRecord, created, fold, makes_record
+from schemas.status_record import StatusRecord, created, fold, fold_steps, makes_record
 from schemas.types import ErrorInfo, ResultEvent, now_ms
 
 
@@ -50,6 +50,8 @@ class StatusGone(LookupError):
 
 
 RecordChange = Callable[[StatusRecord | None], StatusRecord | None]
+ChangeEntries = Callable[[StatusRecord | None, StatusRecord], list[str]]
+"""The status-stream entries of a change from the record it started from to the one it made."""
 """The record before -> the record after, or None when nothing is to be written."""
 
 STREAM_MAXLEN = 256
@@ -59,11 +61,12 @@ STREAM_MAXLEN = 256
 # KEYS: record, its event stream, its token stream (the entry's id follows both streams:
 # ``runtime.redis.stream_ids``), and on one Redis the in-flight set. ARGV: the record text
 # the fold started from ("" = no record: only a create passes it; an update passes the text
-# it read, so it never writes where the record went), the new text, TTL s, the stream entry
-# ("" = the status did not change), the change channel, the stream's cap, "1" when terminal,
-# the request id, now (ms), the publish command (PUBLISH; SPUBLISH on a cluster, where the
-# channel is in the request's slot). Returns {1} once written, or {0, text Redis holds} when
-# the start was stale (nothing, when the record went: the update then finds it gone).
+# it read, so it never writes where the record went), the new text, TTL s, the change
+# channel, the stream's cap, "1" when terminal, the request id, now (ms), the publish command
+# (PUBLISH; SPUBLISH on a cluster, where the channel is in the request's slot), then the
+# stream entries, one per status change (none: the status did not change). Returns {1} once
+# written, or {0, text Redis holds} when the start was stale (nothing, when the record went:
+# the update then finds it gone).
 # A request that is not finished is in the in-flight set whoever wrote its record (the API's
 # admission adds it first; a router's or a submitter's record joins here), so the sweep sees
 # every one of them; on a cluster the set is another slot's, updated beside the script.
@@ -74,18 +77,20 @@ local current = redis.call('GET', KEYS[1])
 if (current or '') ~= ARGV[1] then return {0, current} end
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
 if KEYS[4] then
-    if ARGV[7] == '1' then
-        redis.call('ZREM', KEYS[4], ARGV[8])
+    if ARGV[6] == '1' then
+        redis.call('ZREM', KEYS[4], ARGV[7])
     else
-        redis.call('ZADD', KEYS[4], 'NX', ARGV[9], ARGV[8])
+        redis.call('ZADD', KEYS[4], 'NX', ARGV[8], ARGV[7])
         redis.call('EXPIRE', KEYS[4], ARGV[3])
     end
 end
-if ARGV[4] ~= '' then
+for i = 10, #ARGV do
     local id = next_stream_id(KEYS[2], KEYS[3])
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[6], id, 'data', ARGV[4])
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], id, 'data', ARGV[i])
+end
+if #ARGV >= 10 then
     redis.call('EXPIRE', KEYS[2], ARGV[3])
-    redis.call(ARGV[10], ARGV[5], ARGV[8])
+    redis.call(ARGV[9], ARGV[4], ARGV[7])
 end
 return {1}
 """
@@ -122,6 +127,68 @@ def _text(raw: Any) -> str | None:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
+def _one_change(stage: str) -> ChangeEntries:
+    """The stream entry of a change made by one update of ``stage``: one where the status
+    changed (or the record was made), none otherwise."""
+
+    def entries(old: StatusRecord | None, rec: StatusRecord) -> list[str]:
+        return [rec.change_entry(stage)] if old is None or rec.status != old.status else []
+
+    return entries
+
+
+def _batch(events: Sequence[ResultEvent]) -> tuple[RecordChange, ChangeEntries]:
+    """The change ``events`` (of one request, in order) make together, and its stream entries:
+    one for each status change among them, with the stage of the update that made it."""
+
+    def change(rec: StatusRecord | None) -> StatusRecord | None:
+        steps = fold_steps(rec, events)
+        return steps[-1][0] if steps else None
+
+    def entries(old: StatusRecord | None, _rec: StatusRecord) -> list[str]:
+        out: list[str] = []
+        for rec, stage in fold_steps(old, events):
+            out += _one_change(stage)(old, rec)
+            old = rec
+        return out
+
+    return change, entries
+
+
+class RememberedRecords:
+    """The record texts a process last saw, by request id, newest kept: at most ``count`` of
+    them and ``chars`` characters in all (a count alone let a few huge records, a 30 MB
+    metadata value before the API bounded it, hold hundreds of MB in every process)."""
+
+    def __init__(self, count: int, chars: int) -> None:
+        self.count = count
+        self.chars = chars
+        self._texts: OrderedDict[str, str] = OrderedDict()
+        self.held_chars = 0
+
+    def get(self, request_id: str) -> str | None:
+        return self._texts.get(request_id)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._texts
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def put(self, request_id: str, text: str | None) -> None:
+        """Remember ``text`` as the request's record (None: forget it)."""
+        dropped = self._texts.pop(request_id, None)
+        if dropped is not None:
+            self.held_chars -= len(dropped)
+        if text is None:
+            return
+        self._texts[request_id] = text
+        self.held_chars += len(text)
+        while self._texts and (len(self._texts) > self.count or self.held_chars > self.chars):
+            _, old = self._texts.popitem(last=False)
+            self.held_chars -= len(old)
+
+
 class StatusStore:
     """Status records under ``RedisKeys.status`` with a TTL."""
 
@@ -132,8 +199,7 @@ class StatusStore:
     """Records this process last saw, kept as the starting guess of its next update (a worker
     writes again within milliseconds of its last read or write; an API replica reads many)."""
     REMEMBER_CHARS = 16 * 1024 * 1024
-    """...and at most this many characters of them: a count alone let a few huge records (a
-    30 MB metadata value, before the API bounded it) hold hundreds of MB in every process."""
+    """...and at most this many characters of them (:class:`RememberedRecords`)."""
 
     def __init__(self, client: RedisClient, *, prefix: str = "epd", ttl_s: int = 3600) -> None:
         self.client = client
@@ -143,8 +209,7 @@ class StatusStore:
         self.ttl_s = ttl_s
         self.inflight = InFlight(client, self.keys, ttl_s=ttl_s)
         self._cas = client.register_script(_CAS_SCRIPT)
-        self._known: OrderedDict[str, str] = OrderedDict()
-        self._known_chars = 0
+        self._known = RememberedRecords(self.REMEMBER, self.REMEMBER_CHARS)
 
     @classmethod
     def for_settings(cls, client: RedisClient, settings: Settings) -> StatusStore:
@@ -197,6 +262,17 @@ class StatusStore:
             change = _also_setting(change, fields)
         return await self._modify(ev.request_id, change, stage=ev.stage, creates=makes_record(ev))
 
+    async def apply_all(self, events: Sequence[ResultEvent]) -> bool:
+        """Fold several updates of one request, in order, in one write: each status change
+        among them still gets its own stream entry. False when none changed anything; raises
+        :class:`StatusGone` as :meth:`apply` does. (A stage whose updates queued up behind a
+        slow one writes them together: one script run where there would be one per update.)"""
+        if len(events) == 1:
+            return await self.apply(events[0])
+        change, entries = _batch(events)
+        creates = any(makes_record(ev) for ev in events)
+        return await self._modify(events[0].request_id, change, creates=creates, entries=entries)
+
     async def start(self, ev: ResultEvent) -> bool:
         """:meth:`apply`, making the record when there is none: only for a word of a request's
         entry point that came in without the intake (the render router's dead letters: an
@@ -229,6 +305,7 @@ class StatusStore:
         *,
         absent: bool = False,
         creates: bool = False,
+        entries: ChangeEntries | None = None,
     ) -> bool:
         """Fold ``change`` into the record with one compare-and-set script per try.
 
@@ -239,23 +316,31 @@ class StatusStore:
         a lost update. A remembered text that says "nothing to change" is checked against
         Redis first. ``absent``: start from "no record" (a create), not from a read.
         ``creates``: ``change`` may make the record; otherwise a fold that finds none raises
-        :class:`StatusGone` and writes nothing.
+        :class:`StatusGone` and writes nothing. ``entries``: the status-stream entries of the
+        change (by default one, where the status changed).
         """
         dropped = 0
         while True:
             try:
-                return await self._fold_in(request_id, change, stage, absent, creates)
+                return await self._fold_in(
+                    request_id, change, entries or _one_change(stage), absent, creates
+                )
             except RedisConnectionError:
                 # A pooled connection Redis dropped (a restart, a freeze): fold again on a
                 # fresh one. Safe even if the script ran: the same update folds as a duplicate.
                 dropped += 1
                 if dropped >= self.CONNECTION_RETRIES:
                     raise
-                self._remember(request_id, None)
+                self._known.put(request_id, None)
                 await asyncio.sleep(0.05 * dropped)
 
     async def _fold_in(
-        self, request_id: str, change: RecordChange, stage: str, absent: bool, creates: bool
+        self,
+        request_id: str,
+        change: RecordChange,
+        entries: ChangeEntries,
+        absent: bool,
+        creates: bool,
     ) -> bool:
         expected, verified = ("" if absent else self._known.get(request_id)), False
         counted = False  # cluster: this call added the request to the in-flight set
@@ -282,16 +367,16 @@ class StatusStore:
                 await self.inflight.add(request_id)  # before the record exists: see inflight
                 counted = True
             text = rec.to_json()
-            written, held = await self._write(request_id, expected, rec, text, stage, old)
+            written, held = await self._write(request_id, expected, rec, text, entries(old, rec))
             if written:
-                self._remember(request_id, text)
+                self._known.put(request_id, text)
                 if self.cluster and rec.terminal and (counted or old is None or not old.terminal):
                     await self.inflight.release(request_id)
                 return True
             # Another writer got there first: fold again on what Redis holds.
             expected = held
             verified = True
-            self._remember(request_id, expected)
+            self._known.put(request_id, expected)
 
     async def _write(
         self,
@@ -299,33 +384,28 @@ class StatusStore:
         expected: str | None,
         rec: StatusRecord,
         text: str,
-        stage: str,
-        old: StatusRecord | None,
+        entries: list[str],
     ) -> tuple[bool, str | None]:
-        """One compare-and-set run: ``(True, None)`` once written, else ``(False, the text
-        Redis holds)`` for the next fold."""
-        keys = [
-            self.keys.status(request_id),
-            self.keys.status_events(request_id),
-            self.keys.tokens(request_id),
-        ]
+        """One compare-and-set run (with the status-stream ``entries``): ``(True, None)`` once
+        written, else ``(False, the text Redis holds)`` for the next fold."""
+        k = self.keys
+        keys = [k.status(request_id), k.status_events(request_id), k.tokens(request_id)]
         if not self.cluster:
             keys.append(self.keys.inflight)
         channel = self.keys.status_changes(request_id) if self.cluster else self.keys.status_notify
-        entry = rec.change_entry(stage) if old is None or rec.status != old.status else ""
         reply = await self._cas(
             keys=keys,
             args=[
                 expected or "",
                 text,
                 self.ttl_s,
-                entry,
                 channel,
                 STREAM_MAXLEN,
                 "1" if rec.terminal else "",
                 request_id,
                 now_ms(),
                 "SPUBLISH" if self.cluster else "PUBLISH",
+                *entries,
             ],
         )
         if int(reply[0]) == 1:
@@ -338,7 +418,7 @@ class StatusStore:
         for a change that will not come; an outcome also gives back the request's in-flight
         slot (nothing else would: the sweep drops what is left later); then
         :class:`StatusGone`."""
-        self._remember(request_id, None)
+        self._known.put(request_id, None)
         would = change(None)
         try:
             if would is not None and would.terminal:
@@ -352,30 +432,15 @@ class StatusStore:
         raise StatusGone(request_id)
 
     async def warm(self) -> None:
-        """Load the update script and open a connection now, so a worker's first update is as
-        quick as the next ones (redis-py would load the script on its first NOSCRIPT answer:
-        three round trips and a connection set-up, enough for a request's outcome, written by
-        another worker, to overtake an encoder's first mark)."""
+        """Load the update script and open a connection now: a first update that loads it
+        (NOSCRIPT, three round trips, a connect) let another worker's outcome overtake it."""
         await self.client.script_load(_CAS_SCRIPT)
 
     async def _read(self, request_id: str) -> str | None:
         """The record's text as Redis holds it now (remembered for the next update)."""
         text = _text(await self.client.get(self.keys.status(request_id)))
-        self._remember(request_id, text)
+        self._known.put(request_id, text)
         return text
-
-    def _remember(self, request_id: str, text: str | None) -> None:
-        known = self._known
-        dropped = known.pop(request_id, None)
-        if dropped is not None:
-            self._known_chars -= len(dropped)
-        if text is None:
-            return
-        known[request_id] = text
-        self._known_chars += len(text)
-        while known and (len(known) > self.REMEMBER or self._known_chars > self.REMEMBER_CHARS):
-            _, old = known.popitem(last=False)
-            self._known_chars -= len(old)
 
     async def events(self, request_id: str, after: str = "0") -> list[tuple[str, dict[str, Any]]]:
         """Status changes after stream id ``after`` (exclusive), oldest first."""

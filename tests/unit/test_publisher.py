@@ -154,6 +154,51 @@ async def test_progress_updates_go_out_in_order_without_holding_the_stage_up() -
     assert [r.event().status for r in pub.records] == order  # type: ignore[union-attr]
 
 
+async def test_updates_queued_behind_a_slow_one_go_out_together_in_order() -> None:
+    """While the first update is on its way, the ones made meanwhile queue; they are then
+    written through in one batch write (``record_all``) and sent with one wait for the
+    broker (``send_all``), in the order they were made, the outcome last."""
+    gate = asyncio.Event()
+    singles: list[str] = []
+    batches: list[list[str]] = []
+
+    async def record(ev: ResultEvent) -> bool:
+        if ev.status == "prefilling":
+            await gate.wait()
+        singles.append(ev.status)
+        return True
+
+    async def record_all(events: object) -> bool:
+        batches.append([e.status for e in events])  # type: ignore[attr-defined]
+        return True
+
+    class Counting(InMemoryPublisher):
+        send_alls = 0
+
+        async def send_all(self, topic: str, records: object) -> None:
+            Counting.send_alls += 1
+            await super().send_all(topic, records)  # type: ignore[arg-type]
+
+    pub = Counting()
+    reporter = ResultReporter(pub, "t.results", "prefill", record=record, record_all=record_all)
+    updates = RequestUpdates(reporter, "r")
+    updates.soon("prefilling")
+    await asyncio.sleep(0.01)
+    updates.soon("decoding")
+    done = asyncio.create_task(updates.now("completed", token_ids=[1]))
+    await asyncio.sleep(0.01)
+    assert not done.done() and singles == [] and batches == []
+    gate.set()
+    await asyncio.wait_for(done, 5)
+    assert singles == ["prefilling"] and batches == [["decoding", "completed"]]
+    assert Counting.send_alls == 1
+    assert [r.event().status for r in pub.records] == ["prefilling", "decoding", "completed"]  # type: ignore[union-attr]
+    assert all(dict(r.headers).get("epd-recorded") == b"1" for r in pub.records)
+    # Nothing queued: the next update goes alone, at once.
+    await updates.now("completed")
+    assert len(pub.records) == 4
+
+
 async def test_a_failed_progress_update_fails_the_next_step_and_abandon_ends_quietly() -> None:
     class Down(InMemoryPublisher):
         async def send(self, *args: object, **kwargs: object) -> int:

@@ -13,12 +13,12 @@ def test_remembered_records_are_bounded_in_characters_too() -> None:
     store = StatusStore(MagicMock(), prefix="p")
     big = "x" * (4 * 1024 * 1024)
     for i in range(20):  # 80 MB of records, under the count bound
-        store._remember(f"r{i}", big)
-    held = sum(len(t) for t in store._known.values())
-    assert held <= StatusStore.REMEMBER_CHARS and store._known_chars == held
+        store._known.put(f"r{i}", big)
+    held = sum(len(store._known.get(f"r{i}") or "") for i in range(20))
+    assert held <= StatusStore.REMEMBER_CHARS and store._known.held_chars == held
     assert "r19" in store._known and "r0" not in store._known  # the newest are kept
-    store._remember("r19", None)
-    assert "r19" not in store._known and store._known_chars == held - len(big)
+    store._known.put("r19", None)
+    assert "r19" not in store._known and store._known.held_chars == held - len(big)
     for i in range(StatusStore.REMEMBER + 50):  # small ones: the count bound still holds
-        store._remember(f"s{i}", "{}")
+        store._known.put(f"s{i}", "{}")
     assert len(store._known) == StatusStore.REMEMBER

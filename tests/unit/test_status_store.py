@@ -10,7 +10,7 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from runtime.status import StatusNotifier, StatusStore
+from runtime.status import StatusGone, StatusNotifier, StatusStore
 from schemas.status_record import fold
 from schemas.types import ErrorInfo, ResultEvent
 
@@ -564,3 +564,50 @@ async def test_an_update_that_fails_for_good_holds_nothing_back(store: StatusSto
     await asyncio.wait_for(rc.handle(ResultEvent(rid, "prefill", "completed", token_ids=[1])), 1)
     rec = await store.get(rid)
     assert rec is not None and rec.status == "completed"
+
+
+async def test_updates_folded_together_write_once_and_keep_every_change(
+    store: StatusStore,
+) -> None:
+    """``apply_all``: a stage's updates that queued up fold into the record in one script run,
+    yet the status stream gets an entry for each status change among them (in order, each with
+    its own stage), the record ends where one-by-one folding ends, the in-flight slot is given
+    back by the terminal one, and sending the same batch again changes nothing."""
+    rid = f"b-{uuid.uuid4().hex[:8]}"
+    assert await store.create(rid, {"tenant": "t"})
+    await store.apply(ResultEvent(rid, "fanout", "encoding"))
+    assert await store.admit(rid, 1000)
+    batch = [
+        ResultEvent(rid, "prefill", "prefilling", timings={"wait": 1.0}),
+        ResultEvent(rid, "prefill", "decoding"),
+        ResultEvent(rid, "prefill", "decoding", info={"x": "1"}),  # no status change
+        ResultEvent(rid, "prefill", "completed", token_ids=[4, 5], text="hi"),
+    ]
+    runs: list[object] = []
+    script = store._cas
+
+    async def counted(**kwargs: object) -> object:
+        runs.append(kwargs)
+        return await script(**kwargs)
+
+    store._cas = counted  # type: ignore[assignment]
+    try:
+        assert await store.apply_all(batch)
+    finally:
+        store._cas = script
+    assert len(runs) == 1  # one script run for the four updates
+    rec = await store.get(rid)
+    assert rec is not None and rec.status == "completed" and rec.token_ids == [4, 5]
+    assert rec.timings["wait"] == 1.0 and rec.info["x"] == "1" and rec.tenant == "t"
+    changes = [(e["status"], e["stage"]) for _, e in await store.events(rid)]
+    assert changes == [
+        ("queued", "api"),
+        ("encoding", "fanout"),
+        ("prefilling", "prefill"),
+        ("decoding", "prefill"),
+        ("completed", "prefill"),
+    ]
+    assert rid not in [m.decode() for m in await store.client.zrange(store.keys.inflight, 0, -1)]
+    assert not await store.apply_all(batch)  # a redelivery folds to nothing
+    with pytest.raises(StatusGone):
+        await store.apply_all([ResultEvent("never-made", "prefill", "prefilling")] * 2)
