@@ -46,7 +46,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
@@ -109,7 +109,10 @@ def _dead_letter_writer(
 
 
 def _lost_log_guard(
-    config: ConsumerConfig, committer: Committer, tracker: CommitTracker[TopicPartition]
+    config: ConsumerConfig,
+    committer: Committer,
+    tracker: CommitTracker[TopicPartition],
+    remake_topics: Callable[[], Awaitable[object]] | None,
 ) -> LostLogGuard:
     """The guard, committing a lost log's start through the interval committer."""
     if not isinstance(committer, IntervalCommitter):
@@ -117,7 +120,7 @@ def _lost_log_guard(
             "rewind_lost_logs=True needs interval commits: the brokers that lose their logs "
             "(memory brokers such as Tansu) do no transactions"
         )
-    return LostLogGuard(config.group_id, tracker, committer.commit_offsets)
+    return LostLogGuard(config.group_id, tracker, committer.commit_offsets, remake_topics)
 
 
 def _idle_fetch(settings: Settings, config: ConsumerConfig) -> IdleFetch:
@@ -244,6 +247,7 @@ class ConsumeLoop:
         on_dead_letter: DeadLetterHook | None = None,
         registry: CollectorRegistry | None = None,
         rewind_lost_logs: bool = False,
+        remake_topics: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self.settings = settings
         self.config = config
@@ -272,7 +276,9 @@ class ConsumeLoop:
         )
         self._in_flight = InFlight(config.group_id, self._metrics, self._fail)
         self._guard = (
-            _lost_log_guard(config, self._committer, self._tracker) if rewind_lost_logs else None
+            _lost_log_guard(config, self._committer, self._tracker, remake_topics)
+            if rewind_lost_logs
+            else None
         )
         self._consumer: AIOKafkaConsumer | None = None
         self._idle_fetch = _idle_fetch(settings, config)

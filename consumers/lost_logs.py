@@ -13,6 +13,10 @@ until its start offsets are committed: the group's committed offsets may point i
 is gone (a commit sent before the loss was seen lands on the new log), so the partitions of it
 assigned meanwhile are read again too.
 
+Found a lost log, the guard also makes the pipeline's topics again (``remake_topics``): a memory
+broker that restarted has none, its auto-created ones lack their partitions and message size,
+and records sent to a topic before it is made are acknowledged and then lost.
+
 The guard is opt-in (``ConsumeLoop(..., rewind_lost_logs=True)``): the stages turn it on with
 interval commits. Without it the loop still drops what it tracked of a partition whose fetched
 records start below where it read (:func:`forget_lost_log`), so its commits stay in order.
@@ -58,8 +62,14 @@ class LostLogGuard:
         group_id: str,
         tracker: CommitTracker[TopicPartition],
         commit: Callable[[dict[TopicPartition, int]], Awaitable[bool]],
+        remake_topics: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self.group_id = group_id
+        self.remake_topics = remake_topics
+        """Makes the pipeline's topics again (their partitions and message size), once a lost
+        log is found: a memory broker that restarted has none, and the records sent to a topic
+        it has not made yet are acknowledged and then lost when it makes it."""
+        self._remake_due = False
         self.rewinds = 0
         """Partitions found to have lost records and read again from the start."""
         self._tracker = tracker
@@ -100,9 +110,22 @@ class LostLogGuard:
             if high < at:
                 self._forget(tp, at, high)
                 self._lose_topic(tp.topic, assigned)
+        if self._remake_due:
+            await self._remake()
         todo = self._to_rewind & assigned
         if todo:
             await self._read_again_from_start(consumer, todo)
+
+    async def _remake(self) -> None:
+        """Make the topics again (best effort: a failure is logged and tried after the next
+        lost log; the broker's own auto-creation is the fallback)."""
+        self._remake_due = False
+        if self.remake_topics is None:
+            return
+        try:
+            await self.remake_topics()
+        except Exception as exc:  # the broker still starting, an admin call refused
+            log.warning("%s: could not make the topics again (%r)", self.group_id, exc)
 
     def _forget(self, tp: TopicPartition, at: int, found: int) -> None:
         forget_lost_log(self.group_id, self._tracker, tp, at, found)
@@ -111,6 +134,8 @@ class LostLogGuard:
     def _lose_topic(self, topic: str, partitions: set[TopicPartition]) -> None:
         """Mark ``topic`` lost and ``partitions`` of it (this member's) to be read again."""
         rewind = {tp for tp in partitions if tp.topic == topic}
+        if topic not in self._lost_topics:
+            self._remake_due = True
         if rewind:
             self._lost_topics.add(topic)
             self._to_rewind |= rewind

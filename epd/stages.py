@@ -462,7 +462,22 @@ async def _consume_loop(stage: Stage, ctx: StageContext, handler: Handler) -> Co
         registry=REGISTRY,  # served by --metrics-port
         # A memory broker (Tansu) that restarts loses its logs; such brokers do no transactions.
         rewind_lost_logs=not settings.kafka_transactions,
+        remake_topics=lambda: _remake_topics(ctx),
     )
+
+
+async def _remake_topics(ctx: StageContext) -> None:
+    """Make the pipeline's topics again (a broker that lost them: see ``consumers.lost_logs``)."""
+    from runtime.kafka import ensure_topics
+
+    made = await ensure_topics(ctx.settings, ctx.topics.all(), timeout_s=REMAKE_TOPICS_S)
+    if made:
+        log.warning("%s: made the lost topics again: %s", ctx.worker_id, ", ".join(made))
+
+
+REMAKE_TOPICS_S = 5.0
+"""How long the consume loop waits for the broker to make lost topics again (it reads no
+records meanwhile; a failure is logged and the broker's auto-creation is the fallback)."""
 
 
 async def _run_until_signal(loop: ConsumeLoop, ready: Callable[[], Awaitable[None]] | None) -> None:
