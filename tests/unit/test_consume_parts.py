@@ -177,16 +177,42 @@ async def test_the_guard_reads_a_lost_topic_again_from_the_start_and_commits_tha
         commits.append(dict(offsets))
         return True
 
-    guard = LostLogGuard("g", tracker, commit)
+    remade: list[str] = []
+
+    async def remake() -> None:
+        # The topics are made before the rewind's commit lands on the new log.
+        remade.append(f"after {len(commits)} commits")
+
+    guard = LostLogGuard("g", tracker, commit, remake)
     consumer = Consumer(high=3)  # the log ends at 3, this member read up to 20
     await guard.after_poll(consumer)  # type: ignore[arg-type]
     both = {TP, TopicPartition("in", 1)}
     assert set(consumer.seeks) == {(tp, 0) for tp in both}  # the whole topic, from its start
     assert commits == [{tp: 0 for tp in both}]
     assert guard.rewinds == 1 and tracker.next_offset(TP) is None
+    assert remade == ["after 0 commits"]  # the pipeline's topics made again, once
     later = Consumer(high=25)
     await guard.after_poll(later)  # type: ignore[arg-type]
     assert later.seeks == [] and len(commits) == 1  # whole again: nothing more to do
+    assert len(remade) == 1
+
+
+async def test_a_guard_that_cannot_make_the_topics_again_still_rewinds() -> None:
+    """The broker refusing to make the topics (still starting) is logged; the lost log is
+    read again from the start all the same."""
+    tracker: CommitTracker[TopicPartition] = CommitTracker()
+    tracker.add(TP, 10)
+
+    async def commit(offsets: dict[TopicPartition, int]) -> bool:
+        return True
+
+    async def refused() -> None:
+        raise ConnectionError("the broker is still starting")
+
+    guard = LostLogGuard("g", tracker, commit, refused)
+    consumer = Consumer(high=3)
+    await guard.after_poll(consumer)  # type: ignore[arg-type]
+    assert {tp for tp, _ in consumer.seeks} == {TP, TopicPartition("in", 1)}
 
 
 def test_the_guard_is_refused_with_transactions() -> None:
