@@ -214,10 +214,13 @@ async def _start_sweep(ctx: StageContext, status: Any) -> Any:
 async def _build_router(ctx: StageContext) -> Handler:
     from producers.fanout import build_fanout
     from producers.router import RenderRouter
-    from runtime.model import load_render_info
+    from runtime.render_keys import render_keys_apart
 
     store = ctx.open_store()
-    info = await asyncio.to_thread(load_render_info, ctx.settings.model)
+    # The router runs no model and holds no torch (its tensors are wire tensors: see
+    # Stage.wire_tensors): the fingerprint and processor digest its keys are hashed with come
+    # from a child process that loads the model's render info and exits.
+    info = await render_keys_apart(ctx.settings.model)
     # The router is an external renderer's request's entry point: its fan-out's update
     # (marked routed) makes the request's record, as the intake's create does for the API's,
     # whether written through here or folded by the results collector.
@@ -260,6 +263,10 @@ class Stage:
     """The stage's own fetch wait, if it has one (None: ``EPD_KAFKA_FETCH_MAX_WAIT_MS``)."""
     fetch_min_bytes: Callable[[Settings], int | None] = lambda _: None
     """Bytes the broker gathers before answering this stage's fetch (None: one record)."""
+    wire_tensors: bool = False
+    """The stage's events decode their tensors as ``schemas.wire_tensor.WireTensor`` (numpy
+    views, no torch; ``schemas.codec.wire_codec``): for a stage that only checks, hashes and
+    forwards them (the router), so that its process never imports torch."""
     skips_recorded: bool = False
     """The handler is told (``recorded=True``) of records whose stage wrote them through to
     the status record already (``runtime.reporting.RECORDED_HEADER``): decoded (validated) as
@@ -305,6 +312,7 @@ STAGES: dict[str, Stage] = {
             _build_router,
             report_as="fanout",
             makes_records=True,
+            wire_tensors=True,
         ),
     )
 }
@@ -425,6 +433,7 @@ async def _consume_loop(stage: Stage, ctx: StageContext, handler: Handler) -> Co
     from consumers.loop import ConsumeLoop
     from consumers.reporting import dead_letter_reporter
     from runtime.reporting import was_recorded
+    from schemas.codec import get_codec, wire_codec
 
     skip_recorded = stage.skips_recorded
 
@@ -457,6 +466,7 @@ async def _consume_loop(stage: Stage, ctx: StageContext, handler: Handler) -> Co
             consumer_overrides=_fetch_overrides(stage, settings),
         ),
         on_event,
+        decode=(wire_codec() if stage.wire_tensors else get_codec()).decode,
         producer=ctx.publisher.producer,
         on_dead_letter=reporter,
         registry=REGISTRY,  # served by --metrics-port

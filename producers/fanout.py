@@ -12,10 +12,14 @@ label that differs is refused (rule ``mm-hash-mismatch``): it would otherwise le
 write to the render topic get signed entries, and cache hits, for another tenant's key. Each
 entry's signature also binds the request id, so it cannot be replayed into another request.
 
-Encoder inputs travel in ``EPD_PIXEL_DTYPE`` (:func:`runtime.processor_limits.pixel_dtype`): a bf16
-transport halves the bytes on the encode topic and in the store. The cast happens here, after
-hashing, so the store key names the processor's output whatever the transport; the encode
+Encoder inputs travel in ``EPD_PIXEL_DTYPE`` (:func:`runtime.processor_limits.pixel_dtype_name`):
+a bf16 transport halves the bytes on the encode topic and in the store. The cast happens here,
+after hashing, so the store key names the processor's output whatever the transport; the encode
 worker casts to its model dtype anyway, so a bf16 model sees the same values either way.
+
+Inline tensors are ``torch.Tensor`` or, in the render router, which imports no torch,
+:class:`schemas.wire_tensor.WireTensor`: the fan-out reads them through :mod:`schemas.tensor_ops`
+only, and needs of the model only its :class:`runtime.render_keys.RenderKeys`.
 """
 
 from __future__ import annotations
@@ -26,21 +30,20 @@ import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from runtime.processor_limits import InputLimits, input_limits, pixel_dtype
+from runtime.processor_limits import InputLimits, limits_for, pixel_dtype_name
 from runtime.publisher import Publisher, publish
+from runtime.render_keys import RenderKeys, render_keys_of
 from runtime.reporting import ResultReporter, StatusWriter
 from runtime.settings import Settings
+from schemas import tensor_ops
 from schemas.codec import get_codec
 from schemas.errors import CodecError, ValidationError
 from schemas.keys import claim_key, embedding_key
 from schemas.modalities import ENCODER_INPUT_FIELDS, METADATA_FIELDS
 from schemas.signing import ItemHasher, make_ec_transfer, tensor_digest
 from schemas.status_record import fanout_info
-from schemas.tensors import dtype_name
 from schemas.topics import Topics
 from schemas.types import (
     ECTransfer,
@@ -142,7 +145,7 @@ def hash_items(
                 modality=modality,
                 item=index,
             )
-        digests = {n: tensor_digest(v) for n, v in data.items() if isinstance(v, torch.Tensor)}
+        digests = {n: tensor_digest(v) for n, v in data.items() if tensor_ops.is_tensor(v)}
         key_hash = hasher.item_hash(modality, data, ev.cache_salt, digests=digests)
         if label != key_hash and not foreign_labels:
             raise ValidationError(
@@ -195,32 +198,35 @@ class FanOut:
         self,
         settings: Settings,
         store: EmbeddingStore,
-        info: RenderInfo,
+        info: RenderInfo | RenderKeys,
         *,
         publisher: Publisher | None = None,
         topics: Topics | None = None,
         record: StatusWriter | None = None,
         routed: bool = False,
     ) -> None:
-        """``info``: the model's ``RenderInfo`` (no weights): its fingerprint and processor config
-        go into the hash the store is keyed by. Without a ``publisher`` the fan-out can only
-        :meth:`plan` (benchmarks, tests). ``record`` (``StatusStore.apply``): the fan-out's
-        status update is also written to the request's record directly (see ResultReporter).
-        ``routed``: the render router's fan-out, the entry point of its requests, whose update
-        makes their records (``schemas.status_record.makes_record``); behind the intake, which
-        made the record, it only updates it."""
+        """``info``: the model's ``RenderInfo`` (no weights) or just its ``RenderKeys``: its
+        fingerprint and processor config go into the hash the store is keyed by. Without a
+        ``publisher`` the fan-out can only :meth:`plan` (benchmarks, tests). ``record``
+        (``StatusStore.apply``): the fan-out's status update is also written to the request's
+        record directly (see ResultReporter). ``routed``: the render router's fan-out, the
+        entry point of its requests, whose update makes their records
+        (``schemas.status_record.makes_record``); behind the intake, which made the record, it
+        only updates it."""
         self.settings = settings
         self.store = store
         self.info = info
-        self.model_fingerprint = info.fingerprint
-        self.hasher = ItemHasher.for_processor(info.fingerprint, info.image_processor.to_dict())
+        keys = info if isinstance(info, RenderKeys) else render_keys_of(info)
+        self.model_fingerprint = keys.fingerprint
+        self.hasher = ItemHasher(keys.fingerprint, bytes.fromhex(keys.processor_digest))
         self.publisher = publisher
         self.topics = topics or Topics(settings.topic_prefix)
         self.record = record
         self.routed = routed
         self._secret = settings.secret_bytes()
-        self.limits: InputLimits = input_limits(settings, info.image_processor)
-        self.pixel_dtype = pixel_dtype(settings)
+        self.limits: InputLimits = limits_for(settings, keys.max_pixels, keys.temporal_patch_size)
+        self.pixel_dtype = pixel_dtype_name(settings)
+        """The wire name of ``EPD_PIXEL_DTYPE``'s dtype."""
         # Structure only: scanning megabytes of pixels for NaN/Inf here would dominate the
         # cache-hit path; the encode worker checks values when it reads them.
         self._vconfig = ValidationConfig.from_settings(
@@ -248,13 +254,13 @@ class FanOut:
             request_id=request_id,
         )
 
-    def _recast(self, name: str, value: torch.Tensor) -> bool:
+    def _recast(self, name: str, value: Any) -> bool:
         """Whether an input travels cast to ``EPD_PIXEL_DTYPE``: fp32 encoder inputs only (never
         an upcast; metadata and integer tensors travel as they are)."""
         return (
             name in ENCODER_INPUT_FIELDS
-            and value.dtype == torch.float32
-            and self.pixel_dtype != torch.float32
+            and tensor_ops.dtype_name(value) == "float32"
+            and self.pixel_dtype != "float32"
         )
 
     async def _inline_or_claim(
@@ -271,20 +277,20 @@ class FanOut:
             if self._recast(name, value):
                 # Casting megabytes takes milliseconds: off the event loop. The hash-time digest
                 # was of the fp32 bytes; the cast tensor's is computed below if it is claimed.
-                value = await asyncio.to_thread(value.to, self.pixel_dtype)
+                value = await asyncio.to_thread(tensor_ops.cast, value, self.pixel_dtype)
                 digest = ""
-            nbytes = value.numel() * value.element_size()
+            nbytes = tensor_ops.nbytes(value)
             # Metadata (the grid) always travels inline: it is a few bytes, and the validator
             # and encoder need it without a store round trip (a claim-checked grid is rejected).
             if name in METADATA_FIELDS or nbytes <= self.settings.inline_limit_bytes:
                 out[name] = value
                 continue
-            if not value.is_contiguous():  # a copy of megabytes: off the event loop
-                value = await asyncio.to_thread(value.contiguous)
+            if not tensor_ops.is_contiguous(value):  # a copy of megabytes: off the event loop
+                value = await asyncio.to_thread(value.contiguous)  # type: ignore[union-attr]
             # The store is handed the tensor's own bytes as a flat uint8 view, as put_bytes
             # would store them, without copying them first (a 12 MP photo's are 292 MB; the
             # Redis store writes straight from the view). The fan-out never changes a tensor.
-            raw = value.reshape(-1).view(torch.uint8)
+            raw = tensor_ops.byte_tensor(value)
             if not digest:  # the hash-time digest was of the fp32 bytes: hash the cast ones
                 digest = await asyncio.to_thread(tensor_digest, value)
             key = claim_key(self.settings.ec_namespace, item.key_hash, name)
@@ -293,7 +299,7 @@ class FanOut:
             out[name] = TensorRef(
                 store=self.store.url,
                 key=key,
-                dtype=dtype_name(value.dtype),
+                dtype=tensor_ops.wire_dtype(value),
                 shape=list(value.shape),
                 nbytes=nbytes,
                 digest=digest,
@@ -500,7 +506,7 @@ def _encoded(event: EncodeEvent | PrefillEvent) -> bytes:
 def build_fanout(
     settings: Settings,
     store: EmbeddingStore,
-    info: RenderInfo,
+    info: RenderInfo | RenderKeys,
     publisher: Publisher,
     *,
     record: StatusWriter | None = None,
@@ -552,9 +558,5 @@ def kwargs_bytes(features: Features) -> int:
     for items in (features.kwargs_data or {}).values():
         for item in items:
             for v in (item or {}).values():
-                total += v.nbytes if isinstance(v, TensorRef) else _nbytes(v)
+                total += v.nbytes if isinstance(v, TensorRef) else tensor_ops.nbytes(v)
     return total
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

@@ -43,15 +43,10 @@ from transformers import (
 )
 
 from runtime.errors import ModelLoadError
+from runtime.model_spec import checkpoint_dir as _checkpoint_dir
+from runtime.model_spec import model_family as model_family
 from runtime.tokenizer import BYTE_VOCAB, EOS_TOKEN, SPECIAL_TOKENS, build_tiny_tokenizer
-from schemas.families import (
-    FAMILIES,
-    INSTANT_SPEC,
-    TINY_SPECS,
-    ModelFamily,
-    UnsupportedModelType,
-    family,
-)
+from schemas.families import FAMILIES, INSTANT_SPEC, TINY_SPECS, ModelFamily
 
 TINY = "tiny"
 TINY_SEED = 20240917
@@ -468,39 +463,6 @@ def _check_processor(proc: Qwen2VLImageProcessorPil, cfg: Any) -> int:
             f"{(vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size)}"
         )
     return int(proc.merge_size)
-
-
-def _checkpoint_dir(spec: str) -> Path:
-    path = Path(spec).expanduser()
-    if not path.is_dir():
-        raise ModelLoadError(
-            f"model {spec!r} is neither a tiny spec ({', '.join(sorted(TINY_SPECS))}) nor a "
-            "local checkpoint directory"
-        )
-    return path
-
-
-def model_family(spec: str) -> ModelFamily:
-    """The family ``spec`` names, from its tiny name or its checkpoint's ``config.json``.
-
-    Cheap (reads one JSON file, loads no weights): the CLI calls it at start-up so an
-    unsupported checkpoint is refused with the list of supported ``model_type`` values before
-    anything else starts.
-    """
-    if spec in TINY_SPECS:
-        return FAMILIES[TINY_SPECS[spec]]
-    path = _checkpoint_dir(spec)
-    cfg_file = path / "config.json"
-    try:
-        model_type = json.loads(cfg_file.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ModelLoadError(f"cannot read {cfg_file}: {e}") from None
-    if not isinstance(model_type, str):
-        raise ModelLoadError(f"{cfg_file} names no model_type")
-    try:
-        return family(model_type)
-    except UnsupportedModelType as e:
-        raise ModelLoadError(f"checkpoint {path}: {e}") from None
 
 
 @dataclass(slots=True)

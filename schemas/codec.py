@@ -18,7 +18,7 @@ from fastavro import schemaless_reader, schemaless_writer
 from fastavro.schema import fingerprint as avro_fingerprint
 from fastavro.schema import load_schema, to_parsing_canonical_form
 
-from schemas.convert import RecordConverter, avro_name, build_converter
+from schemas.convert import RecordConverter, TensorForm, avro_name, build_converter
 from schemas.errors import CodecError
 from schemas.types import EVENT_TYPES, Event
 
@@ -56,7 +56,14 @@ def load_event_schema(name: str, directory: Path = AVRO_DIR) -> Any:
 class Codec:
     """Encodes event dataclasses to framed Avro and back. Immutable once built; share it freely."""
 
-    def __init__(self, avro_dir: Path = AVRO_DIR, frozen_dir: Path = FROZEN_DIR) -> None:
+    def __init__(
+        self,
+        avro_dir: Path = AVRO_DIR,
+        frozen_dir: Path = FROZEN_DIR,
+        tensors: TensorForm = "torch",
+    ) -> None:
+        """``tensors``: what decoded tensors are, ``torch.Tensor`` or, for a process that
+        imports no torch, :class:`schemas.wire_tensor.WireTensor` (either form encodes)."""
         self._current: dict[str, tuple[Any, bytes]] = {}
         self._writers: dict[bytes, _Writer] = {}
         # Converters are derived from each dataclass and its current schema here, once; a
@@ -69,7 +76,7 @@ class Codec:
             fp = fingerprint(parsed)
             self._current[name] = (parsed, fp)
             self._writers[fp] = _Writer(name, parsed, None)
-            self._by_type[cls] = self._by_name[name] = build_converter(cls, parsed)
+            self._by_type[cls] = self._by_name[name] = build_converter(cls, parsed, tensors)
         if frozen_dir.is_dir():
             for version_dir in sorted(p for p in frozen_dir.iterdir() if p.is_dir()):
                 for name in EVENT_SCHEMAS:
@@ -168,6 +175,13 @@ def get_codec() -> Codec:
     return Codec()
 
 
+@cache
+def wire_codec() -> Codec:
+    """A process-wide codec whose decoded tensors are :class:`schemas.wire_tensor.WireTensor`
+    (no torch): the render router's, which only checks, hashes and forwards them."""
+    return Codec(tensors="wire")
+
+
 def encode(event: Event) -> bytes:
     """Encode with the process-wide codec."""
     return get_codec().encode(event)
@@ -193,4 +207,5 @@ __all__ = [
     "encode",
     "fingerprint",
     "get_codec",
+    "wire_codec",
 ]

@@ -19,20 +19,25 @@ Supported pairs (type hint <-> Avro type): ``str`` <-> string or enum, ``int`` <
 ``Tensor | TensorRef`` <-> ``[epd.Tensor, epd.TensorRef]`` (``schemas.types.Tensor``: the hints'
 name for ``torch.Tensor``).
 
-Building the converters imports no torch: a tensor leaf imports :mod:`schemas.tensors` when it
-converts its first value (a tensor or a claim check), so a process whose events carry none (the
-results collector, dead letters) never loads torch, and one whose events do pays for it once.
+Building the converters imports no torch: a tensor leaf imports its module when it converts its
+first value (a tensor or a claim check), so a process whose events carry none (the results
+collector, dead letters) never loads torch, and one whose events do pays for it once. Encoding
+goes through :mod:`schemas.tensor_codec` (torch-free; it hands torch tensors on to
+:mod:`schemas.tensors`); decoding makes torch tensors (``tensors="torch"``) or, for a process
+that holds no torch (``tensors="wire"``: the render router),
+:class:`schemas.wire_tensor.WireTensor`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import keyword
 import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from schemas.types import Tensor, TensorRef
 
@@ -48,6 +53,22 @@ _PRIMITIVES: dict[str, type] = {
     "bytes": bytes,
 }
 _TENSOR_UNION = frozenset({f"{NAMESPACE}.Tensor", f"{NAMESPACE}.TensorRef"})
+
+TensorForm = Literal["torch", "wire"]
+"""What decoded tensors are: ``torch.Tensor`` or :class:`schemas.wire_tensor.WireTensor`."""
+
+_TO_LEAVES = "schemas.tensor_codec"
+# By form: the (module, function) decoding a ``Tensor | TensorRef`` value, then an ``epd.Tensor``.
+_FROM_LEAVES: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
+    "torch": (
+        ("schemas.tensor_codec", "value_from_avro"),
+        ("schemas.tensors", "tensor_from_record"),
+    ),
+    "wire": (
+        ("schemas.tensor_codec", "wire_value_from_avro"),
+        ("schemas.tensor_codec", "wire_tensor_from_record"),
+    ),
+}
 
 Expr = Callable[[str], str] | None
 """Turns the source of an input expression into the source of its converted value; ``None``
@@ -75,15 +96,16 @@ def avro_name(cls: type) -> str:
     return f"{NAMESPACE}.{cls.__name__}"
 
 
-def build_converter(cls: type, schema: Any) -> RecordConverter:
+def build_converter(cls: type, schema: Any, tensors: TensorForm = "torch") -> RecordConverter:
     """Converters between dataclass ``cls`` and its parsed Avro record ``schema``.
 
     ``schema`` is fastavro's parsed form (``load_schema`` / ``parse_schema``): full names, and a
-    named type spelled out at its first use and referenced by name after that.
+    named type spelled out at its first use and referenced by name after that. ``tensors``: the
+    form decoded tensors take (see the module docstring).
     """
     named: dict[str, Any] = {}
     _collect_named(schema, named)
-    gen = _Generator(named)
+    gen = _Generator(named, _FROM_LEAVES[tensors])
     to_fn, from_fn = gen.record(schema, cls, cls.__name__)
     source = "\n".join(gen.lines)
     # Compiled from text this module wrote from field names (identifiers, per Avro and Python),
@@ -120,8 +142,11 @@ def _is_union(hint: Any) -> bool:
 class _Generator:
     """Walks one parsed schema with the matching type hints, writing converter source."""
 
-    def __init__(self, named: dict[str, Any]) -> None:
+    def __init__(
+        self, named: dict[str, Any], from_leaves: tuple[tuple[str, str], tuple[str, str]]
+    ) -> None:
         self._named = named
+        self._from_leaves = from_leaves
         self.namespace: dict[str, Any] = {"_as_list": _as_list}
         self.lines: list[str] = []
         self._records: dict[tuple[str, type], tuple[str, str]] = {}
@@ -142,17 +167,17 @@ class _Generator:
         name = self._ref(fn, stem)
         return lambda src: f"{name}({src})"
 
-    def _tensor_leaf(self, attr: str) -> Expr:
-        """A call of ``schemas.tensors.<attr>``, bound on its first call: the generated code
-        reads the name from this namespace, so after the first value it calls the function
-        itself (no indirection), and a process that never converts one never imports torch."""
+    def _tensor_leaf(self, module: str, attr: str) -> Expr:
+        """A call of ``<module>.<attr>``, bound on its first call: the generated code reads the
+        name from this namespace, so after the first value it calls the function itself (no
+        indirection), and a process that never converts one never imports its module (torch,
+        for :mod:`schemas.tensors`)."""
         namespace = self.namespace
         name = self._ref(None, attr)
 
         def first_call(value: Any) -> Any:
-            from schemas import tensors  # torch: only the tensor union's values need it
-
-            fn = namespace[name] = getattr(tensors, attr)
+            # torch, for schemas.tensors: only the tensor union's values need it
+            fn = namespace[name] = getattr(importlib.import_module(module), attr)
             return fn(value)
 
         namespace[name] = first_call
@@ -223,7 +248,10 @@ class _Generator:
         hint_args = set(typing.get_args(hint)) if _is_union(hint) else {hint}
         if names == _TENSOR_UNION and hint_args == {Tensor, TensorRef}:
             # value_to_avro names the branch explicitly, so fastavro never has to guess it.
-            return self._tensor_leaf("value_to_avro"), self._tensor_leaf("value_from_avro")
+            return (
+                self._tensor_leaf(_TO_LEAVES, "value_to_avro"),
+                self._tensor_leaf(*self._from_leaves[0]),
+            )
         if "null" in names and len(branches) == 2:
             if type(None) not in hint_args or len(hint_args) != 2:
                 raise SchemaMismatch(f"{where}: Avro {branches} is nullable, the hint {hint} not")
@@ -251,7 +279,10 @@ class _Generator:
 
     def _nested_record(self, schema: dict[str, Any], hint: Any, where: str) -> tuple[Expr, Expr]:
         if hint is Tensor and schema["name"] == f"{NAMESPACE}.Tensor":
-            return self._tensor_leaf("tensor_to_record"), self._tensor_leaf("tensor_from_record")
+            return (
+                self._tensor_leaf(_TO_LEAVES, "tensor_to_record"),
+                self._tensor_leaf(*self._from_leaves[1]),
+            )
         if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
             raise SchemaMismatch(f"{where}: Avro record {schema['name']} needs a dataclass hint")
         to_fn, from_fn = self.record(schema, hint, where)

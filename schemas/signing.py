@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import blake3
-import torch
 
+from schemas import tensor_ops
 from schemas.types import ECTransfer, KVTransfer, TensorLike, TensorRef
+from schemas.wire_tensor import WireTensor
 
 _SIGNATURE_TAG = b"epd-ec-v2"
 _HASH_TAG = b"epd-mm-v2"
@@ -168,15 +169,19 @@ DIGEST_MEMO_ATTR = "_epd_blake3"
 """Attribute a digested tensor carries: (its version counter when hashed, the digest)."""
 
 
-def tensor_digest(t: torch.Tensor) -> str:
+def tensor_digest(t: Any) -> str:
     """blake3 hex of a tensor's raw little-endian C-order bytes: the ``TensorRef.digest`` of it.
+    The same for a ``torch.Tensor`` and a :class:`WireTensor` of one dtype, shape and bytes
+    (the bytes alone are hashed; dtype and shape go into :class:`ItemHasher`'s hash).
 
-    Hashes a view of the tensor's memory (no copy of the bytes), multithreaded when large. The
-    digest is remembered on the tensor object with its version counter, so hashing the same,
-    unmodified tensor again (the renderer hashed it, then the fan-out in the same process) is
-    free; an in-place change bumps the counter and is hashed anew. A tensor decoded from the
-    wire is a new object: it is always hashed.
+    Hashes a view of the tensor's memory (no copy of the bytes), multithreaded when large. A
+    torch tensor's digest is remembered on the tensor object with its version counter, so
+    hashing the same, unmodified tensor again (the renderer hashed it, then the fan-out in the
+    same process) is free; an in-place change bumps the counter and is hashed anew. A tensor
+    decoded from the wire is a new object: it is always hashed.
     """
+    if isinstance(t, WireTensor):  # immutable, and hashed once per object by the fan-out
+        return _digest(t)
     try:
         version = t._version
     except RuntimeError:  # an inference-mode tensor keeps no version counter: never remembered
@@ -190,22 +195,14 @@ def tensor_digest(t: torch.Tensor) -> str:
     return digest
 
 
-def _digest(t: torch.Tensor) -> str:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    if t.numel() == 0:
-        return blake3.blake3(b"").hexdigest()
-    raw = t.reshape(-1).view(torch.uint8).numpy().data
+def _digest(t: Any) -> str:
+    raw = tensor_ops.raw_view(t)
     threads = blake3.blake3.AUTO if raw.nbytes > _PARALLEL_HASH_BYTES else 1
     return blake3.blake3(raw, max_threads=threads).hexdigest()
 
 
 def _dtype_name(v: TensorLike) -> str:
-    if isinstance(v, TensorRef):
-        return v.dtype
-    return str(v.dtype).removeprefix("torch.")
+    return v.dtype if isinstance(v, TensorRef) else tensor_ops.dtype_name(v)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,9 @@
-"""Tensors as raw little-endian bytes: encode with one copy, decode with none."""
+"""Tensors as raw little-endian bytes: encode with one copy, decode with none.
+
+The torch form of the wire's tensors; the torch-free form (the render router's) is
+:mod:`schemas.wire_tensor`; the codec's leaves (claim checks, and the choice of form) are
+:mod:`schemas.tensor_codec`.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,8 @@ from typing import Any
 import torch
 
 from schemas.errors import CodecError
-from schemas.types import DTYPE_SIZES, TensorLike, TensorRef
+from schemas.types import DTYPE_SIZES
+from schemas.wire_tensor import nbytes_of as nbytes_of  # re-exported: its home is torch-free
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("epd-pipeline's tensor wire format assumes a little-endian host")
@@ -52,11 +58,6 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def nbytes_of(dtype: str, shape: list[int]) -> int:
-    """Byte size a tensor of this dtype and shape must have."""
-    return math.prod(shape) * torch_dtype(dtype).itemsize
-
-
 def tensor_from_bytes(dtype: str, shape: list[int], data: bytes | memoryview) -> torch.Tensor:
     """A tensor viewing ``data`` without a copy. Checks ``prod(shape) * itemsize == len(data)``."""
     td = torch_dtype(dtype)
@@ -81,42 +82,3 @@ def tensor_to_record(t: torch.Tensor) -> dict[str, Any]:
 def tensor_from_record(rec: dict[str, Any]) -> torch.Tensor:
     """Tensor from an Avro ``epd.Tensor`` record (zero-copy view over its bytes)."""
     return tensor_from_bytes(rec["dtype"], rec["shape"], rec["data"])
-
-
-def value_to_avro(v: TensorLike) -> tuple[str, dict[str, Any]]:
-    """Union branch for a ``Tensor | TensorRef`` map value (explicit, so fastavro never guesses)."""
-    if isinstance(v, TensorRef):
-        return (
-            "epd.TensorRef",
-            {
-                "store": v.store,
-                "key": v.key,
-                "dtype": v.dtype,
-                "shape": list(v.shape),
-                "nbytes": v.nbytes,
-                "digest": v.digest,
-            },
-        )
-    if isinstance(v, torch.Tensor):
-        return ("epd.Tensor", tensor_to_record(v))
-    raise CodecError(f"expected a torch.Tensor or TensorRef, got {type(v).__name__}")
-
-
-def value_from_avro(rec: dict[str, Any]) -> TensorLike:
-    """Inverse of :func:`value_to_avro`; a TensorRef is recognised by its ``key`` field."""
-    if "key" in rec:
-        ref = TensorRef(
-            store=rec["store"],
-            key=rec["key"],
-            dtype=rec["dtype"],
-            shape=list(rec["shape"]),
-            nbytes=rec["nbytes"],
-            digest=rec["digest"],
-        )
-        if ref.nbytes != nbytes_of(ref.dtype, ref.shape):
-            raise CodecError(
-                f"TensorRef {ref.key!r}: nbytes {ref.nbytes} does not match dtype {ref.dtype} "
-                f"shape {ref.shape}"
-            )
-        return ref
-    return tensor_from_record(rec)

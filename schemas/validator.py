@@ -68,7 +68,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pydantic
-import torch
+
+from schemas import tensor_ops
 
 # Re-exported: the gate's public surface stays in one module for its callers.
 from schemas.ec_entries import (
@@ -244,12 +245,6 @@ def check_structure(token_ids: Sequence[Any], features: Features, *, lax: bool =
 # Tensors and metadata
 
 
-def _dtype_name(v: TensorLike) -> str:
-    if isinstance(v, TensorRef):
-        return v.dtype
-    return str(v.dtype).removeprefix("torch.")
-
-
 def check_tensor(
     v: Any, config: ValidationConfig, *, modality: str | None, item: int | None, name: str
 ) -> None:
@@ -268,32 +263,24 @@ def check_tensor(
                 **where,
             )
         nbytes = v.nbytes
-    elif isinstance(v, torch.Tensor):
-        nbytes = v.numel() * v.element_size()
+    elif tensor_ops.is_tensor(v):
+        nbytes = tensor_ops.nbytes(v)
     else:
         raise ValidationError("tensor", f"expected a tensor, got {type(v).__name__}", **where)
-    dtype = _dtype_name(v)
+    dtype = v.dtype if isinstance(v, TensorRef) else tensor_ops.dtype_name(v)
     if dtype not in config.allowed_dtypes:
         raise ValidationError("tensor", f"dtype {dtype} is not allowed", **where)
     if nbytes > config.max_tensor_bytes:
         raise ValidationError(
             "tensor", f"{nbytes} bytes exceed the limit of {config.max_tensor_bytes}", **where
         )
-    if config.check_values and isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel():
+    if config.check_values and not isinstance(v, TensorRef) and v.is_floating_point() and v.numel():
         if not all_finite(v):
             raise ValidationError("tensor-nonfinite", "tensor holds NaN or Inf", **where)
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether a floating tensor holds no NaN or Inf.
-
-    A finite sum settles it in one pass without a temporary (NaN and Inf both carry through a
-    sum): 25x faster than the elementwise test on a 1.2 MB tensor. Only a sum that is not
-    finite, which large finite values can also give by overflowing, takes the exact test.
-    """
-    if bool(torch.isfinite(t.sum())):
-        return True
-    return bool(torch.isfinite(t).all())
+all_finite = tensor_ops.all_finite
+"""Re-exported: callers of the gate check a tensor's values with it."""
 
 
 def grid_patches(
@@ -301,23 +288,23 @@ def grid_patches(
 ) -> tuple[int, int]:
     """(patch rows ``sum t*h*w``, embedding count ``/ merge**2``) of a ``*_grid_thw`` tensor."""
     where: dict[str, Any] = {"modality": modality, "item": item, "field": name}
-    if not isinstance(grid, torch.Tensor):
+    if not tensor_ops.is_tensor(grid):
         raise ValidationError(
             "grid-consistency", "the grid must travel inline, not as a claim check", **where
         )
     if (
         grid.is_floating_point()
-        or grid.dtype == torch.bool
+        or tensor_ops.dtype_name(grid) == "bool"
         or grid.numel() == 0
         or grid.numel() % 3
     ):
         raise ValidationError(
             "grid-consistency",
             "grid must be a non-empty integer (t, h, w) tensor, "
-            f"got {grid.dtype}{list(grid.shape)}",
+            f"got {tensor_ops.dtype_label(grid)}{list(grid.shape)}",
             **where,
         )
-    rows = grid.reshape(-1, 3).tolist()
+    rows = tensor_ops.int_rows(grid, 3)
     m = config.merge_size
     patches = 0
     for t, h, w in rows:
@@ -347,7 +334,7 @@ def carries_encoder_inputs(modality: str, data: ItemData | None) -> bool:
 
 
 def _values(v: Any) -> list[Any] | None:
-    return v.reshape(-1).tolist() if isinstance(v, torch.Tensor) else None
+    return tensor_ops.flat_values(v) if tensor_ops.is_tensor(v) else None
 
 
 def check_agreement(modality: str, item: int, full: ItemData | None, meta: ItemData | None) -> None:

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     if STAGES[args.kind].uses_model:
-        from runtime.model import model_family
+        from runtime.model_spec import model_family  # no torch: the router needs none
 
         # Refuse an unsupported model family before joining any group (ModelLoadError: exit 2).
         model_family(settings.model)

@@ -28,13 +28,17 @@ import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import blake3
-import torch
 
 from runtime.stores.errors import StoreCorrupt, StoreKeyMissing
+from schemas import tensor_ops
 from schemas.errors import CodecError
-from schemas.tensors import dtype_name, nbytes_of, torch_dtype
+from schemas.wire_tensor import nbytes_of
+
+if TYPE_CHECKING:
+    import torch
 
 
 class EmbeddingStore(abc.ABC):
@@ -47,7 +51,11 @@ class EmbeddingStore(abc.ABC):
 
     @abc.abstractmethod
     async def put(self, key: str, tensor: torch.Tensor, ttl_s: float | None = None) -> None:
-        """Store ``tensor`` under ``key`` (replacing any value) and wake waiters on it."""
+        """Store ``tensor`` under ``key`` (replacing any value) and wake waiters on it.
+
+        Every store but ``cuda://`` also takes a :class:`schemas.wire_tensor.WireTensor` (the
+        render router's claim checks): what is stored is its dtype, shape and bytes either way,
+        and it reads back as a torch tensor."""
 
     @abc.abstractmethod
     async def get(self, key: str) -> torch.Tensor:
@@ -97,6 +105,8 @@ class EmbeddingStore(abc.ABC):
         self, key: str, data: bytes | memoryview, ttl_s: float | None = None
     ) -> None:
         """Store raw bytes (a claim-checked payload); read back with :meth:`get_bytes`."""
+        import torch
+
         buf = memoryview(data).cast("B")
         if len(buf):
             t = torch.frombuffer(buf, dtype=torch.uint8)
@@ -106,10 +116,7 @@ class EmbeddingStore(abc.ABC):
 
     async def get_bytes(self, key: str) -> bytes:
         """The raw bytes under ``key`` (for a tensor value: its little-endian data bytes)."""
-        t = await self.get(key)
-        if t.numel() == 0:
-            return b""
-        return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return tensor_ops.raw_view(await self.get(key)).tobytes()
 
     async def put_tensors(
         self, key: str, tensors: Mapping[str, torch.Tensor], ttl_s: float | None = None
@@ -185,24 +192,18 @@ def expiry_ms(ttl_s: float | None) -> int:
     return int(time.time() * 1000) + max(1, int(ttl_s * 1000))
 
 
-def encode_header(tensor: torch.Tensor, expires_ms: int = 0) -> bytes:
-    """The header (padded to :data:`ALIGN`) describing ``tensor``."""
-    name = dtype_name(tensor.dtype).encode("ascii")
+def encode_header(tensor: Any, expires_ms: int = 0) -> bytes:
+    """The header (padded to :data:`ALIGN`) describing ``tensor`` (torch or wire)."""
+    name = tensor_ops.wire_dtype(tensor).encode("ascii")
     shape = list(tensor.shape)
     head = _FIXED.pack(MAGIC, VERSION, len(name), len(shape), expires_ms)
     head += name + struct.pack(f"<{len(shape)}q", *shape)
     return head + b"\0" * (-len(head) % ALIGN)
 
 
-def tensor_view(tensor: torch.Tensor) -> memoryview:
+def tensor_view(tensor: Any) -> memoryview:
     """The tensor's raw bytes as a memoryview, copying only if it is not contiguous on the CPU."""
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+    return tensor_ops.raw_view(tensor)
 
 
 def decode_header(blob: Blob, key: str = "?") -> BlobHeader:
@@ -236,6 +237,10 @@ def decode_header(blob: Blob, key: str = "?") -> BlobHeader:
 
 def tensor_from_blob(blob: Blob, header: BlobHeader) -> torch.Tensor:
     """A tensor viewing the blob's data without copying (the blob stays alive through it)."""
+    import torch  # a reader's: the processes that read stored tensors compute with them
+
+    from schemas.tensors import torch_dtype
+
     dt = torch_dtype(header.dtype)
     numel = 1
     for d in header.shape:
@@ -279,10 +284,10 @@ def pack_tensors(tensors: Mapping[str, torch.Tensor]) -> bytearray:
     size = _MULTI_HEAD.size
     for name, t in tensors.items():
         nm = name.encode()
-        dt = dtype_name(t.dtype).encode("ascii")
+        dt = tensor_ops.wire_dtype(t).encode("ascii")
         data = tensor_view(t)
-        head = _MULTI_ITEM.pack(len(nm), len(dt), t.dim(), data.nbytes) + nm + dt
-        head += struct.pack(f"<{t.dim()}q", *t.shape)
+        head = _MULTI_ITEM.pack(len(nm), len(dt), len(t.shape), data.nbytes) + nm + dt
+        head += struct.pack(f"<{len(t.shape)}q", *t.shape)
         parts.append((head, data))
         size = _align(size + len(head)) + data.nbytes
     out = bytearray(size)
@@ -298,7 +303,7 @@ def pack_tensors(tensors: Mapping[str, torch.Tensor]) -> bytearray:
 
 
 def _uint8_view(t: torch.Tensor) -> memoryview:
-    if t.dtype != torch.uint8 or t.dim() != 1:
+    if tensor_ops.dtype_name(t) != "uint8" or len(t.shape) != 1:
         return memoryview(b"")  # not a packed entry: unpack_tensors names the key
     return tensor_view(t)
 

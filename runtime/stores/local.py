@@ -16,13 +16,16 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
-
-import torch
 
 from runtime.redis.waiters import KeyedWaiters, wait_present
 from runtime.stores.base import EmbeddingStore, expiry_ms
 from runtime.stores.errors import StoreKeyMissing, StoreTimeout
+from schemas import tensor_ops
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -70,7 +73,8 @@ class LocalStore(EmbeddingStore):
         exp = expiry_ms(ttl_s)
         sp = self._space
         with sp.lock:
-            sp.values[key] = (tensor.detach(), exp)
+            # A wire tensor (the render router's) is kept as it is: torch only where it is read.
+            sp.values[key] = (tensor_ops.detached(tensor), exp)
             self._maybe_sweep(sp)
         sp.waiters.wake(key)  # after the value is in: a waiter that looks now finds it
 
@@ -100,7 +104,7 @@ class LocalStore(EmbeddingStore):
         t = self._lookup(key)
         if t is None:
             raise StoreKeyMissing(key)
-        return t
+        return tensor_ops.to_torch(t)
 
     async def exists(self, key: str) -> bool:
         return self._lookup(key) is not None

@@ -39,12 +39,11 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
-import torch
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -61,6 +60,9 @@ from runtime.stores.base import (
 )
 from runtime.stores.errors import StoreError, StoreKeyMissing, StoreTimeout, StoreUnavailable
 from schemas.keys import store_ready_channel
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 

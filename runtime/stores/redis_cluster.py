@@ -34,10 +34,9 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.exceptions as rexc
-import torch
 
 from runtime.redis.cluster import ClusterURL, cluster_client, read_many, slot_of, slot_tags
 from runtime.redis.sharded_pubsub import ShardedChannels
@@ -54,6 +53,9 @@ from runtime.stores.base import (
 )
 from runtime.stores.errors import StoreError, StoreKeyMissing, StoreTimeout, StoreUnavailable
 from schemas.keys import store_ready_slot_channel
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 

@@ -62,9 +62,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, quote, urlsplit
-
-import torch
 
 from runtime.redis.waiters import KeyedWaiters, wait_present
 from runtime.stores.base import (
@@ -82,6 +81,9 @@ from runtime.stores.base import (
     tensor_view,
 )
 from runtime.stores.errors import StoreCorrupt, StoreError, StoreKeyMissing, StoreTimeout
+
+if TYPE_CHECKING:
+    import torch
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _TMP_PREFIX = ".tmp-"
