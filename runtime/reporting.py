@@ -263,6 +263,11 @@ class RequestUpdates:
 
     async def now(self, status: str, **fields: Unpack[UpdateFields]) -> None:
         """One update, sent and recorded before this returns (earlier ones first)."""
+        sender = self._sender
+        if not self._queue and (sender is None or (sender.done() and not _failed(sender))):
+            self._sender = None
+            await self.reporter(self.request_id, status, **fields)  # nothing before it
+            return
         self.soon(status, **fields)
         await self.flush()
 
