@@ -112,9 +112,13 @@ def _lost_log_guard(
     config: ConsumerConfig,
     committer: Committer,
     tracker: CommitTracker[TopicPartition],
+    wanted: bool,
     remake_topics: Callable[[], Awaitable[object]] | None,
-) -> LostLogGuard:
-    """The guard, committing a lost log's start through the interval committer."""
+) -> LostLogGuard | None:
+    """The guard, committing a lost log's start through the interval committer (None when
+    not ``wanted``)."""
+    if not wanted:
+        return None
     if not isinstance(committer, IntervalCommitter):
         raise ValueError(
             "rewind_lost_logs=True needs interval commits: the brokers that lose their logs "
@@ -275,10 +279,8 @@ class ConsumeLoop:
             metrics=self._metrics,
         )
         self._in_flight = InFlight(config.group_id, self._metrics, self._fail)
-        self._guard = (
-            _lost_log_guard(config, self._committer, self._tracker, remake_topics)
-            if rewind_lost_logs
-            else None
+        self._guard = _lost_log_guard(
+            config, self._committer, self._tracker, rewind_lost_logs, remake_topics
         )
         self._consumer: AIOKafkaConsumer | None = None
         self._idle_fetch = _idle_fetch(settings, config)
