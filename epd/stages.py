@@ -88,8 +88,9 @@ class StageContext:
         """What a GPU worker is built from: the model, the store, this stage's publisher,
         topics and name, a cancel watch, and the status record, which every update is written
         through to (so the client does not wait for the results collector's hop). An item's
-        encoded mark is written once its embedding is stored, so a prefill worker that finds
-        the embedding at once may report the request's outcome a moment before the mark."""
+        encoded mark is written once its embedding is stored; a prefill worker that ran the
+        moment the embedding landed waits for the mark before its outcome
+        (``EmbeddingWait.marks_landed``)."""
         from gpu_workers.context import WorkerContext
 
         status = self.status_store()

@@ -108,6 +108,8 @@ class PrefillWorker:
             await self._hand_off(ev, items, timings, updates)
             return
         result = await self.backend.generate(ev, items, updates)
+        if result.outcome == "completed" and not result.gone:
+            await life.embeddings.marks_landed(ev, admitted)
         await life.outcomes.finished(ev, result, timings, updates)
 
     # ------------------------------------------------------------------------- hand off

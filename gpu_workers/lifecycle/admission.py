@@ -79,6 +79,9 @@ class Admitted:
     started_ms: int
     t_start: float
     hop_ms: float | None
+    awaited: list[str] = dataclasses.field(default_factory=list)
+    """The items (mm_hash) the embedding wait found missing and waited for: their encoder
+    writes their marks (:meth:`EmbeddingWait.marks_landed`)."""
 
     @property
     def key_list(self) -> list[str]:

@@ -46,6 +46,11 @@ def embeddings_lost(missing: list[str], state: RequestState | None, created_ms: 
     return [h for h in missing if short_hash(h) in state.encoded]
 
 
+MARKS_WAIT_S = 0.5
+"""Longest a completed request's outcome waits for the encoded marks of the items it waited
+for (:meth:`EmbeddingWait.marks_landed`; they land a round trip after the embedding)."""
+
+
 class Readiness(enum.Enum):
     """Where a request's embeddings stand once the first read did not find them all."""
 
@@ -120,7 +125,8 @@ class EmbeddingWait:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            readiness = await self.readiness(ev, keys, updates)
+            readiness, missing = await self._judge(ev, keys, updates)
+            admitted.awaited = admitted.awaited or missing
             if readiness is Readiness.LOST:
                 return False
             if readiness is Readiness.PRESENT:
@@ -171,11 +177,23 @@ class EmbeddingWait:
         """Whether the request's embeddings are all in the store, may still come (also when
         the store cannot tell), or one of them never will (reported ``failed``,
         ``embedding-lost``, here). The record is read only when something is missing."""
+        return (await self._judge(ev, keys, updates))[0]
+
+    async def _judge(
+        self, ev: PrefillEvent, keys: dict[str, str], updates: RequestUpdates
+    ) -> tuple[Readiness, list[str]]:
+        """:meth:`readiness`, and the items found missing (none when the store cannot tell)."""
         try:
             present = await asyncio.gather(*(self.store.exists(k) for k in keys.values()))
         except StoreUnavailable:
-            return Readiness.COMING  # cannot tell; the wait (or its retry) decides
+            return Readiness.COMING, []  # cannot tell; the wait (or its retry) decides
         missing = [h for h, ok in zip(keys, present, strict=True) if not ok]
+        return await self._missing(ev, keys, missing, updates), missing
+
+    async def _missing(
+        self, ev: PrefillEvent, keys: dict[str, str], missing: list[str], updates: RequestUpdates
+    ) -> Readiness:
+        """Where the ``missing`` items stand (see :meth:`readiness`)."""
         if not missing:
             return Readiness.PRESENT
         if self.request_state is None:
@@ -195,3 +213,24 @@ class EmbeddingWait:
             return Readiness.COMING
         await self.outcomes.lost(ev, lost, updates)
         return Readiness.LOST
+
+    async def marks_landed(self, ev: PrefillEvent, admitted: Admitted) -> None:
+        """Before the request's outcome: wait (at most ``MARKS_WAIT_S``) until the record
+        shows the encoded marks of the items this request waited for. Their encoder writes a
+        mark once it has stored the embedding, so a request that runs the moment the
+        embedding lands could otherwise report its outcome before the record says its items
+        were encoded. One record read in the usual case; none for a request whose embeddings
+        were all there when it came in."""
+        if not admitted.awaited or self.request_state is None:
+            return
+        wanted = {short_hash(h) for h in admitted.awaited}
+        loop = asyncio.get_running_loop()
+        deadline, pause = loop.time() + MARKS_WAIT_S, 0.002
+        while True:
+            state = await self.request_state(ev.request_id)
+            if state is None or state.terminal or wanted <= state.encoded:
+                return  # (None: Redis unreadable; the outcome goes on regardless)
+            if loop.time() >= deadline:
+                return  # the mark's write-through failed: the results collector folds it
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.05)

@@ -3,6 +3,8 @@ missing embedding lost (pure logic; the workers themselves are in tests/integrat
 
 from __future__ import annotations
 
+import pytest
+
 from gpu_workers.lifecycle.embeddings import embeddings_lost
 from runtime.status import RequestReader, RequestState
 from schemas.status_record import StatusRecord
@@ -214,3 +216,61 @@ async def test_a_record_never_seen_is_not_judged_gone() -> None:
     assert not watch.untrack("unmade")
     assert watch.untrack("made")
     assert not watch._unmade  # nothing kept once a request leaves
+
+
+async def test_a_completed_request_waits_for_the_marks_of_the_items_it_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The encoder marks an item encoded a round trip after storing it; a request that ran the
+    moment the embedding landed waits (bounded) until its record shows the marks of the items
+    it waited for, so its outcome never comes before them. A request that waited for nothing
+    reads nothing; a terminal or unreadable record, or marks that never come, end the wait."""
+    import time
+
+    import gpu_workers.lifecycle.embeddings as embeddings
+    from gpu_workers.lifecycle.admission import Admitted
+    from gpu_workers.lifecycle.embeddings import EmbeddingWait
+    from gpu_workers.lifecycle.outcomes import Outcomes, Tally
+    from runtime.stores import open_store
+    from schemas.families import FAMILIES
+    from schemas.status_record import short_hash
+
+    reads: list[str] = []
+    states: list[RequestState | None] = []
+
+    async def state(request_id: str, since: bool = False) -> RequestState | None:
+        reads.append(request_id)
+        return states.pop(0) if states else RequestState("prefilling", frozenset())
+
+    wait = EmbeddingWait(
+        open_store("local://test-marks"),
+        FAMILIES["qwen2_vl"],
+        Outcomes(Tally()),
+        wait_s=1.0,
+        recheck_s=1.0,
+        request_state=state,
+    )
+    ev = _prefill_event([A, B])
+    admitted = Admitted({A: f"k-{A}", B: f"k-{B}"}, None, 0, 0.0, None)
+    await wait.marks_landed(ev, admitted)
+    assert reads == []  # it waited for nothing (all there at admission): no read
+
+    admitted.awaited = [A]
+    states[:] = [
+        RequestState("prefilling", frozenset()),
+        RequestState("decoding", frozenset({short_hash(B)})),
+        RequestState("decoding", frozenset({short_hash(A)})),
+    ]
+    await wait.marks_landed(ev, admitted)
+    assert len(reads) == 3  # until A's mark was there
+
+    for last in (RequestState("cancelled", frozenset()), None):
+        reads.clear()
+        states[:] = [last]
+        await wait.marks_landed(ev, admitted)
+        assert len(reads) == 1
+
+    monkeypatch.setattr(embeddings, "MARKS_WAIT_S", 0.05)
+    t0 = time.perf_counter()
+    await wait.marks_landed(ev, admitted)  # the mark's write-through failed: bounded
+    assert time.perf_counter() - t0 < 1.0
