@@ -326,8 +326,10 @@ class BrokerProgress:
         return Progress(idle, counts, frozenset(missing))
 
     async def close(self) -> None:
+        # The consumer is stopped even when it never started: aiokafka warns of an unclosed
+        # one when it is collected (a worker that stops before its first sweep).
+        with contextlib.suppress(Exception):
+            await self._offsets.stop()
         if self._started:
-            with contextlib.suppress(Exception):
-                await self._offsets.stop()
             with contextlib.suppress(Exception):
                 await self._admin.close()

@@ -3,6 +3,7 @@ line (no traceback)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from epd.local_pipeline import WorkerDied, WorkerProcesses
+from runtime.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,6 +93,28 @@ def test_a_worker_whose_broker_does_not_answer_says_so_in_one_line(kind: str) ->
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"epd: the {kind} worker cannot start: the broker at 127.0.0.1:1 ")
     assert "EPD_KAFKA_BOOTSTRAP" in last, last
+
+
+def test_a_worker_whose_redis_does_not_answer_says_so_in_one_line(topic_settings: Settings) -> None:
+    """The broker is up, Redis is not: the worker exits 1 with one line naming Redis and
+    EPD_REDIS_URL (it cannot load its status script), not a traceback."""
+    env = {
+        **os.environ,
+        **topic_settings.to_env(),
+        "PYTHONPATH": str(ROOT),
+        "EPD_REDIS_URL": "redis://127.0.0.1:1/0",
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "epd", "worker", "results"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("epd: the results worker cannot start: Redis (EPD_REDIS_URL)"), last
 
 
 async def test_a_worker_that_cannot_start_is_named_with_its_own_words(tmp_path: Path) -> None:
