@@ -50,9 +50,9 @@ class StatusGone(LookupError):
 
 
 RecordChange = Callable[[StatusRecord | None], StatusRecord | None]
+"""The record before -> the record after, or None when nothing is to be written."""
 ChangeEntries = Callable[[StatusRecord | None, StatusRecord], list[str]]
 """The status-stream entries of a change from the record it started from to the one it made."""
-"""The record before -> the record after, or None when nothing is to be written."""
 
 STREAM_MAXLEN = 256
 """A request changes status a handful of times; the cap only bounds a misbehaving producer."""
