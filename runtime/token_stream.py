@@ -158,7 +158,9 @@ def _pairs(flat: Any) -> dict[Any, Any]:
     return dict(zip(items[0::2], items[1::2], strict=True))
 
 
-def _order_key(entry_id: str) -> tuple[int, int]:
+def entry_order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id (``MS-SEQ``) as the pair it sorts by, across both of a request's
+    streams (their ids are one order: ``runtime.redis.stream_ids``)."""
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
 
@@ -357,8 +359,8 @@ class TokenStreams:
         chunks = [TokenChunk.from_entry(i, _pairs(f)) for i, f in entries or []]
         more = len(chunks) >= count
         if more:
-            last = _order_key(chunks[-1].id)
-            rows = [(i, f) for i, f in rows if _order_key(i) < last]
+            last = entry_order(chunks[-1].id)
+            rows = [(i, f) for i, f in rows if entry_order(i) < last]
         return BothStreams(rows, chunks, more)
 
     async def wait(

@@ -27,7 +27,7 @@ from typing import Any
 
 from frontend.api.state import ApiState
 from runtime.status.store import change_data
-from runtime.token_stream import TokenChunk
+from runtime.token_stream import TokenChunk, entry_order
 from schemas.statuses import TERMINAL_STATUSES
 
 IDLE_S = 15.0
@@ -121,18 +121,13 @@ class Follower:
         return got, status in done or changed.is_set()
 
 
-def _key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
 def _in_order(
     changes: list[StatusChange], chunks: list[TokenChunk]
 ) -> list[StatusChange | TokenChunk]:
     """Status changes and token chunks read together, in the order they were written: the two
     streams' ids are one order without ties (``runtime.redis.stream_ids``), so a live reader
     and a replay give every event in the same place, with the same id."""
-    tagged = [(_key(c.id), c) for c in changes] + [(_key(c.id), c) for c in chunks]
+    tagged = [(entry_order(c.id), c) for c in changes] + [(entry_order(c.id), c) for c in chunks]
     return [item for _, item in sorted(tagged, key=lambda t: t[0])]
 
 
