@@ -51,8 +51,9 @@ class StatusGone(LookupError):
 
 RecordChange = Callable[[StatusRecord | None], StatusRecord | None]
 """The record before -> the record after, or None when nothing is to be written."""
-ChangeEntries = Callable[[StatusRecord | None, StatusRecord], list[str]]
-"""The status-stream entries of a change from the record it started from to the one it made."""
+RecordSteps = Callable[[StatusRecord | None], list[tuple[StatusRecord, str]]]
+"""The record before -> the record after each update that changed it, with that update's
+stage (empty when nothing is to be written): each status change among them is a stream entry."""
 
 STREAM_MAXLEN = 256
 """A request changes status a handful of times; the cap only bounds a misbehaving producer."""
@@ -127,32 +128,25 @@ def _text(raw: Any) -> str | None:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
-def _one_change(stage: str) -> ChangeEntries:
-    """The stream entry of a change made by one update of ``stage``: one where the status
-    changed (or the record was made), none otherwise."""
+def _one(change: RecordChange, stage: str) -> RecordSteps:
+    """``change`` as the steps of one update of ``stage``."""
 
-    def entries(old: StatusRecord | None, rec: StatusRecord) -> list[str]:
-        return [rec.change_entry(stage)] if old is None or rec.status != old.status else []
+    def steps(rec: StatusRecord | None) -> list[tuple[StatusRecord, str]]:
+        made = change(rec)
+        return [] if made is None else [(made, stage)]
 
-    return entries
+    return steps
 
 
-def _batch(events: Sequence[ResultEvent]) -> tuple[RecordChange, ChangeEntries]:
-    """The change ``events`` (of one request, in order) make together, and its stream entries:
-    one for each status change among them, with the stage of the update that made it."""
-
-    def change(rec: StatusRecord | None) -> StatusRecord | None:
-        steps = fold_steps(rec, events)
-        return steps[-1][0] if steps else None
-
-    def entries(old: StatusRecord | None, _rec: StatusRecord) -> list[str]:
-        out: list[str] = []
-        for rec, stage in fold_steps(old, events):
-            out += _one_change(stage)(old, rec)
-            old = rec
-        return out
-
-    return change, entries
+def _entries(old: StatusRecord | None, steps: list[tuple[StatusRecord, str]]) -> list[str]:
+    """The status-stream entries of ``steps`` from ``old``: one per status change (or the
+    record made), with the stage of the update that made it."""
+    out: list[str] = []
+    for rec, stage in steps:
+        if old is None or rec.status != old.status:
+            out.append(rec.change_entry(stage))
+        old = rec
+    return out
 
 
 class RememberedRecords:
@@ -269,9 +263,10 @@ class StatusStore:
         slow one writes them together: one script run where there would be one per update.)"""
         if len(events) == 1:
             return await self.apply(events[0])
-        change, entries = _batch(events)
         creates = any(makes_record(ev) for ev in events)
-        return await self._modify(events[0].request_id, change, creates=creates, entries=entries)
+        return await self._fold_steps(
+            events[0].request_id, lambda rec: fold_steps(rec, events), creates=creates
+        )
 
     async def start(self, ev: ResultEvent) -> bool:
         """:meth:`apply`, making the record when there is none: only for a word of a request's
@@ -305,9 +300,16 @@ class StatusStore:
         *,
         absent: bool = False,
         creates: bool = False,
-        entries: ChangeEntries | None = None,
     ) -> bool:
-        """Fold ``change`` into the record with one compare-and-set script per try.
+        """Fold ``change``, one update of ``stage``, into the record (:meth:`_fold_steps`)."""
+        return await self._fold_steps(
+            request_id, _one(change, stage), absent=absent, creates=creates
+        )
+
+    async def _fold_steps(
+        self, request_id: str, steps: RecordSteps, *, absent: bool = False, creates: bool = False
+    ) -> bool:
+        """Fold ``steps`` into the record with one compare-and-set script per try.
 
         The script writes only if the record still holds the text the fold started from, and
         otherwise answers with the text it holds, so the common case is one round trip (a
@@ -315,16 +317,13 @@ class StatusStore:
         record (:attr:`_known`), else what a read finds; a stale one costs one more try, never
         a lost update. A remembered text that says "nothing to change" is checked against
         Redis first. ``absent``: start from "no record" (a create), not from a read.
-        ``creates``: ``change`` may make the record; otherwise a fold that finds none raises
-        :class:`StatusGone` and writes nothing. ``entries``: the status-stream entries of the
-        change (by default one, where the status changed).
+        ``creates``: ``steps`` may make the record; otherwise a fold that finds none raises
+        :class:`StatusGone` and writes nothing.
         """
         dropped = 0
         while True:
             try:
-                return await self._fold_in(
-                    request_id, change, entries or _one_change(stage), absent, creates
-                )
+                return await self._fold_in(request_id, steps, absent, creates)
             except RedisConnectionError:
                 # A pooled connection Redis dropped (a restart, a freeze): fold again on a
                 # fresh one. Safe even if the script ran: the same update folds as a duplicate.
@@ -335,12 +334,7 @@ class StatusStore:
                 await asyncio.sleep(0.05 * dropped)
 
     async def _fold_in(
-        self,
-        request_id: str,
-        change: RecordChange,
-        entries: ChangeEntries,
-        absent: bool,
-        creates: bool,
+        self, request_id: str, steps: RecordSteps, absent: bool, creates: bool
     ) -> bool:
         expected, verified = ("" if absent else self._known.get(request_id)), False
         counted = False  # cluster: this call added the request to the in-flight set
@@ -352,9 +346,9 @@ class StatusStore:
         while True:
             old = StatusRecord.from_json(expected) if expected else None
             if old is None and verified and not creates:
-                await self._gone(request_id, change)
-            rec = change(old)
-            if rec is None:
+                await self._gone(request_id, steps)
+            made = steps(old)
+            if not made:
                 if verified:
                     if counted and old is not None and old.terminal:
                         await self.inflight.release(request_id)  # its outcome was out already
@@ -363,11 +357,12 @@ class StatusStore:
                 # concluding there is nothing to do.
                 expected, verified = await self._read(request_id), True
                 continue
+            rec = made[-1][0]
             if self.cluster and old is None and not rec.terminal and not counted:
                 await self.inflight.add(request_id)  # before the record exists: see inflight
                 counted = True
             text = rec.to_json()
-            written, held = await self._write(request_id, expected, rec, text, entries(old, rec))
+            written, held = await self._write(request_id, expected, rec, text, _entries(old, made))
             if written:
                 self._known.put(request_id, text)
                 if self.cluster and rec.terminal and (counted or old is None or not old.terminal):
@@ -412,16 +407,16 @@ class StatusStore:
             return True, None
         return False, _text(reply[1] if len(reply) > 1 else None)
 
-    async def _gone(self, request_id: str, change: RecordChange) -> None:
+    async def _gone(self, request_id: str, steps: RecordSteps) -> None:
         """An update found no record: announce a change, so that a reader following the
         request (an event stream, a long-poll) looks now and finds it gone rather than waiting
         for a change that will not come; an outcome also gives back the request's in-flight
         slot (nothing else would: the sweep drops what is left later); then
         :class:`StatusGone`."""
         self._known.put(request_id, None)
-        would = change(None)
+        would = steps(None)
         try:
-            if would is not None and would.terminal:
+            if would and would[-1][0].terminal:
                 await self.inflight.release(request_id)
             if self.cluster:
                 await self.client.spublish(self.keys.status_changes(request_id), request_id)
