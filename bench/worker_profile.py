@@ -67,6 +67,11 @@ def _stat(pid: int, tid: str | None = None) -> list[str] | None:
         return None
 
 
+def _own_ticks(fields: list[str]) -> int:
+    """User + system clock ticks from :func:`_stat`'s fields (not its reaped children's)."""
+    return int(fields[11]) + int(fields[12])
+
+
 def _descendants(pid: int) -> list[int]:
     """The live processes below ``pid`` (children, theirs, ...), from ``/proc``."""
     children: dict[int, list[int]] = {}
@@ -90,7 +95,7 @@ def cpu_seconds(pid: int) -> float:
     ticks = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
     for child in _descendants(pid):
         if (sub := _stat(child)) is not None:
-            ticks += int(sub[11]) + int(sub[12])
+            ticks += _own_ticks(sub)
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
@@ -184,7 +189,7 @@ def thread_cpu(pid: int) -> dict[str, int]:
         except OSError:
             continue  # the thread ended
         if (fields := _stat(pid, tid)) is not None:
-            out[name] = out.get(name, 0) + int(fields[11]) + int(fields[12])
+            out[name] = out.get(name, 0) + _own_ticks(fields)
     return out
 
 

@@ -16,16 +16,22 @@ from runtime.settings import Settings
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("command", [["stack", "--port", "0"], ["worker", "prefill"], ["verify"]])
-def test_an_unknown_model_is_one_line_before_anything_starts(command: list[str]) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "epd", *command],
-        env={"PATH": "/usr/bin:/bin", "EPD_MODEL": "no-such-model", "PYTHONPATH": str(ROOT)},
+def epd(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python -m epd ARGS`` from the repository root with ``env`` (and the repository on the
+    path), its output as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "epd", *args],
+        env={**env, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         cwd=ROOT,
     )
+
+
+@pytest.mark.parametrize("command", [["stack", "--port", "0"], ["worker", "prefill"], ["verify"]])
+def test_an_unknown_model_is_one_line_before_anything_starts(command: list[str]) -> None:
+    out = epd(*command, env={"PATH": "/usr/bin:/bin", "EPD_MODEL": "no-such-model"})
     assert out.returncode == 2, out
     lines = out.stderr.strip().splitlines()
     assert lines == [lines[0]] and "no-such-model" in lines[0], out.stderr
@@ -33,14 +39,7 @@ def test_an_unknown_model_is_one_line_before_anything_starts(command: list[str])
 
 
 def test_verify_refuses_the_instant_engine_in_one_line() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "epd", "verify"],
-        env={"PATH": "/usr/bin:/bin", "EPD_MODEL": "instant", "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    out = epd("verify", env={"PATH": "/usr/bin:/bin", "EPD_MODEL": "instant"})
     assert out.returncode == 2, out
     assert out.stderr.strip().splitlines() == [
         "epd: instant runs no model, so there is nothing to verify; give a tiny spec or a "
@@ -58,14 +57,7 @@ def test_verify_refuses_the_instant_engine_in_one_line() -> None:
     ],
 )
 def test_a_bad_new_setting_is_one_line_naming_it(env: dict[str, str], named: str) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "epd", "worker", "results", "--print-settings"],
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    out = epd("worker", "results", "--print-settings", env={"PATH": "/usr/bin:/bin", **env})
     assert out.returncode == 2, out
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and named in lines[0] and "Traceback" not in out.stderr, out.stderr
@@ -75,19 +67,15 @@ def test_a_bad_new_setting_is_one_line_naming_it(env: dict[str, str], named: str
 def test_a_worker_whose_broker_does_not_answer_says_so_in_one_line(kind: str) -> None:
     """No broker where EPD_KAFKA_BOOTSTRAP points: the worker exits 1 with one line naming
     the broker and the setting, not a traceback."""
-    out = subprocess.run(
-        [sys.executable, "-m", "epd", "worker", kind],
+    out = epd(
+        "worker",
+        kind,
         env={
             "PATH": "/usr/bin:/bin",
-            "PYTHONPATH": str(ROOT),
             "EPD_KAFKA_BOOTSTRAP": "127.0.0.1:1",
             "EPD_ALLOW_UNSIGNED": "true",
             "EPD_MODEL": "instant",
         },
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
     )
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     last = out.stderr.strip().splitlines()[-1]
@@ -101,17 +89,9 @@ def test_a_worker_whose_redis_does_not_answer_says_so_in_one_line(topic_settings
     env = {
         **os.environ,
         **topic_settings.to_env(),
-        "PYTHONPATH": str(ROOT),
         "EPD_REDIS_URL": "redis://127.0.0.1:1/0",
     }
-    out = subprocess.run(
-        [sys.executable, "-m", "epd", "worker", "results"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-    )
+    out = epd("worker", "results", env=env, timeout=180)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("epd: the results worker cannot start: Redis (EPD_REDIS_URL)"), last
@@ -131,13 +111,11 @@ async def test_a_worker_that_cannot_start_is_named_with_its_own_words(tmp_path: 
 
 
 def test_a_bad_metrics_port_is_argparses_error_naming_the_flag() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "epd", "worker", "results", "--print-settings"],
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "EPD_METRICS_PORT": "abc"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
+    out = epd(
+        "worker",
+        "results",
+        "--print-settings",
+        env={"PATH": "/usr/bin:/bin", "EPD_METRICS_PORT": "abc"},
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     last = out.stderr.strip().splitlines()[-1]

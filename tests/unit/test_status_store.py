@@ -517,19 +517,11 @@ async def test_updates_behind_one_that_never_comes_back_go_on_after_the_wait(
 
     monkeypatch.setattr(results, "STALL_WAIT_S", 0.2)
 
-    class FailsFirst:
-        def __init__(self, real: StatusStore) -> None:
-            self.real, self.calls = real, 0
-
-        async def apply(self, ev: ResultEvent) -> bool:
-            self.calls += 1
-            if self.calls == 1:
-                raise RedisConnectionError("the node is down")
-            return await self.real.apply(ev)
-
     rid = f"d-{uuid.uuid4().hex[:8]}"
     assert await store.create(rid, {})
-    rc = results.ResultsCollector(FailsFirst(store))  # type: ignore[arg-type]
+    rc = results.ResultsCollector(
+        FailsFirst(store, RedisConnectionError("the node is down"))  # type: ignore[arg-type]
+    )
     with pytest.raises(RedisConnectionError):
         await rc.handle(ResultEvent(rid, "prefill", "prefilling"))
     await asyncio.wait_for(rc.handle(ResultEvent(rid, "prefill", "completed", token_ids=[1])), 5)
@@ -545,19 +537,11 @@ async def test_an_update_that_fails_for_good_holds_nothing_back(store: StatusSto
     from consumers.results import ResultsCollector
     from schemas.errors import ValidationError
 
-    class FailsFirst:
-        def __init__(self, real: StatusStore) -> None:
-            self.real, self.calls = real, 0
-
-        async def apply(self, ev: ResultEvent) -> bool:
-            self.calls += 1
-            if self.calls == 1:
-                raise ValidationError("status-field", "a field no record takes")
-            return await self.real.apply(ev)
-
     rid = f"p-{uuid.uuid4().hex[:8]}"
     assert await store.create(rid, {})
-    rc = ResultsCollector(FailsFirst(store))  # type: ignore[arg-type]
+    rc = ResultsCollector(
+        FailsFirst(store, ValidationError("status-field", "a field no record takes"))  # type: ignore[arg-type]
+    )
     with pytest.raises(ValidationError):
         await rc.handle(ResultEvent(rid, "prefill", "prefilling"))
     assert not rc._stalled
@@ -611,3 +595,16 @@ async def test_updates_folded_together_write_once_and_keep_every_change(
     assert not await store.apply_all(batch)  # a redelivery folds to nothing
     with pytest.raises(StatusGone):
         await store.apply_all([ResultEvent("never-made", "prefill", "prefilling")] * 2)
+
+
+class FailsFirst:
+    """The real store, whose first ``apply`` raises ``error`` (the rest go through)."""
+
+    def __init__(self, real: StatusStore, error: Exception) -> None:
+        self.real, self.error, self.calls = real, error, 0
+
+    async def apply(self, ev: ResultEvent) -> bool:
+        self.calls += 1
+        if self.calls == 1:
+            raise self.error
+        return await self.real.apply(ev)
