@@ -65,7 +65,7 @@ from redis.exceptions import RedisError
 
 from runtime.redis.cluster import RedisClient, is_cluster_client
 from runtime.redis.sharded_pubsub import ShardedChannels
-from runtime.redis.stream_ids import NEXT_ID_LUA
+from runtime.redis.stream_ids import NEXT_ID_LUA, entry_order, range_after
 from runtime.status.listener import ChannelListener, RequestEvents
 from schemas.keys import RedisKeys
 
@@ -147,22 +147,10 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _after(entry_id: str) -> str:
-    """The XRANGE start that reads the entries after ``entry_id`` (``"0"``: all of them)."""
-    return "-" if entry_id in ("", "0", "0-0") else f"({entry_id}"
-
-
 def _pairs(flat: Any) -> dict[Any, Any]:
     """A stream entry's fields as a script returns them (a flat list) as a dict."""
     items = list(flat or [])
     return dict(zip(items[0::2], items[1::2], strict=True))
-
-
-def entry_order(entry_id: str) -> tuple[int, int]:
-    """A stream entry id (``MS-SEQ``) as the pair it sorts by, across both of a request's
-    streams (their ids are one order: ``runtime.redis.stream_ids``)."""
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,7 +329,7 @@ class TokenStreams:
     async def read(self, request_id: str, after: str = "0", count: int = 1000) -> list[TokenChunk]:
         """The chunks after entry id ``after`` (``"0"``: all), oldest first, at most ``count``."""
         entries = await self.client.xrange(
-            self.key(request_id), min=_after(after), max="+", count=count
+            self.key(request_id), min=range_after(after), max="+", count=count
         )
         return [TokenChunk.from_entry(i, f) for i, f in entries or []]
 
@@ -353,7 +341,7 @@ class TokenStreams:
         reads can make the order of what was read differ from the order it was written in."""
         keys = [self.keys.status_events(request_id), self.key(request_id)]
         changes, entries = await self._both(
-            keys=keys, args=[_after(status_after), _after(tokens_after), count]
+            keys=keys, args=[range_after(status_after), range_after(tokens_after), count]
         )
         rows = [(_s(i), _pairs(f)) for i, f in changes or []]
         chunks = [TokenChunk.from_entry(i, _pairs(f)) for i, f in entries or []]

@@ -26,8 +26,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from frontend.api.state import ApiState
+from runtime.redis.stream_ids import entry_order
 from runtime.status.store import change_data
-from runtime.token_stream import TokenChunk, entry_order
+from runtime.token_stream import TokenChunk
 from schemas.statuses import TERMINAL_STATUSES
 
 IDLE_S = 15.0

@@ -31,7 +31,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from runtime.redis.cluster import RedisClient, is_cluster_client
-from runtime.redis.stream_ids import NEXT_ID_LUA
+from runtime.redis.stream_ids import NEXT_ID_LUA, range_after
 from runtime.settings import Settings
 from runtime.status.cancel import announce_cancel
 from runtime.status.inflight import InFlight
@@ -439,9 +439,8 @@ class StatusStore:
 
     async def events(self, request_id: str, after: str = "0") -> list[tuple[str, dict[str, Any]]]:
         """Status changes after stream id ``after`` (exclusive), oldest first."""
-        start = "-" if after in ("", "0") else f"({after}"
         rows: Any = await self.client.xrange(
-            self.keys.status_events(request_id), min=start, max="+"
+            self.keys.status_events(request_id), min=range_after(after), max="+"
         )
         return [
             (sid.decode() if isinstance(sid, bytes) else str(sid), change_data(fields))
