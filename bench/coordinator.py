@@ -77,6 +77,7 @@ from typing import Any, TypeVar
 from pydantic import SecretStr
 
 from bench.common import Stats, budget, headroom, quantile, sig
+from bench.worker_profile import WAITING_THROUGHOUT
 
 T = TypeVar("T")
 
@@ -217,7 +218,7 @@ def short_profile(summary: Mapping[str, Any], top: int = TOP_FRAMES) -> dict[str
         elif "samples" not in s:
             out[name] = {k: v for k, v in s.items() if k != "raw"}
         elif s["samples"] == 0:
-            out[name] = "no samples on CPU: waiting throughout"
+            out[name] = WAITING_THROUGHOUT
         else:
             out[name] = {
                 "samples": s["samples"],

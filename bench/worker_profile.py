@@ -249,6 +249,11 @@ def summarize(raw: str, *, skip_waits: bool = False) -> dict[str, Any]:
     return {**out, "self_pct": top(own_self), "inclusive_pct": top(inclusive)}
 
 
+WAITING_THROUGHOUT = "no samples on CPU: waiting throughout"
+"""A profiled process that py-spy never found on CPU (a worker with nothing to do in the
+window): said so, not reported as zero samples."""
+
+
 @dataclass
 class WorkerProfiler:
     """py-spy on each of ``pids`` between :meth:`start` and :meth:`stop`."""
@@ -288,7 +293,9 @@ class WorkerProfiler:
                 _, err = proc.communicate()
             if path.exists():
                 summary = summarize(path.read_text(), skip_waits=self.skip_waits)
-                out[name] = {**summary, "raw": str(path)}
+                out[name] = (
+                    {**summary, "raw": str(path)} if summary["samples"] else WAITING_THROUGHOUT
+                )
             else:
                 out[name] = {"error": err.decode(errors="replace").strip()[-300:]}
         return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from bench.worker_profile import cpu_seconds, idle_cpu, summarize
 
@@ -37,3 +38,28 @@ def test_cpu_seconds_and_idle_cpu_of_a_real_process() -> None:
     assert cpu_seconds(os.getpid()) > 0
     got = idle_cpu({"me": os.getpid()}, 0.2)
     assert set(got) == {"me"} and got["me"] >= 0
+
+
+def test_a_process_never_on_cpu_is_said_to_wait_not_reported_as_zero_samples(
+    tmp_path: Path,
+) -> None:
+    """A worker with nothing to do in the profiled window (the results collector of a quick
+    run) gives py-spy no samples: the profile says it waited throughout, as the coordinator
+    benchmark's does, instead of a zero a reader would take for a failed measurement."""
+    from bench.worker_profile import WAITING_THROUGHOUT, WorkerProfiler
+
+    class Done:
+        def poll(self) -> int:
+            return 0
+
+        def communicate(self, timeout: float | None = None) -> tuple[bytes, bytes]:
+            return b"", b""
+
+    idle, busy = tmp_path / "idle.raw", tmp_path / "busy.raw"
+    idle.write_text("")
+    busy.write_text(RAW)
+    prof = WorkerProfiler({}, tmp_path)
+    prof._procs = {"idle": (Done(), idle), "busy": (Done(), busy)}  # type: ignore[dict-item]
+    out = prof.stop()
+    assert out["idle"] == WAITING_THROUGHOUT
+    assert out["busy"]["samples"] == 10 and out["busy"]["raw"] == str(busy)
