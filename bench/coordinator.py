@@ -122,6 +122,7 @@ class Sizes:
     tiny_requests: int
     """Requests per tiny-model cell (0: no tiny-model cells)."""
     warmup: int
+    """Untimed requests of each case at the top concurrency before the first cell."""
     idle_s: float
     hops: int
     pings: int
@@ -141,8 +142,11 @@ SETTLE_SLACK_S = 3.0
 last short polls end, a sweep pass backs off)."""
 QUICK = Sizes(requests=8, tiny_requests=0, warmup=2, idle_s=3.0, hops=5, pings=50, broker_warmup=20)
 FULL = Sizes(
-    requests=96, tiny_requests=24, warmup=4, idle_s=20.0, hops=20, pings=300, broker_warmup=300
+    requests=320, tiny_requests=24, warmup=64, idle_s=20.0, hops=20, pings=300, broker_warmup=300
 )
+"""A cell runs for seconds, not one: a cell of ~1 s counted a good part of its neighbours'
+tails (the collector's folds, the commits, the broker's JIT), and the warm-up runs every path
+at load until the processes and the broker have compiled and cached what a request takes."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,12 +466,14 @@ async def measure_cell(stack: Stack, client: Any, images: list[bytes], concurren
 
 
 async def warm_up(stack: Stack, client: Any, images: Images, n: int) -> None:
-    """Untimed: new and cached images one at a time, then a burst at the top concurrency (the
-    cached image's embedding lands in the store here)."""
+    """Untimed: a few new and cached images one at a time (the cached image's embedding lands
+    in the store here), then ``n`` of each at the top concurrency."""
     top = max(CONCURRENCY)
-    await guarded(stack, drive(client, images.of("new", n), 1))
-    await guarded(stack, drive(client, images.of("cached", n), 1))
-    await guarded(stack, drive(client, images.of("new", top), top))
+    few = min(n, 4)
+    await guarded(stack, drive(client, images.of("new", few), 1))
+    await guarded(stack, drive(client, images.of("cached", few), 1))
+    for case in CASES:
+        await guarded(stack, drive(client, images.of(case, n), top))
 
 
 async def run_cells(
@@ -638,7 +644,9 @@ async def http_floor(url: str, n: int) -> dict[str, float | int]:
 
 
 async def floor(stack: Stack, sizes: Sizes) -> dict[str, Any]:
-    """The bare hops, measured with the stack up and idle; the floor of each case."""
+    """The bare hops, measured with the stack up and idle; the floor of each case; and what
+    the bare operations cost in CPU here (:mod:`bench.bare_costs`)."""
+    from bench.bare_costs import bare_costs
     from bench.pipeline import _delete_topics, _kafka_hop
 
     topic = f"{stack.settings.topic_prefix}.bench-hop"
@@ -657,6 +665,9 @@ async def floor(stack: Stack, sizes: Sizes) -> dict[str, Any]:
         "redis_round_trip_p50_ms": redis["round_trip"]["p50_ms"],
         "kafka_hop": hop,
         "api_healthz_rtt_ms": await http_floor(stack.api.url, min(sizes.pings, 100)),
+        "bare_cpu": await bare_costs(
+            stack.settings, stack.pids, records=sizes.hops * 15, pings=sizes.pings
+        ),
     }
 
 

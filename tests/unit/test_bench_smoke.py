@@ -320,6 +320,10 @@ def test_coordinator_block(quick_run: tuple[dict[str, Any], Path]) -> None:
             rel=1e-3,
             abs=0.01,
         )
+        bare = floor["bare_cpu"]
+        for hop in ("kafka_hop_one_at_a_time", "kafka_hop_16_in_flight"):
+            assert bare[hop]["client_ms"] > 0 and bare[hop]["broker_ms"] > 0, (name, bare)
+        assert bare["redis_round_trip"]["client_ms"] > 0
         assert set(per["profile"]) == {f"{case}_c{max(CONCURRENCY)}" for case in CASES}
         assert per["rss_mb"]["results"] > 0 and "total" in per["idle_cpu_pct"]
         assert "total" in per["idle_cpu_pct"]["just_after_traffic"]  # the tail, apart
