@@ -42,7 +42,13 @@ from schemas.codec import get_codec
 from schemas.errors import CodecError, ValidationError
 from schemas.keys import claim_key, embedding_key
 from schemas.modalities import ENCODER_INPUT_FIELDS, METADATA_FIELDS
-from schemas.signing import ItemHasher, make_ec_transfer, tensor_digest
+from schemas.signing import (
+    INLINE_DIGEST_BYTES,
+    ItemHasher,
+    make_ec_transfer,
+    tensor_digest,
+    undigested_bytes,
+)
 from schemas.status_record import fanout_info
 from schemas.topics import Topics
 from schemas.types import (
@@ -158,6 +164,17 @@ def hash_items(
             )
         out.append(HashedItem(modality, index, label, key_hash, data, digests))
     return out
+
+
+async def _hashed(ev: RenderEvent, hasher: ItemHasher, foreign_labels: bool) -> list[HashedItem]:
+    """:func:`hash_items`, in a worker thread when it has megabytes to digest (a render in this
+    process left its tensors' digests on them: then the hashes are made here, a thread's
+    hand-off costing more than they do)."""
+    data = (ev.features.kwargs_data or {}).values()
+    values = (v for items in data for item in items if item for v in item.values())
+    if undigested_bytes(values) <= INLINE_DIGEST_BYTES:
+        return hash_items(ev, hasher, foreign_labels=foreign_labels)
+    return await asyncio.to_thread(hash_items, ev, hasher, foreign_labels=foreign_labels)
 
 
 def check_upstream_refs(items: list[HashedItem], namespace: str, store_url: str) -> None:
@@ -320,8 +337,7 @@ class FanOut:
             ev = dataclasses.replace(
                 ev, deadline_ms=now_ms() + int(self.settings.request_timeout_s * 1000)
             )
-        # Hashing reads every inline tensor's bytes (megabytes): off the event loop.
-        hashed = await asyncio.to_thread(hash_items, ev, self.hasher, foreign_labels=foreign_labels)
+        hashed = await _hashed(ev, self.hasher, foreign_labels)
         items = _unique(hashed)
         check_upstream_refs(items, self.settings.ec_namespace, self.store.url)
         # One entry per label: with foreign labels two labels may name one content hash.

@@ -20,10 +20,6 @@ import blake3
 import torch
 from PIL import Image
 
-INLINE_DIGEST_BYTES = 1 << 20
-"""Files up to this size are digested on the event loop (tens of microseconds); larger ones in
-a worker thread."""
-
 
 @dataclass(frozen=True, slots=True)
 class ProcessedImage:

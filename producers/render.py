@@ -40,7 +40,6 @@ from media.pictures import to_rgb as to_rgb  # re-exported: part of this module'
 from media.video import VideoInput, VideoLimits
 from media.video_items import VideoItems
 from producers.image_cache import (
-    INLINE_DIGEST_BYTES,
     KeyedImage,
     ProcessedImage,
     ProcessedImages,
@@ -54,7 +53,7 @@ from runtime.processor_limits import input_limits
 from runtime.settings import Settings
 from schemas import defaults
 from schemas.modalities import GRID_FIELDS, MAIN_ENCODER_INPUT
-from schemas.signing import ItemHasher
+from schemas.signing import INLINE_DIGEST_BYTES, ItemHasher
 from schemas.types import (
     Features,
     ItemData,
@@ -99,6 +98,12 @@ def build_features(items: Sequence[_Item]) -> Features:
         kwargs_data={m: [it.data for it in per[m]] for m in mods} if items else None,
         mm_metadata={m: [it.metadata for it in per[m]] for m in mods} if any_meta else None,
     )
+
+
+INLINE_RENDER_SIZE = 1024
+"""A render of images all processed before (kept) and a prompt of up to this many characters
+(or token ids) runs on the event loop: its tokenisation, layout and hashes of remembered digests
+take less than a worker thread's hand-off."""
 
 
 class Renderer:
@@ -342,7 +347,8 @@ class Renderer:
         self, request_id: str, *, timeout_s: float | None = None, **kwargs: Any
     ) -> RenderEvent:
         """``render`` off the event loop: encoded images in :attr:`decoder`'s processes when
-        it has one, the rest in a worker thread.
+        it has one, the rest in a worker thread (on the loop when it is light: images processed
+        before and a short prompt, :data:`INLINE_RENDER_SIZE`).
 
         ``timeout_s``: a decode still running at the deadline is killed; the thread's render
         stops itself at the next item or video frame past it (``render.timeout``); should one
@@ -351,6 +357,8 @@ class Renderer:
         give_up_at = None if timeout_s is None else time.monotonic() + timeout_s
         if self.decoder is not None and kwargs.get("images"):
             kwargs["images"] = await self._decoded(list(kwargs["images"]), give_up_at)
+        if _light(kwargs):
+            return self.render(request_id, give_up_at=give_up_at, **kwargs)
         if give_up_at is None:
             return await asyncio.to_thread(self.render, request_id, **kwargs)
         work = asyncio.to_thread(self.render, request_id, give_up_at=give_up_at, **kwargs)
@@ -390,3 +398,15 @@ class Renderer:
         if len(data) <= INLINE_DIGEST_BYTES:
             return image_key(data)
         return await asyncio.to_thread(image_key, data)
+
+
+def _light(kwargs: dict[str, Any]) -> bool:
+    """Whether a render is light enough for the event loop (:data:`INLINE_RENDER_SIZE`): no
+    video, every image processed before, a short prompt."""
+    if kwargs.get("videos") or not all(
+        isinstance(img, ProcessedImage) for img in kwargs.get("images", ())
+    ):
+        return False
+    prompt, token_ids = kwargs.get("prompt"), kwargs.get("token_ids")
+    size = len(prompt) if prompt is not None else len(token_ids or ())
+    return size <= INLINE_RENDER_SIZE

@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +27,14 @@ from schemas.wire_tensor import WireTensor
 
 _SIGNATURE_TAG = b"epd-ec-v2"
 _HASH_TAG = b"epd-mm-v2"
-# Above this, blake3 hashes on all cores (a 1024x1024 image's pixel_values are 25.8 MB, and the
-# fan-out digests them on every request, cache hits included); below it threads cost more.
-_PARALLEL_HASH_BYTES = 1 << 20
+# Above this, blake3 hashes on all cores (a 1024x1024 image's pixel_values are 25.8 MB); below
+# it the threads' wake-ups cost more CPU than they save wall time (a 224x224 image's 1.2 MB:
+# 0.18 ms of CPU on one thread, 0.24 ms spread over two cores on the benchmark's machine).
+_PARALLEL_HASH_BYTES = 4 << 20
+
+INLINE_DIGEST_BYTES = 1 << 20
+"""Bytes up to which a digest is made on the event loop (blake3: well under a millisecond, less
+than a worker thread's hand-off costs); more are digested in a worker thread."""
 
 
 def _framed(*fields: bytes) -> bytes:
@@ -193,6 +198,27 @@ def tensor_digest(t: Any) -> str:
     with contextlib.suppress(AttributeError, RuntimeError):  # a tensor that takes no attribute
         setattr(t, DIGEST_MEMO_ATTR, (version, digest))
     return digest
+
+
+def undigested_bytes(values: Iterable[Any]) -> int:
+    """The bytes :func:`tensor_digest` would read to digest ``values``: a torch tensor whose
+    digest it remembers, a claim check or a value that is no tensor reads none."""
+    total = 0
+    for v in values:
+        if isinstance(v, WireTensor):
+            total += len(v.data)
+        elif tensor_ops.is_tensor(v) and not _remembered(v):
+            total += tensor_ops.nbytes(v)
+    return total
+
+
+def _remembered(t: Any) -> bool:
+    """Whether ``t``'s digest is remembered for its current contents."""
+    memo = getattr(t, DIGEST_MEMO_ATTR, None)
+    try:
+        return memo is not None and memo[0] == t._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        return False
 
 
 def _digest(t: Any) -> str:

@@ -91,3 +91,17 @@ async def test_a_refused_image_is_not_kept(renderer: Renderer) -> None:
     with pytest.raises(Exception, match="image"):
         await renderer.render_async("a", prompt="<image>", images=[bad])
     assert len(renderer.processed) == 0 and image_key(bad) not in renderer.processed._items
+
+
+def test_only_a_render_of_kept_images_and_a_short_prompt_stays_on_the_loop() -> None:
+    from producers.render import INLINE_RENDER_SIZE, _light
+
+    kept = outputs(1)
+    short, long = "<image> hi", "<image>" + "x" * INLINE_RENDER_SIZE
+    assert _light({"prompt": short, "images": [kept, kept]})
+    assert _light({"token_ids": [1] * INLINE_RENDER_SIZE, "images": [kept]})
+    assert _light({"prompt": short})  # text alone
+    assert not _light({"prompt": long, "images": [kept]})  # tokenising it takes a while
+    assert not _light({"token_ids": [1] * (INLINE_RENDER_SIZE + 1)})
+    assert not _light({"prompt": short, "images": [kept, png(1)]})  # one still to process
+    assert not _light({"prompt": short, "videos": [b"..."]})

@@ -128,3 +128,24 @@ def test_tensor_digest_is_remembered_until_the_tensor_changes() -> None:
     with torch.inference_mode():
         frozen = torch.ones(4)
         assert tensor_digest(frozen) == tensor_digest(torch.ones(4))
+
+
+def test_undigested_bytes_counts_what_a_digest_would_still_read() -> None:
+    from schemas.signing import undigested_bytes
+    from schemas.wire_tensor import WireTensor
+
+    t = torch.zeros(256, 4, dtype=torch.float32)
+    grid = torch.tensor([1, 16, 16], dtype=torch.int64)
+    ref = TensorRef("redis://s", "claim:k", "float32", [256, 4], 4096, "0" * 64)
+    assert undigested_bytes([t, grid, ref, "not a tensor"]) == 4096 + 24
+    tensor_digest(t)
+    assert undigested_bytes([t, grid]) == 24  # remembered: nothing to read again
+    t[0, 0] = 1.0  # changed in place: its digest is made anew
+    assert undigested_bytes([t]) == 4096
+    wire = WireTensor.from_bytes("float32", [256, 4], bytes(4096))
+    tensor_digest(wire)
+    assert undigested_bytes([wire]) == 4096  # decoded from the wire: always hashed
+    with torch.inference_mode():
+        frozen = torch.ones(8)
+    tensor_digest(frozen)
+    assert undigested_bytes([frozen]) == 32  # no version counter: never remembered
