@@ -133,7 +133,10 @@ def test_stop_strings_end_generation_as_generate_does_and_are_not_returned(spec:
 async def streams() -> AsyncIterator[TokenStreams]:
     client = aioredis.Redis.from_url(Settings().redis_url)
     prefix = f"samp-{uuid.uuid4().hex[:8]}"
-    s = TokenStreams(client, prefix, interval_s=0.005)
+    # No flush interval: each decode step's tokens are written as they come, so a stream of
+    # some twenty steps is read in several chunks however fast the machine decodes (with 5 ms,
+    # a quick run once fitted every step into two writes).
+    s = TokenStreams(client, prefix, interval_s=0.0)
     yield s
     await s.close()
     keys = [k async for k in client.scan_iter(f"{prefix}:*")]
