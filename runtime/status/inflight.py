@@ -47,21 +47,16 @@ class InFlight:
         self.client = client
         self.keys = keys
         self.ttl_s = ttl_s
+        self._admit = client.register_script(_ADMIT)  # EVALSHA: the body is not sent each time
 
     async def admit(self, request_id: str, limit: int) -> bool:
         """Count ``request_id`` as in flight unless ``limit`` requests already are (atomic,
         shared by every API replica). Entries older than the record TTL are dropped, so a
         request whose outcome never arrives cannot hold a slot forever."""
         now = now_ms()
-        ok = await self.client.eval(
-            _ADMIT,
-            1,
-            self.keys.inflight,
-            now - self.ttl_s * 1000,
-            limit,
-            now,
-            request_id,
-            self.ttl_s,
+        ok = await self._admit(
+            keys=[self.keys.inflight],
+            args=[now - self.ttl_s * 1000, limit, now, request_id, self.ttl_s],
         )
         return bool(ok)
 
