@@ -439,16 +439,18 @@ class Images:
 
 async def measure_cell(stack: Stack, client: Any, images: list[bytes], concurrency: int) -> dict:
     """One cell: the requests, and what the stack spent on them."""
-    from bench.worker_profile import CpuMeter
+    from bench.worker_profile import CpuMeter, context_switches, switches_per_request
 
     n = len(images)
     meter = CpuMeter(stack.pids)
     offsets0, stats0 = await stack.end_offsets(), await stack.commandstats()
+    switches0 = {name: context_switches(pid) for name, pid in stack.pids.items()}
     meter.restart()
     cpu0 = time.process_time()
     latencies, wall = await guarded(stack, drive(client, images, concurrency))
     client_cpu = time.process_time() - cpu0
     cpu = meter.per_request(n)
+    switches1 = {name: context_switches(pid) for name, pid in stack.pids.items()}
     offsets1, stats1 = await stack.end_offsets(), await stack.commandstats()
     return {
         "requests": n,
@@ -458,6 +460,7 @@ async def measure_cell(stack: Stack, client: Any, images: list[bytes], concurren
         "latency_ms": latency_ms(latencies),
         "cpu_ms_per_request": cpu,
         "client_cpu_ms_per_request": sig(1000 * client_cpu / n),
+        "context_switches_per_request": switches_per_request(switches0, switches1, n),
         "kafka_records_per_request": offsets_delta(
             offsets0, offsets1, stack.settings.topic_prefix, n
         ),

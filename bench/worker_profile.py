@@ -166,6 +166,37 @@ class CpuMeter:
         return out
 
 
+def context_switches(pid: int) -> int:
+    """Times the threads of ``pid`` and of its live descendants went to sleep to wait so far
+    (voluntary context switches: each ends with a wake-up, what a message between processes
+    costs); threads that ended are not counted (``/proc/<pid>/task/*/status``)."""
+    total = 0
+    for proc in (pid, *_descendants(pid)):
+        try:
+            tids = os.listdir(f"/proc/{proc}/task")
+        except OSError:
+            continue  # gone
+        for tid in tids:
+            try:
+                text = Path(f"/proc/{proc}/task/{tid}/status").read_text()
+            except OSError:
+                continue  # the thread ended
+            for line in text.splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split(":", 1)[1])
+    return total
+
+
+def switches_per_request(
+    before: dict[str, int], after: dict[str, int], requests: int
+) -> dict[str, float]:
+    """:func:`context_switches` per request of each process between two readings, and their
+    total."""
+    out = {name: sig((after[name] - before[name]) / max(1, requests)) for name in before}
+    out["total"] = sig(sum(out.values()))
+    return out
+
+
 def idle_cpu(pids: dict[str, int], seconds: float) -> dict[str, float]:
     """Each process's CPU use in % of one core over ``seconds`` of doing nothing."""
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}

@@ -312,6 +312,7 @@ def test_coordinator_block(quick_run: tuple[dict[str, Any], Path]) -> None:
                 has_encode = "encode" in cell["kafka_records_per_request"]["by_topic"]
                 assert has_encode == (case == "new"), (name, case, concurrency)
                 assert cell["redis_commands_per_request"]["top"]
+                assert cell["context_switches_per_request"]["api"] > 0  # it answered over HTTP
         floor = per["floor"]
         assert floor["floor_ms"]["new"] > floor["floor_ms"]["cached"] >= floor["kafka_hop_p50_ms"]
         # Four significant digits (bench.common.sig): a loaded host's 137.72 ms is 137.7.

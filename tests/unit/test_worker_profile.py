@@ -63,3 +63,48 @@ def test_a_process_never_on_cpu_is_said_to_wait_not_reported_as_zero_samples(
     out = prof.stop()
     assert out["idle"] == WAITING_THROUGHOUT
     assert out["busy"]["samples"] == 10 and out["busy"]["raw"] == str(busy)
+
+
+def test_context_switches_count_the_waits_of_every_thread_and_child() -> None:
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from bench.worker_profile import context_switches, switches_per_request
+
+    me = os.getpid()
+    before = context_switches(me)
+    slept, done = threading.Event(), threading.Event()
+
+    def sleeper() -> None:
+        for _ in range(50):
+            time.sleep(0.001)  # each sleep is one wait, then a wake-up
+        slept.set()
+        done.wait()  # alive until read: an ended thread's waits are no longer counted
+
+    waited = threading.Thread(target=sleeper)
+    waited.start()
+    for _ in range(50):
+        time.sleep(0.001)
+    assert slept.wait(30)
+    both = context_switches(me)
+    done.set()
+    waited.join()
+    assert both - before >= 90, (before, both)
+    # A live child's waits count for its parent (the API's image decoders are its cost too).
+    base = context_switches(me)
+    script = (
+        "import time\nfor _ in range(200): time.sleep(0.001)\nprint('slept', flush=True)\ninput()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"slept\n"
+        with_child = context_switches(me)  # it waits for a line now, alive
+    finally:
+        child.communicate(b"\n", timeout=10)
+    assert with_child - base >= 180, (base, with_child)
+    per = switches_per_request({"api": 10, "broker": 0}, {"api": 70, "broker": 30}, 20)
+    assert per == {"api": 3.0, "broker": 1.5, "total": 4.5}
