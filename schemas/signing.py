@@ -187,16 +187,12 @@ def tensor_digest(t: Any) -> str:
     """
     if isinstance(t, WireTensor):  # immutable, and hashed once per object by the fan-out
         return _digest(t)
-    try:
-        version = t._version
-    except RuntimeError:  # an inference-mode tensor keeps no version counter: never remembered
-        return _digest(t)
-    memo = getattr(t, DIGEST_MEMO_ATTR, None)
-    if memo is not None and memo[0] == version:
-        return str(memo[1])
+    if (known := _remembered(t)) is not None:
+        return known
     digest = _digest(t)
-    with contextlib.suppress(AttributeError, RuntimeError):  # a tensor that takes no attribute
-        setattr(t, DIGEST_MEMO_ATTR, (version, digest))
+    if (version := _version(t)) is not None:
+        with contextlib.suppress(AttributeError, RuntimeError):  # takes no attribute
+            setattr(t, DIGEST_MEMO_ATTR, (version, digest))
     return digest
 
 
@@ -207,18 +203,25 @@ def undigested_bytes(values: Iterable[Any]) -> int:
     for v in values:
         if isinstance(v, WireTensor):
             total += len(v.data)
-        elif tensor_ops.is_tensor(v) and not _remembered(v):
+        elif tensor_ops.is_tensor(v) and _remembered(v) is None:
             total += tensor_ops.nbytes(v)
     return total
 
 
-def _remembered(t: Any) -> bool:
-    """Whether ``t``'s digest is remembered for its current contents."""
-    memo = getattr(t, DIGEST_MEMO_ATTR, None)
+def _version(t: Any) -> int | None:
+    """A torch tensor's version counter (None: an inference-mode tensor keeps none, so its
+    digest is never remembered)."""
     try:
-        return memo is not None and memo[0] == t._version
-    except RuntimeError:  # an inference-mode tensor keeps no version counter
-        return False
+        return int(t._version)
+    except RuntimeError:
+        return None
+
+
+def _remembered(t: Any) -> str | None:
+    """The digest remembered on torch tensor ``t`` for its current contents, if any."""
+    memo = getattr(t, DIGEST_MEMO_ATTR, None)
+    version = _version(t)
+    return str(memo[1]) if memo is not None and version is not None and memo[0] == version else None
 
 
 def _digest(t: Any) -> str:
