@@ -43,41 +43,29 @@ async def kafka_hop_cpu(
     """CPU per record of ``records`` produced (``acks=all``, the stack's producer settings)
     and fetched back (its consumer settings), ``in_flight`` at a time: the client's (this
     process: producer and consumer) and the broker's, after a warm-up of the same size."""
-    from aiokafka import TopicPartition
-
-    from bench.pipeline import _delete_topics
-    from runtime.kafka import ensure_topics, make_consumer, make_producer
+    from bench.pipeline import _delete_topics, hop_clients
 
     topic = f"{settings.topic_prefix}.bench-bare-{in_flight}"
-    await ensure_topics(settings, [topic], partitions=1)
-    producer = make_producer(settings, linger_ms=0)
-    consumer = make_consumer(settings, group_id=None)
-    await producer.start()
-    await consumer.start()
-    tp = TopicPartition(topic, 0)
     payload = b"r" * 600  # about a PrefillEvent's size
-
-    async def round_trip() -> None:
-        acks = [await producer.send(topic, payload, partition=0) for _ in range(in_flight)]
-        await asyncio.gather(*acks)
-        got = 0
-        while got < in_flight:
-            got += len((await consumer.getmany(tp, timeout_ms=2000)).get(tp, []))
-
+    rounds = max(1, records // in_flight)
     try:
-        consumer.assign([tp])
-        await consumer.seek_to_end(tp)
-        await consumer.position(tp)
-        rounds = max(1, records // in_flight)
-        for _ in range(rounds):
-            await round_trip()
-        client0, broker0 = time.process_time(), _cpu(broker_pid)
-        for _ in range(rounds):
-            await round_trip()
-        client, broker = time.process_time() - client0, _cpu(broker_pid) - broker0
+        async with hop_clients(settings, topic, producer_overrides={"linger_ms": 0}) as clients:
+            producer, consumer, tp = clients
+
+            async def round_trip() -> None:
+                acks = [await producer.send(topic, payload, partition=0) for _ in range(in_flight)]
+                await asyncio.gather(*acks)
+                got = 0
+                while got < in_flight:
+                    got += len((await consumer.getmany(tp, timeout_ms=2000)).get(tp, []))
+
+            for _ in range(rounds):  # the warm-up, of the same size
+                await round_trip()
+            client0, broker0 = time.process_time(), _cpu(broker_pid)
+            for _ in range(rounds):
+                await round_trip()
+            client, broker = time.process_time() - client0, _cpu(broker_pid) - broker0
     finally:
-        await producer.stop()
-        await consumer.stop()
         await _delete_topics(settings, [topic])
     n = rounds * in_flight
     return {

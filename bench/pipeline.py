@@ -51,6 +51,7 @@ import random
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -392,30 +393,50 @@ async def _transport(settings: Any, topic: str, events: list[Any], compression: 
         await consumer.stop()
 
 
+@contextlib.asynccontextmanager
+async def hop_clients(
+    settings: Any,
+    topic: str,
+    *,
+    producer_overrides: dict[str, Any] | None = None,
+    **consumer_overrides: Any,
+) -> AsyncIterator[tuple[Any, Any, Any]]:
+    """A one-partition ``topic``, a started producer with the stack's settings and a consumer
+    assigned to it from its start: ``(producer, consumer, partition)``, both stopped after."""
+    from aiokafka import TopicPartition
+
+    from runtime.kafka import ensure_topics, make_consumer, make_producer
+
+    await ensure_topics(settings, [topic], partitions=1)
+    producer = make_producer(settings, **(producer_overrides or {}))
+    consumer = make_consumer(settings, group_id=None, **consumer_overrides)
+    await producer.start()
+    try:
+        await consumer.start()
+        try:
+            tp = TopicPartition(topic, 0)
+            consumer.assign([tp])
+            await consumer.seek_to_beginning(tp)
+            await consumer.position(tp)
+            yield producer, consumer, tp
+        finally:
+            await consumer.stop()
+    finally:
+        await producer.stop()
+
+
 async def _kafka_hop(
     settings: Any, topic: str, n: int, **consumer_overrides: Any
 ) -> dict[str, Any]:
     """One small record's hop, taken apart: produce + ack, ack -> the fetch returns it, our
     decode of a real event, hand-off to a handler task (see the module docstring)."""
-    from aiokafka import TopicPartition
-
-    from runtime.kafka import ensure_topics, make_consumer, make_producer
     from schemas.codec import get_codec
 
     codec = get_codec()
     event = codec.encode(_sample_prefill_event())
-    await ensure_topics(settings, [topic], partitions=1)
-    producer = make_producer(settings)
-    consumer = make_consumer(settings, group_id=None, **consumer_overrides)
-    await producer.start()
-    await consumer.start()
     parts: dict[str, list[float]] = {k: [] for k in HOP_PARTS}
-    try:
-        tp = TopicPartition(topic, 0)
-        consumer.assign([tp])
-        await consumer.seek_to_beginning(tp)
-        await consumer.position(tp)
-        wait_ms = consumer_overrides.get("fetch_max_wait_ms", settings.kafka_fetch_max_wait_ms)
+    wait_ms = consumer_overrides.get("fetch_max_wait_ms", settings.kafka_fetch_max_wait_ms)
+    async with hop_clients(settings, topic, **consumer_overrides) as (producer, consumer, tp):
         for i in range(n + 1):  # the first is a warm-up
             # Let the consumer settle into idle fetches, then send at a random point of one, as a
             # request does: a fixed pause would land every send at the same phase of the wait.
@@ -441,14 +462,11 @@ async def _kafka_hop(
                 HOP_PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True
             ):
                 parts[key].append(value)
-        return {
-            "fetch_max_wait_ms": wait_ms,
-            "event_bytes": len(event),
-            **{key: Stats(values).to_json("ms") for key, values in parts.items()},
-        }
-    finally:
-        await producer.stop()
-        await consumer.stop()
+    return {
+        "fetch_max_wait_ms": wait_ms,
+        "event_bytes": len(event),
+        **{key: Stats(values).to_json("ms") for key, values in parts.items()},
+    }
 
 
 HOP_PARTS = ("produce_ack", "fetch_answer", "decode", "handoff", "total")
