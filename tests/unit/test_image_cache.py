@@ -105,3 +105,16 @@ def test_only_a_render_of_kept_images_and_a_short_prompt_stays_on_the_loop() -> 
     assert not _light({"token_ids": [1] * (INLINE_RENDER_SIZE + 1)})
     assert not _light({"prompt": short, "images": [kept, png(1)]})  # one still to process
     assert not _light({"prompt": short, "videos": [b"..."]})
+
+
+async def test_a_render_on_the_loop_refuses_a_bad_prompt_with_its_rule(renderer: Renderer) -> None:
+    from producers.render_errors import RenderError
+
+    data = png(5)
+    await renderer.render_async("a", prompt="<image>", images=[data])  # now kept
+    with pytest.raises(RenderError) as markers:  # two markers, one (kept) image
+        await renderer.render_async("b", prompt="<image> <image>", images=[data])
+    assert markers.value.rule == "render.marker_count" and renderer.processed.hits == 1
+    with pytest.raises(RenderError) as neither:
+        await renderer.render_async("c", images=[data])
+    assert neither.value.rule == "render.prompt"
