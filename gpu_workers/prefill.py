@@ -140,6 +140,7 @@ class PrefillWorker:
         await park(ctx.store, kv, tensors)
         park_ms = (time.perf_counter() - t_park) * 1000
         handoff = DecodeEvent(prefill=ev, kv=kv, kv_transfer_params=ev.kv_transfer_params)
+        await updates.flush()  # a held "prefilling" must not land after the decode worker's word
         await publish(ctx.publisher, ctx.topics, handoff)
         self.tally.handed_off += 1
         await updates.now(

@@ -231,17 +231,23 @@ class RequestUpdates:
     goes on with its work while one background task writes the queue out. The record and the
     results topic see the updates in the order they were made; those that queued up while an
     earlier one was on its way go out together (:meth:`ResultReporter.many`: one record write
-    and one wait for the broker). :meth:`now` (an outcome) returns once it and every earlier
-    update are out. A background update that failed raises from the next :meth:`now` or
+    and one wait for the broker). The first of them is held up to ``hold_s``
+    (``EPD_STATUS_HOLD_MS``) for the ones behind it: a request that is done within it writes
+    its progress and its outcome in one go, where each would cost a record write and a
+    produce request. :meth:`now` (an outcome) ends the hold and returns once it and every
+    earlier update are out. A background update that failed raises from the next :meth:`now` or
     :meth:`flush` (the updates queued behind it are not sent), so the consume loop retries the
     event exactly as if the update had failed in place.
     """
 
-    def __init__(self, reporter: ResultReporter, request_id: str) -> None:
+    def __init__(self, reporter: ResultReporter, request_id: str, *, hold_s: float = 0.0) -> None:
         self.reporter = reporter
         self.request_id = request_id
+        self.hold_s = hold_s
         self._queue: list[tuple[str, UpdateFields]] = []
         self._sender: asyncio.Task[None] | None = None
+        self._hold: asyncio.Event | None = None
+        """Set to end the hold of the queued updates (:meth:`_held`)."""
 
     def soon(self, status: str, **fields: Unpack[UpdateFields]) -> None:
         """Queue one update after the earlier ones; return at once."""
@@ -253,6 +259,8 @@ class RequestUpdates:
 
     async def _send_queued(self) -> None:
         """Write the queue out, oldest first, taking what queued meanwhile as one batch."""
+        if self.hold_s > 0:
+            await self._held()
         while self._queue:
             batch, self._queue = self._queue, []
             if len(batch) == 1:
@@ -260,6 +268,16 @@ class RequestUpdates:
                 await self.reporter(self.request_id, status, **fields)
             else:
                 await self.reporter.many(self.request_id, batch)
+
+    async def _held(self) -> None:
+        """Wait ``hold_s``, or less once :meth:`flush` asks for the updates."""
+        self._hold = hold = asyncio.Event()
+        timer = asyncio.get_running_loop().call_later(self.hold_s, hold.set)
+        try:
+            await hold.wait()
+        finally:
+            timer.cancel()
+            self._hold = None
 
     async def now(self, status: str, **fields: Unpack[UpdateFields]) -> None:
         """One update, sent and recorded before this returns (earlier ones first)."""
@@ -273,6 +291,8 @@ class RequestUpdates:
 
     async def flush(self) -> None:
         """Wait for every update queued so far; raise the first failure among them."""
+        if self._hold is not None:
+            self._hold.set()
         while (sender := self._sender) is not None:
             try:
                 await sender

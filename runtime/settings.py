@@ -155,6 +155,15 @@ class Settings(BaseSettings):
         "defaults to 5 s, so a Redis frozen for 5 s failed requests that only had to wait)",
     )
     status_ttl_s: int = 3600
+    status_hold_ms: float = Field(
+        20.0,
+        ge=0,
+        le=1000,
+        description="longest a prefill or decode worker holds a request's progress update "
+        "(prefilling, decoding) for the updates behind it, so that a request done meanwhile "
+        "writes its record and sends its results in one go; an outcome is never held (0: "
+        "each progress update goes at once)",
+    )
     request_timeout_s: float = Field(
         600.0,
         gt=0,

@@ -31,6 +31,8 @@ class RequestLifecycle:
     """The worker's status updates (a write that finds the record gone tells ``watch``)."""
     gate: AdmissionGate
     embeddings: EmbeddingWait
+    hold_s: float = 0.0
+    """How long a progress update waits for the ones behind it (``EPD_STATUS_HOLD_MS``)."""
 
     @classmethod
     def build(
@@ -76,12 +78,13 @@ class RequestLifecycle:
                 cancel=ctx.cancel,
                 request_state=request_state,
             ),
+            hold_s=settings.status_hold_ms / 1000,
         )
 
     async def run(self, request_id: str, body: Callable[[RequestUpdates], Awaitable[None]]) -> None:
         """Run ``body`` with the request's updates: sent in order, all of them out before this
         returns; those still on their way when ``body`` raises are abandoned."""
-        updates = RequestUpdates(self.report, request_id)
+        updates = RequestUpdates(self.report, request_id, hold_s=self.hold_s)
         try:
             await body(updates)
         except BaseException:

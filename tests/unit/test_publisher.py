@@ -199,6 +199,44 @@ async def test_updates_queued_behind_a_slow_one_go_out_together_in_order() -> No
     assert len(pub.records) == 4
 
 
+async def test_held_progress_updates_go_out_with_the_outcome_in_one_write_and_one_send() -> None:
+    """With a hold (``EPD_STATUS_HOLD_MS``) a request done within it writes its progress and
+    its outcome in one record write and one send, in order; the outcome ends the hold at
+    once; a progress update alone goes out once the hold has passed."""
+    singles: list[str] = []
+    batches: list[list[str]] = []
+
+    async def record(ev: ResultEvent) -> bool:
+        singles.append(ev.status)
+        return True
+
+    async def record_all(events: object) -> bool:
+        batches.append([e.status for e in events])  # type: ignore[attr-defined]
+        return True
+
+    pub = InMemoryPublisher()
+    reporter = ResultReporter(pub, "t.results", "prefill", record=record, record_all=record_all)
+    updates = RequestUpdates(reporter, "r", hold_s=30.0)
+    updates.soon("prefilling")
+    updates.soon("decoding")
+    await asyncio.sleep(0.01)
+    assert singles == [] and batches == [] and pub.records == []  # held
+    await asyncio.wait_for(updates.now("completed", token_ids=[1]), 5)  # not the 30 s hold
+    assert singles == [] and batches == [["prefilling", "decoding", "completed"]]
+    assert [r.event().status for r in pub.records] == ["prefilling", "decoding", "completed"]  # type: ignore[union-attr]
+
+    brief = RequestUpdates(reporter, "r2", hold_s=0.02)
+    brief.soon("prefilling")
+    await asyncio.sleep(0.005)
+    assert singles == []
+    for _ in range(200):
+        if singles:
+            break
+        await asyncio.sleep(0.01)
+    assert singles == ["prefilling"]  # the hold passed with nothing behind it
+    await brief.flush()
+
+
 async def test_a_failed_progress_update_fails_the_next_step_and_abandon_ends_quietly() -> None:
     class Down(InMemoryPublisher):
         async def send(self, *args: object, **kwargs: object) -> int:
