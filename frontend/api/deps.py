@@ -44,7 +44,11 @@ Tenant = Annotated[str | None, Depends(caller_tenant)]
 async def owned_record(request_id: str, st: State, tenant: Tenant) -> StatusRecord:
     """The caller's record of ``request_id``. Another tenant's request is "not found", not
     "forbidden": ids reveal nothing."""
-    rec = await st.status.get(request_id)
+    return check_owner(await st.status.get(request_id), request_id, tenant)
+
+
+def check_owner(rec: StatusRecord | None, request_id: str, tenant: str | None) -> StatusRecord:
+    """``rec`` when it is the caller's record of ``request_id``; else "not found"."""
     if rec is None or rec.tenant != tenant:
         raise not_found(request_id)
     return rec

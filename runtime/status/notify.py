@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from redis.asyncio.cluster import RedisCluster
@@ -138,17 +138,34 @@ class StatusNotifier:
             await self._unfollow(request_id)
 
     async def wait_change(
-        self, request_id: str, status: str | None, timeout_s: float, *, until_done: bool = False
+        self,
+        request_id: str,
+        status: str | None,
+        timeout_s: float,
+        *,
+        until_done: bool = False,
+        check: Callable[[StatusRecord | None], object] | None = None,
     ) -> StatusRecord | None:
-        """The record once its status differs from ``status`` (with ``until_done``: once it is
-        terminal, whatever it passes on the way) or is terminal, or as it is when
-        ``timeout_s`` runs out."""
+        """The record once its status differs from ``status`` (None: from the status the
+        first read finds; with ``until_done``: once it is terminal, whatever it passes on the
+        way) or is terminal, or as it is when ``timeout_s`` runs out.
+
+        ``check`` judges the first read and may raise (a route's ownership check): a caller
+        that would read the record only to check it leaves that read to this one, which is
+        made once the watch is on."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        first = True
         async with self.watch(request_id) as changed:
             while True:
                 changed.clear()
                 rec = await self.store.get(request_id)
+                if first:
+                    first = False
+                    if check is not None:
+                        check(rec)
+                    if status is None and rec is not None:
+                        status = rec.status
                 if rec is None or rec.terminal or (rec.status != status and not until_done):
                     return rec
                 left = deadline - loop.time()

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from frontend.api.cancels import cancel_owned
-from frontend.api.deps import OwnedRecord, State, Tenant, Wait
+from frontend.api.deps import OwnedRecord, State, Tenant, Wait, check_owner, owned_record
 from frontend.api.errors import bad_request
 from frontend.api.events import SSE_EVENT_SCHEMA, event_stream, is_stream_id, record_gone
 from frontend.api.openapi import SUBMIT_BODY, submit_operation, with_errors
@@ -41,7 +41,7 @@ async def get_status(
     request_id: str,
     st: State,
     wait: Wait,
-    rec: OwnedRecord,
+    tenant: Tenant,
     changed_from: Annotated[
         Status | None,
         Query(
@@ -59,12 +59,18 @@ async def get_status(
         ),
     ] = False,
 ) -> JSONResponse:
-    if wait > 0 and not rec.terminal:
-        since = changed_from or rec.status
-        changed = await st.notifier.wait_change(request_id, since, wait, until_done=until_done)
-        if changed is None:
-            raise record_gone(request_id)  # it went during the wait (TTL, an operator)
-        rec = changed
+    if wait <= 0:
+        return JSONResponse(status_view(await owned_record(request_id, st, tenant)))
+    # One read: the wait's first, made once it listens, is the ownership check's too.
+    rec = await st.notifier.wait_change(
+        request_id,
+        changed_from,
+        wait,
+        until_done=until_done,
+        check=lambda found: check_owner(found, request_id, tenant),
+    )
+    if rec is None:
+        raise record_gone(request_id)  # it went during the wait (TTL, an operator)
     return JSONResponse(status_view(rec))
 
 
