@@ -28,7 +28,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +69,10 @@ if TYPE_CHECKING:
     from runtime.stores.base import EmbeddingStore
 
 log = logging.getLogger(__name__)
+
+OpeningWrite = Callable[[ResultEvent, dict[str, Any]], Awaitable[object]]
+"""Makes a request's status record with the fan-out's update (and its record fields) folded
+in: ``StatusStore.create(..., first=, first_fields=)`` for the request (:meth:`FanOut.publish`)."""
 
 
 @dataclass(slots=True)
@@ -416,12 +420,15 @@ class FanOut:
         *,
         foreign_labels: bool = False,
         after: Awaitable[object] | None = None,
+        opening: OpeningWrite | None = None,
     ) -> FanoutStats:
         """Plan, record the stage update, then send it, the encode events and the prefill event.
 
         ``after``: an earlier write of the request's record (the submitter's ``queued``) that
         ran beside the planning; it must be done before this stage's update is recorded or
-        anything is sent, and its failure stops the publish."""
+        anything is sent, and its failure stops the publish. ``opening`` instead makes the
+        record with this stage's update in it (one write where the two took two): it is done
+        before anything is sent, and its failure stops the publish."""
         publisher = self.publisher
         if publisher is None:
             raise RuntimeError("FanOut.publish needs a publisher")
@@ -443,12 +450,20 @@ class FanOut:
                 "cache_hits": str(len(plan.cached)),
             },
         )
+        if opening is not None:
+            # No worker may see the request before its record exists: its updates would find
+            # none (and stop, as for a record that went).
+            await opening(update, {"cached": list(plan.cached)})
         # The encode events go at once: the encoder's marks carry "encoding" too, so one that
         # reaches the record before this update costs a client streaming the statuses nothing.
         encodes = asyncio.gather(
             *(publish(publisher, self.topics, e, value=plan.value_of(e)) for e in plan.encode)
         )
-        if self.record is not None:
+        if opening is not None:
+            _, encode_sizes, prefill_bytes = await asyncio.gather(
+                reporter.send(update, recorded=True), encodes, self._send_prefill(plan)
+            )
+        elif self.record is not None:
             encode_sizes, prefill_bytes = await self._send_recorded(plan, reporter, update, encodes)
         else:
             # No record at hand: the results topic holds the order, so the update is

@@ -253,7 +253,8 @@ class Intake:
     async def _enqueue(
         self, rid: str, sub: Submission, traceparent: str
     ) -> tuple[RenderEvent, FanoutStats]:
-        """Render and check (nothing stored yet), then record and fan out (side by side)."""
+        """Render and check (nothing stored yet), then record and fan out (the fan-out makes the
+        record with its first write, or, without a record writer of its own, beside its plan)."""
         with stage_span(self.span, {TRACEPARENT: traceparent}, request_id=rid):
             try:
                 ev, timing = (sub.event, None) if sub.event else await self._render(rid, sub)
@@ -262,17 +263,25 @@ class Intake:
             except BaseException:
                 await self._forget(rid, sub, None)
                 raise
-            # The record is written while the fan-out plans (hashes, store lookups); the
-            # fan-out waits for it before it records or sends anything.
-            created = asyncio.ensure_future(self._create_record(rid, sub, traceparent, ev, timing))
+            fields = _record_fields(sub, traceparent, ev, timing)
+            created: asyncio.Future[bool] | None = None
+            opening: _Opening | None = None
+            if self.fanout.record is not None:
+                # The fan-out makes the record with its own update in it, once it has planned
+                # (one write where the intake's queued and the fan-out's update took two).
+                opening = _Opening(self.status, rid, fields)
+            else:
+                # The record is written while the fan-out plans (hashes, store lookups); the
+                # fan-out waits for it before it sends anything.
+                created = asyncio.ensure_future(self.status.create(rid, fields))
             try:
                 ev.trace.update(current_carrier())  # the request's trace travels with its events
                 stats = await self.fanout.publish(
-                    ev, foreign_labels=sub.foreign_labels, after=created
+                    ev, foreign_labels=sub.foreign_labels, after=created, opening=opening
                 )
             except ValidationError:
                 # Refused by the fan-out's plan, before anything was sent.
-                await self._forget(rid, sub, created)
+                await self._forget(rid, sub, created, opening)
                 raise
             except BaseException as exc:
                 await self._fail(rid, sub, created, exc)
@@ -287,27 +296,6 @@ class Intake:
             if self.fanout.record is None:
                 await self._note_cached(rid, stats)  # else the fan-out's write held them
             return ev, stats
-
-    async def _create_record(
-        self,
-        rid: str,
-        sub: Submission,
-        traceparent: str,
-        ev: RenderEvent,
-        render_timing: dict[str, Any] | None,
-    ) -> bool:
-        fields: dict[str, Any] = {
-            "tenant": sub.tenant,
-            "metadata": sub.metadata,
-            "info": {"trace_id": trace_id_of(traceparent) or ""},
-            "items": _items(ev),
-            "prompt_tokens": len(ev.token_ids),
-        }
-        if sub.front is not None:
-            fields["front"] = sub.front
-        if render_timing is not None:
-            fields["render"] = render_timing
-        return await self.status.create(rid, fields)
 
     async def _render(self, rid: str, sub: Submission) -> tuple[RenderEvent, dict[str, Any]]:
         """The front's render under the concurrency bound, and its timing for the record."""
@@ -336,7 +324,11 @@ class Intake:
             log.warning("request %s: cannot note its cache hits: %r", rid, exc)
 
     async def _forget(
-        self, rid: str, sub: Submission, created: asyncio.Future[bool] | None
+        self,
+        rid: str,
+        sub: Submission,
+        created: asyncio.Future[bool] | None,
+        opening: _Opening | None = None,
     ) -> None:
         """Undo a request that was never enqueued: its record, in-flight slot and key."""
         if created is not None:
@@ -344,17 +336,25 @@ class Intake:
             with contextlib.suppress(Exception):
                 if not created.cancelled() and created.exception() is None and created.result():
                     await self.status.delete(rid)
+        elif opening is not None and opening.made:
+            with contextlib.suppress(Exception):
+                await self.status.delete(rid)
         if self.admission is not None:
             with contextlib.suppress(Exception):
                 await self.admission.release(rid)
         await self._release_claim(sub, rid)
 
     async def _fail(
-        self, rid: str, sub: Submission, created: asyncio.Future[bool], exc: BaseException
+        self,
+        rid: str,
+        sub: Submission,
+        created: asyncio.Future[bool] | None,
+        exc: BaseException,
     ) -> None:
         """Record a request whose fan-out may have begun as ``failed`` (terminal: no worker
         result can override it, and it no longer counts as in flight)."""
-        await _settle(created)
+        if created is not None:
+            await _settle(created)
         why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         failed = ResultEvent(
             rid, "api", "failed", error=ErrorInfo("enqueue_failed", f"enqueue failed: {why}")
@@ -367,6 +367,41 @@ class Intake:
         await self._release_claim(sub, rid)
         if not isinstance(exc, (*OUTAGES, asyncio.CancelledError)):
             log.error("request %s: enqueue failed", rid, exc_info=exc)
+
+
+@dataclass(slots=True)
+class _Opening:
+    """The fan-out's first write, which makes the request's record with the fan-out's update
+    in it (:data:`producers.fanout.OpeningWrite`); ``made`` once it did."""
+
+    status: StatusStore
+    request_id: str
+    fields: dict[str, Any]
+    made: bool = False
+
+    async def __call__(self, update: ResultEvent, first_fields: dict[str, Any]) -> None:
+        await self.status.create(
+            self.request_id, self.fields, first=update, first_fields=first_fields
+        )
+        self.made = True
+
+
+def _record_fields(
+    sub: Submission, traceparent: str, ev: RenderEvent, render_timing: dict[str, Any] | None
+) -> dict[str, Any]:
+    """What the request's record starts with besides its status: owner, labels, items."""
+    fields: dict[str, Any] = {
+        "tenant": sub.tenant,
+        "metadata": sub.metadata,
+        "info": {"trace_id": trace_id_of(traceparent) or ""},
+        "items": _items(ev),
+        "prompt_tokens": len(ev.token_ids),
+    }
+    if sub.front is not None:
+        fields["front"] = sub.front
+    if render_timing is not None:
+        fields["render"] = render_timing
+    return fields
 
 
 def _traceparent(sub: Submission) -> str:

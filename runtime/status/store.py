@@ -22,6 +22,7 @@ notification, so that whoever follows the request looks again and finds it gone)
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -138,6 +139,31 @@ def _one(change: RecordChange, stage: str) -> RecordSteps:
     return steps
 
 
+def _created_then(
+    record: StatusRecord, first: ResultEvent | None, first_fields: dict[str, Any] | None
+) -> RecordSteps:
+    """The steps of a create: ``record`` where there is none, then ``first`` folded in (with
+    ``first_fields`` set), each a step of its own."""
+    change: RecordChange = lambda rec: None  # noqa: E731
+    stage = "api"
+    if first is not None:
+        stage, change = first.stage, functools.partial(fold, ev=first)
+        if first_fields:
+            change = _also_setting(change, first_fields)
+
+    def steps(rec: StatusRecord | None) -> list[tuple[StatusRecord, str]]:
+        out: list[tuple[StatusRecord, str]] = []
+        if rec is None:
+            rec = record
+            out.append((rec, "api"))
+        after = change(rec)
+        if after is not None:
+            out.append((after, stage))
+        return out
+
+    return steps
+
+
 def _entries(old: StatusRecord | None, steps: list[tuple[StatusRecord, str]]) -> list[str]:
     """The status-stream entries of ``steps`` from ``old``: one per status change (or the
     record made), with the stage of the update that made it."""
@@ -216,24 +242,26 @@ class StatusStore:
         text = await self._read(request_id)
         return StatusRecord.from_json(text) if text else None
 
-    async def create(self, request_id: str, fields: dict[str, Any]) -> bool:
+    async def create(
+        self,
+        request_id: str,
+        fields: dict[str, Any],
+        *,
+        first: ResultEvent | None = None,
+        first_fields: dict[str, Any] | None = None,
+    ) -> bool:
         """Create a ``queued`` record carrying ``fields`` (owner, items...); False if it exists.
 
-        The first entry of the event stream is this ``queued`` status. One script run, like
-        any update: it writes only where no record is (its expected text is "none"). It rides
-        out a connection Redis dropped, as updates do.
-        """
-        record = created(request_id, fields)
-        text = record.to_json()
-
-        def make(rec: StatusRecord | None) -> StatusRecord | None:
-            return record if rec is None else None
-
-        if await self._modify(request_id, make, stage="api", absent=True, creates=True):
+        The event stream's first entry is this ``queued``. One script run, like any update
+        (writing only where no record is); it rides out a connection Redis dropped. ``first``
+        (the fan-out's update, with its record ``first_fields``) is folded in by the same run,
+        its own stream entry; a record that exists takes it as any update (True if changed)."""
+        steps = _created_then(created(request_id, fields), first, first_fields)
+        if await self._fold_steps(request_id, steps, absent=True, creates=True):
             return True
         # A connection dropped after the script ran, and the retry found the record: one that
         # holds this very text is ours.
-        return self._known.get(request_id) == text
+        return self._known.get(request_id) == steps(None)[-1][0].to_json()
 
     async def update_fields(self, request_id: str, fields: dict[str, Any]) -> None:
         """Merge top-level ``fields`` into an existing record (no status change); nothing

@@ -169,6 +169,38 @@ async def test_a_wait_until_done_sleeps_through_every_stage_to_the_end(
         await notifier.close()
 
 
+async def test_a_create_with_the_fan_outs_update_writes_both_in_one_run(
+    store: StatusStore,
+) -> None:
+    """The intake's record and the fan-out's first update: one script run, two stream entries
+    (queued, then the update's status, each with its stage), the update's record fields set;
+    a record already there keeps its owner and takes the update as any update would."""
+    client = store.client
+    calls = (await client.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0)
+    update = ResultEvent("c1", "fanout", "prefilling")
+    assert await store.create("c1", {"tenant": "t"}, first=update, first_fields={"cached": ["h"]})
+    after = (await client.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0)
+    if not store.cluster:  # a cluster's INFO is per node
+        assert after - calls == 1
+    rec = await store.get("c1")
+    assert rec is not None and rec.status == "prefilling" and rec.tenant == "t"
+    assert rec.fields["cached"] == ["h"] and "api:queued" in rec.stages
+    events = await store.events("c1")
+    assert [(e["status"], e["stage"]) for _, e in events] == [
+        ("queued", "api"),
+        ("prefilling", "fanout"),
+    ]
+    assert await store.create("c2", {"tenant": "owner"})
+    assert await store.create(
+        "c2", {"tenant": "other"}, first=ResultEvent("c2", "fanout", "encoding")
+    )
+    rec = await store.get("c2")
+    assert rec is not None and rec.tenant == "owner" and rec.status == "encoding"
+    assert not await store.create(
+        "c2", {"tenant": "other"}, first=ResultEvent("c2", "fanout", "encoding")
+    )
+
+
 async def test_an_update_sets_record_fields_in_the_same_write(store: StatusStore) -> None:
     # The fan-out's update carries which items were cache hits: one script run, not two.
     assert await store.create("f1", {"tenant": "t"})
