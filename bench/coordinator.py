@@ -9,8 +9,9 @@ costs. Measured on **both embedded brokers**, one after the other (Apache Kafka 
 is installed; ``EPD_BENCH_BROKERS`` picks them as for ``pipeline``). For each broker the stack
 ``epd stack`` runs is started as processes: the topics, the results, encode, prefill and router
 workers (``epd worker``) and ``epd api``; then requests go through the HTTP API with the Python
-client (``frontend.client.EPDClient``: a multipart submit, then long-polls on
-``GET /v1/requests/{id}?wait=`` until the status is terminal, as a client waits), each a
+client (``frontend.client.EPDClient.run``: a multipart submit that holds the answer until the
+request has finished, ``POST /v1/requests?wait=``; a stack without it answers at once, and the
+client then long-polls ``GET /v1/requests/{id}?wait=`` until the status is terminal), each a
 224x224 PNG (``media.sample_images.synthetic_image``, 1.2 MB of fp32 pixels once rendered:
 claim-checked) and ``MAX_TOKENS`` new tokens, in four cells:
 
@@ -409,10 +410,11 @@ async def drive(client: Any, images: list[bytes], concurrency: int) -> tuple[lis
     async def lane() -> None:
         for png in pending:  # shared: each lane takes the next image
             t0 = time.perf_counter()
-            rid = await client.submit(prompt=PROMPT, images=[png], max_tokens=MAX_TOKENS)
-            st = await client.wait(rid, timeout_s=REQUEST_TIMEOUT_S)
+            st = await client.run(
+                prompt=PROMPT, images=[png], max_tokens=MAX_TOKENS, timeout_s=REQUEST_TIMEOUT_S
+            )
             if st.status != "completed":
-                raise RuntimeError(f"request {rid} ended {st.status}: {st.error}")
+                raise RuntimeError(f"request {st.request_id} ended {st.status}: {st.error}")
             latencies.append(time.perf_counter() - t0)
 
     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
 import httpx
 
@@ -304,6 +304,42 @@ def _submit_parts(
     return {"data": fields, "files": files}
 
 
+class SubmitArgs(TypedDict, total=False):
+    """A request as :meth:`EPDClient.submit` takes it (for :meth:`EPDClient.run`)."""
+
+    prompt: str | None
+    token_ids: Sequence[int] | None
+    images: Sequence[ImageArg]
+    max_tokens: int
+    cache_salt: str | None
+    deadline_s: float | None
+    metadata: Mapping[str, str] | None
+    ignore_eos: bool
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: Sequence[str] | None
+
+
+def _parts_of(a: SubmitArgs) -> dict[str, Any]:
+    """:func:`_submit_parts` of a request given as :class:`SubmitArgs` (submit's defaults)."""
+    sampling = _sampling(
+        a.get("temperature"), a.get("top_p"), a.get("top_k"), a.get("seed"), a.get("stop")
+    )
+    return _submit_parts(
+        a.get("prompt"),
+        a.get("token_ids"),
+        a.get("images", ()),
+        a.get("max_tokens", 16),
+        a.get("cache_salt"),
+        a.get("deadline_s"),
+        a.get("metadata"),
+        a.get("ignore_eos", False),
+        sampling,
+    )
+
+
 def _sampling(
     temperature: float | None,
     top_p: float | None,
@@ -409,6 +445,25 @@ def _submit_call(parts: dict[str, Any], idempotency_key: str | None) -> _Call[st
     return _Call("POST", "/v1/requests", {**parts, "headers": _keyed(idempotency_key)}, _request_id)
 
 
+def _status_or_id(body: Any) -> RequestStatus | str:
+    """A submit's answer: the request's status (it waited) or, accepted only, its id."""
+    return RequestStatus.from_json(body) if "created_at" in body else _request_id(body)
+
+
+def _run_call(
+    parts: dict[str, Any], idempotency_key: str | None, wait_s: float, read_s: float | None
+) -> _Call[RequestStatus | str]:
+    """A submission that holds the answer up to ``wait_s`` until the request has finished."""
+    timeout = httpx.Timeout((read_s or 30.0) + wait_s + 10)
+    kw = {
+        **parts,
+        "headers": _keyed(idempotency_key),
+        "params": {"wait": f"{wait_s:.3f}"},
+        "timeout": timeout,
+    }
+    return _Call("POST", "/v1/requests", kw, _status_or_id)
+
+
 def _submit_vllm_call(
     generate_request: Mapping[str, Any], idempotency_key: str | None
 ) -> _Call[str]:
@@ -473,8 +528,16 @@ class _Wait:
         self.deadline = time.monotonic() + timeout_s
         self.seen: str | None = None
 
-    def poll_s(self) -> float:
-        return max(0.0, min(self.deadline - time.monotonic(), 30.0))
+    def poll_s(self, most_s: float = 30.0) -> float:
+        return max(0.0, min(self.deadline - time.monotonic(), most_s))
+
+    def first(self, answer: RequestStatus | str) -> RequestStatus | None:
+        """The end of a run whose submit answered ``answer`` (None: wait on for it)."""
+        if isinstance(answer, str):
+            self.request_id = answer
+            return None
+        self.request_id = answer.request_id
+        return answer if self.done(answer) else None
 
     def done(self, st: RequestStatus) -> bool:
         """Whether ``st`` ends the wait; TimeoutError once the time is up without it."""
@@ -570,6 +633,29 @@ class EPDClient:
             sampling,
         )
         return await self._send(_submit_call(parts, idempotency_key))
+
+    async def run(
+        self,
+        *,
+        timeout_s: float = 300.0,
+        wait_s: float = 30.0,
+        idempotency_key: str | None = None,
+        **request: Unpack[SubmitArgs],
+    ) -> RequestStatus:
+        """Submit a request (``request``: what :meth:`submit` takes) and wait for its end:
+        one call where it ends within ``wait_s`` (``POST /v1/requests?wait=``, at most the
+        server's ``EPD_API_MAX_WAIT_S``), then long-polls as :meth:`wait` for the rest;
+        TimeoutError after ``timeout_s``."""
+        w = _Wait("", timeout_s)
+        read_s = self._http.timeout.read
+        parts = _parts_of(request)
+        answer = await self._send(_run_call(parts, idempotency_key, w.poll_s(wait_s), read_s))
+        if (st := w.first(answer)) is not None:
+            return st
+        while True:
+            st = await self._send(_status_call(w.request_id, w.poll_s(), w.seen, read_s, True))
+            if w.done(st):
+                return st
 
     async def submit_vllm(
         self, generate_request: Mapping[str, Any], *, idempotency_key: str | None = None
@@ -688,6 +774,26 @@ class SyncEPDClient:
             sampling,
         )
         return self._send(_submit_call(parts, idempotency_key))
+
+    def run(
+        self,
+        *,
+        timeout_s: float = 300.0,
+        wait_s: float = 30.0,
+        idempotency_key: str | None = None,
+        **request: Unpack[SubmitArgs],
+    ) -> RequestStatus:
+        """See :meth:`EPDClient.run`."""
+        w = _Wait("", timeout_s)
+        read_s = self._http.timeout.read
+        parts = _parts_of(request)
+        answer = self._send(_run_call(parts, idempotency_key, w.poll_s(wait_s), read_s))
+        if (st := w.first(answer)) is not None:
+            return st
+        while True:
+            st = self._send(_status_call(w.request_id, w.poll_s(), w.seen, read_s, True))
+            if w.done(st):
+                return st
 
     def submit_vllm(
         self, generate_request: Mapping[str, Any], *, idempotency_key: str | None = None

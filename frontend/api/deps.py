@@ -70,6 +70,26 @@ async def long_poll_wait(
     ] = 0.0,
 ) -> float:
     """``?wait=``, within ``EPD_API_MAX_WAIT_S`` (checked before the record is looked up)."""
+    return _bounded_wait(st, wait)
+
+
+async def submit_wait(
+    st: State,
+    wait: Annotated[
+        float,
+        Query(
+            ge=0,
+            allow_inf_nan=False,
+            description="hold the answer up to this many seconds (at most EPD_API_MAX_WAIT_S) "
+            "until the request has finished: submit and wait in one call",
+        ),
+    ] = 0.0,
+) -> float:
+    """A submit's ``?wait=``, within ``EPD_API_MAX_WAIT_S`` (checked before the body is read)."""
+    return _bounded_wait(st, wait)
+
+
+def _bounded_wait(st: ApiState, wait: float) -> float:
     if wait > st.limits.max_wait_s:
         raise ApiError(
             422,
@@ -82,3 +102,4 @@ async def long_poll_wait(
 
 
 Wait = Annotated[float, Depends(long_poll_wait)]
+SubmitWait = Annotated[float, Depends(submit_wait)]

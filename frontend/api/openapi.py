@@ -24,6 +24,7 @@ from frontend.api.openai_compat.protocol import ChatCompletionRequest, ResponseR
 from frontend.api.protocol import (
     ERROR_RESPONSES,
     Accepted,
+    RequestStatus,
     SubmitRequest,
     VllmGenerateRequest,
     form_schema,
@@ -33,6 +34,8 @@ from frontend.api.submit.reading import JSON, MULTIPART
 from runtime.request_limits import RequestLimits
 
 STATUS_PATH = "/v1/requests/{request_id}"
+WAIT_PARAMS = {(STATUS_PATH, "get", "wait"), ("/v1/requests", "post", "wait")}
+"""The ``?wait=`` query parameters, bounded by ``EPD_API_MAX_WAIT_S``."""
 
 IDEMPOTENCY_PARAM: dict[str, Any] = {
     "name": "Idempotency-Key",
@@ -63,13 +66,29 @@ SUBMIT_RESPONSES = with_errors(
 )
 
 
-def submit_operation(body: dict[str, Any]) -> dict[str, Any]:
+def submit_operation(body: dict[str, Any], *, waits: bool = False) -> dict[str, Any]:
     """The route arguments of a submit route that reads ``body`` itself and answers
-    ``202 Accepted`` (``200`` for a request found again by its ``Idempotency-Key``)."""
+    ``202 Accepted`` (``200`` for a request found again by its ``Idempotency-Key``).
+    ``waits``: the route takes ``?wait=`` and then answers the request's status instead, ``200``
+    once it finished within the wait (``202`` while it still runs)."""
+    if not waits:
+        model: Any = Accepted
+        responses = SUBMIT_RESPONSES
+    else:
+        model = Accepted | RequestStatus
+        responses = with_errors(
+            {
+                200: {
+                    "model": Accepted | RequestStatus,
+                    "description": "with wait: the request finished within it (its status); "
+                    "else seen before (Idempotency-Key)",
+                }
+            }
+        )
     return {
         "status_code": 202,
-        "response_model": Accepted,
-        "responses": SUBMIT_RESPONSES,
+        "response_model": model,
+        "responses": responses,
         "openapi_extra": {"requestBody": body, "parameters": [IDEMPOTENCY_PARAM]},
     }
 
@@ -100,7 +119,7 @@ def document_limits(
 ) -> None:
     """Write the limits (and ``model``, the served model's name) into every request body of
     ``schema`` a model of :data:`REQUEST_MODELS` describes, the ``Idempotency-Key`` headers
-    and the status long-poll's ``wait``."""
+    and the long-polls' ``wait``."""
     ctx = DocContext(limits, model)
     for path, item in schema.get("paths", {}).items():
         for method, op in item.items():
@@ -114,7 +133,7 @@ def document_limits(
             for param in op.get("parameters", []):
                 if param.get("name") == "Idempotency-Key":
                     param["schema"] = {**param["schema"], "maxLength": limits.max_id_chars}
-                if (path, method, param.get("name")) == (STATUS_PATH, "get", "wait"):
+                if (path, method, param.get("name")) in WAIT_PARAMS:
                     param["schema"]["maximum"] = limits.max_wait_s
     hoist_defs(schema)
 

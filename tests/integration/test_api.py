@@ -188,6 +188,57 @@ async def test_client_async_and_sync_and_cli_give_the_monolithic_tokens(
             assert proc.returncode == 1 and "cancel.terminal" in err.decode()
 
 
+async def test_submit_and_wait_in_one_call_answers_the_finished_status(
+    stack: ApiStack, http: httpx.AsyncClient, bundle: Any
+) -> None:
+    """``POST /v1/requests?wait=S``: the answer is held until the request has finished (200,
+    its status and tokens, the monolithic model's); one that outlasts the wait is answered
+    202 with its status so far (the request runs on); a wait over EPD_API_MAX_WAIT_S is
+    refused before the body is read; ``EPDClient.run`` (async and sync) is the one call."""
+    from frontend.client import EPDClient, SyncEPDClient
+
+    img = png_bytes(synthetic_image(70, 84, seed=241))
+    prompt = "Waited <image>"
+    expected = await asyncio.to_thread(oracle, bundle, prompt, [img], 5)
+    body = {"prompt": prompt, "images": [data_url(img)], "max_tokens": 5, "cache_salt": salt()}
+    done = await http.post("/v1/requests", json=body, params={"wait": 60})
+    assert done.status_code == 200, done.text
+    view = done.json()
+    assert view["status"] == "completed" and view["result"]["token_ids"] == expected
+    assert done.headers["location"] == f"/v1/requests/{view['request_id']}"
+
+    slow = {**body, "max_tokens": 200, "ignore_eos": True, "cache_salt": salt()}
+    running = await http.post("/v1/requests", json=slow, params={"wait": 0.01})
+    assert running.status_code == 202, running.text
+    assert running.json()["status"] not in TERMINAL and "created_at" in running.json()
+    assert (await wait_terminal(stack, http, running.json()["request_id"]))["status"] == (
+        "completed"
+    )
+
+    over = await http.post(
+        "/v1/requests", json=body, params={"wait": stack.settings.api_max_wait_s + 1}
+    )
+    assert over.status_code == 422 and over.json()["error"]["rule"] == "request.wait"
+
+    async with EPDClient(stack.api.url, token="alice-token") as client:
+        st = await client.run(prompt=prompt, images=[img], max_tokens=5, timeout_s=120)
+        assert st.status == "completed" and st.result is not None
+        assert st.result.token_ids == expected
+        # a wait shorter than the request: the client long-polls the rest
+        st = await client.run(
+            prompt=prompt, images=[img], max_tokens=200, ignore_eos=True, wait_s=0.01
+        )
+        assert st.status == "completed" and st.result is not None
+        assert len(st.result.token_ids) == 200
+
+    def sync_run() -> Any:
+        with SyncEPDClient(stack.api.url, token="alice-token") as c:
+            return c.run(prompt=prompt, images=[img], max_tokens=5, timeout_s=120)
+
+    st2 = await asyncio.to_thread(sync_run)
+    assert st2.status == "completed" and st2.result.token_ids == expected
+
+
 async def test_idempotency_key_same_body_one_request_other_body_409(
     stack: ApiStack, http: httpx.AsyncClient
 ) -> None:

@@ -8,12 +8,20 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from frontend.api.cancels import cancel_owned
-from frontend.api.deps import OwnedRecord, State, Tenant, Wait, check_owner, owned_record
+from frontend.api.deps import (
+    OwnedRecord,
+    State,
+    SubmitWait,
+    Tenant,
+    Wait,
+    check_owner,
+    owned_record,
+)
 from frontend.api.errors import bad_request
 from frontend.api.events import SSE_EVENT_SCHEMA, event_stream, is_stream_id, record_gone
 from frontend.api.openapi import SUBMIT_BODY, submit_operation, with_errors
 from frontend.api.protocol import ERROR_RESPONSES, RequestStatus
-from frontend.api.submit import accepted_response, submit_body
+from frontend.api.submit import accepted_response, status_url, submit_body
 from frontend.api.submit.native import NativeDoor
 from frontend.api.views import status_view
 from schemas.statuses import Status
@@ -23,11 +31,23 @@ router = APIRouter(prefix="/v1", tags=["requests"])
 
 @router.post(
     "/requests",
-    **submit_operation(SUBMIT_BODY),
-    summary="Submit a request (render + enqueue); answers 202 without waiting for a GPU",
+    **submit_operation(SUBMIT_BODY, waits=True),
+    summary="Submit a request (render + enqueue); answers 202 without waiting for a GPU, or "
+    "with ?wait=SECONDS its status once it has finished (submit and wait in one call)",
 )
-async def submit(request: Request, st: State, tenant: Tenant) -> JSONResponse:
-    return accepted_response((await submit_body(request, st, tenant, NativeDoor(st))).accepted)
+async def submit(request: Request, st: State, tenant: Tenant, wait: SubmitWait) -> JSONResponse:
+    accepted = (await submit_body(request, st, tenant, NativeDoor(st))).accepted
+    if wait <= 0:
+        return accepted_response(accepted)
+    # The request runs whatever happens to this call; the wait only holds the answer.
+    rec = await st.notifier.wait_change(accepted.request_id, None, wait, until_done=True)
+    if rec is None:
+        return accepted_response(accepted)  # its record went meanwhile (an operator, its TTL)
+    return JSONResponse(
+        status_view(rec),
+        status_code=200 if rec.terminal else 202,
+        headers={"Location": status_url(accepted.request_id)},
+    )
 
 
 @router.get(

@@ -110,9 +110,14 @@ async def submit_body(
     return Submitted(accepted, inp)
 
 
+def status_url(request_id: str) -> str:
+    """Where a request's status is read (its ``Location``)."""
+    return f"{API_PREFIX}/requests/{request_id}"
+
+
 def accepted_response(accepted: Accepted) -> JSONResponse:
     """``202`` for a new request, ``200`` for one found again by its Idempotency-Key."""
-    url = f"{API_PREFIX}/requests/{accepted.request_id}"
+    url = status_url(accepted.request_id)
     body = {
         "request_id": accepted.request_id,
         "status": accepted.status,
