@@ -8,6 +8,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -70,6 +71,42 @@ async def test_redis_down_is_503_and_open_api_is_announced(
             assert ready.status_code == 503 and ready.json()["checks"]["redis"] != "ok"
             assert (await c.get("/healthz")).status_code == 200
     assert "API is OPEN" in caplog.text
+
+
+async def test_redis_lost_during_a_submits_wait_answers_accepted_not_503(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A submit with ``?wait=`` was accepted, and Redis goes while it waits (no workers here,
+    so it would wait): the answer is the plain 202 Accepted, never a 503, which a client
+    would retry as a refusal and so enqueue the request twice."""
+    from epd import services
+
+    redis_rec = services.start_redis(
+        tmp_path, f"redis://127.0.0.1:{free_port()}/0", log_dir=tmp_path, tie_to_parent=True
+    )
+    own = settings.model_copy(
+        update={
+            "redis_url": redis_rec.address,
+            "api_tokens": None,
+            "topic_prefix": f"degraded-wait-{free_port()}",
+        }
+    )
+    try:
+        async with in_process(own) as c:
+            for _ in range(100):
+                if c._transport.app.state.api.kafka_ready.is_set():  # type: ignore[attr-defined]
+                    break
+                await asyncio.sleep(0.1)
+            body = {"prompt": "hi", "max_tokens": 1}
+            waiting = asyncio.create_task(c.post("/v1/requests", json=body, params={"wait": 20}))
+            await asyncio.sleep(1.5)  # accepted, and waiting for an end that will not come
+            assert not waiting.done()
+            services.stop_records([redis_rec])
+            r = await asyncio.wait_for(waiting, 15)
+    finally:
+        services.stop_records([redis_rec])
+    assert r.status_code == 202, r.text
+    assert r.json()["status"] in {"queued", "prefilling"} and "status_url" in r.json()
 
 
 async def test_kafka_down_is_503_until_it_connects(settings: Settings) -> None:

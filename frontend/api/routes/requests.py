@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from redis.exceptions import RedisError
 
 from frontend.api.cancels import cancel_owned
 from frontend.api.deps import (
@@ -26,6 +28,8 @@ from frontend.api.submit.native import NativeDoor
 from frontend.api.views import status_view
 from schemas.statuses import Status
 
+log = logging.getLogger("epd.api")
+
 router = APIRouter(prefix="/v1", tags=["requests"])
 
 
@@ -40,7 +44,13 @@ async def submit(request: Request, st: State, tenant: Tenant, wait: SubmitWait) 
     if wait <= 0:
         return accepted_response(accepted)
     # The request runs whatever happens to this call; the wait only holds the answer.
-    rec = await st.notifier.wait_change(accepted.request_id, None, wait, until_done=True)
+    try:
+        rec = await st.notifier.wait_change(accepted.request_id, None, wait, until_done=True)
+    except (RedisError, OSError) as exc:
+        # The request is in: an outage during the wait answers what a submit without one
+        # would, never a 503 (which a client retries as a refusal: a second request).
+        log.warning("request %s: its wait ended early (%r)", accepted.request_id, exc)
+        return accepted_response(accepted)
     if rec is None:
         return accepted_response(accepted)  # its record went meanwhile (an operator, its TTL)
     return JSONResponse(
