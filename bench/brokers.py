@@ -96,9 +96,10 @@ def _one_broker(
     from runtime.settings import Settings
 
     env = services.services_env(services.ServiceRecord("kafka", "", False), "", kind)
-    fetch_wait = int(
-        env.get("EPD_KAFKA_IDLE_FETCH_MAX_WAIT_MS", Settings().kafka_idle_fetch_max_wait_ms)
-    )
+    # What a stack of this broker runs with: its env lines, else the setting's own default
+    # (not this process's environment, which a test run for the other broker may have set).
+    default_wait = Settings.model_fields["kafka_idle_fetch_max_wait_ms"].default
+    fetch_wait = int(env.get("EPD_KAFKA_IDLE_FETCH_MAX_WAIT_MS", default_wait))
     times: list[float] = []
     rec = None
     for i in range(starts):
