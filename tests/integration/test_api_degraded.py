@@ -74,23 +74,22 @@ async def test_redis_down_is_503_and_open_api_is_announced(
 
 
 async def test_redis_lost_during_a_submits_wait_answers_accepted_not_503(
-    settings: Settings, tmp_path: Path
+    topic_settings: Settings, tmp_path: Path
 ) -> None:
     """A submit with ``?wait=`` was accepted, and Redis goes while it waits (no workers here,
     so it would wait): the answer is the plain 202 Accepted, never a 503, which a client
     would retry as a refusal and so enqueue the request twice."""
+    import redis.asyncio as aioredis
+
     from epd import services
 
     redis_rec = services.start_redis(
         tmp_path, f"redis://127.0.0.1:{free_port()}/0", log_dir=tmp_path, tie_to_parent=True
     )
-    own = settings.model_copy(
-        update={
-            "redis_url": redis_rec.address,
-            "api_tokens": None,
-            "topic_prefix": f"degraded-wait-{free_port()}",
-        }
-    )
+    # The topics exist (topic_settings): the submit is accepted, then waits for an end that
+    # no worker brings.
+    own = topic_settings.model_copy(update={"redis_url": redis_rec.address, "api_tokens": None})
+    watcher = aioredis.Redis.from_url(redis_rec.address)
     try:
         async with in_process(own) as c:
             for _ in range(100):
@@ -98,12 +97,20 @@ async def test_redis_lost_during_a_submits_wait_answers_accepted_not_503(
                     break
                 await asyncio.sleep(0.1)
             body = {"prompt": "hi", "max_tokens": 1}
-            waiting = asyncio.create_task(c.post("/v1/requests", json=body, params={"wait": 20}))
-            await asyncio.sleep(1.5)  # accepted, and waiting for an end that will not come
+            waiting = asyncio.create_task(c.post("/v1/requests", json=body, params={"wait": 60}))
+            pattern = f"{own.topic_prefix}:status:*"
+            for _ in range(300):  # accepted: its record is written
+                if [k async for k in watcher.scan_iter(pattern)]:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the submit was never accepted")
+            await asyncio.sleep(0.3)  # now in its wait
             assert not waiting.done()
             services.stop_records([redis_rec])
-            r = await asyncio.wait_for(waiting, 15)
+            r = await asyncio.wait_for(waiting, 30)
     finally:
+        await watcher.aclose()
         services.stop_records([redis_rec])
     assert r.status_code == 202, r.text
     assert r.json()["status"] in {"queued", "prefilling"} and "status_url" in r.json()
