@@ -6,7 +6,7 @@ a thread hop (and its locks) per dependency per request for work of a few micros
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -57,34 +57,33 @@ def check_owner(rec: StatusRecord | None, request_id: str, tenant: str | None) -
 OwnedRecord = Annotated[StatusRecord, Depends(owned_record)]
 
 
-async def long_poll_wait(
-    st: State,
-    wait: Annotated[
-        float,
-        Query(
-            ge=0,
-            allow_inf_nan=False,
-            description="long-poll up to this many seconds (at most EPD_API_MAX_WAIT_S) until "
-            "the status changes",
-        ),
-    ] = 0.0,
-) -> float:
+def _wait_query(what: str) -> Any:
+    """The ``?wait=`` query parameter: seconds, at least 0 (the top is checked by the route's
+    dependency, against ``EPD_API_MAX_WAIT_S``)."""
+    return Query(ge=0, allow_inf_nan=False, description=what)
+
+
+LongPollSeconds = Annotated[
+    float,
+    _wait_query(
+        "long-poll up to this many seconds (at most EPD_API_MAX_WAIT_S) until the status changes"
+    ),
+]
+SubmitWaitSeconds = Annotated[
+    float,
+    _wait_query(
+        "hold the answer up to this many seconds (at most EPD_API_MAX_WAIT_S) until the "
+        "request has finished: submit and wait in one call"
+    ),
+]
+
+
+async def long_poll_wait(st: State, wait: LongPollSeconds = 0.0) -> float:
     """``?wait=``, within ``EPD_API_MAX_WAIT_S`` (checked before the record is looked up)."""
     return _bounded_wait(st, wait)
 
 
-async def submit_wait(
-    st: State,
-    wait: Annotated[
-        float,
-        Query(
-            ge=0,
-            allow_inf_nan=False,
-            description="hold the answer up to this many seconds (at most EPD_API_MAX_WAIT_S) "
-            "until the request has finished: submit and wait in one call",
-        ),
-    ] = 0.0,
-) -> float:
+async def submit_wait(st: State, wait: SubmitWaitSeconds = 0.0) -> float:
     """A submit's ``?wait=``, within ``EPD_API_MAX_WAIT_S`` (checked before the body is read)."""
     return _bounded_wait(st, wait)
 
