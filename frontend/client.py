@@ -529,7 +529,11 @@ class _Wait:
         self.seen: str | None = None
 
     def poll_s(self, most_s: float = 30.0) -> float:
-        return max(0.0, min(self.deadline - time.monotonic(), most_s))
+        return min(self.left_s(), most_s)
+
+    def left_s(self) -> float:
+        """Seconds left before the caller's timeout (0 once it has passed)."""
+        return max(0.0, self.deadline - time.monotonic())
 
     def first(self, answer: RequestStatus | str) -> RequestStatus | None:
         """The end of a run whose submit answered ``answer`` (None: wait on for it)."""
@@ -652,10 +656,7 @@ class EPDClient:
         answer = await self._send(_run_call(parts, idempotency_key, w.poll_s(wait_s), read_s))
         if (st := w.first(answer)) is not None:
             return st
-        while True:
-            st = await self._send(_status_call(w.request_id, w.poll_s(), w.seen, read_s, True))
-            if w.done(st):
-                return st
+        return await self.wait(w.request_id, timeout_s=w.left_s())
 
     async def submit_vllm(
         self, generate_request: Mapping[str, Any], *, idempotency_key: str | None = None
@@ -790,10 +791,7 @@ class SyncEPDClient:
         answer = self._send(_run_call(parts, idempotency_key, w.poll_s(wait_s), read_s))
         if (st := w.first(answer)) is not None:
             return st
-        while True:
-            st = self._send(_status_call(w.request_id, w.poll_s(), w.seen, read_s, True))
-            if w.done(st):
-                return st
+        return self.wait(w.request_id, timeout_s=w.left_s())
 
     def submit_vllm(
         self, generate_request: Mapping[str, Any], *, idempotency_key: str | None = None
