@@ -219,6 +219,10 @@ async def test_submit_and_wait_in_one_call_answers_the_finished_status(
         "/v1/requests", json=body, params={"wait": stack.settings.api_max_wait_s + 1}
     )
     assert over.status_code == 422 and over.json()["error"]["rule"] == "request.wait"
+    for bad in ("-1", "nan", "inf", "soon"):  # refused as the parameter, nothing enqueued
+        refused = await http.post("/v1/requests", json=body, params={"wait": bad})
+        assert refused.status_code == 422, (bad, refused.text)
+        assert refused.json()["error"]["field"] == "wait", (bad, refused.text)
 
     async with EPDClient(stack.api.url, token="alice-token") as client:
         st = await client.run(prompt=prompt, images=[img], max_tokens=5, timeout_s=120)
