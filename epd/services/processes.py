@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
+import select
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,29 +59,89 @@ def wait_until(check: Callable[[], bool], timeout_s: float, *, alive: Callable[[
 # ---------------------------------------------------------------- processes
 
 
-def _pdeathsig_term() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: deliver SIGTERM to the child when the process that started it dies."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+# Why a launcher and not ``preexec_fn``: Python code between fork and exec can deadlock in a
+# process with threads (a lock another thread held at the fork stays held in the child), and then
+# ``Popen`` waits on the child for ever. A test worker starts services mid-session, beside its
+# event loop's and Kafka clients' threads, so the tie is made by a fresh, single-threaded Python
+# that execs the command in its own place (same pid) once it is tied.
+_TIED_LAUNCHER = """\
+import ctypes, os, signal, sys
+parent, ready, cmd = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
+except Exception:
+    pass
+if os.getppid() != parent:
+    sys.exit(1)  # the starter died before the tie held: nobody is left to stop the command
+os.set_inheritable(ready, False)  # exec closes it: the starter reads end-of-file
+try:
+    os.execvp(cmd[0], cmd)
+except OSError as exc:
+    os.write(ready, f"{exc.errno} {exc.strerror}".encode())
+    sys.exit(127)
+"""
+EXEC_TIMEOUT_S = 30.0
+"""How long a tied child may take to reach its command's exec."""
+
+
+def _awaiting_exec(read_fd: int, proc: subprocess.Popen[bytes], program: str) -> None:
+    """Block until the launcher has exec'd ``program`` (end-of-file on ``read_fd``); raise
+    ``OSError`` as ``Popen`` would when the exec failed or the launcher never got there."""
+    deadline = time.monotonic() + EXEC_TIMEOUT_S
+    failure = b""
+    while (left := deadline - time.monotonic()) > 0:
+        if select.select([read_fd], [], [], left)[0]:
+            chunk = os.read(read_fd, 512)
+            if not chunk:
+                break
+            failure += chunk
+    else:
+        proc.kill()
+        proc.wait()
+        raise OSError(f"{program}: not started within {EXEC_TIMEOUT_S:.0f} s")
+    if failure:
+        errno_text, _, reason = failure.decode(errors="replace").partition(" ")
+        proc.wait()
+        number = int(errno_text) if errno_text.isdigit() else 0
+        raise OSError(number, reason or "the launcher exited before exec", program)
+
+
+def _launch_tied(cmd: list[str]) -> tuple[list[str], int, int]:
+    """The launcher's command line for ``cmd`` and the pipe it reports its exec on."""
+    read_fd, write_fd = os.pipe()
+    launcher = [sys.executable, "-I", "-S", "-c", _TIED_LAUNCHER, str(os.getpid()), str(write_fd)]
+    return [*launcher, *cmd], read_fd, write_fd
 
 
 def spawn(cmd: list[str], log: Path, *, cwd: Path, tie_to_parent: bool) -> subprocess.Popen[bytes]:
-    """Start ``cmd`` in its own session with stdin closed and output appended to ``log``."""
+    """Start ``cmd`` in its own session with stdin closed and output appended to ``log``;
+    ``tie_to_parent``: it gets SIGTERM when the thread that started it dies (Linux)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LISTENER_", "ADVERTISED_"))}
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=cwd,
-            env=env,
-            close_fds=True,
-            start_new_session=True,  # a Ctrl-C aimed at the caller's terminal does not reach it
-            preexec_fn=_pdeathsig_term if tie_to_parent and os.name == "posix" else None,
-        )
+    tied = tie_to_parent and os.name == "posix"
+    argv, read_fd, write_fd = _launch_tied(cmd) if tied else (cmd, -1, -1)
+    try:
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+                env=env,
+                close_fds=True,
+                pass_fds=(write_fd,) if tied else (),
+                start_new_session=True,  # a Ctrl-C aimed at the caller's terminal does not reach it
+            )
+        if tied:
+            os.close(write_fd)
+            write_fd = -1
+            _awaiting_exec(read_fd, proc, cmd[0])
+    finally:
+        for fd in (read_fd, write_fd):
+            if fd >= 0:
+                os.close(fd)
+    return proc
 
 
 def pid_alive(pid: int | None, command: list[str] | None = None) -> bool:
