@@ -35,6 +35,7 @@ from PIL import Image
 
 from media.image_decoder import DecodeTimedOut, ImageDecoder
 from media.image_loading import ImageInput, ImageLimits, load_image
+from media.image_pixels import ImagePixels
 from media.image_structure import StructureLimits
 from media.pictures import to_rgb as to_rgb  # re-exported: part of this module's API
 from media.video import VideoInput, VideoLimits
@@ -159,6 +160,8 @@ class Renderer:
             self.info.fingerprint, self.info.image_processor.to_dict()
         )
         self.tokens = PromptTokens(self.info)
+        # The processor's numbers by a table (media.image_pixels), or the processor itself.
+        self.pixels = ImagePixels.for_processor(self.info.image_processor)
         self.processed = ProcessedImages(cache_bytes)
 
     @classmethod
@@ -201,6 +204,8 @@ class Renderer:
     def process_image(self, img: Image.Image, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Processor output for one image: ``pixel_values (patches, dim)``, grid ``(3,)`` int64."""
         try:
+            if self.pixels is not None and img.mode == "RGB":
+                return self.pixels(img)
             out = self.info.image_processor(images=[img], return_tensors="pt")
         except ValueError as e:  # e.g. aspect ratio above 200
             raise RenderError(
