@@ -68,17 +68,27 @@ class ItemEmbedding:
         return self.length if self.embed_mask is None else int(self.embed_mask.sum())
 
 
+def grid_values(grid_thw: torch.Tensor | Sequence[int]) -> tuple[int, int, int]:
+    """A grid's ``(t, h, w)`` as ints; accepts (3,) or (1, 3). Python ints, not tensor ops:
+    each tensor op costs tens of microseconds, several per item on every request."""
+    if isinstance(grid_thw, torch.Tensor):
+        flat = grid_thw.reshape(-1).tolist()
+    else:
+        flat = torch.as_tensor(grid_thw, dtype=torch.int64).reshape(-1).tolist()
+    if len(flat) != 3 or not all(isinstance(v, int) and v > 0 for v in flat):
+        raise ComputeError(f"grid_thw must be three positive ints (t, h, w), got {flat}")
+    t, h, w = flat
+    return t, h, w
+
+
 def grid_row(grid_thw: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """A grid as a (3,) int64 CPU tensor; accepts (3,) or (1, 3)."""
-    g = torch.as_tensor(grid_thw, dtype=torch.int64).reshape(-1)
-    if g.numel() != 3 or bool((g <= 0).any()):
-        raise ComputeError(f"grid_thw must be three positive ints (t, h, w), got {g.tolist()}")
-    return g.cpu()
+    return torch.tensor(grid_values(grid_thw), dtype=torch.int64)
 
 
 def tokens_for_grid(grid_thw: torch.Tensor | Sequence[int], merge_size: int) -> int:
     """Embedding rows (= placeholder tokens) one item yields: t*h*w / merge²."""
-    t, h, w = grid_row(grid_thw).tolist()
+    t, h, w = grid_values(grid_thw)
     if h % merge_size or w % merge_size:
         raise ComputeError(f"grid h/w {h}x{w} not divisible by merge size {merge_size}")
     return t * h * w // (merge_size * merge_size)
@@ -134,11 +144,11 @@ def encoder_rows(
     """The merged rows the vision tower yields for each item, once each item's pixel rows are
     checked against its grid."""
     for i, (pv, g) in enumerate(items):
-        patches = int(grid_row(g).prod())
+        patches = math.prod(grid_values(g))
         if pv.ndim != 2 or pv.shape[0] != patches:
             raise ComputeError(
                 f"item {i}: pixel_values shape {tuple(pv.shape)} does not match grid "
-                f"{grid_row(g).tolist()} ({patches} patches)"
+                f"{list(grid_values(g))} ({patches} patches)"
             )
     return [tokens_for_grid(g, bundle.merge_size) for _, g in items]
 
@@ -274,7 +284,7 @@ def _check_items(
         if count != want:
             raise ComputeError(
                 f"item {idx}: placeholder holds {count} embedding positions, {want} implied by "
-                f"grid {grid_row(it.grid_thw).tolist()}"
+                f"grid {list(grid_values(it.grid_thw))}"
             )
         if tuple(it.embeds.shape) != (count, hidden):
             raise ComputeError(
@@ -315,7 +325,7 @@ def _check_pads(
     if it.modality != "video" or not bundle.family.video_timestamps:
         return
     mask = torch.ones(it.length, dtype=torch.bool) if it.embed_mask is None else it.embed_mask
-    t, h, w = grid_row(it.grid_thw).tolist()
+    t, h, w = grid_values(it.grid_thw)
     per_row = h * w // bundle.merge_size**2
     # Runs of embedding positions: where the mask switches on.
     starts = int(mask[0]) + int((mask[1:] & ~mask[:-1]).sum())

@@ -63,7 +63,9 @@ class ImagePixels:
             min_pixels=self.min_pixels,
             max_pixels=self.max_pixels,
         )
-        resized = np.asarray(image.resize((width, height), resample=self.resample))
+        if image.size != (width, height):
+            image = image.resize((width, height), resample=self.resample)
+        resized = np.asarray(image)  # PIL's resize to the same size is a copy
         values = np.empty((CHANNELS, height, width), dtype=np.float32)
         for channel in range(CHANNELS):
             np.take(self.table[channel], resized[:, :, channel], out=values[channel])
