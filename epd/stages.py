@@ -117,12 +117,20 @@ class StageContext:
         bundle = await asyncio.to_thread(
             load_model, self.settings.model, device=self.settings.device, weights=weights
         )
+        from runtime.torch_threads import apply_torch_threads
+        from schemas.families import INSTANT_SPEC
+
+        computes = weights and self.settings.model != INSTANT_SPEC
+        threads = apply_torch_threads(
+            self.settings, model_on_cpu=computes and bundle.device.type == "cpu"
+        )
         log.info(
-            "%s: model %s fingerprint %s on %s",
+            "%s: model %s fingerprint %s on %s, %d torch thread(s)",
             self.worker_id,
             self.settings.model,
             bundle.fingerprint,
             bundle.device,
+            threads,
         )
         return bundle
 

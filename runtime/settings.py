@@ -415,6 +415,14 @@ class Settings(BaseSettings):
     log_format: Literal["json", "text"] = Field(
         "json", description="worker log lines: JSON objects (with request_id and trace_id) or text"
     )
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch's CPU threads in each worker and the API; unset: 1 in a process "
+        "that runs no model on the CPU (the API; a worker on a GPU or with the instant engine: "
+        "idle OpenMP threads spin after each op), torch's default (a thread per core) where a "
+        "model computes on the CPU",
+    )
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         "auto",
         description="the event loop of workers and the API: uvloop (libuv, C: a fraction of "
