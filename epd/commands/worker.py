@@ -125,12 +125,16 @@ def run(args: argparse.Namespace) -> int:
         start_http_server(args.metrics_port, addr=args.metrics_host)
     if args.exit_with_parent is not None:
         _exit_with_parent(args.exit_with_parent)
-    ready = None
-    if args.ready_file is not None:
-        ready_file: Path = args.ready_file
+    ready_file: Path | None = args.ready_file
+    if ready_file is not None:
         ready_file.unlink(missing_ok=True)
 
-        async def ready() -> None:
+    async def ready() -> None:
+        from runtime.heap import freeze_startup_heap
+
+        # Started: the model, the clients and the loop live as long as the process.
+        freeze_startup_heap()
+        if ready_file is not None:
             await asyncio.to_thread(ready_file.write_text, f"{os.getpid()}\n")
 
     event_loop.run(run_worker(args.kind, settings, ready=ready), settings.event_loop)
