@@ -37,6 +37,11 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 """The directory holding the ``producers`` package, put on the child's path."""
 
 
+READ_LIMIT = 1 << 22
+"""The answer stream's buffer: asyncio's default (64 KiB) pauses the pipe several times for
+one image's pixels."""
+
+
 class DecodeTimedOut(Exception):
     """The image was still decoding when its time ran out (its process was killed)."""
 
@@ -58,6 +63,7 @@ class _Child:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             env=env,
+            limit=READ_LIMIT,
         )
         return cls(proc)
 
