@@ -275,3 +275,21 @@ def test_api_statuses_are_the_pipelines_statuses() -> None:
     from schemas.types import STATUSES
 
     assert set(get_args(Status)) == set(STATUSES)
+
+
+def test_a_forms_image_files_weigh_a_share_toward_the_thread_hop_its_strings_whole() -> None:
+    from frontend.api.submit.reading import FILE_WALK_SHARE, OFF_LOOP_BYTES
+
+    door = native.NativeDoor(st=None)  # type: ignore[arg-type]  # work_bytes reads no state
+    photo = png_bytes(synthetic_image(224, 224, seed=2))
+    as_text = base64.b64encode(photo).decode()
+    assert OFF_LOOP_BYTES < len(photo) < OFF_LOOP_BYTES * FILE_WALK_SHARE
+    form = native.NativeBody(fields={"prompt": "x"}, images=[photo])
+    # A 224² file is walked on the loop; the same image as a string is decoded in a thread.
+    assert door.work_bytes(form, len(photo) + 200) == len(photo) // FILE_WALK_SHARE
+    assert door.work_bytes(form, len(photo) + 200) <= OFF_LOOP_BYTES
+    strings = native.NativeBody(fields={"prompt": "x"}, images=[as_text, photo])
+    assert door.work_bytes(strings, 0) == len(as_text) + len(photo) // FILE_WALK_SHARE
+    assert door.work_bytes(strings, 0) > OFF_LOOP_BYTES
+    json_body = native.NativeBody(fields={"prompt": "x", "images": [as_text]})
+    assert door.work_bytes(json_body, 123_456) == 123_456  # a JSON body: all of it

@@ -68,6 +68,11 @@ class Door(Protocol[P, C, I]):
 
     async def parse(self, request: Request, ctype: str, body: bytes) -> P: ...
 
+    def work_bytes(self, parsed: P, body_bytes: int) -> int:
+        """What the check and media phases cost, in bytes of text to decode: the measure
+        :func:`~frontend.api.submit.reading.off_the_loop` weighs a thread hop against."""
+        ...
+
     def check(self, parsed: P) -> C: ...
 
     def media(self, checked: C) -> I: ...
@@ -99,6 +104,7 @@ async def submit_body(
         with answered():
             parsed = await door.parse(request, ctype, body)
             del body  # the parse holds what the render needs
+            size = door.work_bytes(parsed, size)
             checked = await off_the_loop(size, door.check, parsed, slot=slot)
             inp = await off_the_loop(size, door.media, checked, slot=slot)
         sub = door.submission(inp, tenant, SubmitHeaders.of(request))

@@ -25,7 +25,13 @@ from frontend.api.protocol import SubmitRequest
 from frontend.api.submit import SubmitHeaders
 from frontend.api.submit.json_text import parse_json, refuse_long_text
 from frontend.api.submit.media import check_image_bytes, decode_image_string, decode_videos
-from frontend.api.submit.reading import JSON, MULTIPART, off_the_loop, replayed
+from frontend.api.submit.reading import (
+    FILE_WALK_SHARE,
+    JSON,
+    MULTIPART,
+    off_the_loop,
+    replayed,
+)
 from media.image_structure import StructureLimits
 from producers.intake import RenderContext, Submission
 from runtime.request_limits import RequestLimits
@@ -224,6 +230,16 @@ class NativeDoor:
                 len(body), json_fields, body, st.limits, slot=st.bodies.parsing
             )
         return await form_fields(request, body, st.limits, st.settings)
+
+    def work_bytes(self, parsed: NativeBody, body_bytes: int) -> int:
+        """A JSON body's bytes; a form's image strings, and its image files at a share
+        (:data:`~frontend.api.submit.reading.FILE_WALK_SHARE`): only their structure is
+        walked."""
+        if parsed.images is None:
+            return body_bytes
+        strings = sum(len(i) for i in parsed.images if isinstance(i, str))
+        files = sum(len(i) for i in parsed.images if isinstance(i, bytes))
+        return strings + files // FILE_WALK_SHARE
 
     def check(self, parsed: NativeBody) -> CheckedBody:
         return checked(parsed, self.st.limits)

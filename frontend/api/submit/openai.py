@@ -160,6 +160,10 @@ class ConversationDoor:
         st = self.st
         return await off_the_loop(len(body), json_object, body, st.limits, slot=st.bodies.parsing)
 
+    def work_bytes(self, parsed: dict[str, Any], body_bytes: int) -> int:
+        """The body's bytes: a JSON body, decoded whole."""
+        return body_bytes
+
     def check(self, obj: dict[str, Any]) -> Conversation:
         st = self.st
         d = Deployment(st.limits, st.settings, st.media, takes_video(st), st.chat.control_tokens)

@@ -239,6 +239,11 @@ def _body_too_large(size: int, limit: int) -> ApiError:
 
 OFF_LOOP_BYTES = 64 * 1024
 """Bodies above this are parsed in a worker thread (JSON, base64, msgpack of megabytes)."""
+FILE_WALK_SHARE = 8
+"""An image file part counts an eighth of its bytes toward :data:`OFF_LOOP_BYTES`: its checks
+walk its structure (a progressive JPEG's markers, some 0.3 us a KB; a PNG's chunks, less),
+where a string is decoded whole. A 224² PNG is checked on the loop, not after two thread hops
+that cost more than the check."""
 
 
 async def off_the_loop(

@@ -59,6 +59,10 @@ class VllmDoor:
         depth = st.limits.max_json_depth
         return await off_the_loop(len(body), parse_json, body, depth, slot=st.bodies.parsing)
 
+    def work_bytes(self, parsed: Any, body_bytes: int) -> int:
+        """The body's bytes: a JSON body, decoded whole."""
+        return body_bytes
+
     def check(self, obj: Any) -> VllmChecked:
         return VllmChecked(obj, door_checks(self.st, obj))
 
