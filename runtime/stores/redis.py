@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _OWN_PARAMS = ("key_prefix", "channel")
-_WIRE_PARAMS = frozenset({"socket_timeout", "socket_connect_timeout"})
+_WIRE_PARAMS = frozenset({"socket_timeout", "socket_connect_timeout", "max_connections"})
 """redis-py options the wire path honours too; a URL with any other option stays on redis-py."""
 _UNAVAILABLE = (rexc.ConnectionError, rexc.TimeoutError, OSError)
 _POOL_WAIT_S = 30.0
@@ -228,6 +228,7 @@ def _wire_pool(url: str, connect_timeout_s: float) -> wire.WirePool | None:
         password=unquote(parts.password) if parts.password is not None else None,
         connect_timeout_s=connect if connect is not None else connect_timeout_s,
         timeout_s=_seconds(query, "socket_timeout"),
+        max_connections=int(query.get("max_connections") or wire.MAX_CONNECTIONS),
     )
 
 

@@ -87,6 +87,8 @@ class _WireRoutes:
         self.connect_timeout_s = connect_timeout_s
         timeout = parsed.option("socket_timeout")
         self.timeout_s = float(timeout) if timeout not in (None, "", "None") else None
+        # Per master, as the cluster client's own pools are bound.
+        self.max_connections = int(parsed.option("max_connections", "64") or 64)
         self._pools: dict[str, wire.WirePool] = {}
 
     async def pool(self, rkey: bytes) -> wire.WirePool | None:
@@ -105,6 +107,7 @@ class _WireRoutes:
                 password=self.parsed.password,
                 connect_timeout_s=self.connect_timeout_s,
                 timeout_s=self.timeout_s,
+                max_connections=self.max_connections,
             )
         return found
 

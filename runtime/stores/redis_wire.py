@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -52,6 +53,11 @@ _HEADER_MAX = 16
 """Longest bulk header taken here: ``$``, 13 digits, CRLF (values under 10 TB); a longer one goes
 to hiredis, which rejects what cannot be a length."""
 _MAX_IDLE = 16  # idle connections kept per pool; more concurrent callers open extra ones
+MAX_CONNECTIONS = 50
+"""Connections a pool holds at once per event loop by default (redis-py's blocking pool's
+default, which the store's redis-py path uses): beyond them a command waits for one."""
+POOL_WAIT_S = 30.0
+"""Longest a command waits for a free connection before the pool's ``ConnectionError``."""
 
 
 _ERROR_PREFIXES: dict[str, type[RedisError]] = {
@@ -235,11 +241,25 @@ class WirePool:
         password: str | None = None,
         connect_timeout_s: float | None = 5.0,
         timeout_s: float | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        pool_wait_s: float = POOL_WAIT_S,
     ) -> None:
+        """``max_connections``: commands in flight at once on one event loop (each holds a
+        connection); more wait up to ``pool_wait_s`` for one, as redis-py's blocking pool
+        waits, so a burst cannot open connections without bound (Redis's ``maxclients``)."""
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
         self.host, self.port, self.db = host, port, db
         self._username, self._password = username, password
         self._connect_timeout_s = connect_timeout_s
         self._timeout_s = timeout_s
+        self.max_connections = max_connections
+        self._pool_wait_s = pool_wait_s
+        # One bound per event loop: an asyncio.Semaphore belongs to the loop that first waits on
+        # it, and a pool may serve several loops one after another (connections too are per loop).
+        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+            weakref.WeakKeyDictionary()
+        )
         self._idle: list[WireConnection] = []
         self.opened = 0
         """Connections opened so far (tests use it to see reuse)."""
@@ -288,8 +308,31 @@ class WirePool:
             await conn.replies(1)
 
     async def run(self, op: Callable[[WireConnection], Awaitable[T]]) -> T:
-        """Run ``op`` on a connection of this loop; see the module docstring for failures."""
+        """Run ``op`` on a connection of this loop, once one of :attr:`max_connections` is
+        free; see the module docstring for failures."""
         loop = asyncio.get_running_loop()
+        slots = self._slots.get(loop)
+        if slots is None:
+            slots = self._slots[loop] = asyncio.Semaphore(self.max_connections)
+        if slots.locked():
+            try:
+                async with asyncio.timeout(self._pool_wait_s):
+                    await slots.acquire()
+            except TimeoutError:
+                raise RedisConnectionError(
+                    f"no free connection to {self.host}:{self.port} within "
+                    f"{self._pool_wait_s:g} s ({self.max_connections} in use)"
+                ) from None
+        else:
+            await slots.acquire()
+        try:
+            return await self._run(loop, op)
+        finally:
+            slots.release()
+
+    async def _run(
+        self, loop: asyncio.AbstractEventLoop, op: Callable[[WireConnection], Awaitable[T]]
+    ) -> T:
         for attempt in (0, 1):
             conn = self._take(loop)
             reused = conn is not None

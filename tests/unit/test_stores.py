@@ -537,6 +537,57 @@ async def test_redis_wire_drops_every_idle_connection_once_one_is_found_dead(
     assert pool.opened == opened + 1
 
 
+async def test_redis_wire_holds_a_burst_to_its_connection_bound(
+    redis_pair: tuple[RedisStore, aioredis.Redis, str],
+) -> None:
+    """A burst of commands beyond ``max_connections`` waits for a free connection, as redis-py's
+    blocking pool does, instead of opening one each (Redis's ``maxclients``)."""
+    _, _, prefix = redis_pair
+    store = RedisStore(f"{REDIS_BASE}?key_prefix={prefix}&max_connections=3")
+    pool = store.wire_pool
+    assert pool is not None and pool.max_connections == 3
+    busy = 0
+    most = 0
+
+    async def slow(conn: object) -> None:
+        nonlocal busy, most
+        busy += 1
+        most = max(most, busy)
+        await asyncio.sleep(0.02)
+        busy -= 1
+
+    try:
+        await asyncio.gather(*(pool.run(slow) for _ in range(20)))
+        assert most == 3 and pool.opened == 3
+        await store.put("k", torch.arange(4))
+        values = await asyncio.gather(*(store.get("k") for _ in range(40)))
+        assert all(_eq(v, torch.arange(4)) for v in values)
+        assert pool.opened == 3
+    finally:
+        await store.close()
+
+
+async def test_redis_wire_waits_for_a_connection_only_so_long(
+    redis_pair: tuple[RedisStore, aioredis.Redis, str],
+) -> None:
+    pool = wire.WirePool("127.0.0.1", 6379, max_connections=1, pool_wait_s=0.1)
+    hold = asyncio.Event()
+
+    async def park(conn: object) -> None:
+        await hold.wait()
+
+    parked = asyncio.create_task(pool.run(park))
+    await asyncio.sleep(0.05)
+    with pytest.raises(rexc.ConnectionError, match="no free connection"):
+        await pool.run(park)
+    hold.set()
+    await parked
+    await pool.run(park)  # the slot came back
+    pool.close()
+    with pytest.raises(ValueError, match="max_connections"):
+        wire.WirePool("127.0.0.1", 6379, max_connections=0)
+
+
 async def test_redis_error_reply_is_redis_pys_error_on_both_paths(
     redis_pair: tuple[RedisStore, aioredis.Redis, str],
 ) -> None:
