@@ -45,9 +45,13 @@ class ImagePixels:
 
     @classmethod
     def for_processor(cls, processor: Any) -> ImagePixels | None:
-        """The table path for ``processor``, or ``None`` where it would not match it."""
-        pixels = cls._from_config(processor)
-        if pixels is None or not pixels._agrees_with(processor):
+        """The table path for ``processor``, or ``None`` where it would not match it (or
+        where building or probing it fails: the processor then serves, as before)."""
+        try:
+            pixels = cls._from_config(processor)
+            if pixels is None or not pixels._agrees_with(processor):
+                return None
+        except Exception:  # a processor unlike the one this path was written against
             return None
         return pixels
 

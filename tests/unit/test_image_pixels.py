@@ -117,3 +117,11 @@ def test_the_renderer_serves_the_processors_numbers_either_way() -> None:
     renderer.pixels = None  # the processor itself
     got, grid = renderer.process_image(image)
     assert torch.equal(got, want) and grid.tolist() == want_grid
+
+
+def test_a_processor_the_table_cannot_be_built_from_gets_none() -> None:
+    class Broken(Qwen2VLImageProcessorPil):
+        def normalize(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("a release whose normalize takes other arguments")
+
+    assert ImagePixels.for_processor(Broken(**tiny_image_processor().to_dict())) is None
