@@ -71,11 +71,11 @@ class ItemEmbedding:
 def grid_values(grid_thw: torch.Tensor | Sequence[int]) -> tuple[int, int, int]:
     """A grid's ``(t, h, w)`` as ints; accepts (3,) or (1, 3). Python ints, not tensor ops:
     each tensor op costs tens of microseconds, several per item on every request."""
-    if isinstance(grid_thw, torch.Tensor):
-        flat = grid_thw.reshape(-1).tolist()
+    if isinstance(grid_thw, torch.Tensor) and grid_thw.dtype == torch.int64:
+        flat = grid_thw.reshape(-1).tolist()  # the usual grid: no conversion
     else:
         flat = torch.as_tensor(grid_thw, dtype=torch.int64).reshape(-1).tolist()
-    if len(flat) != 3 or not all(isinstance(v, int) and v > 0 for v in flat):
+    if len(flat) != 3 or not all(v > 0 for v in flat):
         raise ComputeError(f"grid_thw must be three positive ints (t, h, w), got {flat}")
     t, h, w = flat
     return t, h, w
