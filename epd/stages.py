@@ -117,20 +117,15 @@ class StageContext:
         bundle = await asyncio.to_thread(
             load_model, self.settings.model, device=self.settings.device, weights=weights
         )
-        from runtime.torch_threads import apply_torch_threads
-        from schemas.families import INSTANT_SPEC
+        import torch
 
-        computes = weights and self.settings.model != INSTANT_SPEC
-        threads = apply_torch_threads(
-            self.settings, model_on_cpu=computes and bundle.device.type == "cpu"
-        )
         log.info(
             "%s: model %s fingerprint %s on %s, %d torch thread(s)",
             self.worker_id,
             self.settings.model,
             bundle.fingerprint,
             bundle.device,
-            threads,
+            torch.get_num_threads(),
         )
         return bundle
 
@@ -265,6 +260,9 @@ class Stage:
     """Stage name on the ``rejected``/``failed`` status of a dead-lettered request; None: none."""
     uses_model: bool = True
     """Whether the stage loads the model (or its render info): checked at start-up."""
+    computes: bool = True
+    """Whether the stage runs the model (encode, prefill, decode): its process's torch threads
+    follow where the model computes (``runtime.torch_threads``)."""
     makes_records: bool = False
     """Whether the stage is a request's entry point, whose first status write makes the
     record (the router, for an external renderer's request); every other stage only updates
@@ -312,6 +310,7 @@ STAGES: dict[str, Stage] = {
             _build_results,
             report_as=None,
             uses_model=False,
+            computes=False,
             fetch_wait_ms=lambda s: s.results_fetch_max_wait_ms,
             fetch_min_bytes=lambda s: s.results_fetch_min_bytes,
             skips_recorded=True,
@@ -321,6 +320,7 @@ STAGES: dict[str, Stage] = {
             "fan RenderEvents from external renderers out to encode and prefill",
             _build_router,
             report_as="fanout",
+            computes=False,
             makes_records=True,
             wire_tensors=True,
         ),

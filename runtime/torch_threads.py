@@ -12,6 +12,7 @@ CPU keeps torch's default, which its matmuls need.
 from __future__ import annotations
 
 from runtime.settings import Settings
+from schemas.families import INSTANT_SPEC
 
 
 def torch_threads(settings: Settings, *, model_on_cpu: bool) -> int | None:
@@ -19,6 +20,16 @@ def torch_threads(settings: Settings, *, model_on_cpu: bool) -> int | None:
     if settings.torch_threads is not None:
         return settings.torch_threads
     return None if model_on_cpu else 1
+
+
+def computes_on_cpu(settings: Settings) -> bool:
+    """Whether a worker's model computes on the CPU: a model with weights (not the instant
+    engine, not vLLM instances that hold them) on a CPU device (``EPD_DEVICE``)."""
+    if settings.model == INSTANT_SPEC or settings.engine == "vllm":
+        return False
+    from runtime.model import resolve_device
+
+    return resolve_device(settings.device).type == "cpu"
 
 
 def apply_torch_threads(settings: Settings, *, model_on_cpu: bool) -> int:

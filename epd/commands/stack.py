@@ -109,7 +109,7 @@ def _stack_settings(args: argparse.Namespace) -> Any:
 
 async def _serve(args: argparse.Namespace, settings: Any, log_dir: Path) -> int:
     from epd.local_pipeline import WorkerProcesses, worker_env
-    from frontend.api import create_app
+    from frontend.api import process_app
     from runtime.kafka import ensure_topics
     from schemas.topics import Topics
 
@@ -119,7 +119,7 @@ async def _serve(args: argparse.Namespace, settings: Any, log_dir: Path) -> int:
     try:
         say(f"started {', '.join(STACK_WORKERS)} workers; waiting for them to hold partitions")
         await workers.wait_ready()
-        server = _Server(_uvicorn_config(args, create_app(settings)))
+        server = _Server(_uvicorn_config(args, process_app(settings)))
         url = f"http://{args.host}:{args.port}"
         announce = asyncio.create_task(_announce_when_ready(url, server))
         async with _supervised(workers, settings):

@@ -115,6 +115,11 @@ def run(args: argparse.Namespace) -> int:
 
         # Refuse an unsupported model family before joining any group (ModelLoadError: exit 2).
         model_family(settings.model)
+    if STAGES[args.kind].computes:
+        from runtime.torch_threads import apply_torch_threads, computes_on_cpu
+
+        # Here, at the process's entry: the count is process-wide.
+        apply_torch_threads(settings, model_on_cpu=computes_on_cpu(settings))
     from runtime import event_loop
     from runtime.logs import configure_logging
 

@@ -94,7 +94,6 @@ class ApiState:
         do: the fan-out signs every embedding entry with it, and tenant salts derive from it."""
         from runtime.model import load_render_info
         from runtime.stores import open_store
-        from runtime.torch_threads import apply_torch_threads
 
         settings.require_signing("api")
         tenants = Tenants(settings.api_tenants(), secret=settings.secret_bytes())
@@ -104,7 +103,6 @@ class ApiState:
         client = redis_client(settings, socket_connect_timeout=2.0, socket_timeout=10.0)
         status = StatusStore.for_settings(client, settings)
         info = await asyncio.to_thread(load_render_info, settings.model)
-        apply_torch_threads(settings, model_on_cpu=False)  # the API runs no model
         store = open_store(settings.embedding_store_url)
         publisher = KafkaPublisher.for_pipeline(settings, topics)
         lag = LagMonitor(settings, topics)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from runtime.settings import Settings
-from runtime.torch_threads import torch_threads
+from runtime.torch_threads import computes_on_cpu, torch_threads
 
 
 def test_a_process_without_cpu_model_compute_gets_one_thread() -> None:
@@ -44,3 +44,32 @@ def test_apply_sets_the_processs_threads() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     ).stdout.split("\n")
     assert out[:3] == ["1 1", "1", "2"]
+
+
+def test_only_a_model_with_weights_on_a_cpu_computes_on_the_cpu() -> None:
+    assert computes_on_cpu(Settings(model="tiny", device="cpu"))
+    assert not computes_on_cpu(Settings(model="instant", device="cpu"))
+    assert not computes_on_cpu(Settings(model="tiny", device="cpu", engine="vllm"))
+
+
+def test_only_the_stages_that_run_the_model_set_threads() -> None:
+    from epd.stages import STAGES
+
+    assert {k for k, s in STAGES.items() if s.computes} == {"encode", "prefill", "decode"}
+
+
+def test_a_process_serving_the_api_takes_one_thread_a_test_app_leaves_it() -> None:
+    code = (
+        "import torch\n"
+        "from frontend.api import create_app, process_app\n"
+        "from runtime.settings import Settings\n"
+        "torch.set_num_threads(2)\n"
+        "create_app(Settings())\n"
+        "print(torch.get_num_threads())\n"
+        "process_app(Settings())\n"
+        "print(torch.get_num_threads())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
+    assert out == ["2", "1"]
