@@ -37,12 +37,15 @@ class InsecureSettings(SystemExit):
     traceback."""
 
 
-def _cluster_url_checked(url: str) -> str:
-    """``url`` unchanged; a ``redis+cluster://`` one must name its seeds as HOST:PORT."""
+def _redis_url_checked(url: str) -> str:
+    """``url`` unchanged; a ``redis+cluster://`` one must name its seeds as HOST:PORT, and any
+    one's numeric options (``max_connections``, the socket timeouts) must be numbers."""
     from runtime.redis.cluster import ClusterURL, is_cluster_url
+    from runtime.stores.url_options import check_store_options
 
     if url and is_cluster_url(url):
         ClusterURL.parse(url)  # ValueError says which seed or part is wrong
+    check_store_options(url)  # ValueError names the option
     return url
 
 
@@ -614,14 +617,14 @@ class Settings(BaseSettings):
         if url and scheme not in defaults.STORE_SCHEMES:
             known = ", ".join(f"{s}://" for s in defaults.STORE_SCHEMES)
             raise ValueError(f"unknown embedding store scheme {scheme!r} (known: {known})")
-        return _cluster_url_checked(url)
+        return _redis_url_checked(url)
 
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, url: str) -> str:
         if urlsplit(url).scheme not in REDIS_SCHEMES:
             raise ValueError(f"a Redis URL must start with {', '.join(REDIS_SCHEMES)}://")
-        return _cluster_url_checked(url)
+        return _redis_url_checked(url)
 
     @field_validator("kafka_bootstrap")
     @classmethod

@@ -30,6 +30,8 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException
 
+from runtime.stores.url_options import SECONDS, url_seconds
+
 SCHEME = "redis+cluster"
 DEFAULT_PORT = 6379
 IDENTITY_OPTIONS = ("key_prefix",)
@@ -149,10 +151,11 @@ def cluster_client(
     URL options ``socket_timeout`` and ``socket_connect_timeout`` (seconds) are applied too.
     """
     parsed = url if isinstance(url, ClusterURL) else ClusterURL.parse(url)
-    for name in ("socket_timeout", "socket_connect_timeout"):
-        raw = parsed.option(name)
-        if raw not in (None, ""):
-            options[name] = float(str(raw))  # the URL's own, as redis-py's from_url does
+    url_options = dict(parsed.options)
+    for name in SECONDS:
+        seconds = url_seconds(url_options, name)
+        if seconds is not None:
+            options[name] = seconds  # the URL's own, as redis-py's from_url does
     return BoundedRedisCluster(
         startup_nodes=[ClusterNode(h, p) for h, p in parsed.seeds],
         username=parsed.username,

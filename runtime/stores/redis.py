@@ -59,6 +59,7 @@ from runtime.stores.base import (
     tensor_view,
 )
 from runtime.stores.errors import StoreError, StoreKeyMissing, StoreTimeout, StoreUnavailable
+from runtime.stores.url_options import url_count, url_seconds
 from schemas.keys import store_ready_channel
 
 if TYPE_CHECKING:
@@ -205,11 +206,6 @@ def _px(ttl_s: float | None) -> int | None:
     return None if ttl_s is None else max(1, int(ttl_s * 1000))
 
 
-def _seconds(query: dict[str, str], name: str) -> float | None:
-    raw = query.get(name)
-    return float(raw) if raw not in (None, "", "None") else None
-
-
 def _wire_pool(url: str, connect_timeout_s: float) -> wire.WirePool | None:
     """A wire pool for ``url`` when the wire path can serve it exactly, else None."""
     parts = urlsplit(url)
@@ -219,7 +215,7 @@ def _wire_pool(url: str, connect_timeout_s: float) -> wire.WirePool | None:
     db_text = (parts.path or "/0").strip("/") or "0"
     if not db_text.isdigit():
         return None  # let redis-py report it
-    connect = _seconds(query, "socket_connect_timeout")
+    connect = url_seconds(query, "socket_connect_timeout")
     return wire.WirePool(
         parts.hostname or "localhost",
         parts.port or 6379,
@@ -227,8 +223,8 @@ def _wire_pool(url: str, connect_timeout_s: float) -> wire.WirePool | None:
         username=unquote(parts.username) if parts.username else None,
         password=unquote(parts.password) if parts.password is not None else None,
         connect_timeout_s=connect if connect is not None else connect_timeout_s,
-        timeout_s=_seconds(query, "socket_timeout"),
-        max_connections=int(query.get("max_connections") or wire.MAX_CONNECTIONS),
+        timeout_s=url_seconds(query, "socket_timeout"),
+        max_connections=url_count(query, "max_connections", wire.MAX_CONNECTIONS),
     )
 
 

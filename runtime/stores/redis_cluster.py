@@ -52,6 +52,7 @@ from runtime.stores.base import (
     tensor_view,
 )
 from runtime.stores.errors import StoreError, StoreKeyMissing, StoreTimeout, StoreUnavailable
+from runtime.stores.url_options import url_count, url_seconds
 from schemas.keys import store_ready_slot_channel
 
 if TYPE_CHECKING:
@@ -85,10 +86,10 @@ class _WireRoutes:
         self.client = client
         self.parsed = parsed
         self.connect_timeout_s = connect_timeout_s
-        timeout = parsed.option("socket_timeout")
-        self.timeout_s = float(timeout) if timeout not in (None, "", "None") else None
+        options = dict(parsed.options)
+        self.timeout_s = url_seconds(options, "socket_timeout")
         # Per master, as the cluster client's own pools are bound.
-        self.max_connections = int(parsed.option("max_connections", "64") or 64)
+        self.max_connections = url_count(options, "max_connections", 64)
         self._pools: dict[str, wire.WirePool] = {}
 
     async def pool(self, rkey: bytes) -> wire.WirePool | None:
@@ -137,7 +138,7 @@ class RedisClusterStore(EmbeddingStore):
         self._channel = parsed.option("channel", "epd:store:ready") or "epd:store:ready"
         self._client = cluster_client(
             parsed,
-            max_connections=int(parsed.option("max_connections", "64") or 64),
+            max_connections=url_count(dict(parsed.options), "max_connections", 64),
             socket_connect_timeout=socket_connect_timeout_s,
             decode_responses=False,
         )

@@ -113,3 +113,27 @@ def test_describe_never_shows_a_secret_in_clear() -> None:
     text = json.dumps(s.describe())
     assert "hunter2" not in text
     assert s.describe()["ec_secret"].startswith("sha256:")
+
+
+@pytest.mark.parametrize(
+    ("field", "url", "option"),
+    [
+        ("store_url", "redis://127.0.0.1:6379/0?max_connections=abc", "max_connections"),
+        ("store_url", "redis://127.0.0.1:6379/0?max_connections=0", "max_connections"),
+        ("store_url", "redis://127.0.0.1:6379/0?socket_timeout=soon", "socket_timeout"),
+        ("store_url", "redis+cluster://h1:7000,h2:7001?max_connections=-3", "max_connections"),
+        ("redis_url", "redis://127.0.0.1:6379/0?socket_connect_timeout=inf", "socket_connect"),
+        ("redis_url", "redis+cluster://h1:7000?socket_timeout=nan", "socket_timeout"),
+    ],
+)
+def test_a_redis_url_whose_numeric_option_would_not_apply_is_refused_naming_it(
+    field: str, url: str, option: str
+) -> None:
+    with pytest.raises(ValueError, match=f"store URL option {option}") as info:
+        Settings(**{field: url})
+    assert field in str(info.value)
+
+
+def test_a_redis_urls_numeric_options_that_apply_are_kept() -> None:
+    url = "redis://127.0.0.1:6379/0?max_connections=5&socket_timeout=2.5"
+    assert Settings(store_url=url).store_url == url
