@@ -52,7 +52,7 @@ def test_prepare_fetches_the_wheels_dry_runs_the_device_step_and_prints_the_call
     )  # fmt: skip
     if done.returncode == 3 and "pip download could not fetch" in done.stderr:
         pytest.skip(f"no package registry reachable: {done.stderr.strip()[-500:]}")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]  # stdout: pytest's tail
     call = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
     assert call["command"] == "bash bench/gpu_device.sh run" and len(call["command"]) <= 2000
     assert call["carry"] == [str(wheels)] and 0 < call["timeout_s"] <= 600

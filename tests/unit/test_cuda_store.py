@@ -131,8 +131,9 @@ async def test_index_holds_explicit_records(cpu_store: CudaStore) -> None:
 
 async def test_slots_are_freed_after_expiry_delete_and_overwrite(cpu_store: CudaStore) -> None:
     mib = torch.zeros(1 << 18, dtype=torch.float32)  # 1 MiB: one whole chunk
-    # Long enough that "a" is still live at the "full" put below on a loaded machine.
-    await cpu_store.put("a", mib, ttl_s=0.5)
+    # Long enough that "a" is still live at the "full" put below on a loaded machine (a CI
+    # host running the suite on every core can stall this task for a good part of a second).
+    await cpu_store.put("a", mib, ttl_s=2.0)
     await cpu_store.put("b", mib)
     assert cpu_store.stats()["chunks"] == 2
     with pytest.raises(StoreUnavailable, match="full"):  # max_mb=2, and both are live
@@ -241,8 +242,10 @@ async def test_sweep_looks_up_only_the_due_entries(
 
 async def test_sweep_follows_touches(counted_store: tuple[CudaStore, list[str]]) -> None:
     store, asked = counted_store
+    # The TTL outlasts any stall between the puts and the touches on a loaded host: a touch
+    # that came after the expiry would find nothing to extend.
     for k in ("mine", "theirs", "gone"):
-        await store.put(k, torch.ones(4), ttl_s=0.05)
+        await store.put(k, torch.ones(4), ttl_s=1.0)
     await store.touch("mine", 600)  # through this handle: next look-up at the new expiry
     await store._index.touch("theirs", 600)  # another process: found live when due
     await _until_due(store, ["gone"])
