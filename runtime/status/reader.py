@@ -52,14 +52,17 @@ class RequestReader:
 
     def __init__(self, status: StatusStore) -> None:
         self.status = status
+        # Judged once: an isinstance against redis-py's cluster class goes through typing's
+        # protocol check (its command mixins are Protocols), too slow for every read.
+        self._cluster = status.client if isinstance(status.client, RedisCluster) else None
         self._replicas_seen: set[str] = set()
         self._primary_since: dict[str, int] = {}
 
     async def __call__(self, request_id: str, since: bool = False) -> RequestState | None:
         """The request's state (with ``records_since_ms`` when ``since``: two more round
         trips), or None when Redis cannot be read (the caller cannot tell)."""
-        if isinstance(self.status.client, RedisCluster):
-            self._observe_roles(self.status.client, int(time.time() * 1000))
+        if self._cluster is not None:
+            self._observe_roles(self._cluster, int(time.time() * 1000))
         try:
             rec = await self.status.get(request_id)
             started = await self._records_since(request_id) if since else None
