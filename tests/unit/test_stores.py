@@ -43,6 +43,10 @@ from runtime.stores.shm import ShmStore, key_filename
 
 REDIS_BASE = "redis://127.0.0.1:6379/14"
 REPO_ROOT = str(Path(__file__).resolve().parents[2])
+SHORT_TTL_S = 1.0
+"""A TTL that must outlast the next few commands (a touch, a read) even on a host so loaded
+that a task stalls for a good part of a second, and still expire within the test."""
+
 KINDS = ["redis", "redis-py", "cluster", "shm", "local", "cuda-cpu"] + (
     ["cuda"] if torch.cuda.is_available() else []
 )
@@ -680,7 +684,7 @@ async def test_shm_cached_mapping_never_serves_a_replaced_value(
 
 async def test_shm_cached_mapping_expires(shm_pair: tuple[ShmStore, ShmStore]) -> None:
     writer, reader = shm_pair
-    await writer.put("short", torch.ones(4), ttl_s=0.05)
+    await writer.put("short", torch.ones(4), ttl_s=SHORT_TTL_S)
     assert _eq(await reader.get("short"), torch.ones(4))
     assert reader.cached_mappings == 1
     for _ in range(400):
@@ -732,8 +736,8 @@ async def _until_gone(store: EmbeddingStore, key: str) -> None:
 
 async def test_touch_extends_a_short_ttl(store: EmbeddingStore) -> None:
     t = TENSORS["bf16"]
-    await store.put("short", t, ttl_s=0.3)
-    await store.put("canary", torch.ones(1), ttl_s=0.3)  # same TTL, not touched
+    await store.put("short", t, ttl_s=SHORT_TTL_S)
+    await store.put("canary", torch.ones(1), ttl_s=SHORT_TTL_S)  # same TTL, not touched
     assert await store.touch("short", 60) is True
     await _until_gone(store, "canary")  # the original TTL has certainly passed now
     assert await store.exists("short")
@@ -743,9 +747,9 @@ async def test_touch_extends_a_short_ttl(store: EmbeddingStore) -> None:
 
 
 async def test_touch_to_no_expiry_and_back(store: EmbeddingStore) -> None:
-    await store.put("k", torch.arange(6), ttl_s=0.3)
+    await store.put("k", torch.arange(6), ttl_s=SHORT_TTL_S)
     assert await store.touch("k", None) is True
-    await store.put("canary", torch.ones(1), ttl_s=0.3)
+    await store.put("canary", torch.ones(1), ttl_s=SHORT_TTL_S)
     await _until_gone(store, "canary")
     assert _eq(await store.get("k"), torch.arange(6))
     assert await store.touch("k", 0.05) is True  # a touch may shorten it, too
@@ -779,11 +783,11 @@ async def test_shm_touch_keeps_held_views_and_refreshes_other_handles(
 ) -> None:
     writer, reader = shm_pair
     value = torch.arange(256, dtype=torch.float32)
-    await writer.put("k", value, ttl_s=0.3)
+    await writer.put("k", value, ttl_s=SHORT_TTL_S)
     held = await reader.get("k")  # a zero-copy view, and a cached mapping in the reader
     assert reader.cached_mappings == 1
     assert await writer.touch("k", 60) is True
-    await writer.put("canary", torch.ones(1), ttl_s=0.3)
+    await writer.put("canary", torch.ones(1), ttl_s=SHORT_TTL_S)
     await _until_gone(reader, "canary")
     # the reader's cached mapping (keyed on the old mtime) must not make it read the old expiry
     assert _eq(await reader.get("k"), value)
