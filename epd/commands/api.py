@@ -69,9 +69,7 @@ class QuietServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def main_loop(self) -> None:
-        from runtime.heap import freeze_startup_heap
-
-        freeze_startup_heap()  # the app is up: what lives now lives as long as the process
+        # (The start-up heap was frozen by the app's lifespan: frontend.api.process_app.)
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         counter = 0
