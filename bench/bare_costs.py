@@ -135,6 +135,49 @@ def wakeup_cpu(n: int) -> dict[str, Any]:
     }
 
 
+async def thread_hop_cpu(n: int) -> dict[str, Any]:
+    """CPU of the event loop handing a call to a thread and getting its result back, in
+    microseconds per round trip: through ``run_in_executor`` on a one-thread pool (what the
+    workers' compute used to hop through) and through a :class:`~runtime.thread_lane.ThreadLane`
+    (what they hop through now), alternated, best of three each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from runtime.thread_lane import ThreadLane
+
+    loop = asyncio.get_running_loop()
+    pool, lane = ThreadPoolExecutor(1), ThreadLane("bench-hop")
+
+    async def through_pool() -> float:
+        t0 = time.process_time()
+        for i in range(n):
+            await loop.run_in_executor(pool, abs, i)
+        return time.process_time() - t0
+
+    async def through_lane() -> float:
+        t0 = time.process_time()
+        for i in range(n):
+            await lane.run(abs, i)
+        return time.process_time() - t0
+
+    pooled: list[float] = []
+    laned: list[float] = []
+    try:
+        await through_pool()  # warm: the threads start
+        await through_lane()
+        for _ in range(3):
+            pooled.append(await through_pool())
+            laned.append(await through_lane())
+    finally:
+        pool.shutdown()
+        lane.shutdown()
+    return {
+        "round_trips": n,
+        "run_in_executor_cpu_us": per_unit(min(pooled), n, scale=1e6),
+        "thread_lane_cpu_us": per_unit(min(laned), n, scale=1e6),
+        "lane_vs_executor": sig(min(laned) / min(pooled)),
+    }
+
+
 async def bare_costs(
     settings: Any, pids: dict[str, int], *, records: int, pings: int
 ) -> dict[str, Any]:
@@ -144,13 +187,15 @@ async def bare_costs(
         "what": "CPU of the bare operations, this machine, this run (not budgets): a Kafka "
         "record produced acks=all and fetched back (client = this process's producer and "
         "consumer), one at a time and 16 in flight; a Redis round trip (EVALSHA of a SET); a "
-        "process waking another and being woken back (a pipe ping-pong)",
+        "process waking another and being woken back (a pipe ping-pong); the event loop "
+        "handing a call to a thread and back (a pool's and a thread lane's)",
         "kafka_hop_one_at_a_time": await kafka_hop_cpu(settings, broker, records, 1),
         "kafka_hop_16_in_flight": await kafka_hop_cpu(settings, broker, records * 4, 16),
         "redis_round_trip": await redis_round_trip_cpu(
             settings.redis_url, pids.get("redis"), pings * 4
         ),
         "process_wakeup_round_trip": await asyncio.to_thread(wakeup_cpu, pings * 10),
+        "thread_hop_round_trip": await thread_hop_cpu(pings * 10),
     }
 
 

@@ -1,8 +1,9 @@
 """Micro-batching of encoder work: concurrent requests share one vision-tower call.
 
 Handlers ``submit`` one item and await its result. A single drain task takes whatever is
-queued (up to a patch budget), runs the compute function once in a worker thread, and resolves
-each item's future with its slice. Nothing here knows about Kafka or models.
+queued (up to a patch budget), runs the compute function once on its thread
+(``runtime.thread_lane``), and resolves each item's future with its slice. Nothing here
+knows about Kafka or models.
 
 Lingering: a batch waits for more items only while a handler has said one is on its way
 (:meth:`MicroBatcher.on_the_way`, e.g. while it fetches the item's inputs), and at most
@@ -15,10 +16,11 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from runtime.thread_lane import ThreadLane
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -43,12 +45,12 @@ class MicroBatcher(Generic[In, Out]):
         *,
         max_cost: int,
         linger_s: float = 0.002,
-        executor: ThreadPoolExecutor | None = None,
+        lane: ThreadLane | None = None,
     ) -> None:
         self._compute = compute
         self._max_cost = max_cost
         self._linger_s = linger_s
-        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="epd-encode")
+        self._lane = lane or ThreadLane("epd-encode")
         self._queue: asyncio.Queue[_Pending[In, Out]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._coming = 0  # items announced by on_the_way and not submitted (or given up) yet
@@ -116,7 +118,6 @@ class MicroBatcher(Generic[In, Out]):
         return batch
 
     async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
         backlog: deque[_Pending[In, Out]] = deque()
         live: list[_Pending[In, Out]] = []
         try:
@@ -126,16 +127,14 @@ class MicroBatcher(Generic[In, Out]):
                 if not live:
                     continue
                 try:
-                    results = await loop.run_in_executor(
-                        self._executor, self._compute, [p.item for p in live]
-                    )
+                    results = await self._lane.run(self._compute, [p.item for p in live])
                 except Exception as exc:
                     if len(live) == 1:
                         _fail(live[0], exc)
                     else:
                         # One bad item must not fail its batch mates: run each on its own.
                         for p in live:
-                            await self._run_alone(loop, p)
+                            await self._run_alone(p)
                     live = []
                     continue
                 self.batches += 1
@@ -149,9 +148,9 @@ class MicroBatcher(Generic[In, Out]):
             for p in [*live, *backlog]:
                 p.future.cancel()
 
-    async def _run_alone(self, loop: asyncio.AbstractEventLoop, p: _Pending[In, Out]) -> None:
+    async def _run_alone(self, p: _Pending[In, Out]) -> None:
         try:
-            (result,) = await loop.run_in_executor(self._executor, self._compute, [p.item])
+            (result,) = await self._lane.run(self._compute, [p.item])
         except Exception as exc:
             _fail(p, exc)
             return
@@ -168,7 +167,7 @@ class MicroBatcher(Generic[In, Out]):
                 await self._task
         while not self._queue.empty():
             self._queue.get_nowait().future.cancel()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._lane.shutdown()
 
 
 def _fail(p: _Pending[In, Out], exc: Exception) -> None:

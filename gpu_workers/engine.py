@@ -37,7 +37,6 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -47,6 +46,7 @@ from transformers import DynamicCache
 from gpu_workers.compute import ItemEmbedding, Prefilled, cache_kwarg, kv_bytes_per_token, prefill
 from gpu_workers.sequence import DecodeState
 from runtime.model import text_config
+from runtime.thread_lane import ThreadLane
 from schemas.errors import ValidationError
 from schemas.statuses import TerminalStatus
 from schemas.types import SamplingParams, now_ms
@@ -158,13 +158,14 @@ class DecodeEngine:
         *,
         max_batch: int,
         kv_budget_bytes: int,
-        executor: ThreadPoolExecutor | None = None,
+        lane: ThreadLane | None = None,
     ) -> None:
         self.bundle = bundle
         self.max_batch = max(1, max_batch)
         self.kv_budget_bytes = kv_budget_bytes
         self.kv_per_token = kv_bytes_per_token(bundle)
-        self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="epd-decode")
+        self.lane = lane or ThreadLane("epd-decode")
+        """The compute thread: every step, and calls between steps (:meth:`call`)."""
         self._text_config = text_config(bundle.config)
         self._bind_model()
         self._rows: list[_Row] = []
@@ -244,7 +245,7 @@ class DecodeEngine:
     async def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the compute thread between two steps (a prefill that is handed off
         rather than decoded here)."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        return await self.lane.run(fn)
 
     @classmethod
     def for_settings(cls, settings: Settings, bundle: ModelBundle) -> DecodeEngine:
@@ -263,7 +264,6 @@ class DecodeEngine:
     # ------------------------------------------------------------------------- the loop
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             if not self._rows and not self._joining:
                 self._wake.clear()
@@ -271,7 +271,7 @@ class DecodeEngine:
                 continue
             joining, self._joining = self._joining, []
             try:
-                report = await loop.run_in_executor(self.executor, self._step, joining)
+                report = await self.lane.run(self._step, joining)
             except Exception as exc:  # a failed batched forward fails the batch, not the worker
                 log.exception("decode step failed; failing the %d sequences in it", self.active)
                 report = _StepReport(failed=[(r.job, exc) for r in self._rows])
@@ -447,7 +447,7 @@ class DecodeEngine:
             if job._future is not None and not job._future.done():
                 job._future.cancel()
         self._rows, self._cache, self._joining = [], None, []
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.lane.shutdown()
 
 
 def _call_back(report: _StepReport) -> None:

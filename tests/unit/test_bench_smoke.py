@@ -334,6 +334,8 @@ def test_coordinator_block(quick_run: tuple[dict[str, Any], Path]) -> None:
         assert one["client_ms"] > 0 and one["broker_ms"] > 0, (name, bare)
         assert batched["client_ms"] > 0 and batched["total_ms"] < one["total_ms"], (name, bare)
         assert bare["redis_round_trip"]["client_ms"] > 0
+        hop = bare["thread_hop_round_trip"]
+        assert hop["thread_lane_cpu_us"] > 0 and hop["run_in_executor_cpu_us"] > 0, hop
         assert set(per["profile"]) == {f"{case}_c{max(CONCURRENCY)}" for case in CASES}
         assert per["rss_mb"]["results"] > 0 and "total" in per["idle_cpu_pct"]
         assert "total" in per["idle_cpu_pct"]["just_after_traffic"]  # the tail, apart
