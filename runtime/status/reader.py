@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -52,17 +53,14 @@ class RequestReader:
 
     def __init__(self, status: StatusStore) -> None:
         self.status = status
-        # Judged once: an isinstance against redis-py's cluster class goes through typing's
-        # protocol check (its command mixins are Protocols), too slow for every read.
-        self._cluster = status.client if isinstance(status.client, RedisCluster) else None
         self._replicas_seen: set[str] = set()
         self._primary_since: dict[str, int] = {}
 
     async def __call__(self, request_id: str, since: bool = False) -> RequestState | None:
         """The request's state (with ``records_since_ms`` when ``since``: two more round
         trips), or None when Redis cannot be read (the caller cannot tell)."""
-        if self._cluster is not None:
-            self._observe_roles(self._cluster, int(time.time() * 1000))
+        if (cluster := self._cluster) is not None:
+            self._observe_roles(cluster, int(time.time() * 1000))
         try:
             rec = await self.status.get(request_id)
             started = await self._records_since(request_id) if since else None
@@ -74,6 +72,14 @@ class RequestReader:
         return RequestState(
             rec.status, rec.encoded_items(), oldest_ms=rec.oldest_ms, records_since_ms=started
         )
+
+    @functools.cached_property
+    def _cluster(self) -> RedisCluster | None:
+        """The status client when it is a cluster's. Judged once: an ``isinstance`` against
+        redis-py's cluster class goes through typing's protocol check (its command mixins are
+        Protocols), too slow for every read."""
+        client = self.status.client
+        return client if isinstance(client, RedisCluster) else None
 
     async def _records_since(self, request_id: str) -> int:
         """Since when the Redis holding the request's record has held what it holds: its start
