@@ -18,6 +18,7 @@ from frontend.api.openai_compat.errors import openai_body, schema_error
 from frontend.api.openai_compat.protocol import ChatCompletionRequest
 from frontend.api.openai_compat.views import (
     chat_completion,
+    created_response_object,
     finish_reason,
     not_completed,
     response_object,
@@ -599,6 +600,21 @@ def test_views_of_a_record() -> None:
     )
     assert not_completed(record("cancelled")).status == 409
     assert not_completed(record("failed", error={"code": "embedding-lost"})).status == 503
+
+
+def test_a_background_create_answers_queued_however_far_the_workers_got() -> None:
+    """A short request can finish before its background create answers: the create still
+    answers it as created (``queued``, nothing of its outcome), and a poll gives the rest."""
+    for status in ("queued", "prefilling", "decoding", "completed", "rejected", "cancelled"):
+        view = created_response_object(
+            record(status, error={"code": "x", "rule": "kv-budget", "message": "m"})
+        )
+        assert view["status"] == "queued" and view["id"] == "resp_abc", (status, view)
+        assert view["output"] == [] and view["output_text"] is None, status
+        assert view["usage"] is None and view["error"] is None, status
+        assert view["incomplete_details"] is None, status
+        assert view["model"] == "tiny" and view["created_at"] == 1_700_000_000
+    assert response_object(record("completed"))["status"] == "completed"  # what a poll says
 
 
 # ----------------------------------------------------------------------- door, event positions

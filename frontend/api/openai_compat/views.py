@@ -149,6 +149,18 @@ def _response_error(rec: StatusRecord, status: str) -> dict[str, str] | None:
     }
 
 
+def created_response_object(rec: StatusRecord) -> dict[str, Any]:
+    """The ``response`` a background create answers: as created, ``queued`` with no output,
+    however far the workers got meanwhile (a short one may have finished before the create
+    answers); the client polls by id for the rest, as with OpenAI's."""
+    view = response_object(rec)
+    view.update(
+        status="queued", output=[], output_text=None, error=None, incomplete_details=None,
+        usage=None,
+    )  # fmt: skip
+    return view
+
+
 RESPONSE_FIXED: dict[str, Any] = {
     "instructions": None,
     "parallel_tool_calls": False,

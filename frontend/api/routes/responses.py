@@ -18,7 +18,11 @@ from frontend.api.openai_compat.openapi import (
     with_openai_errors,
 )
 from frontend.api.openai_compat.outcome import outcome
-from frontend.api.openai_compat.views import RESPONSE_PREFIX, response_object
+from frontend.api.openai_compat.views import (
+    RESPONSE_PREFIX,
+    created_response_object,
+    response_object,
+)
 from frontend.api.submit import submit_body
 from frontend.api.submit.conversation import Conversation, check_response
 from frontend.api.submit.openai import ConversationDoor, front_of
@@ -43,9 +47,8 @@ async def create_response(request: Request, st: State, tenant: Tenant) -> Respon
         rec = await st.status.get(rid)
         if rec is None:
             raise not_found(RESPONSE_PREFIX + rid, what="response", field="response_id")
-        view = response_object(rec)
-        if not accepted.duplicate and view["status"] == "in_progress":
-            view["status"] = "queued"  # as created: the workers may have begun already
+        # A retry of the same create (its idempotency key) answers the response as it stands.
+        view = response_object(rec) if accepted.duplicate else created_response_object(rec)
         return JSONResponse(view)
     keyed = request.headers.get("idempotency-key") is not None
     rec = await outcome(st, request, rid, keyed)
