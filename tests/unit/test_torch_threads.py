@@ -29,8 +29,15 @@ def test_a_count_below_one_is_refused() -> None:
         Settings(torch_threads=0)
 
 
+def _in_child(code: str) -> str:
+    """What ``code`` prints, run in a child: torch's thread count is process-wide, and this
+    test process keeps its own."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+
+
 def test_apply_sets_the_processs_threads() -> None:
-    # In a child: the count is process-wide, and this test process keeps its own.
     code = (
         "import torch\n"
         "from runtime.settings import Settings\n"
@@ -40,10 +47,7 @@ def test_apply_sets_the_processs_threads() -> None:
         "print(apply_torch_threads(Settings(), model_on_cpu=True))\n"
         "print(apply_torch_threads(Settings(torch_threads=2), model_on_cpu=False))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    ).stdout.split("\n")
-    assert out[:3] == ["1 1", "1", "2"]
+    assert _in_child(code).split("\n")[:3] == ["1 1", "1", "2"]
 
 
 def test_only_a_model_with_weights_on_a_cpu_computes_on_the_cpu() -> None:
@@ -69,7 +73,4 @@ def test_a_process_serving_the_api_takes_one_thread_a_test_app_leaves_it() -> No
         "process_app(Settings())\n"
         "print(torch.get_num_threads())\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    ).stdout.split()
-    assert out == ["2", "1"]
+    assert _in_child(code).split() == ["2", "1"]

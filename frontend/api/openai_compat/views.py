@@ -155,9 +155,13 @@ def created_response_object(rec: StatusRecord) -> dict[str, Any]:
     answers); the client polls by id for the rest, as with OpenAI's."""
     view = response_object(rec)
     view.update(
-        status="queued", output=[], output_text=None, error=None, incomplete_details=None,
+        status="queued",
+        output=[],
+        output_text=None,
+        error=None,
+        incomplete_details=None,
         usage=None,
-    )  # fmt: skip
+    )
     return view
 
 
